@@ -1,0 +1,256 @@
+"""Typed reading of HF ``config.json``.
+
+HF configs spell the same thing several ways (``rope_theta`` + ``rope_scaling`` vs the newer
+``rope_parameters``; a ``text_config`` nested in multimodal configs; missing ``head_dim``). This
+module reads them once into attrs records so modules never see raw dicts.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from .errors import ConfigError
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise ConfigError(f"model directory {str(model_dir)!r} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"{path}: missing config.json (is {str(model_dir)!r} a Hugging Face model directory?)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+def text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The language-model part of a config: ``text_config`` when nested, with outer keys as fallback."""
+    inner = raw.get("text_config")
+    if isinstance(inner, dict):
+        merged = {k: v for k, v in raw.items() if k != "text_config"}
+        merged.update(inner)
+        return merged
+    return raw
+
+
+def _get(raw: dict, key: str, default: Any = None, *, required: bool = False, source: str = "config.json") -> Any:
+    if key in raw and raw[key] is not None:
+        return raw[key]
+    if required:
+        raise ConfigError(f"{source}: required key {key!r} is missing")
+    return default
+
+
+@attrs.frozen
+class RopeConfig:
+    """Rotary embedding parameters, normalised from either HF spelling."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    partial_rotary_factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], default_theta: float = 10000.0) -> "RopeConfig":
+        params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        # per-layer-type nesting ({"full_attention": {...}, "sliding_attention": {...}}): take the full one
+        if params and all(isinstance(v, dict) for v in params.values()):
+            params = dict(params.get("full_attention") or next(iter(params.values())))
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type == "su":
+            rope_type = "longrope"
+        if rope_type == "mrope":
+            rope_type = "default"
+        if rope_type not in ROPE_TYPES:
+            raise ConfigError(f"config.json: unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
+        prf = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        omax = raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        if omax is None and rope_type in ("llama3", "yarn", "longrope"):
+            omax = raw.get("max_position_embeddings")
+        factor = params.get("factor")
+        if factor is None:
+            factor = 1.0
+            if rope_type in ("yarn", "longrope") and omax and raw.get("max_position_embeddings"):
+                factor = raw["max_position_embeddings"] / omax
+        if rope_type in ("linear", "dynamic", "yarn", "llama3") and factor < 1.0:
+            raise ConfigError(f"config.json: rope factor must be >= 1 for rope type {rope_type!r}, got {factor}")
+        tup = lambda v: tuple(float(x) for x in v) if v is not None else None  # noqa: E731
+        return cls(
+            theta=float(theta),
+            type=rope_type,
+            factor=float(factor),
+            partial_rotary_factor=float(prf),
+            original_max_position_embeddings=int(omax) if omax else None,
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            attention_factor=params.get("attention_factor"),
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
+            truncate=bool(params.get("truncate", True)),
+            short_factor=tup(params.get("short_factor")),
+            long_factor=tup(params.get("long_factor")),
+        )
+
+    def inv_freq(self, head_dim: int, max_position_embeddings: int, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies (float32, [rotary_dim/2]) and the cos/sin scaling factor.
+
+        ``seq_len`` matters only for ``dynamic`` (NTK) and ``longrope``, which change with the
+        longest position in the current forward pass.
+        """
+        dim = int(head_dim * self.partial_rotary_factor)
+        idx = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        base = self.theta
+        inv = 1.0 / (base**idx)
+        scale = 1.0
+        t = self.type
+        if t == "linear":
+            inv = inv / self.factor
+        elif t == "dynamic":
+            if seq_len is not None and seq_len > max_position_embeddings:
+                b = base * ((self.factor * seq_len / max_position_embeddings) - (self.factor - 1)) ** (dim / (dim - 2))
+                inv = 1.0 / (b**idx)
+        elif t == "llama3":
+            old = self.original_max_position_embeddings or max_position_embeddings
+            low_wl = old / self.low_freq_factor
+            high_wl = old / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > low_wl, inv / self.factor, inv)
+            smooth = (old / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+            inv = torch.where(medium, smoothed, scaled)
+        elif t == "yarn":
+            inv, scale = self._yarn(dim, idx)
+        elif t == "longrope":
+            omax = self.original_max_position_embeddings or max_position_embeddings
+            long = seq_len is not None and seq_len > omax
+            ext = torch.tensor(self.long_factor if long else self.short_factor, dtype=torch.float32)
+            inv = 1.0 / (ext * base**idx)
+            factor = max_position_embeddings / omax
+            if self.attention_factor is not None:
+                scale = float(self.attention_factor)
+            else:
+                scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(omax))
+        return inv, scale
+
+    def _yarn(self, dim: int, idx: torch.Tensor) -> tuple[torch.Tensor, float]:
+        factor = self.factor
+        omax = self.original_max_position_embeddings
+
+        def mscale_of(s: float, m: float = 1.0) -> float:
+            return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+        if self.attention_factor is not None:
+            scale = float(self.attention_factor)
+        elif self.mscale and self.mscale_all_dim:
+            scale = mscale_of(factor, self.mscale) / mscale_of(factor, self.mscale_all_dim)
+        else:
+            scale = mscale_of(factor)
+
+        def corr_dim(rot: float) -> float:
+            return (dim * math.log(omax / (rot * 2 * math.pi))) / (2 * math.log(self.theta))
+
+        low, high = corr_dim(self.beta_fast), corr_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        pos = self.theta**idx
+        extrap_w = 1 - ramp
+        inv = (1.0 / (factor * pos)) * (1 - extrap_w) + (1.0 / pos) * extrap_w
+        return inv, scale
+
+
+@attrs.frozen
+class DecoderConfig:
+    """What a decoder-only transformer needs to know, read from a (text) HF config.
+
+    Family plugins pass overrides for what their HF config spells differently or implies.
+    """
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = attrs.field(factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()
+    torch_dtype: str | None = None
+    architecture: str = ""
+    extra: dict[str, Any] = attrs.field(factory=dict, hash=False)
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], **overrides: Any) -> "DecoderConfig":
+        c = text_config(raw)
+        hidden = int(_get(c, "hidden_size", required=True))
+        heads = int(_get(c, "num_attention_heads", required=True))
+        if hidden <= 0 or heads <= 0:
+            raise ConfigError(f"config.json: hidden_size ({hidden}) and num_attention_heads ({heads}) must be positive")
+        kv = int(_get(c, "num_key_value_heads", heads))
+        if heads % kv:
+            raise ConfigError(f"config.json: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv})")
+        eos = c.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        archs = raw.get("architectures") or [""]
+        values: dict[str, Any] = dict(
+            hidden_size=hidden,
+            num_hidden_layers=int(_get(c, "num_hidden_layers", required=True)),
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            head_dim=int(_get(c, "head_dim", hidden // heads)),
+            intermediate_size=int(_get(c, "intermediate_size", 4 * hidden)),
+            vocab_size=int(_get(c, "vocab_size", required=True)),
+            max_position_embeddings=int(_get(c, "max_position_embeddings", 2048)),
+            rms_norm_eps=float(_get(c, "rms_norm_eps", _get(c, "layer_norm_eps", 1e-6))),
+            rope=RopeConfig.from_hf(c),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", c.get("tie_word_embeddings", False))),
+            attention_bias=bool(_get(c, "attention_bias", False)),
+            mlp_bias=bool(_get(c, "mlp_bias", False)),
+            hidden_act=str(_get(c, "hidden_act", _get(c, "hidden_activation", "silu"))),
+            bos_token_id=c.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            pad_token_id=c.get("pad_token_id"),
+            sliding_window=int(_get(c, "sliding_window", 0) or 0),
+            layer_types=tuple(c.get("layer_types") or ()),
+            torch_dtype=c.get("torch_dtype") or c.get("dtype"),
+            architecture=archs[0],
+            extra=c,
+        )
+        values.update(overrides)
+        return cls(**values)

@@ -1,0 +1,21 @@
+"""Errors that name the problem: the file, tensor, key or value at fault."""
+
+
+class TrellmError(Exception):
+    """Base class of every error trellm raises on bad input."""
+
+
+class ConfigError(TrellmError):
+    """config.json is missing, unreadable, or holds an unsupported value."""
+
+
+class UnknownArchitectureError(TrellmError):
+    """No installed plugin serves the model's architecture."""
+
+
+class WeightError(TrellmError):
+    """A safetensors file is corrupt, or a tensor is missing or wrongly shaped."""
+
+
+class TokenizerError(TrellmError):
+    """Tokenizer files are missing or do not match the model."""

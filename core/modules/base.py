@@ -1,0 +1,56 @@
+"""The Module interface: a named piece of a model that loads its own tensors.
+
+Deliberately not ``torch.nn.Module``: modules hold plain tensors, load themselves from a
+:class:`~trellm.weights.WeightStore` (dense or quantized), and run on a typed
+:class:`~trellm.batch.ForwardBatch`. Children are found from attributes, as in torch.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import attrs
+import torch
+
+from ..weights import WeightStore
+
+
+@attrs.define
+class LoadContext:
+    store: WeightStore
+    device: torch.device
+    dtype: torch.dtype
+    quant_formats: list = attrs.field(factory=list)
+
+
+class Module:
+    key: str = ""
+
+    def children(self) -> Iterator["Module"]:
+        for v in vars(self).values():
+            if isinstance(v, Module):
+                yield v
+            elif isinstance(v, (list, tuple)):
+                yield from (m for m in v if isinstance(m, Module))
+
+    def modules(self) -> Iterator["Module"]:
+        yield self
+        for c in self.children():
+            yield from c.modules()
+
+    def load(self, ctx: LoadContext) -> None:
+        for c in self.children():
+            c.load(ctx)
+
+    def unload(self) -> None:
+        for c in self.children():
+            c.unload()
+
+    def own_tensors(self) -> list[torch.Tensor]:
+        return [v for v in vars(self).values() if isinstance(v, torch.Tensor)]
+
+    def nbytes(self) -> int:
+        own = sum(t.numel() * t.element_size() for t in self.own_tensors())
+        return own + sum(c.nbytes() for c in self.children())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.key!r})"

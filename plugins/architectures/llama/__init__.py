@@ -1,0 +1,1 @@
+"""Llama (LlamaForCausalLM): the reference dense decoder every other family builds on."""
