@@ -1,0 +1,198 @@
+"""Loading a model directory and the simple public API (logits, generate)."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from . import registry
+from .batch import ForwardBatch
+from .cache import KVCache, SequenceState
+from .config import read_config_json
+from .errors import TokenizerError
+from .modules.base import LoadContext
+from .sampling import StopStringMatcher, sample_token
+from .weights import WeightStore
+
+PREFILL_CHUNK = 2048
+
+
+def _resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype, device: torch.device, config_dtype: str | None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        try:
+            return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+                    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
+        except KeyError:
+            raise ValueError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16") from None
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in half precision are slow and lossy
+    return torch.float16 if config_dtype == "float16" else torch.bfloat16
+
+
+class LoadedModel:
+    """A loaded model: ``.model`` (modules), ``.tokenizer``, ``.config``, plus convenience calls."""
+
+    def __init__(self, model_dir: Path, raw_config: dict, spec, config, model, store: WeightStore, tokenizer, device, dtype):
+        self.model_dir, self.raw_config, self.spec, self.config = model_dir, raw_config, spec, config
+        self.model, self.store, self.tokenizer, self.device, self.dtype = model, store, tokenizer, device, dtype
+
+    def __repr__(self) -> str:
+        return f"<trellm model {self.model_dir.name} ({self.spec.name}) on {self.device} {self.dtype}>"
+
+    @torch.inference_mode()
+    def logits(self, input_ids: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
+        """Float32 logits [batch, seq, vocab] for whole sequences (no cache). Shorter rows are right-padded with 0."""
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.dim() == 1:
+                input_ids = input_ids[None]
+            seqs = input_ids.tolist()
+        else:
+            seqs = [list(s) for s in input_ids]
+        batch = ForwardBatch.no_cache(seqs, self.device)
+        flat = self.model.forward(batch)
+        out = torch.zeros(len(seqs), max(len(s) for s in seqs), flat.shape[-1], dtype=torch.float32, device=flat.device)
+        bounds = batch.cu_seqlens.tolist()
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            out[i, : b - a] = flat[a:b]
+        return out
+
+    def new_cache(self, max_tokens: int = 8192, page_size: int = 256, **kwargs) -> KVCache:
+        return KVCache.for_model(self.model, max_tokens=max_tokens, page_size=page_size, **kwargs)
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TokenizerError(f"{self.model_dir}: model has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    @torch.inference_mode()
+    def generate_ids(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+        cache: KVCache | None = None,
+    ) -> Iterator[int]:
+        """Yield generated token ids one at a time (prefill in chunks, then cached decode)."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        stops = set(stop_token_ids if stop_token_ids is not None else self.default_stop_ids())
+        cache = cache or self.new_cache(max_tokens=len(prompt_ids) + max_new_tokens)
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        seq = SequenceState(cache)
+        try:
+            pending = list(prompt_ids)
+            for _ in range(max_new_tokens):
+                logits = None
+                while pending:
+                    chunk, pending = pending[:PREFILL_CHUNK], pending[PREFILL_CHUNK:]
+                    seq.reserve(seq.length + len(chunk))
+                    batch = ForwardBatch.with_cache([chunk], [seq.length], [seq.pages], cache)
+                    logits = self.model.forward(batch)[-1]
+                    seq.length += len(chunk)
+                token = sample_token(logits, temperature, top_k, top_p, gen)
+                yield token
+                if token in stops:
+                    return
+                pending = [token]
+        finally:
+            seq.release()
+
+    def default_stop_ids(self) -> set[int]:
+        ids = set(self.config.eos_token_ids) if hasattr(self.config, "eos_token_ids") else set()
+        if self.tokenizer is not None:
+            ids |= set(self.tokenizer.eos_token_ids)
+        return ids
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        stop: Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+    ) -> Iterator[str]:
+        """Yield generated text pieces as they complete (never a split UTF-8 character or a partial stop string)."""
+        ids = self.encode_prompt(prompt)
+        stops = set(stop_token_ids) if stop_token_ids is not None else self.default_stop_ids()
+        decoder = self.tokenizer.stream()
+        matcher = StopStringMatcher(list(stop or []))
+        for token in self.generate_ids(ids, max_new_tokens, temperature, top_k, top_p, list(stops), seed):
+            if token in stops:
+                break
+            text, stopped = matcher.feed(decoder.push(token))
+            if text:
+                yield text
+            if stopped:
+                return
+        text, stopped = matcher.feed(decoder.flush())
+        if text:
+            yield text
+        if not stopped and (rest := matcher.flush()):
+            yield rest
+
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0, **kwargs) -> str:
+        """Generated text (without the prompt); ``temperature=0`` is greedy."""
+        return "".join(self.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, **kwargs))
+
+    def num_parameters(self) -> int:
+        return sum(_numel(self.store.info(n).shape) for n in self.store)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def load(path: str | Path, device=None, dtype=None, progress: bool = False, tokenizer: bool = True) -> LoadedModel:
+    """Load an HF model directory (bf16/fp16/fp32 safetensors, or EXL3) with the plugin that serves it."""
+    model_dir = Path(path)
+    raw = read_config_json(model_dir)
+    archs = raw.get("architectures") or []
+    if not archs:
+        from .errors import ConfigError
+
+        raise ConfigError(f"{model_dir / 'config.json'}: no 'architectures' entry; cannot tell which plugin serves it")
+    spec = registry.find_architecture(archs[0], source=str(model_dir / "config.json"))
+    config = spec.read_config(raw)
+    dev = _resolve_device(device)
+    dt = _resolve_dtype(dtype, dev, getattr(config, "torch_dtype", None))
+    store = WeightStore(model_dir)
+    model = spec.build(config)
+    ctx = LoadContext(store=store, device=dev, dtype=dt, quant_formats=registry.quant_formats())
+    t0 = time.time()
+    children = list(model.children())
+    for i, child in enumerate(children):
+        child.load(ctx)
+        if progress:
+            print(f"\rloading {model_dir.name}: {i + 1}/{len(children)} modules", end="", file=sys.stderr, flush=True)
+    if progress:
+        print(f" ({time.time() - t0:.1f}s)", file=sys.stderr)
+    tok = None
+    if tokenizer:
+        if (model_dir / "tokenizer.json").is_file():
+            from .tokenizer import Tokenizer
+
+            tok = Tokenizer.from_dir(model_dir, vocab_size=getattr(config, "vocab_size", None))
+    return LoadedModel(model_dir, raw, spec, config, model, store, tok, dev, dt)
