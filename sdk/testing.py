@@ -70,14 +70,20 @@ class ParityReport:
 
 
 def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """HF's own cached greedy decoding (what an HF user sees), exactly ``n`` tokens."""
     ids = torch.tensor([prompt])
-    out = []
     with torch.no_grad():
-        for _ in range(n):
-            nxt = int(model(ids).logits[0, -1].argmax())
-            out.append(nxt)
-            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    return out
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            use_cache=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
 
 
 def check_parity(

@@ -1,0 +1,211 @@
+"""The ``trellm`` command line.
+
+Core commands live here; feature modules add theirs through ``add_cli(subparsers)`` (see
+``SUBCOMMAND_MODULES``), each setting ``func(args) -> int`` as its handler.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from .errors import TrellmError
+
+SUBCOMMAND_MODULES = (
+    "trellm.gguf",
+    "trellm.convert",
+    "trellm.evaluate",
+    "trellm.kernels_cuda.cli",
+    "trellm.server.cli",
+    "trellm.bench",
+)
+
+
+def _model_dir(args) -> Path:
+    if args.model:
+        return Path(args.model)
+    from .default_model import default_model_dir
+
+    return default_model_dir()
+
+
+def _load(args):
+    import trellm
+
+    return trellm.load(_model_dir(args), device=args.device, dtype=args.dtype, progress=True)
+
+
+def _sampling(args) -> dict:
+    return dict(
+        max_new_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+
+
+def cmd_generate(args) -> int:
+    lm = _load(args)
+    prompt = args.prompt
+    if args.chat:
+        text = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        prompt = lm.tokenizer.encode(text, add_special_tokens=False)
+    for piece in lm.stream(prompt, stop=args.stop, **_sampling(args)):
+        print(piece, end="", flush=True)
+    print()
+    return 0
+
+
+def cmd_chat(args) -> int:
+    lm = _load(args)
+    tok = lm.tokenizer
+    if tok is None or not tok.has_chat_template:
+        print(f"error: {lm.model_dir} has no chat template; use `trellm generate`", file=sys.stderr)
+        return 2
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print(f"Chatting with {lm.model_dir.name}. /reset clears the conversation, /exit (or Ctrl-D) quits.", file=sys.stderr)
+    while True:
+        try:
+            user = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if user.strip() in ("/exit", "/quit"):
+            return 0
+        if user.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not user.strip():
+            continue
+        messages.append({"role": "user", "content": user})
+        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+        reply = []
+        try:
+            for piece in lm.stream(ids, **_sampling(args)):
+                reply.append(piece)
+                print(piece, end="", flush=True)
+        except KeyboardInterrupt:
+            pass
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def cmd_info(args) -> int:
+    from . import registry
+    from .config import read_config_json
+    from .weights import WeightStore
+
+    model_dir = _model_dir(args)
+    raw = read_config_json(model_dir)
+    arch = (raw.get("architectures") or ["?"])[0]
+    table = registry.architectures()
+    plugin, spec = table.get(arch, (None, None))
+    store = WeightStore(model_dir)
+    params = sum(_numel(store.info(n).shape) for n in store)
+    weight_bytes = store.total_bytes()
+    print(f"model:         {model_dir}")
+    print(f"architecture:  {arch}")
+    print(f"served by:     {'plugin ' + repr(plugin) + ' (' + spec.name + ')' if spec else 'NO INSTALLED PLUGIN (see `trellm plugins`)'}")
+    q = raw.get("quantization_config") or {}
+    if q:
+        print(f"quantization:  {q.get('quant_method', '?')} {q.get('bits', '')} bpw (head {q.get('head_bits', '?')})")
+    print(f"tensors:       {len(store.keys())} in {len(store.files)} file(s)")
+    print(f"parameters:    {params / 1e6:.1f} M stored elements")
+    print(f"weights:       {_fmt_bytes(weight_bytes)} on disk")
+    if spec is not None:
+        cfg = spec.read_config(raw)
+        layers, kv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        per_token = 2 * layers * kv * hd * 2
+        print(f"layers:        {layers}, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}/{kv} (q/kv), head_dim {hd}")
+        print(f"context:       {cfg.max_position_embeddings} positions, rope {cfg.rope.type} theta {cfg.rope.theta:g}")
+        print(f"KV cache:      {_fmt_bytes(per_token)} per token in fp16 ({_fmt_bytes(per_token * 4096)} for 4096 tokens)")
+        print(f"memory need:   ~{_fmt_bytes(weight_bytes + per_token * 4096)} (weights as stored + 4096-token fp16 cache)")
+    return 0
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def cmd_plugins(args) -> int:
+    from . import registry
+
+    for info in registry.plugin_infos():
+        version = f" {info.version}" if info.version else ""
+        print(f"{info.name}{version}")
+        for what, names in sorted(info.registers.items()):
+            print(f"  {what}: {', '.join(names)}")
+    return 0
+
+
+def _add_model_args(p: argparse.ArgumentParser, sampling: bool = True) -> None:
+    p.add_argument("-m", "--model", help="HF model directory (default: SmolLM2-135M-Instruct, imported on first use)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: float32 on CPU, bf16 on GPU)")
+    if sampling:
+        p.add_argument("--max-tokens", type=int, default=256)
+        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+        p.add_argument("--top-k", type=int, default=0)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trellm", description="Fast local LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="complete a prompt")
+    _add_model_args(p)
+    p.add_argument("prompt")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="multi-turn chat with the model's chat template")
+    _add_model_args(p)
+    p.add_argument("--system", default=None, help="system prompt")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("info", help="which plugin serves a model, its size and memory need")
+    _add_model_args(p, sampling=False)
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("plugins", help="list installed plugins and what they register")
+    p.set_defaults(func=cmd_plugins)
+
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "add_cli"):
+            module.add_cli(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except TrellmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
