@@ -25,6 +25,8 @@ class ForwardBatch:
     input_embeds: torch.Tensor | None = None  # [T, hidden] replaces the embedding lookup (multimodal)
     embed_mask: torch.Tensor | None = None  # [T] bool: rows of input_embeds to use; None = all rows
     max_seq_len: int = 0  # longest sequence (incl. cache) in the batch: dynamic RoPE variants read it
+    state_slots: torch.Tensor | None = None  # [B] int64: recurrent-state slot of each sequence (hybrid models)
+    cached_lens: torch.Tensor | None = None  # [B] int32: tokens already in the cache before this step
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +87,7 @@ class ForwardBatch:
             context_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
             slots=torch.tensor(slots, dtype=torch.long, device=device),
             max_seq_len=max(ctx) if ctx else 0,
+            cached_lens=torch.tensor(list(cached_lens), dtype=torch.int32, device=device),
         )
 
 
