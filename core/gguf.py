@@ -212,7 +212,7 @@ def _convert_tensors(reader, config: dict, path: Path, dtype: str, show_progress
                     f"which the gguf package cannot dequantise ({exc})"
                 ) from exc
             expected = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-            values = np.asarray(values, dtype=np.float32).reshape(expected)
+            values = np.array(values, dtype=np.float32).reshape(expected)  # a copy: the reader maps the file read-only
             if tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
                 values = _unpermute_rows(values, config["num_attention_heads"])
             elif tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
@@ -352,13 +352,6 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloat
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
-        tensors = _convert_tensors(reader, config, gguf_path, dtype, show_progress)
-        if config["tie_word_embeddings"]:
-            tensors.pop("lm_head.weight", None)
-        if show_progress:
-            print(f"writing {out_dir}/model.safetensors", file=sys.stderr)
-        save_file(tensors, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
-        del tensors
         backend.save(str(tmp_dir / "tokenizer.json"))
         for name, data in (("config.json", config), ("tokenizer_config.json", tokenizer_config),
                            ("generation_config.json", generation_config)):
@@ -366,6 +359,13 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloat
         (tmp_dir / "trellm_import.json").write_text(
             json.dumps({"source": str(gguf_path), "source_bytes": gguf_path.stat().st_size}, indent=2) + "\n"
         )
+        tensors = _convert_tensors(reader, config, gguf_path, dtype, show_progress)
+        if config["tie_word_embeddings"]:
+            tensors.pop("lm_head.weight", None)
+        if show_progress:
+            print(f"writing {out_dir}/model.safetensors", file=sys.stderr)
+        save_file(tensors, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
+        del tensors
         for item in [tmp_dir, *tmp_dir.iterdir()]:  # mkdtemp makes it private; make it like any dir
             item.chmod(0o755 if item.is_dir() else 0o644)
         if out_dir.exists():  # overwrite: move the old one aside first, so the swap is quick
