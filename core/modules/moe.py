@@ -1,0 +1,356 @@
+"""Mixture-of-experts as shared modules: a router (gate Linear + a routing strategy), experts, shared experts.
+
+The families differ mostly in how router logits become (weights, expert ids); that choice is a small
+strategy object (:class:`SoftmaxTopK`, :class:`TopKSoftmax`, :class:`ScoreTopK`), so a family is a
+few constructor arguments. Experts are either one :class:`ExpertMLP` of :class:`Linear` modules per
+expert (HF per-expert tensors; EXL3 experts load through the same Linear) or a :class:`StackedExperts`
+holding 3-D tensors. Dispatch sorts the (token, expert) pairs by expert and runs each expert that
+got tokens once on its contiguous block: no Python loop over tokens.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..batch import ForwardBatch
+from .base import LoadContext, Module
+from .layers import GatedMLP
+from .linear import DenseLinear, Linear
+
+# ---- routing strategies ------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class SoftmaxTopK:
+    """softmax over all experts, keep the top k, optionally renormalise (Mixtral, Qwen2/3 MoE)."""
+
+    top_k: int
+    normalize: bool = True
+    scaling: float = 1.0
+
+    def __call__(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.scaling, ids
+
+
+@attrs.frozen
+class TopKSoftmax:
+    """top k of the raw logits (router bias already added), then softmax over the k kept (gpt-oss)."""
+
+    top_k: int
+
+    def __call__(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        values, ids = torch.topk(logits, self.top_k, dim=-1)
+        return torch.softmax(values.float(), dim=-1), ids
+
+
+@attrs.frozen
+class ScoreTopK:
+    """Score with sigmoid or softmax; choose with ``score + correction_bias``, optionally inside the best groups.
+
+    DeepSeek V3, GLM 4.5, dots.llm1, MiniMax-M2, AfMoE (sigmoid) and ERNIE 4.5 (softmax) route this way.
+    The bias only steers the choice: the weights are the unbiased scores of the chosen experts,
+    renormalised when ``normalize`` and multiplied by ``scaling`` (``routed_scaling_factor``).
+    ``num_groups > 1``: experts form groups ranked by the sum of their two best biased scores; only
+    the ``topk_groups`` best groups compete.
+    """
+
+    top_k: int
+    score: str = "sigmoid"  # or "softmax"
+    normalize: bool = True
+    scaling: float = 1.0
+    num_groups: int = 1
+    topk_groups: int = 1
+    norm_eps: float = 1e-20
+    norm_min: bool = False  # ERNIE: clamp the denominator at norm_eps instead of adding it
+
+    def __call__(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.score == "sigmoid":
+            scores = logits.float().sigmoid()
+        elif self.score == "softmax":
+            scores = torch.softmax(logits.float(), dim=-1)
+        else:
+            raise ValueError(f"unknown router score function {self.score!r}; use 'sigmoid' or 'softmax'")
+        choice = scores if bias is None else scores + bias.float()
+        if self.num_groups > 1:
+            t, e = choice.shape
+            grouped = choice.view(t, self.num_groups, e // self.num_groups)
+            group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            keep = torch.zeros_like(group_score, dtype=torch.bool)
+            keep.scatter_(1, group_score.topk(self.topk_groups, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[..., None], 0.0).view(t, e)
+        ids = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.normalize:
+            total = weights.sum(dim=-1, keepdim=True)
+            weights = weights / (total.clamp_min(self.norm_eps) if self.norm_min else total + self.norm_eps)
+        return weights * self.scaling, ids
+
+
+RoutingStrategy = Callable[[torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor]"]
+
+
+class Router(Module):
+    """``{key}.weight`` [experts, hidden] (+ bias), an optional correction bias, and a strategy."""
+
+    def __init__(
+        self,
+        key: str,
+        hidden_size: int,
+        num_experts: int,
+        strategy: RoutingStrategy,
+        bias: bool = False,
+        correction_bias_key: str | None = None,
+        float32_logits: bool = False,
+    ):
+        self.key, self.num_experts, self.strategy = key, num_experts, strategy
+        self.gate = Linear(key, hidden_size, num_experts, bias)
+        self.correction_bias_key = correction_bias_key
+        self.correction_bias: torch.Tensor | None = None
+        self.float32_logits = float32_logits  # DeepSeek/GLM compute router logits in fp32
+
+    def load(self, ctx: LoadContext) -> None:
+        self.gate.load(ctx)
+        if self.correction_bias_key is not None:
+            self.correction_bias = ctx.store.get(
+                self.correction_bias_key, shape=(self.num_experts,), dtype=torch.float32, device=ctx.device
+            )
+
+    def unload(self) -> None:
+        self.gate.unload()
+        self.correction_bias = None
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float32_logits and isinstance(self.gate.impl, DenseLinear):
+            impl = self.gate.impl
+            return F.linear(x.float(), impl.weight.float(), None if impl.bias is None else impl.bias.float())
+        return self.gate(x)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights [T, k] (float32) and expert ids [T, k] (int64)."""
+        return self.strategy(self.logits(x), self.correction_bias)
+
+
+# ---- experts ---------------------------------------------------------------------------------------------
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss's activation: (clamp(up) + 1) * g * sigmoid(alpha * g) with g = gate clamped from above."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def _activation(activation: str | Callable) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    if callable(activation):
+        return activation
+    return lambda gate, up: ops.gated_activation(gate, up, activation)
+
+
+class ExpertMLP(Module):
+    """One expert with its own Linear modules (per-expert checkpoint tensors; EXL3 works unchanged)."""
+
+    def __init__(
+        self,
+        key: str,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str | Callable = "silu",
+        bias: bool | None = False,
+        names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+    ):
+        self.key = key
+        self.act = _activation(activation)
+        gate, up, down = names
+        self.gate_proj = Linear(f"{key}.{gate}", hidden_size, intermediate_size, bias)
+        self.up_proj = Linear(f"{key}.{up}", hidden_size, intermediate_size, bias)
+        self.down_proj = Linear(f"{key}.{down}", intermediate_size, hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+
+class ExpertList(Module):
+    """``num_experts`` :class:`ExpertMLP` under ``{key}.{i}``."""
+
+    def __init__(self, key: str, num_experts: int, hidden_size: int, intermediate_size: int, **expert_kwargs):
+        self.key = key
+        self.num_experts = num_experts
+        self.experts = [ExpertMLP(f"{key}.{i}", hidden_size, intermediate_size, **expert_kwargs) for i in range(num_experts)]
+
+    def run_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return self.experts[e].forward(x)
+
+
+class StackedExperts(Module):
+    """All experts in 3-D tensors: ``{key}.gate_up_proj`` and ``{key}.down_proj`` (+ ``_bias``).
+
+    Default layout is HF's in-memory one, [E, 2I, H] with gate rows then up rows, and [E, H, I].
+    ``transposed``: stored as [E, H, 2I] / [E, I, H] (gpt-oss checkpoints). ``interleaved``: gate and
+    up alternate along the 2I axis (gpt-oss).
+    """
+
+    def __init__(
+        self,
+        key: str,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str | Callable = "silu",
+        bias: bool = False,
+        transposed: bool = False,
+        interleaved: bool = False,
+    ):
+        self.key, self.num_experts = key, num_experts
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.act = _activation(activation)
+        self.has_bias, self.transposed, self.interleaved = bias, transposed, interleaved
+        self.gate_up: list[DenseLinear] = []
+        self.down: list[DenseLinear] = []
+
+    def _read(self, ctx: LoadContext, name: str, rows: int, cols: int) -> torch.Tensor:
+        shape = (self.num_experts, cols, rows) if self.transposed else (self.num_experts, rows, cols)
+        w = ctx.store.get(f"{self.key}.{name}", shape=shape, dtype=ctx.dtype, device=ctx.device)
+        return w.transpose(1, 2).contiguous() if self.transposed else w
+
+    def load(self, ctx: LoadContext) -> None:
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        gate_up = self._read(ctx, "gate_up_proj", 2 * i, h)
+        down = self._read(ctx, "down_proj", h, i)
+        gu_bias = d_bias = None
+        if self.has_bias:
+            gu_bias = ctx.store.get(f"{self.key}.gate_up_proj_bias", shape=(e, 2 * i), dtype=ctx.dtype, device=ctx.device)
+            d_bias = ctx.store.get(f"{self.key}.down_proj_bias", shape=(e, h), dtype=ctx.dtype, device=ctx.device)
+        if self.interleaved:  # reorder rows to [gate..., up...] once, so the forward pass is one layout
+            order = torch.cat([torch.arange(0, 2 * i, 2), torch.arange(1, 2 * i, 2)]).to(ctx.device)
+            gate_up = gate_up[:, order].contiguous()
+            gu_bias = gu_bias[:, order].contiguous() if gu_bias is not None else None
+        self.gate_up = [DenseLinear(gate_up[x], None if gu_bias is None else gu_bias[x]) for x in range(e)]
+        self.down = [DenseLinear(down[x], None if d_bias is None else d_bias[x]) for x in range(e)]
+
+    def unload(self) -> None:
+        self.gate_up, self.down = [], []
+
+    def nbytes(self) -> int:
+        return sum(l.nbytes() for l in self.gate_up + self.down)
+
+    def run_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up[e].forward(x).chunk(2, dim=-1)
+        return self.down[e].forward(self.act(gate, up))
+
+
+def _check_experts(experts: Module) -> None:
+    if not hasattr(experts, "run_expert") or not hasattr(experts, "num_experts"):
+        raise TypeError(f"{experts!r} is not an expert collection (needs num_experts and run_expert)")
+
+
+def dispatch_experts(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t, grouped by expert."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // k
+    counts = torch.bincount(flat, minlength=experts.num_experts).tolist()  # one host sync per layer
+    xs = x[token_of]
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            ys[start : start + n] = experts.run_expert(e, xs[start : start + n])
+            start += n
+    ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+    return torch.zeros_like(x).index_add_(0, token_of, ys)
+
+
+class MoE(Module):
+    """Routed experts plus optional shared experts (optionally scaled by sigmoid(shared_gate(x)))."""
+
+    def __init__(
+        self,
+        key: str,
+        router: Router,
+        experts: Module,
+        shared: GatedMLP | None = None,
+        shared_gate: Linear | None = None,
+    ):
+        _check_experts(experts)
+        if router.num_experts != experts.num_experts:
+            raise ValueError(f"{key}: router has {router.num_experts} experts, expert collection {experts.num_experts}")
+        self.key, self.router, self.experts, self.shared, self.shared_gate = key, router, experts, shared, shared_gate
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        weights, ids = self.router.forward(x)
+        out = dispatch_experts(self.experts, x, weights, ids)
+        if self.shared is not None:
+            shared = self.shared.forward(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
+        return out
+
+
+class Experts(Module):
+    """Experts in whichever layout the checkpoint has: stacked 3-D tensors when ``{key}.gate_up_proj``
+    exists, else one set of Linear modules per expert (the layout HF saves, and EXL3 quantizes)."""
+
+    def __init__(
+        self,
+        key: str,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str | Callable = "silu",
+        bias: bool = False,
+        names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+        transposed: bool = False,
+        interleaved: bool = False,
+    ):
+        self.key, self.num_experts = key, num_experts
+        self.per_expert = ExpertList(key, num_experts, hidden_size, intermediate_size, activation=activation, bias=bias, names=names)
+        self.stacked = StackedExperts(
+            key, num_experts, hidden_size, intermediate_size, activation, bias, transposed=transposed, interleaved=interleaved
+        )
+        self.active: Module | None = None
+
+    def load(self, ctx: LoadContext) -> None:
+        self.active = self.stacked if f"{self.key}.gate_up_proj" in ctx.store else self.per_expert
+        self.active.load(ctx)
+
+    def unload(self) -> None:
+        if self.active is not None:
+            self.active.unload()
+        self.active = None
+
+    def run_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return self.active.run_expert(e, x)
+
+
+def replace_mlps(model, make_mlp: Callable[[int, str], Module | None]) -> None:
+    """Swap the MLP of decoder layer i for ``make_mlp(i, layer_key)`` where it returns a module.
+
+    Lets a family start from :func:`trellm.modules.decoder.build_decoder` and only say which layers
+    are MoE, instead of re-composing the whole decoder.
+    """
+    for i, layer in enumerate(model.layers):
+        mlp = make_mlp(i, layer.key)
+        if mlp is not None:
+            layer.mlp = mlp
+
+
+def config_int(extra: dict, *names: str, default: int | None = None) -> int:
+    """The first of ``names`` present in an HF config (configs spell expert counts several ways)."""
+    for n in names:
+        if extra.get(n) is not None:
+            return int(extra[n])
+    if default is None:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"config.json: none of {', '.join(map(repr, names))} is set")
+    return default

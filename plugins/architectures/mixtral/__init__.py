@@ -1,0 +1,39 @@
+"""Mixtral (MixtralForCausalLM): Llama attention, every MLP a softmax top-k mixture of w1/w3/w2 experts."""
+from __future__ import annotations
+
+import trellm
+from trellm.config import DecoderConfig
+from trellm.modules.decoder import build_decoder
+from trellm.modules.moe import Experts, MoE, Router, SoftmaxTopK, config_int, replace_mlps
+from trellm.spec import ArchitectureSpec
+
+
+def build(cfg: DecoderConfig):
+    model = build_decoder(cfg)
+    num_experts = config_int(cfg.extra, "num_local_experts", "num_experts")
+    strategy = SoftmaxTopK(config_int(cfg.extra, "num_experts_per_tok"), normalize=True)
+
+    def moe(i: int, key: str):
+        k = f"{key}.block_sparse_moe"
+        return MoE(
+            k,
+            Router(f"{k}.gate", cfg.hidden_size, num_experts, strategy),
+            Experts(f"{k}.experts", num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, names=("w1", "w3", "w2")),
+        )
+
+    replace_mlps(model, moe)
+    return model
+
+
+SPEC = ArchitectureSpec(
+    name="mixtral",
+    architectures=("MixtralForCausalLM",),
+    read_config=DecoderConfig.from_hf,
+    build=build,
+    description="Mixtral 8x7B / 8x22B: softmax top-2 experts",
+)
+
+
+@trellm.hookimpl
+def trellm_register_architectures(register):
+    register(SPEC)
