@@ -1,0 +1,118 @@
+"""EXL3 matmul at Llama-3.1-8B shapes against the memory-bandwidth limit and against bf16 F.linear.
+
+For each (k -> n, K, M): the whole op (input Hadamard*suh, matmul, output Hadamard*svh) timed by CUDA
+graph replay over enough weight copies to miss the L2; effective GB/s = weight bytes / time; the
+limit is weight bytes / the copy bandwidth measured in the same run; bf16 is torch F.linear on
+weights of the same shape (also rotated past the L2). ``gemv`` is the matmul kernel alone.
+
+    python benchmarks/bench_exl3_matmul.py [--quick] [--csv out.csv]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import copies_for, copy_bandwidth, l2_bytes, time_graph  # noqa: E402
+
+SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]
+KS = [2, 3, 4, 5, 6, 8]
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="K=4 and 2 only, M in 1,4,8,16,32,256")
+    ap.add_argument("--codebook", default="mcg", choices=["3inst", "mcg", "mul1"])
+    ap.add_argument("--ks", type=int, nargs="*")
+    ap.add_argument("--ms", type=int, nargs="*")
+    ap.add_argument("--csv", type=Path)
+    args = ap.parse_args()
+
+    from trellm.kernels_cuda import binding
+    from trellm.kernels_cuda import ops as cuda_ops
+
+    ks = args.ks or ([4, 2] if args.quick else KS)
+    ms = args.ms or ([1, 4, 8, 16, 32, 256] if args.quick else MS)
+    l2 = l2_bytes()
+    bw = copy_bandwidth()
+    dev = torch.cuda.get_device_name()
+    print(f"# {dev}: measured copy bandwidth {bw / 1e9:.0f} GB/s (read+write), L2 {l2 >> 20} MiB, codebook {args.codebook}")
+    header = ["k", "n", "K", "M", "exl3_us", "gemv_us", "GB/s", "%copy", "limit_us", "bf16_us", "bf16_GB/s", "speedup"]
+    print(" ".join(f"{h:>9}" for h in header), flush=True)
+    rows = []
+    bf16_cache: dict[tuple[int, int, int], float] = {}
+    for k, n in SHAPES:
+        wb_bf16 = k * n * 2
+        nb = copies_for(wb_bf16, l2)
+        w_bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(nb)]
+        for K in ks:
+            tbytes = k * n * K // 8 + 2 * (k + n)
+            nc = copies_for(tbytes, l2)
+            layers = [
+                (
+                    torch.randint(-32768, 32768, (k // 16, n // 16, 16 * K), device="cuda", dtype=torch.int16),
+                    (torch.randn(k, device="cuda") * 0.05).half(),
+                    torch.randn(n, device="cuda").half(),
+                )
+                for _ in range(nc)
+            ]
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+
+                def run_exl3():
+                    for t, suh, svh in layers:
+                        cuda_ops.exl3_matmul(x, t, suh, svh, args.codebook)
+
+                t_exl3 = time_graph(run_exl3) / nc
+                t_gemv = float("nan")
+                if m <= cuda_ops.EXL3_GEMV_MAX_ROWS:
+                    xh = x.clone()
+
+                    def run_gemv():
+                        for t, _, _ in layers:
+                            binding.exl3_gemv(xh, t, args.codebook)
+
+                    t_gemv = time_graph(run_gemv) / nc
+                key = (k, n, m)
+                if key not in bf16_cache:
+                    xb = x.to(torch.bfloat16)
+
+                    def run_bf16():
+                        for w in w_bf16:
+                            F.linear(xb, w)
+
+                    bf16_cache[key] = time_graph(run_bf16) / nb
+                t_bf16 = bf16_cache[key]
+                row = dict(
+                    k=k, n=n, K=K, M=m,
+                    exl3_us=t_exl3 * 1e6, gemv_us=t_gemv * 1e6,
+                    gbps=tbytes / t_exl3 / 1e9, pct=100 * tbytes / t_exl3 / bw,
+                    limit_us=tbytes / bw * 1e6, bf16_us=t_bf16 * 1e6,
+                    bf16_gbps=wb_bf16 / t_bf16 / 1e9, speedup=t_bf16 / t_exl3,
+                )
+                rows.append(row)
+                print(
+                    f"{k:>9} {n:>9} {K:>9} {m:>9} {row['exl3_us']:>9.1f} {row['gemv_us']:>9.1f} {row['gbps']:>9.0f} "
+                    f"{row['pct']:>8.0f}% {row['limit_us']:>9.1f} {row['bf16_us']:>9.1f} {row['bf16_gbps']:>9.0f} "
+                    f"{row['speedup']:>8.2f}x",
+                    flush=True,
+                )
+            del layers
+        del w_bf16
+        torch.cuda.empty_cache()
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

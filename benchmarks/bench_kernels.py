@@ -1,0 +1,81 @@
+"""Dense and attention kernels against the bandwidth limit and against their torch references on the GPU.
+
+Each row: kernel time (CUDA graph replay, inputs rotated past the L2 where they are small), the
+bytes it must move, effective GB/s, % of the copy bandwidth measured in the same run, and the
+torch reference's time on the same GPU.
+
+    python benchmarks/bench_kernels.py
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import copy_bandwidth, time_eager, time_graph  # noqa: E402
+
+
+def main() -> int:
+    from trellm import ops
+    from trellm.kernels_cuda import ops as cuda_ops  # noqa: F401
+    from trellm.ops import exl3
+
+    bw = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")
+    print(f"{'kernel':<34} {'us':>8} {'GB/s':>7} {'%copy':>6} {'torch_us':>9} {'speedup':>8}", flush=True)
+    dt = torch.float16
+
+    def report(name, fn_cuda, fn_ref, nbytes):
+        t = time_graph(fn_cuda)
+        t_ref = time_eager(fn_ref)  # references may sync with the host: not capturable
+        print(
+            f"{name:<34} {t * 1e6:>8.1f} {nbytes / t / 1e9:>7.0f} {100 * nbytes / t / bw:>5.0f}% "
+            f"{t_ref * 1e6:>9.1f} {t_ref / t:>7.2f}x",
+            flush=True,
+        )
+
+    for rows in (1, 2048):
+        x = torch.randn(rows, 4096, device="cuda", dtype=dt)
+        r = torch.randn_like(x)
+        w = torch.randn(4096, device="cuda", dtype=dt)
+        nb = x.numel() * 2 * 2
+        report(f"rms_norm [{rows},4096]", lambda: ops.rms_norm.impls["cuda"](x, w, 1e-6),
+               lambda: ops.rms_norm.reference(x, w, 1e-6), nb)
+        report(f"add_rms_norm [{rows},4096]", lambda: ops.add_rms_norm.impls["cuda"](x, r, w, 1e-6),
+               lambda: ops.add_rms_norm.reference(x, r, w, 1e-6), nb * 2)
+        report(f"hadamard_128 [{rows},4096]", lambda: exl3.hadamard_128.impls["cuda"](x),
+               lambda: exl3.hadamard_128.reference(x), nb)
+        g = torch.randn(rows, 14336, device="cuda", dtype=dt)
+        u = torch.randn_like(g)
+        report(f"gated_activation silu [{rows},14336]", lambda: ops.gated_activation.impls["cuda"](g, u, "silu"),
+               lambda: ops.gated_activation.reference(g, u, "silu"), g.numel() * 2 * 3)
+        q = torch.randn(rows, 32, 128, device="cuda", dtype=dt)
+        ang = torch.randn(rows, 64, device="cuda")
+        c, s = ang.cos(), ang.sin()
+        report(f"rotary neox [{rows},32,128]", lambda: ops.rotary_embedding.impls["cuda"](q, c, s),
+               lambda: ops.rotary_embedding.reference(q, c, s), q.numel() * 2 * 2 + c.numel() * 8)
+
+    # Paged attention decode: Llama-3.1-8B heads (32 q / 8 kv, d=128), page 16.
+    for batch, ctx in ((1, 4096), (8, 4096), (32, 2048)):
+        page = 16
+        blocks = ctx // page
+        kp = torch.randn(batch * blocks, page, 8, 128, device="cuda", dtype=dt)
+        vp = torch.randn_like(kp)
+        bt = torch.arange(batch * blocks, device="cuda", dtype=torch.int32).view(batch, blocks)
+        cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+        cl = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+        q = torch.randn(batch, 32, 128, device="cuda", dtype=dt)
+        nb = kp.numel() * 2 * 2
+        report(
+            f"paged_attention decode b{batch} ctx{ctx}",
+            lambda: ops.paged_attention.impls["cuda"](q, kp, vp, bt, cu, cl),
+            lambda: ops.paged_attention.reference(q, kp, vp, bt, cu, cl),
+            nb,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,372 @@
+"""cffi (ABI mode) binding of the kernel library.
+
+``ffi.cdef`` reads the ABI block of ``trellm_kernels.h``; ``dlopen`` loads the library that
+:func:`trellm.kernels_cuda.build.build` made for the current GPU. Every wrapper checks shapes, dtypes,
+devices and contiguity before the call, launches on torch's current stream (so calls can be captured
+in a CUDA graph), and turns a non-zero return code into :class:`KernelError` with the CUDA error text.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+import torch
+
+from trellm.errors import TrellmError
+
+from . import build as _build
+
+HEADER = Path(__file__).resolve().parent / "trellm_kernels.h"
+
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+CODEBOOK_CODES = {"3inst": 0, "mcg": 1, "mul1": 2}
+ACTIVATION_CODES = {
+    "silu": 0, "swish": 0,
+    "gelu": 1,
+    "gelu_tanh": 2, "gelu_pytorch_tanh": 2, "gelu_new": 2,
+    "relu": 3,
+    "relu2": 4,
+}
+
+
+class KernelError(TrellmError, RuntimeError):
+    """A kernel rejected its arguments or its launch failed; carries the library's error text."""
+
+
+class KernelArgumentError(TrellmError, ValueError):
+    """A tensor handed to a kernel has the wrong shape, dtype, device or layout."""
+
+
+def abi_declarations() -> str:
+    """The cdef text: the header's ABI block, comments removed."""
+    text = HEADER.read_text()
+    m = re.search(r"/\* ABI BEGIN \*/(.*)/\* ABI END \*/", text, re.S)
+    if m is None:
+        raise KernelError(f"{HEADER}: ABI BEGIN/END markers not found")
+    return re.sub(r"/\*.*?\*/", "", m.group(1), flags=re.S)
+
+
+_state_lock = threading.Lock()
+_ffi = None
+_lib = None
+
+
+def ffi():
+    global _ffi
+    if _ffi is None:
+        import cffi
+
+        f = cffi.FFI()
+        f.cdef(abi_declarations())
+        _ffi = f
+    return _ffi
+
+
+def lib():
+    """The loaded library, built for the current device on first use."""
+    global _lib
+    if _lib is None:
+        with _state_lock:
+            if _lib is None:
+                path = _build.build()
+                _lib = ffi().dlopen(str(path))
+    return _lib
+
+
+def load_library(path: str | Path) -> None:
+    """Use an already built library (tests, ahead-of-time builds)."""
+    global _lib
+    with _state_lock:
+        _lib = ffi().dlopen(str(path))
+
+
+def error_string(code: int) -> str:
+    return ffi().string(lib().trellm_error_string(code)).decode()
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise KernelError(f"{what}: {error_string(rc)} (code {rc})")
+
+
+def _stream():
+    return ffi().cast("cudaStream_t", torch.cuda.current_stream().cuda_stream)
+
+
+def _ptr(t: torch.Tensor | None, ctype: str = "void *"):
+    if t is None:
+        return ffi().NULL
+    return ffi().cast(ctype, t.data_ptr())
+
+
+def expect(
+    t: torch.Tensor | None,
+    name: str,
+    *,
+    dtype: torch.dtype | tuple[torch.dtype, ...] | None = None,
+    shape: tuple[int | None, ...] | None = None,
+    device: torch.device | None = None,
+    contiguous: bool = True,
+    optional: bool = False,
+) -> None:
+    """Raise KernelArgumentError naming ``name`` unless ``t`` fits (``None`` in shape = any size)."""
+    if t is None:
+        if optional:
+            return
+        raise KernelArgumentError(f"{name}: a tensor is required")
+    if not isinstance(t, torch.Tensor):
+        raise KernelArgumentError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cuda":
+        raise KernelArgumentError(f"{name}: must be on a CUDA device, got {t.device}")
+    if device is not None and t.device != device:
+        raise KernelArgumentError(f"{name}: on {t.device}, but the other arguments are on {device}")
+    if dtype is not None:
+        allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+        if t.dtype not in allowed:
+            raise KernelArgumentError(f"{name}: dtype {t.dtype}, expected {' or '.join(map(str, allowed))}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise KernelArgumentError(f"{name}: shape {list(t.shape)}, expected {want}")
+    if contiguous and not t.is_contiguous():
+        raise KernelArgumentError(f"{name}: must be contiguous (strides {t.stride()})")
+
+
+def _dtype_code(t: torch.Tensor, name: str) -> int:
+    try:
+        return DTYPE_CODES[t.dtype]
+    except KeyError:
+        raise KernelArgumentError(f"{name}: dtype {t.dtype} not supported (float16, bfloat16, float32)") from None
+
+
+def _codebook_code(codebook: str) -> int:
+    try:
+        return CODEBOOK_CODES[codebook]
+    except KeyError:
+        raise KernelArgumentError(f"codebook {codebook!r} unknown; expected one of {sorted(CODEBOOK_CODES)}") from None
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrappers
+
+
+def fill_f32(out: torch.Tensor, value: float) -> torch.Tensor:
+    expect(out, "out", dtype=torch.float32)
+    _check(lib().trellm_fill_f32(_ptr(out, "float *"), out.numel(), float(value), _stream()), "fill_f32")
+    return out
+
+
+def hadamard_128(
+    x: torch.Tensor,
+    *,
+    pre: torch.Tensor | None = None,
+    post: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """y = H128_blocks(x * pre) * post + bias along the last dim (pre/post/bias fp16 [dim])."""
+    expect(x, "x", dtype=_FLOATS)
+    dim = x.shape[-1] if x.dim() else 0
+    if dim == 0 or dim % 128:
+        raise KernelArgumentError(f"x: last dim {dim} is not a positive multiple of 128")
+    for t, name in ((pre, "pre"), (post, "post"), (bias, "bias")):
+        expect(t, name, dtype=torch.float16, shape=(dim,), device=x.device, optional=True)
+    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    rows = x.numel() // dim
+    rc = lib().trellm_hadamard_128(
+        _ptr(x), DTYPE_CODES[x.dtype], _ptr(y), _dtype_code(y, "out_dtype"), rows, dim,
+        _ptr(pre), _ptr(post), _ptr(bias), _stream(),
+    )
+    _check(rc, "hadamard_128")
+    return y
+
+
+def _trellis_dims(trellis: torch.Tensor) -> tuple[int, int, int]:
+    expect(trellis, "trellis", dtype=torch.int16)
+    if trellis.dim() != 3 or trellis.shape[2] % 16 or not 1 <= trellis.shape[2] // 16 <= 8:
+        raise KernelArgumentError(f"trellis: shape {list(trellis.shape)}, expected [k/16, n/16, 16*K] with K in 1..8")
+    return trellis.shape[0] * 16, trellis.shape[1] * 16, trellis.shape[2] // 16
+
+
+def exl3_gemv_splits(k: int) -> int:
+    return lib().trellm_exl3_gemv_splits(k)
+
+
+def exl3_gemv(xh: torch.Tensor, trellis: torch.Tensor, codebook: str) -> torch.Tensor:
+    """Partial sums float32 [splits, m, n] of xh (fp16 [m, k], m <= 32) @ W_hat."""
+    k, n, K = _trellis_dims(trellis)
+    expect(xh, "xh", dtype=torch.float16, shape=(None, k), device=trellis.device)
+    m = xh.shape[0]
+    if not 1 <= m <= 32:
+        raise KernelArgumentError(f"xh: {m} rows; the GEMV path takes 1..32")
+    if k % 128 or n % 128:
+        raise KernelArgumentError(f"trellis: k={k}, n={n} must be multiples of 128")
+    partial = torch.empty(exl3_gemv_splits(k), m, n, dtype=torch.float32, device=xh.device)
+    rc = lib().trellm_exl3_gemv(
+        _ptr(xh), _ptr(trellis, "int16_t *"), _ptr(partial, "float *"), m, k, n, K, _codebook_code(codebook),
+        _num_sms(xh.device), _stream(),
+    )
+    _check(rc, "exl3_gemv")
+    return partial
+
+
+def exl3_output(
+    partial: torch.Tensor, svh: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """y [m, n] = H128(sum of partial over splits) * svh (+ bias)."""
+    expect(partial, "partial", dtype=torch.float32, shape=(None, None, None))
+    splits, m, n = partial.shape
+    expect(svh, "svh", dtype=torch.float16, shape=(n,), device=partial.device)
+    expect(bias, "bias", dtype=torch.float16, shape=(n,), device=partial.device, optional=True)
+    y = torch.empty(m, n, dtype=out_dtype, device=partial.device)
+    rc = lib().trellm_exl3_output(
+        _ptr(partial, "float *"), splits, _ptr(svh), _ptr(bias), _ptr(y), _dtype_code(y, "out_dtype"), m, n, _stream()
+    )
+    _check(rc, "exl3_output")
+    return y
+
+
+def exl3_decode_tiles(trellis: torch.Tensor, codebook: str) -> torch.Tensor:
+    k, n, K = _trellis_dims(trellis)
+    w = torch.empty(k, n, dtype=torch.float16, device=trellis.device)
+    rc = lib().trellm_exl3_decode_tiles(_ptr(trellis, "int16_t *"), _ptr(w), k, n, K, _codebook_code(codebook), _stream())
+    _check(rc, "exl3_decode_tiles")
+    return w
+
+
+def exl3_codebook_decode(states: torch.Tensor, codebook: str) -> torch.Tensor:
+    expect(states, "states", dtype=torch.int32)
+    out = torch.empty(states.shape, dtype=torch.float16, device=states.device)
+    rc = lib().trellm_exl3_codebook_decode(
+        _ptr(states, "int32_t *"), _ptr(out), states.numel(), _codebook_code(codebook), _stream()
+    )
+    _check(rc, "exl3_codebook_decode")
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    unit_offset: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(x) or, with ``residual``, (rms_norm(x + residual), x + residual)."""
+    expect(x, "x", dtype=_FLOATS)
+    dim = x.shape[-1]
+    expect(weight, "weight", dtype=_FLOATS, shape=(dim,), device=x.device, optional=True)
+    expect(residual, "residual", dtype=x.dtype, shape=tuple(x.shape), device=x.device, optional=True)
+    y = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else None
+    rows = x.numel() // dim if dim else 0
+    w_code = DTYPE_CODES[weight.dtype] if weight is not None else 0
+    rc = lib().trellm_rms_norm(
+        _ptr(x), _ptr(residual), _ptr(weight), _ptr(y), _ptr(h), rows, dim, DTYPE_CODES[x.dtype], w_code,
+        float(eps), int(bool(unit_offset)), _stream(),
+    )
+    _check(rc, "rms_norm")
+    return (y, h) if residual is not None else y
+
+
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    expect(x, "x", dtype=_FLOATS, shape=(None, None, None))
+    tokens, heads, head_dim = x.shape
+    expect(cos, "cos", dtype=torch.float32, shape=(tokens, None), device=x.device)
+    half = cos.shape[1]
+    expect(sin, "sin", dtype=torch.float32, shape=(tokens, half), device=x.device)
+    if 2 * half > head_dim:
+        raise KernelArgumentError(f"cos: rotary half-dim {half} exceeds head_dim/2 = {head_dim / 2}")
+    y = torch.empty_like(x)
+    rc = lib().trellm_rotary_embedding(
+        _ptr(x), _ptr(y), _ptr(cos, "float *"), _ptr(sin, "float *"), tokens, heads, head_dim, half,
+        int(bool(interleaved)), DTYPE_CODES[x.dtype], _stream(),
+    )
+    _check(rc, "rotary_embedding")
+    return y
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """act(gate) * up for 2-D gate/up whose rows may be strided (views of a fused gate_up)."""
+    expect(gate, "gate", dtype=_FLOATS, shape=(None, None), contiguous=False)
+    expect(up, "up", dtype=gate.dtype, shape=tuple(gate.shape), device=gate.device, contiguous=False)
+    for t, name in ((gate, "gate"), (up, "up")):
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise KernelArgumentError(f"{name}: the last dim must be contiguous (strides {t.stride()})")
+    if activation not in ACTIVATION_CODES:
+        raise KernelArgumentError(f"activation {activation!r} unsupported; supported: {sorted(ACTIVATION_CODES)}")
+    rows, dim = gate.shape
+    out = torch.empty(rows, dim, dtype=gate.dtype, device=gate.device)
+    rc = lib().trellm_gated_activation(
+        _ptr(gate), gate.stride(0), _ptr(up), up.stride(0), _ptr(out), rows, dim, DTYPE_CODES[gate.dtype],
+        ACTIVATION_CODES[activation], _stream(),
+    )
+    _check(rc, "gated_activation")
+    return out
+
+
+def write_kv_pages(
+    k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor
+) -> None:
+    expect(k_pages, "k_pages", dtype=_FLOATS, shape=(None, None, None, None))
+    _, _, hkv, d = k_pages.shape
+    expect(v_pages, "v_pages", dtype=k_pages.dtype, shape=tuple(k_pages.shape), device=k_pages.device)
+    expect(k, "k", dtype=k_pages.dtype, shape=(None, hkv, d), device=k_pages.device)
+    tokens = k.shape[0]
+    expect(v, "v", dtype=k_pages.dtype, shape=(tokens, hkv, d), device=k_pages.device)
+    expect(slots, "slots", dtype=torch.int64, shape=(tokens,), device=k_pages.device)
+    rc = lib().trellm_write_kv_pages(
+        _ptr(k), _ptr(v), _ptr(k_pages), _ptr(v_pages), _ptr(slots, "int64_t *"), tokens, hkv * d,
+        DTYPE_CODES[k_pages.dtype], _stream(),
+    )
+    _check(rc, "write_kv_pages")
+
+
+ATTENTION_HEAD_DIMS = (64, 96, 128, 160, 192, 256)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    expect(q, "q", dtype=_FLOATS, shape=(None, None, None))
+    tokens, hq, d = q.shape
+    expect(k_pages, "k_pages", dtype=q.dtype, shape=(None, None, None, d), device=q.device)
+    expect(v_pages, "v_pages", dtype=q.dtype, shape=tuple(k_pages.shape), device=q.device)
+    _, page_size, hkv, _ = k_pages.shape
+    if hq % hkv:
+        raise KernelArgumentError(f"q: {hq} heads is not a multiple of the cache's {hkv} kv heads")
+    if d not in ATTENTION_HEAD_DIMS:
+        raise KernelArgumentError(f"q: head_dim {d} unsupported by the kernel; supported: {ATTENTION_HEAD_DIMS}")
+    expect(block_table, "block_table", dtype=torch.int32, shape=(None, None), device=q.device)
+    batch, max_blocks = block_table.shape
+    expect(cu_seqlens, "cu_seqlens", dtype=torch.int32, shape=(batch + 1,), device=q.device)
+    expect(context_lens, "context_lens", dtype=torch.int32, shape=(batch,), device=q.device)
+    expect(sinks, "sinks", dtype=torch.float32, shape=(hq,), device=q.device, optional=True)
+    out = torch.empty_like(q)
+    rc = lib().trellm_paged_attention(
+        _ptr(q), _ptr(k_pages), _ptr(v_pages), _ptr(block_table, "int32_t *"), _ptr(cu_seqlens, "int32_t *"),
+        _ptr(context_lens, "int32_t *"), _ptr(sinks, "float *"), _ptr(out), tokens, batch, hq, hkv, d, page_size,
+        max_blocks, float(scale), int(sliding_window), float(softcap), DTYPE_CODES[q.dtype], _stream(),
+    )
+    _check(rc, "paged_attention")
+    return out

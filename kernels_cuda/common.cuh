@@ -1,0 +1,172 @@
+// Shared device helpers: dtype conversion, launch checks, the 128-point warp Hadamard, EXL3 codebooks.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "trellm_kernels.h"
+
+#define TRELLM_LAUNCH_CHECK()                          \
+    do {                                               \
+        cudaError_t err_ = cudaGetLastError();         \
+        if (err_ != cudaSuccess) return (int)err_;     \
+    } while (0)
+
+// ---------------------------------------------------------------------------------------------
+// dtype helpers
+
+template <typename T> __device__ __forceinline__ float to_f32(T v);
+template <> __device__ __forceinline__ float to_f32<half>(half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_f32<float>(float v) { return v; }
+
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ half from_f32<half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+
+// Calls F.template operator()<T>() with T the C type of a dtype code; returns TRELLM_E_BAD_DTYPE otherwise.
+#define TRELLM_DISPATCH_DTYPE(code, T, ...)                              \
+    switch (code) {                                                      \
+        case TRELLM_F16: { typedef half T; __VA_ARGS__; break; }         \
+        case TRELLM_BF16: { typedef __nv_bfloat16 T; __VA_ARGS__; break; } \
+        case TRELLM_F32: { typedef float T; __VA_ARGS__; break; }        \
+        default: return TRELLM_E_BAD_DTYPE;                              \
+    }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 128-point natural-order Sylvester Hadamard over one warp: lane l holds elements 4l..4l+3.
+// In-register butterflies for index bits 0-1, shuffles for bits 2-6; scaled by 1/sqrt(128).
+
+__device__ __forceinline__ void warp_hadamard_128(float v[4]) {
+    float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
+    v[0] = a0 + a2; v[1] = a1 + a3; v[2] = a0 - a2; v[3] = a1 - a3;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const bool upper = lane & d;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float other = __shfl_xor_sync(0xffffffffu, v[i], d);
+            v[i] = upper ? other - v[i] : v[i] + other;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] *= 0.08838834764831845f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// EXL3 codebooks (shared/exl3_format.md section 2.4). decode_pair turns two 16-bit states into the
+// half2 (decode(a), decode(b)).
+
+template <int CB> __device__ __forceinline__ uint32_t cb_hash(uint32_t s) {
+    if constexpr (CB == TRELLM_CB_3INST) return s * 89226354u + 64248484u;
+    else if constexpr (CB == TRELLM_CB_MCG) return s * 0xCBAC1FEDu;
+    else return s * 0x83DCD12Du;
+}
+
+template <int CB> __device__ __forceinline__ half2 decode_pair(uint32_t a, uint32_t b) {
+    if constexpr (CB == TRELLM_CB_MUL1) {
+        // 0x6400 + byte sum of the hash = fp16(1024 + s); then fp16 fma with k_inv, k_bias.
+        uint32_t ha = __dp4a(cb_hash<CB>(a), 0x01010101u, 0x6400u);
+        uint32_t hb = __dp4a(cb_hash<CB>(b), 0x01010101u, 0x6400u);
+        uint32_t packed = __byte_perm(ha, hb, 0x5410);
+        const half2 k_inv = __halves2half2(__ushort_as_half(0x1EEE), __ushort_as_half(0x1EEE));
+        const half2 k_bias = __halves2half2(__ushort_as_half(0xC931), __ushort_as_half(0xC931));
+        return __hfma2(*reinterpret_cast<half2 *>(&packed), k_inv, k_bias);
+    } else {
+        uint32_t xa = (cb_hash<CB>(a) & 0x8FFF8FFFu) ^ 0x3B603B60u;
+        uint32_t xb = (cb_hash<CB>(b) & 0x8FFF8FFFu) ^ 0x3B603B60u;
+        uint32_t lo = __byte_perm(xa, xb, 0x5410);
+        uint32_t hi = __byte_perm(xa, xb, 0x7632);
+        return __hadd2(*reinterpret_cast<half2 *>(&lo), *reinterpret_cast<half2 *>(&hi));
+    }
+}
+
+template <int CB> __device__ __forceinline__ half decode_one(uint32_t s) {
+    return __low2half(decode_pair<CB>(s & 0xFFFFu, 0u));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Trellis tile reading. Tile words w[0..8K) are the little-endian uint32 view of the 16*K int16;
+// the stream is MSB-first per word. Lane t decodes positions 8t..8t+7: the 16-bit windows ending at
+// stream bits (8t+e+1)*K. It needs stream bits [8tK + K - 16, 8tK + 8K) (circular).
+
+template <int K> struct TileGeom {
+    static constexpr int L = 256 * K;                 // bits per tile
+    static constexpr int WORDS = 8 * K;               // uint32 words per tile
+    static constexpr int NEED = 7 * K + 16;           // bits a lane needs
+    static constexpr bool R_CONST = (K % 4) == 0;     // start offset inside a word is lane-independent
+    static constexpr int R_FIXED = ((K - 16) % 32 + 32) % 32;
+    static constexpr int R_MAX = R_CONST ? R_FIXED : 31;
+    static constexpr int NW = (R_MAX + NEED + 31) / 32;  // raw words to load
+    static constexpr int NN = (NEED + 31) / 32;          // normalised words
+};
+
+// Word index of the lane's first word and its bit offset.
+template <int K> __device__ __forceinline__ void lane_window(int lane, int &w0, int &r) {
+    using G = TileGeom<K>;
+    int s = 8 * lane * K + K - 16;
+    if (s < 0) s += G::L;
+    w0 = s >> 5;
+    r = G::R_CONST ? G::R_FIXED : (s & 31);
+}
+
+// Load the lane's raw words of one tile (tile = pointer to its first uint32 word).
+template <int K> __device__ __forceinline__ void load_lane_words(const uint32_t *__restrict__ tile, int w0,
+                                                                 uint32_t (&raw)[TileGeom<K>::NW]) {
+    using G = TileGeom<K>;
+#pragma unroll
+    for (int q = 0; q < G::NW; ++q) {
+        int idx = w0 + q;
+        if (idx >= G::WORDS) idx -= G::WORDS;
+        raw[q] = __ldg(tile + idx);
+    }
+}
+
+// 16-bit field starting at bit B (MSB-first) of the normalised stream n[0..NN).
+template <int B, int NN> __device__ __forceinline__ uint32_t field16(const uint32_t (&n)[NN]) {
+    constexpr int wi = B / 32, off = B % 32;
+    if constexpr (off + 16 <= 32) {
+        return (n[wi] >> (16 - off)) & 0xFFFFu;
+    } else {
+        // spans n[wi] (low 32-off bits) and n[wi+1]
+        return __funnelshift_r(n[wi + 1], n[wi], 48 - off) & 0xFFFFu;
+    }
+}
+
+// The eight states of lane positions 8t..8t+7 from its raw words.
+template <int K> __device__ __forceinline__ void lane_states(const uint32_t (&raw)[TileGeom<K>::NW], int r,
+                                                            uint32_t (&st)[8]) {
+    using G = TileGeom<K>;
+    uint32_t n[G::NN];
+#pragma unroll
+    for (int q = 0; q < G::NN; ++q) {
+        uint32_t hi = raw[q];
+        uint32_t lo = (q + 1 < G::NW) ? raw[q + 1] : 0u;
+        if constexpr (G::R_CONST) n[q] = G::R_FIXED ? ((hi << G::R_FIXED) | (lo >> (32 - G::R_FIXED))) : hi;
+        else n[q] = __funnelshift_l(lo, hi, r);
+    }
+    st[0] = field16<0 * K, G::NN>(n);
+    st[1] = field16<1 * K, G::NN>(n);
+    st[2] = field16<2 * K, G::NN>(n);
+    st[3] = field16<3 * K, G::NN>(n);
+    st[4] = field16<4 * K, G::NN>(n);
+    st[5] = field16<5 * K, G::NN>(n);
+    st[6] = field16<6 * K, G::NN>(n);
+    st[7] = field16<7 * K, G::NN>(n);
+}

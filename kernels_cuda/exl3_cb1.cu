@@ -1,0 +1,8 @@
+// EXL3 GEMV and tile-decode instantiations for codebook 1 (one translation unit per codebook: parallel builds).
+#include "exl3_gemv.cuh"
+
+namespace trellm {
+#define CB_VALUE 1
+TRELLM_DEFINE_CODEBOOK_LAUNCHERS(1)
+#undef CB_VALUE
+}  // namespace trellm

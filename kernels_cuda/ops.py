@@ -1,0 +1,184 @@
+"""Register the CUDA kernels as the ``"cuda"`` implementations of ``trellm.ops``.
+
+Imported by ``trellm.ops.load_backends()`` when CUDA is available. Each implementation keeps its
+op's signature and semantics; a case the kernel does not cover (an unusual dtype mix, an
+unsupported head size) falls back to the op's torch reference rather than failing.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trellm import ops as _ops
+from trellm.ops import attention as _attention
+from trellm.ops import dense as _dense
+from trellm.ops import exl3 as _exl3
+
+from . import binding
+
+# Build (or load from the cache) now, so a missing nvcc/cffi fails the backend import and
+# load_backends() falls back to the references instead of failing at the first op call.
+binding.lib()
+
+# Rows up to this go through the fused GEMV (one pass over the trellis for up to 32 rows); above it
+# W_hat is decoded to fp16 and multiplied by cuBLAS, whose cost is then shared by all rows.
+EXL3_GEMV_MAX_ROWS = 32
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@_exl3.hadamard_128.register("cuda")
+def hadamard_128(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype not in _FLOATS or x.dim() == 0 or x.shape[-1] % 128:
+        return _exl3.hadamard_128.reference(x)
+    return binding.hadamard_128(x.contiguous())
+
+
+@_exl3.exl3_codebook_decode.register("cuda")
+def exl3_codebook_decode(states: torch.Tensor, codebook: str) -> torch.Tensor:
+    return binding.exl3_codebook_decode(states.to(torch.int32).contiguous(), codebook)
+
+
+@_exl3.exl3_decode_tiles.register("cuda")
+def exl3_decode_tiles(trellis: torch.Tensor, codebook: str) -> torch.Tensor:
+    return binding.exl3_decode_tiles(trellis.contiguous(), codebook)
+
+
+@_exl3.exl3_matmul.register("cuda")
+def exl3_matmul(
+    x: torch.Tensor,
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    codebook: str,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+    if x.dtype not in _FLOATS or x.shape[-1] != k or k % 128 or n % 128:
+        return _exl3.exl3_matmul.reference(x, trellis, suh, svh, codebook, bias)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty(*lead, n)
+    suh16, svh16 = suh.to(torch.float16).contiguous(), svh.to(torch.float16).contiguous()
+    bias16 = bias.to(torch.float16).contiguous() if bias is not None else None
+    xh = binding.hadamard_128(x2, pre=suh16, out_dtype=torch.float16)
+    if m <= EXL3_GEMV_MAX_ROWS:
+        partial = binding.exl3_gemv(xh, trellis.contiguous(), codebook)
+        y = binding.exl3_output(partial, svh16, bias16, x.dtype)
+    else:
+        w_hat = binding.exl3_decode_tiles(trellis.contiguous(), codebook)
+        acc = torch.matmul(xh, w_hat)
+        y = binding.hadamard_128(acc, post=svh16, bias=bias16, out_dtype=x.dtype)
+    return y.reshape(*lead, n)
+
+
+@_dense.rms_norm.register("cuda")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    if x.dtype not in _FLOATS or x.numel() == 0 or (weight is not None and weight.dtype not in _FLOATS):
+        return _dense.rms_norm.reference(x, weight, eps, unit_offset)
+    w = weight.contiguous() if weight is not None else None
+    return binding.rms_norm(x.contiguous(), w, eps, unit_offset)
+
+
+@_dense.add_rms_norm.register("cuda")
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, unit_offset: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if (
+        x.dtype not in _FLOATS
+        or residual.dtype != x.dtype
+        or residual.shape != x.shape
+        or x.numel() == 0
+        or (weight is not None and weight.dtype not in _FLOATS)
+    ):
+        return _dense.add_rms_norm.reference(x, residual, weight, eps, unit_offset)
+    w = weight.contiguous() if weight is not None else None
+    return binding.rms_norm(x.contiguous(), w, eps, unit_offset, residual=residual.contiguous())
+
+
+@_dense.rotary_embedding.register("cuda")
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    if x.dim() != 3 or x.dtype not in _FLOATS or cos.dim() != 2:
+        return _dense.rotary_embedding.reference(x, cos, sin, interleaved)
+    c = cos.to(torch.float32).contiguous()
+    s = sin.to(torch.float32).contiguous()
+    return binding.rotary_embedding(x.contiguous(), c, s, interleaved)
+
+
+@_dense.gated_activation.register("cuda")
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    if (
+        gate.dtype not in _FLOATS
+        or up.dtype != gate.dtype
+        or up.shape != gate.shape
+        or activation not in binding.ACTIVATION_CODES
+        or gate.numel() == 0
+    ):
+        return _dense.gated_activation.reference(gate, up, activation)
+    dim = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, dim), up.reshape(-1, dim)
+    if dim > 1 and (g2.stride(1) != 1 or u2.stride(1) != 1):
+        g2, u2 = g2.contiguous(), u2.contiguous()
+    return binding.gated_activation(g2, u2, activation).reshape(gate.shape)
+
+
+@_attention.write_kv_pages.register("cuda")
+def write_kv_pages(
+    k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor
+) -> None:
+    if k_pages.dtype not in _FLOATS or not (k_pages.is_contiguous() and v_pages.is_contiguous()):
+        return _attention.write_kv_pages.reference(k, v, k_pages, v_pages, slots)
+    binding.write_kv_pages(
+        k.to(k_pages.dtype).contiguous(),
+        v.to(v_pages.dtype).contiguous(),
+        k_pages,
+        v_pages,
+        slots.to(device=k_pages.device, dtype=torch.int64).contiguous(),
+    )
+
+
+@_attention.paged_attention.register("cuda")
+def paged_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float | None = None,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    d = q.shape[-1]
+    if (
+        q.dim() != 3
+        or q.dtype not in _FLOATS
+        or k_pages.dtype != q.dtype
+        or v_pages.dtype != q.dtype
+        or v_pages.shape[-1] != d
+        or d not in binding.ATTENTION_HEAD_DIMS
+        or not (k_pages.is_contiguous() and v_pages.is_contiguous())
+    ):
+        return _attention.paged_attention.reference(
+            q, k_pages, v_pages, block_table, cu_seqlens, context_lens, scale, sliding_window, softcap, sinks
+        )
+    dev = q.device
+    return binding.paged_attention(
+        q.contiguous(),
+        k_pages,
+        v_pages,
+        block_table.to(device=dev, dtype=torch.int32).contiguous(),
+        cu_seqlens.to(device=dev, dtype=torch.int32).contiguous(),
+        context_lens.to(device=dev, dtype=torch.int32).contiguous(),
+        scale if scale is not None else 1.0 / math.sqrt(d),
+        int(sliding_window or 0),
+        float(softcap or 0.0),
+        sinks.to(device=dev, dtype=torch.float32).contiguous() if sinks is not None else None,
+    )
+
+
+REGISTERED = sorted(name for name, o in _ops._OPS.items() if "cuda" in o.impls)

@@ -1,0 +1,107 @@
+/* trellm CUDA kernels: the C ABI.
+ *
+ * Plain C functions taking device pointers, sizes and a stream, returning an int error code:
+ * 0 on success, a positive cudaError_t from a failed launch, or a negative TRELLM_E_* code for an
+ * argument the kernel cannot handle. trellm_error_string() turns either into text.
+ * Tensors are dense and row-major unless a stride argument says otherwise.
+ *
+ * The block between ABI BEGIN and ABI END is read verbatim by cffi (binding.py): keep it plain C
+ * declarations, no preprocessor lines.
+ */
+#ifndef TRELLM_KERNELS_H
+#define TRELLM_KERNELS_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ABI BEGIN */
+typedef struct CUstream_st *cudaStream_t;
+
+enum {
+    TRELLM_OK = 0,
+    TRELLM_E_BAD_DTYPE = -1,
+    TRELLM_E_BAD_SHAPE = -2,
+    TRELLM_E_BAD_ARG = -3,
+    TRELLM_E_UNSUPPORTED = -4
+};
+
+/* dtype codes */
+enum { TRELLM_F16 = 0, TRELLM_BF16 = 1, TRELLM_F32 = 2 };
+
+/* codebook codes: 3INST, MCG, MUL1 */
+enum { TRELLM_CB_3INST = 0, TRELLM_CB_MCG = 1, TRELLM_CB_MUL1 = 2 };
+
+/* activation codes for trellm_gated_activation */
+enum { TRELLM_ACT_SILU = 0, TRELLM_ACT_GELU = 1, TRELLM_ACT_GELU_TANH = 2, TRELLM_ACT_RELU = 3, TRELLM_ACT_RELU2 = 4 };
+
+const char *trellm_error_string(int code);
+int trellm_abi_version(void);
+
+/* out[i] = value for i < n (float32): the smallest launch, for build/graph checks. */
+int trellm_fill_f32(float *out, int64_t n, float value, cudaStream_t stream);
+
+/* y[r, :] = H128_blocks(x[r, :] * pre) * post + bias, float32 math. pre/post/bias are fp16 [dim] or NULL.
+ * x and y may have different dtypes; dim % 128 == 0. */
+int trellm_hadamard_128(const void *x, int x_dtype, void *y, int y_dtype, int64_t rows, int64_t dim,
+                        const void *pre, const void *post, const void *bias, cudaStream_t stream);
+
+/* EXL3 batch-1..32 path. xh: fp16 [m, k] (already H128(x * suh)); trellis int16 [k/16, n/16, 16*K];
+ * partial: float32 [splits, m, n] with splits = trellm_exl3_gemv_splits(k). */
+int trellm_exl3_gemv_splits(int64_t k);
+int trellm_exl3_gemv(const void *xh, const int16_t *trellis, float *partial, int64_t m, int64_t k, int64_t n,
+                     int K, int codebook, int num_sms, cudaStream_t stream);
+
+/* y[m, n] = H128_blocks(sum_s partial[s, m, :]) * svh + bias, in y_dtype. bias may be NULL. */
+int trellm_exl3_output(const float *partial, int splits, const void *svh, const void *bias, void *y, int y_dtype,
+                       int64_t m, int64_t n, cudaStream_t stream);
+
+/* W_hat fp16 [k, n] from the trellis (no Hadamards, no scales). */
+int trellm_exl3_decode_tiles(const int16_t *trellis, void *w_hat, int64_t k, int64_t n, int K, int codebook,
+                             cudaStream_t stream);
+
+/* out fp16 [count] = decode(states[i] & 0xFFFF). */
+int trellm_exl3_codebook_decode(const int32_t *states, void *out, int64_t count, int codebook, cudaStream_t stream);
+
+/* Tail-biting Viterbi over tiles: targets float32 [tiles, 256] -> states int32 [tiles, 256].
+ * scratch: uint8 of trellm_viterbi_scratch_bytes(tiles, K). */
+int64_t trellm_viterbi_scratch_bytes(int64_t tiles, int K);
+int trellm_trellis_viterbi(const float *targets, int32_t *states, int64_t tiles, int K, int codebook,
+                           void *scratch, cudaStream_t stream);
+
+/* RMSNorm over rows of x [rows, dim] (dtype), float32 math. If residual != NULL: h = x + residual
+ * (rounded to dtype) is written to h_out and normalised. weight (w_dtype) may be NULL. */
+int trellm_rms_norm(const void *x, const void *residual, const void *weight, void *y, void *h_out,
+                    int64_t rows, int64_t dim, int dtype, int w_dtype, float eps, int unit_offset,
+                    cudaStream_t stream);
+
+/* x, y [tokens, heads, head_dim]; cos, sin float32 [tokens, half]; rotates the first 2*half dims. */
+int trellm_rotary_embedding(const void *x, void *y, const float *cos, const float *sin, int64_t tokens,
+                            int64_t heads, int64_t head_dim, int64_t rot_half, int interleaved, int dtype,
+                            cudaStream_t stream);
+
+/* out [rows, dim] = act(gate) * up; gate/up rows are gate_stride/up_stride elements apart. */
+int trellm_gated_activation(const void *gate, int64_t gate_stride, const void *up, int64_t up_stride, void *out,
+                            int64_t rows, int64_t dim, int dtype, int activation, cudaStream_t stream);
+
+/* k, v [tokens, row_elems] -> k_pages/v_pages rows at slots[t] (int64; negative = skip). */
+int trellm_write_kv_pages(const void *k, const void *v, void *k_pages, void *v_pages, const int64_t *slots,
+                          int64_t tokens, int64_t row_elems, int dtype, cudaStream_t stream);
+
+/* Paged attention of each query token over its sequence's cached context (decode and chunked prefill).
+ * q [tokens, hq, d]; pages [num_pages, page_size, hkv, d]; block_table int32 [batch, max_blocks];
+ * cu_seqlens int32 [batch+1]; context_lens int32 [batch]; sinks float32 [hq] or NULL; out like q. */
+int trellm_paged_attention(const void *q, const void *k_pages, const void *v_pages, const int32_t *block_table,
+                           const int32_t *cu_seqlens, const int32_t *context_lens, const float *sinks, void *out,
+                           int64_t tokens, int64_t batch, int64_t hq, int64_t hkv, int64_t head_dim,
+                           int64_t page_size, int64_t max_blocks, float scale, int sliding_window, float softcap,
+                           int dtype, cudaStream_t stream);
+/* ABI END */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TRELLM_KERNELS_H */

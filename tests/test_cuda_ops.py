@@ -1,0 +1,321 @@
+"""Every CUDA kernel held against its torch reference op (llama.cpp's test-backend-ops idea).
+
+GPU only: skipped without CUDA. Fresh random inputs per check; outputs compared by relative
+Frobenius error against the float32/float64 reference, bit-exact where the format demands it.
+"""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+GOLDEN = Path(__file__).parent / "data" / "golden"
+CODEBOOKS = ("3inst", "mcg", "mul1")
+
+
+@pytest.fixture(scope="module")
+def kb():
+    pytest.importorskip("cffi")
+    from trellm.kernels_cuda import binding
+
+    binding.lib()
+    return binding
+
+
+@pytest.fixture(scope="module")
+def ops(kb):
+    from trellm import ops as core_ops
+    from trellm.kernels_cuda import ops as cuda_ops  # noqa: F401  (registers the implementations)
+    from trellm.ops import exl3  # noqa: F401
+
+    return core_ops
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def cuda_impl(op):
+    impl = op.impls.get("cuda")
+    assert impl is not None, f"{op.name} has no CUDA implementation registered"
+    return impl
+
+
+# ---------------------------------------------------------------------------------------------
+# Plumbing: launch, errors, graphs
+
+
+def test_fill_and_graph_replay(kb):
+    out = torch.full((1 << 20,), -1.0, device="cuda")
+    kb.fill_f32(out, 3.5)
+    torch.cuda.synchronize()
+    assert (out == 3.5).all()
+
+    # Captured on torch's current (side) stream, replayed with a changed input.
+    x = torch.randn(4, 4096, device="cuda", dtype=torch.float16)
+    y = torch.empty(4, 4096, device="cuda", dtype=torch.float16)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kb.hadamard_128(x)  # warm-up outside capture
+        with torch.cuda.graph(g, stream=s):
+            y.copy_(kb.hadamard_128(x))
+    torch.cuda.current_stream().wait_stream(s)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    from trellm.ops.exl3 import hadamard_128
+
+    assert rel_err(y, hadamard_128.reference(x)) < 2e-3
+
+
+def test_errors_carry_text(kb):
+    from trellm.kernels_cuda.binding import KernelArgumentError, KernelError
+
+    with pytest.raises(KernelArgumentError, match="last dim 100"):
+        kb.hadamard_128(torch.zeros(2, 100, device="cuda"))
+    with pytest.raises(KernelArgumentError, match="contiguous"):
+        kb.hadamard_128(torch.zeros(256, 4, device="cuda").t())
+    with pytest.raises(KernelArgumentError, match="CUDA device"):
+        kb.fill_f32(torch.zeros(4), 1.0)
+    # The library's own checks come back as KernelError with its text.
+    rc = kb.lib().trellm_exl3_gemv(kb.ffi().NULL, kb.ffi().NULL, kb.ffi().NULL, 1, 100, 128, 4, 0, 132, kb._stream())
+    assert kb.error_string(rc) == "unsupported or inconsistent shape"
+    with pytest.raises(KernelError, match="unsupported or inconsistent shape"):
+        kb._check(rc, "exl3_gemv")
+    assert "invalid" in kb.error_string(1).lower()  # cudaErrorInvalidValue from the CUDA runtime
+
+
+# ---------------------------------------------------------------------------------------------
+# EXL3
+
+
+def _random_layer(k: int, n: int, K: int, device="cuda"):
+    g = torch.Generator().manual_seed(k * 7 + n * 3 + K)
+    trellis = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * K), generator=g, dtype=torch.int32).to(torch.int16)
+    suh = (torch.randn(k, generator=g) * 0.05).half()
+    svh = (torch.rand(n, generator=g) + 0.5).half() * torch.sign(torch.randn(n, generator=g)).half()
+    bias = torch.randn(n, generator=g).half()
+    return trellis.to(device), suh.to(device), svh.to(device), bias.to(device)
+
+
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+def test_codebook_decode_all_states(ops, codebook):
+    from safetensors.torch import load_file
+
+    states = torch.arange(65536, dtype=torch.int32, device="cuda")
+    out = cuda_impl(ops.exl3.exl3_codebook_decode)(states, codebook)
+    ref = ops.exl3.exl3_codebook_decode.reference(states.cpu(), codebook)
+    assert torch.equal(out.cpu().view(torch.int16), ref.view(torch.int16))
+    golden = GOLDEN / "exl3_codebooks_all_states.safetensors"
+    if golden.exists():
+        want = load_file(str(golden))[f"codebook.{codebook}"]
+        assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+@pytest.mark.parametrize("K", range(1, 9))
+def test_decode_tiles_bit_exact(ops, K, codebook):
+    trellis, *_ = _random_layer(256, 384, K)
+    out = cuda_impl(ops.exl3.exl3_decode_tiles)(trellis, codebook)
+    ref = ops.exl3.exl3_decode_tiles.reference(trellis.cpu(), codebook)
+    assert torch.equal(out.cpu().view(torch.int16), ref.view(torch.int16))
+
+
+def test_golden_vectors(ops):
+    from safetensors.torch import load_file
+
+    files = sorted(GOLDEN.glob("exl3_k*_256x256.safetensors"))
+    if not files:
+        pytest.skip("no golden vectors")
+    for f in files:
+        d = load_file(str(f))
+        cb = "mcg" if "layer.mcg" in d else "mul1" if "layer.mul1" in d else "3inst"
+        trellis = d["layer.trellis"].cuda()
+        w_hat = cuda_impl(ops.exl3.exl3_decode_tiles)(trellis, cb)
+        assert torch.equal(w_hat.cpu().view(torch.int16), d["expected.w_hat"].view(torch.int16)), f.name
+        x = d["probe.x"].cuda()
+        for dtype in (torch.float16, torch.float32):
+            y = cuda_impl(ops.exl3.exl3_matmul)(x.to(dtype), trellis, d["layer.suh"].cuda(), d["layer.svh"].cuda(), cb)
+            assert rel_err(y, d["probe.y"]) < 5e-3, (f.name, dtype)
+
+
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+@pytest.mark.parametrize("K", range(1, 9))
+def test_exl3_matmul_gemv_all_k(ops, K, codebook):
+    k, n = 512, 384
+    trellis, suh, svh, bias = _random_layer(k, n, K)
+    for m in (1, 5, 8):
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        y = cuda_impl(ops.exl3.exl3_matmul)(x, trellis, suh, svh, codebook, bias)
+        ref = ops.exl3.exl3_matmul.reference(x.float(), trellis, suh, svh, codebook, bias)
+        assert y.dtype == torch.float16 and y.shape == (m, n)
+        assert rel_err(y, ref) < 3e-3, (m, K, codebook)
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 9, 16, 17, 32, 33, 100])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_exl3_matmul_rows_and_dtypes(ops, m, dtype):
+    k, n, K = 4096, 1024, 4
+    trellis, suh, svh, bias = _random_layer(k, n, K)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    y = cuda_impl(ops.exl3.exl3_matmul)(x, trellis, suh, svh, "mcg", bias if m % 2 else None)
+    ref = ops.exl3.exl3_matmul.reference(x.float(), trellis, suh, svh, "mcg", bias if m % 2 else None)
+    assert y.dtype == dtype
+    tol = 1e-2 if dtype == torch.bfloat16 else 3e-3
+    assert rel_err(y, ref) < tol
+
+
+def test_exl3_matmul_graph_capture(ops):
+    k, n = 4096, 14336
+    trellis, suh, svh, _ = _random_layer(k, n, 4)
+    x = torch.randn(1, k, device="cuda", dtype=torch.float16)
+    fn = cuda_impl(ops.exl3.exl3_matmul)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        fn(x, trellis, suh, svh, "mul1")
+        with torch.cuda.graph(g, stream=s):
+            y = fn(x, trellis, suh, svh, "mul1")
+    torch.cuda.current_stream().wait_stream(s)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    ref = ops.exl3.exl3_matmul.reference(x.float(), trellis, suh, svh, "mul1")
+    assert rel_err(y, ref) < 3e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_hadamard_128(ops, dtype):
+    x = torch.randn(3, 5, 1024, device="cuda", dtype=dtype)
+    out = cuda_impl(ops.exl3.hadamard_128)(x)
+    ref = ops.exl3.hadamard_128.reference(x)
+    assert out.dtype == dtype
+    assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3 if dtype == torch.float16 else 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dim", [64, 4096, 5120])
+def test_rms_norm(ops, dtype, dim):
+    x = torch.randn(7, dim, device="cuda", dtype=dtype) * 3
+    w = torch.randn(dim, device="cuda", dtype=dtype)
+    for unit_offset in (False, True):
+        out = cuda_impl(ops.rms_norm)(x, w, 1e-6, unit_offset)
+        ref = ops.rms_norm.reference(x, w, 1e-6, unit_offset)
+        assert rel_err(out, ref) < (8e-3 if dtype == torch.bfloat16 else 1e-3 if dtype == torch.float16 else 1e-6)
+    out = cuda_impl(ops.rms_norm)(x, None, 1e-5)
+    assert rel_err(out, ops.rms_norm.reference(x, None, 1e-5)) < 8e-3
+    w32 = torch.randn(dim, device="cuda")
+    out = cuda_impl(ops.rms_norm)(x, w32, 1e-6)
+    assert rel_err(out, ops.rms_norm.reference(x, w32, 1e-6)) < 8e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_add_rms_norm(ops, dtype):
+    x = torch.randn(2, 9, 4096, device="cuda", dtype=dtype)
+    r = torch.randn_like(x)
+    w = torch.randn(4096, device="cuda", dtype=dtype)
+    y, h = cuda_impl(ops.add_rms_norm)(x, r, w, 1e-6)
+    y_ref, h_ref = ops.add_rms_norm.reference(x, r, w, 1e-6)
+    assert torch.equal(h, h_ref)
+    assert rel_err(y, y_ref) < (8e-3 if dtype == torch.bfloat16 else 1e-3)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rot_frac", [1.0, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_rotary_embedding(ops, interleaved, rot_frac, dtype):
+    tokens, heads, head_dim = 11, 8, 128
+    half = int(head_dim * rot_frac) // 2
+    x = torch.randn(tokens, heads, head_dim, device="cuda", dtype=dtype)
+    pos = torch.arange(tokens, device="cuda").float()[:, None] * 37
+    inv = 1.0 / (10000 ** (torch.arange(half, device="cuda").float() / half))
+    cos, sin = torch.cos(pos * inv), torch.sin(pos * inv)
+    out = cuda_impl(ops.rotary_embedding)(x, cos, sin, interleaved)
+    ref = ops.rotary_embedding.reference(x, cos, sin, interleaved)
+    assert out.shape == ref.shape
+    assert rel_err(out, ref) < (8e-3 if dtype == torch.bfloat16 else 1e-3 if dtype == torch.float16 else 1e-6)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu", "relu2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gated_activation(ops, activation, dtype):
+    gu = torch.randn(13, 2 * 1000, device="cuda", dtype=dtype) * 2
+    gate, up = gu[:, :1000], gu[:, 1000:]  # strided views of a fused projection
+    out = cuda_impl(ops.gated_activation)(gate, up, activation)
+    ref = ops.gated_activation.reference(gate, up, activation)
+    assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3 if dtype == torch.float16 else 1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged KV cache and attention
+
+
+def _paged_setup(dtype, ctx_lens, q_lens, hq=8, hkv=2, d=128, page_size=16, seed=0):
+    torch.manual_seed(seed)
+    batch = len(ctx_lens)
+    max_blocks = max((c + page_size - 1) // page_size for c in ctx_lens)
+    num_pages = batch * max_blocks + 3
+    k_pages = torch.randn(num_pages, page_size, hkv, d, device="cuda", dtype=dtype)
+    v_pages = torch.randn_like(k_pages)
+    perm = torch.randperm(num_pages, device="cuda")[: batch * max_blocks].view(batch, max_blocks).to(torch.int32)
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device="cuda")
+    q = torch.randn(int(sum(q_lens)), hq, d, device="cuda", dtype=dtype)
+    return q, k_pages, v_pages, perm, cu, torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(ctx=[1, 17, 300, 64], q=[1, 1, 1, 1]),  # decode
+        dict(ctx=[40, 77], q=[40, 13]),  # prefill + chunked prefill
+        dict(ctx=[200, 33], q=[1, 5], window=32),
+        dict(ctx=[90], q=[3], softcap=30.0, sinks=True),
+        dict(ctx=[50, 50], q=[1, 1], hq=32, hkv=2, d=64),  # group of 16 heads
+    ],
+)
+def test_paged_attention(ops, dtype, case):
+    q, kp, vp, bt, cu, cl = _paged_setup(
+        dtype, case["ctx"], case["q"], hq=case.get("hq", 8), hkv=case.get("hkv", 2), d=case.get("d", 128)
+    )
+    sinks = torch.randn(q.shape[1], device="cuda") if case.get("sinks") else None
+    kw = dict(sliding_window=case.get("window", 0), softcap=case.get("softcap", 0.0), sinks=sinks)
+    out = cuda_impl(ops.paged_attention)(q, kp, vp, bt, cu, cl, None, **kw)
+    ref = ops.paged_attention.reference(q, kp, vp, bt, cu, cl, None, **kw)
+    assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_write_kv_pages(ops, dtype):
+    pages, page_size, hkv, d = 10, 16, 4, 64
+    kp = torch.randn(pages, page_size, hkv, d, device="cuda", dtype=dtype)
+    vp = torch.randn_like(kp)
+    kp_ref, vp_ref = kp.clone(), vp.clone()
+    slots = torch.randperm(pages * page_size, device="cuda")[:23]
+    k = torch.randn(23, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    cuda_impl(ops.write_kv_pages)(k, v, kp, vp, slots)
+    ops.write_kv_pages.reference(k, v, kp_ref, vp_ref, slots)
+    assert torch.equal(kp, kp_ref) and torch.equal(vp, vp_ref)
+
+
+def test_dispatch_picks_cuda(ops):
+    x = torch.randn(2, 256, device="cuda", dtype=torch.float16)
+    assert "cuda" in ops.rms_norm.impls
+    assert rel_err(ops.rms_norm(x, None, 1e-6), ops.rms_norm.reference(x, None, 1e-6)) < 1e-3
