@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import tokenizers
-from tokenizers import processors
 
 from .errors import TokenizerError
 
@@ -106,13 +105,9 @@ class Tokenizer:
         def special(name: str) -> str | None:
             return _token_text(tok_config.get(name)) or _token_text(special_map.get(name))
 
-        # HF rebuilds the post-processor when tokenizer_config says add_bos/add_eos explicitly, or
-        # when tokenizer.json has none; otherwise tokenizer.json's post-processor decides.
+        # As in transformers v5: with a tokenizer.json, its post-processor alone decides whether
+        # BOS/EOS are added; tokenizer_config's add_bos_token/add_eos_token are ignored.
         bos_token, eos_token = special("bos_token"), special("eos_token")
-        add_bos, add_eos = tok_config.get("add_bos_token"), tok_config.get("add_eos_token")
-        if add_bos is not None or add_eos is not None or backend.post_processor is None:
-            backend.post_processor = _bos_eos_processor(backend, bos_token if add_bos else None,
-                                                        eos_token if add_eos else None)
 
         templates = _load_chat_templates(model_dir, tok_config)
         extra_eos = _as_id_list(gen_config.get("eos_token_id")) + _as_id_list(model_config.get("eos_token_id"))
@@ -208,17 +203,6 @@ class Tokenizer:
             self.chat_templates[name], messages, add_generation_prompt=add_generation_prompt,
             tools=tools, documents=documents, **{**specials, **kwargs},
         )
-
-
-def _bos_eos_processor(backend: tokenizers.Tokenizer, bos: str | None, eos: str | None):
-    """A TemplateProcessing that wraps each sequence in BOS/EOS, as HF's update_post_processor."""
-    special = [(t, backend.token_to_id(t)) for t in (bos, eos) if t is not None]
-    for token, token_id in special:
-        if token_id is None:
-            raise TokenizerError(f"special token {token!r} is not in the tokenizer's vocabulary")
-    single = f"{bos + ':0 ' if bos else ''}$A:0{' ' + eos + ':0' if eos else ''}"
-    pair = f"{single}{' ' + bos + ':1' if bos else ''} $B:1{' ' + eos + ':1' if eos else ''}"
-    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
 
 def _load_chat_templates(model_dir: Path, tok_config: dict) -> dict[str, str]:
@@ -367,5 +351,10 @@ class IncrementalDecoder:
         """Whatever is held back (an incomplete character becomes U+FFFD, as in a full decode)."""
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset:])
+        held = self._ids[self._read_offset:]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return full_text[len(prefix_text):]
+        if full_text.startswith(prefix_text):
+            return full_text[len(prefix_text):]
+        # A byte-fallback run cut mid-character decodes to U+FFFD as a whole, emitted text
+        # included; what is held back is then best shown on its own.
+        return self._decode(held)
