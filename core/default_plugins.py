@@ -11,3 +11,11 @@ def trellm_register_quant_formats(register):
     except ImportError:  # the format module is optional while it is being built
         return
     register(EXL3Format())
+
+
+@hookimpl
+def trellm_register_samplers(register):
+    from .samplers import BUILTIN_STEPS
+
+    for name, factory in BUILTIN_STEPS.items():
+        register(name, factory)

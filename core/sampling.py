@@ -35,6 +35,7 @@ class StopStringMatcher:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.matched: str | None = None  # the stop string that was found
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, stopped)."""
@@ -44,7 +45,7 @@ class StopStringMatcher:
             return out, False
         hits = [(self.pending.find(s), s) for s in self.stops if s in self.pending]
         if hits:
-            idx = min(i for i, _ in hits)
+            idx, self.matched = min(hits)
             out, self.pending = self.pending[:idx], ""
             return out, True
         hold = 0

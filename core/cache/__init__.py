@@ -92,8 +92,10 @@ class KVCache:
         self.layers = layers  # index = decoder layer index; None for layers without attention
         self.page_size = page_size
         self.device = torch.device(device)
-        num_pages = next(l for l in layers if l is not None).k_pages.shape[0] if any(layers) else 1
+        paged = [l for l in layers if l is not None and hasattr(l, "store")]
+        num_pages = _layer_pages(paged[0]) if paged else 1
         self.allocator = PageAllocator(num_pages)
+        self._prefix = None
 
     @classmethod
     def for_model(
@@ -127,11 +129,33 @@ class KVCache:
     def num_pages(self) -> int:
         return self.allocator.num_pages
 
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def prefix_cache(self):
+        """The :class:`~trellm.cache.prefix.PrefixCache` over this cache's pages (made on first use)."""
+        if self._prefix is None:
+            from .prefix import PrefixCache
+
+            self._prefix = PrefixCache(self.allocator, self.page_size)
+        return self._prefix
+
+    def state_layers(self) -> list:
+        """Layers holding per-sequence recurrent state (they offer ``alloc_slot``/``free_slot``)."""
+        return [l for l in self.layers if l is not None and hasattr(l, "alloc_slot")]
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     def nbytes(self) -> int:
         return sum(l.nbytes() for l in self.layers if l is not None)
+
+
+def _layer_pages(layer) -> int:
+    pages = getattr(layer, "num_pages", None)
+    return int(pages) if pages is not None else layer.k_pages.shape[0]
 
 
 class SequenceState:

@@ -1,0 +1,486 @@
+"""The continuous-batching generator: jobs in, results out, one batched forward per ``iterate()``.
+
+Each step (:meth:`Generator.iterate`):
+
+1. finish cancelled jobs (their pages go back at once);
+2. admit waiting jobs in FIFO order while the batch has room and the cache can hold the job's whole
+   length (prompt + max_new_tokens, reserved up front so a running job never runs out of pages);
+   a job that does not fit waits, and nobody behind it jumps the queue, so no job starves;
+3. plan one token budget (``max_chunk_tokens``): every decoding job gets its next token (plus
+   speculative draft tokens), prefilling jobs share what is left in admission order;
+4. run one forward over the mixed batch, then sample, verify drafts, stream text, check stops.
+
+Prompts share cache pages through the prefix cache (``cache.prefix_cache``): full pages of a prompt
+that another job (running or finished) already computed are reused and not prefilled again.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from collections import deque
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from ..batch import ForwardBatch
+from ..cache import CacheFullError, KVCache, SequenceState
+from ..cache.prefix import ROOT_HASH, page_hashes
+from ..errors import TrellmError
+from ..samplers import SamplerSettings, SamplerStack, SamplingContext
+from ..sampling import StopStringMatcher
+from .job import (
+    EOS_CANCELLED,
+    EOS_ERROR,
+    EOS_MAX_NEW_TOKENS,
+    EOS_STOP_STRING,
+    EOS_STOP_TOKEN,
+    Job,
+    JobFinished,
+    JobStarted,
+    PrefillProgress,
+    Result,
+    TokenChunk,
+)
+from .speculative import DraftRequest, Proposer
+
+BANNED_STRING_RETRIES = 32
+
+
+class JobTooLargeError(TrellmError, ValueError):
+    """A job needs more cache than the whole cache holds, or its prompt is empty or out of vocabulary."""
+
+
+class _Running:
+    """A job's live state inside the generator."""
+
+    def __init__(self, job: Job, prompt_ids: list[int], seq: SequenceState, tokenizer, stop_ids: set[int]):
+        self.job = job
+        self.prompt_len = len(prompt_ids)
+        self.tokens = list(prompt_ids)  # prompt + committed generated tokens
+        self.generated: list[int] = []
+        self.seq = seq
+        self.state_slot: int | None = None
+        self.stop_ids = stop_ids
+        stack = job.sampler.build() if isinstance(job.sampler, SamplerSettings) else job.sampler
+        self.sampler: SamplerStack = stack
+        self.rng = torch.Generator()
+        self.rng.manual_seed(job.seed if job.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        self.decoder = tokenizer.stream(skip_special_tokens=not job.decode_special_tokens) if tokenizer else None
+        self.matcher = StopStringMatcher(job.stop_strings)
+        self.text_parts: list[str] = []  # emitted text
+        self.raw_tail = ""  # recent decoded text (for banned strings)
+        self.cached_tokens = 0
+        self.named_pages = 0  # leading pages entered in the prefix cache
+        self.last_name = ROOT_HASH
+        self.time_started = time.time()
+        self.time_first_token: float | None = None
+        self.draft_proposed = 0
+        self.draft_accepted = 0
+        self.pending_chunk: TokenChunk | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.seq.length < len(self.tokens) - 1
+
+    @property
+    def remaining(self) -> int:
+        return self.job.max_new_tokens - len(self.generated)
+
+
+class Generator:
+    """Continuous batching over a paged KV cache. See the package docstring for the API."""
+
+    def __init__(
+        self,
+        model: Any,
+        cache: KVCache | None = None,
+        *,
+        tokenizer: Any = None,
+        max_batch_size: int = 16,
+        max_chunk_tokens: int = 512,
+        cache_tokens: int = 8192,
+        page_size: int = 256,
+        proposer: Proposer | None = None,
+        num_draft_tokens: int = 4,
+        prefix_caching: bool = True,
+    ):
+        self.loaded = model if hasattr(model, "model") else None
+        self.model = getattr(model, "model", model)
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        self.cache = cache if cache is not None else KVCache.for_model(self.model, max_tokens=cache_tokens, page_size=page_size)
+        if max_batch_size < 1 or max_chunk_tokens < 1:
+            raise ValueError(f"max_batch_size and max_chunk_tokens must be >= 1, got {max_batch_size}, {max_chunk_tokens}")
+        self.max_batch_size = max_batch_size
+        self.max_chunk_tokens = max_chunk_tokens
+        self.proposer = proposer
+        self.num_draft_tokens = num_draft_tokens
+        self.state_layers = self.cache.state_layers()
+        # Recurrent state cannot be rewound to a page boundary (no checkpoints) nor rolled back after drafts.
+        self.prefix_caching = prefix_caching and not self.state_layers
+        if self.state_layers and proposer is not None:
+            raise ValueError("speculative decoding needs rollback, which recurrent-state layers do not offer")
+        self.vocab_size = int(getattr(getattr(self.model, "config", None), "vocab_size", 0) or 0)
+        self.default_stop_ids = self._default_stop_ids(model)
+        self.pending: deque[tuple[Job, list[int]]] = deque()
+        self.active: list[_Running] = []
+        self.stats = {"prefilled_tokens": 0, "reused_tokens": 0, "decoded_tokens": 0, "steps": 0, "forward_tokens": 0}
+
+    # ---- public API -------------------------------------------------------------------------------
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens (prompt + max_new_tokens) one job may ask for."""
+        return self.cache.capacity_tokens
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.pending)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.active)
+
+    def has_work(self) -> bool:
+        return bool(self.pending or self.active)
+
+    def enqueue(self, job: Job | Sequence[Job]) -> Job | list[Job]:
+        """Queue one job or several (raises JobTooLargeError for a job that can never fit)."""
+        if not isinstance(job, Job):
+            return [self.enqueue(j) for j in job]
+        if job.time_enqueued is not None:
+            raise ValueError(f"{job!r} was already enqueued; make a new Job")
+        prompt_ids = self._prompt_ids(job)
+        total = len(prompt_ids) + job.max_new_tokens
+        if total > self.capacity_tokens:
+            raise JobTooLargeError(
+                f"job {job.identifier!r}: prompt ({len(prompt_ids)} tokens) + max_new_tokens ({job.max_new_tokens}) = "
+                f"{total} tokens, but the cache holds only {self.capacity_tokens}; shorten the prompt or lower max_new_tokens"
+            )
+        job.time_enqueued = time.time()
+        self.pending.append((job, prompt_ids))
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Stop ``job``; the next ``iterate()`` reports it finished with eos_reason "cancelled" and frees its pages."""
+        job.cancel_requested = True
+
+    @torch.inference_mode()
+    def iterate(self) -> list[Result]:
+        """Run one scheduling step (at most one forward); return what happened, in order."""
+        results: list[Result] = []
+        self._finish_cancelled(results)
+        self._admit(results)
+        if self.active:
+            self._step(results)
+        return results
+
+    def stream(self) -> Iterator[Result]:
+        """Iterate until every queued job has finished, yielding results as they come."""
+        while self.has_work():
+            yield from self.iterate()
+
+    def generate(
+        self,
+        prompt: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+        max_new_tokens: int = 128,
+        *,
+        return_results: bool = False,
+        **job_kwargs: Any,
+    ) -> Any:
+        """Blocking: complete one prompt (text or ids) or a list of prompts; returns text(s) or JobFinished(s)."""
+        single = isinstance(prompt, str) or (len(prompt) > 0 and isinstance(prompt[0], int))
+        prompts = [prompt] if single else list(prompt)
+        jobs = [Job(p, max_new_tokens, identifier=i, **job_kwargs) for i, p in enumerate(prompts)]
+        self.enqueue(jobs)
+        finished: dict[int, JobFinished] = {}
+        while len(finished) < len(jobs):
+            if not self.has_work():
+                raise RuntimeError("generator went idle before every job finished")
+            for r in self.iterate():
+                if isinstance(r, JobFinished) and r.job in jobs:
+                    finished[r.identifier] = r
+        out = [finished[i] if return_results else finished[i].text for i in range(len(jobs))]
+        return out[0] if single else out
+
+    def verify_pages(self) -> None:
+        """Raise AssertionError when page refcounts differ from their holders (jobs + prefix cache)."""
+        self.cache.prefix_cache.verify([r.seq.pages for r in self.active])
+
+    def clear_prefix_cache(self) -> None:
+        self.cache.prefix_cache.clear()
+
+    # ---- admission --------------------------------------------------------------------------------
+
+    def _default_stop_ids(self, model: Any) -> set[int]:
+        if hasattr(model, "default_stop_ids"):
+            return set(model.default_stop_ids())
+        ids = set(getattr(getattr(self.model, "config", None), "eos_token_ids", ()) or ())
+        if self.tokenizer is not None:
+            ids |= set(self.tokenizer.eos_token_ids)
+        return ids
+
+    def _prompt_ids(self, job: Job) -> list[int]:
+        if job.prompt_ids is not None:
+            ids = job.prompt_ids
+        else:
+            if self.tokenizer is None:
+                raise JobTooLargeError(f"job {job.identifier!r}: a text prompt needs a tokenizer; pass token ids")
+            ids = self.tokenizer.encode(job.prompt_text)
+        if not ids:
+            raise JobTooLargeError(f"job {job.identifier!r}: the prompt is empty")
+        if self.vocab_size and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = next(t for t in ids if t < 0 or t >= self.vocab_size)
+            raise JobTooLargeError(f"job {job.identifier!r}: prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return list(ids)
+
+    def _admit(self, results: list[Result]) -> None:
+        prefix = self.cache.prefix_cache
+        while self.pending and len(self.active) < self.max_batch_size:
+            job, prompt_ids = self.pending[0]
+            total_pages = self.cache.pages_for(len(prompt_ids) + job.max_new_tokens)
+            names: list[bytes] = []
+            reused: list[int] = []
+            if self.prefix_caching:
+                # The last prompt token is always computed (its logits start decoding), so reuse stops before its page.
+                names = page_hashes(prompt_ids[: len(prompt_ids) - 1], self.cache.page_size)
+                reused = prefix.lookup(names)
+            if prefix.available(excluding=reused) < total_pages - len(reused):
+                break  # wait for pages; FIFO, so nobody overtakes this job
+            slots = self._alloc_state_slots()
+            if slots is False:
+                break
+            self.pending.popleft()
+            seq = SequenceState(self.cache)
+            self.cache.allocator.incref(reused)
+            seq.pages = reused + prefix.alloc(total_pages - len(reused))
+            seq.length = len(reused) * self.cache.page_size
+            run = _Running(job, prompt_ids, seq, self.tokenizer, job.stop_token_ids if job.stop_token_ids is not None else self.default_stop_ids)
+            run.state_slot = slots
+            run.cached_tokens = seq.length
+            run.named_pages = len(reused)
+            run.last_name = names[len(reused) - 1] if reused else ROOT_HASH
+            self.stats["reused_tokens"] += seq.length
+            self.active.append(run)
+            results.append(JobStarted(job=job, identifier=job.identifier, prompt_tokens=run.prompt_len, cached_tokens=run.cached_tokens))
+
+    def _alloc_state_slots(self) -> int | None | bool:
+        """One recurrent-state slot (same index in every state layer), None without state layers, False when none is free."""
+        if not self.state_layers:
+            return None
+        taken = []
+        try:
+            for layer in self.state_layers:
+                taken.append(layer.alloc_slot())
+        except CacheFullError:
+            for layer, slot in zip(self.state_layers, taken):
+                layer.free_slot(slot)
+            return False
+        if len(set(taken)) != 1:
+            for layer, slot in zip(self.state_layers, taken):
+                layer.free_slot(slot)
+            raise RuntimeError(f"recurrent cache layers handed out different slots {taken}; they must allocate in step")
+        return taken[0]
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    def _plan(self) -> list[tuple[_Running, list[int], list[int]]]:
+        """(job, tokens to feed, draft tokens among them) for each job in this step's batch."""
+        decoding = [r for r in self.active if not r.prefilling]
+        prefilling = [r for r in self.active if r.prefilling]
+        drafts: list[list[int]] = [[] for _ in decoding]
+        budget = self.max_chunk_tokens - len(decoding)
+        if self.proposer is not None and decoding and budget > 0:
+            per_job = min(self.num_draft_tokens, budget // len(decoding))
+            requests = [DraftRequest(r.job.job_id, r.tokens, min(per_job, r.remaining - 1)) for r in decoding]
+            drafts = [d[: q.max_tokens] for d, q in zip(self.proposer.propose(requests), requests)]
+        plan = []
+        for r, d in zip(decoding, drafts):
+            plan.append((r, [r.tokens[-1]] + d, d))
+            budget -= len(d)
+        for i, r in enumerate(prefilling):
+            todo = len(r.tokens) - r.seq.length
+            take = min(todo, budget if budget > 0 else (self.cache.page_size if i == 0 else 0))
+            if take <= 0:
+                break
+            plan.append((r, r.tokens[r.seq.length: r.seq.length + take], []))
+            budget -= take
+        return plan
+
+    def _step(self, results: list[Result]) -> None:
+        plan = self._plan()
+        batch = ForwardBatch.with_cache(
+            [feed for _, feed, _ in plan], [r.seq.length for r, _, _ in plan], [r.seq.pages for r, _, _ in plan], self.cache
+        )
+        # Logits for: the last token of a chunk that completes a prompt, every fed token of a decode with drafts.
+        rows: list[int] = []
+        row_start: list[int] = []
+        cu = batch.cu_seqlens.tolist()
+        for i, (r, feed, draft) in enumerate(plan):
+            row_start.append(len(rows))
+            if r.seq.length + len(feed) - len(draft) == len(r.tokens):
+                rows += list(range(cu[i + 1] - len(draft) - 1, cu[i + 1]))
+        batch.logits_indices = torch.tensor(rows, dtype=torch.long, device=self.cache.device)
+        if self.state_layers:
+            batch.state_slots = torch.tensor([r.state_slot for r, _, _ in plan], dtype=torch.long, device=self.cache.device)
+        try:
+            logits = self.model.forward(batch).float().cpu()
+        except Exception as exc:  # keep serving: fail this batch's jobs, free their pages
+            warnings.warn(f"trellm generator: forward failed ({exc!r}); failing {len(plan)} jobs")
+            for r, _, _ in plan:
+                self._finish(r, EOS_ERROR, results, error=repr(exc))
+            return
+        self.stats["steps"] += 1
+        self.stats["forward_tokens"] += batch.num_tokens
+        for i, (r, feed, draft) in enumerate(plan):
+            completes = r.seq.length + len(feed) - len(draft) == len(r.tokens)
+            r.seq.length += len(feed)
+            if not r.generated:  # still in the prompt
+                self.stats["prefilled_tokens"] += len(feed)
+                results.append(PrefillProgress(job=r.job, identifier=r.job.identifier, prefilled=r.seq.length, total=r.prompt_len))
+            if completes:
+                self._accept(r, logits[row_start[i]: row_start[i] + len(draft) + 1], draft, results)
+            if not r.job.finished:
+                self._name_full_pages(r)
+
+    def _accept(self, r: _Running, logits: torch.Tensor, draft: list[int], results: list[Result]) -> None:
+        """Sample at each fed position; keep draft tokens while the target agrees, then roll the cache back."""
+        new_ids: list[int] = []
+        logprobs: list[float] = []
+        tops: list[list[tuple[int, float]]] = []
+        text = ""
+        finish: tuple[str, dict] | None = None
+        r.draft_proposed += len(draft)
+        for pos in range(len(draft) + 1):
+            token = self._sample(r, logits[pos])
+            if pos < len(draft) and token == draft[pos]:
+                r.draft_accepted += 1
+            if r.job.logprobs:
+                lp = torch.log_softmax(logits[pos], dim=-1)
+                logprobs.append(float(lp[token]))
+                if r.job.top_logprobs:
+                    v, ix = torch.topk(lp, min(r.job.top_logprobs, lp.shape[-1]))
+                    tops.append([(int(a), float(b)) for a, b in zip(ix, v)])
+            if r.time_first_token is None:
+                r.time_first_token = time.time()
+            if token in r.stop_ids and len(r.generated) >= r.job.min_new_tokens:
+                finish = (EOS_STOP_TOKEN, {"stop_token": token})
+                if r.job.logprobs:
+                    logprobs.pop()
+                    if tops:
+                        tops.pop()
+                break
+            r.tokens.append(token)
+            r.generated.append(token)
+            new_ids.append(token)
+            self.stats["decoded_tokens"] += 1
+            piece = self._decode(r, token)
+            emitted, stopped = r.matcher.feed(piece)
+            text += emitted
+            if stopped:
+                finish = (EOS_STOP_STRING, {"stop_string": r.matcher.matched})
+                break
+            if r.remaining <= 0:
+                finish = (EOS_MAX_NEW_TOKENS, {})
+                break
+            if pos >= len(draft) or token != draft[pos]:
+                break
+        r.seq.length = len(r.tokens) - 1  # drop cache entries of rejected draft tokens
+        r.text_parts.append(text)
+        if new_ids or text:
+            results.append(TokenChunk(
+                job=r.job, identifier=r.job.identifier, text=text, token_ids=new_ids,
+                logprobs=logprobs if r.job.logprobs else None, top_logprobs=tops if r.job.top_logprobs else None,
+            ))
+        if finish is not None:
+            self._finish(r, finish[0], results, **finish[1])
+
+    def _sample(self, r: _Running, logits: torch.Tensor) -> int:
+        ctx = SamplingContext(tokens=r.tokens, prompt_len=r.prompt_len, generator=r.rng)
+        exclude: list[int] = []
+        if len(r.generated) < r.job.min_new_tokens:
+            exclude += [t for t in r.stop_ids if 0 <= t < logits.shape[-1]]
+        token = r.sampler.sample(logits, ctx, exclude)
+        if not (r.job.banned_strings and self.tokenizer is not None):
+            return token
+        for _ in range(BANNED_STRING_RETRIES):
+            piece = self._peek_text(r, token)
+            window = r.raw_tail + piece
+            if not any(b in window and b not in r.raw_tail for b in r.job.banned_strings):
+                return token
+            exclude.append(token)
+            token = r.sampler.sample(logits, ctx, exclude)
+        return token
+
+    def _peek_text(self, r: _Running, token: int) -> str:
+        """The text ``token`` would add after the generated tokens so far (without touching the decoder)."""
+        context = r.generated[-6:]
+        skip = not r.job.decode_special_tokens
+        before = self.tokenizer.decode(context, skip_special_tokens=skip)
+        after = self.tokenizer.decode(context + [token], skip_special_tokens=skip)
+        return after[len(before):] if after.startswith(before) else after
+
+    def _decode(self, r: _Running, token: int) -> str:
+        if r.decoder is None:
+            return ""
+        piece = r.decoder.push(token)
+        keep = max((len(b) for b in r.job.banned_strings), default=0)
+        if keep:
+            r.raw_tail = (r.raw_tail + piece)[-keep:]
+        return piece
+
+    def _name_full_pages(self, r: _Running) -> None:
+        """Enter the job's newly completed pages into the prefix cache."""
+        if not self.prefix_caching:
+            return
+        page_size = self.cache.page_size
+        full = min(r.seq.length, len(r.tokens)) // page_size
+        while r.named_pages < full:
+            i = r.named_pages
+            r.last_name = page_hashes(r.tokens[i * page_size:(i + 1) * page_size], page_size, r.last_name)[0]
+            self.cache.prefix_cache.insert(r.last_name, r.seq.pages[i], i)
+            r.named_pages += 1
+
+    # ---- finishing --------------------------------------------------------------------------------
+
+    def _finish_cancelled(self, results: list[Result]) -> None:
+        for r in [r for r in self.active if r.job.cancel_requested]:
+            self._finish(r, EOS_CANCELLED, results)
+        if any(job.cancel_requested for job, _ in self.pending):
+            keep = deque()
+            for job, ids in self.pending:
+                if job.cancel_requested:
+                    job.finished = True
+                    results.append(JobFinished(
+                        job=job, identifier=job.identifier, eos_reason=EOS_CANCELLED, text="", token_ids=[],
+                        prompt_tokens=len(ids), time_enqueued=job.time_enqueued or 0.0,
+                    ))
+                else:
+                    keep.append((job, ids))
+            self.pending = keep
+
+    def _finish(self, r: _Running, reason: str, results: list[Result], **extra: Any) -> None:
+        tail = ""
+        if reason != EOS_STOP_STRING:
+            if r.decoder is not None:
+                tail, _ = r.matcher.feed(r.decoder.flush())
+            tail += r.matcher.flush()
+        if tail:
+            r.text_parts.append(tail)
+            results.append(TokenChunk(job=r.job, identifier=r.job.identifier, text=tail, token_ids=[]))
+        if reason != EOS_ERROR:
+            self._name_full_pages(r)  # finished jobs' pages stay cached for later prompts (multi-turn chat)
+        r.seq.release()
+        if r.state_slot is not None:
+            for layer in self.state_layers:
+                layer.free_slot(r.state_slot)
+        if self.proposer is not None:
+            self.proposer.release(r.job.job_id)
+        self.active.remove(r)
+        r.job.finished = True
+        results.append(JobFinished(
+            job=r.job, identifier=r.job.identifier, eos_reason=reason, text="".join(r.text_parts),
+            token_ids=list(r.generated), prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens,
+            generated_tokens=len(r.generated), time_enqueued=r.job.time_enqueued or 0.0, time_started=r.time_started,
+            time_first_token=r.time_first_token, draft_proposed=r.draft_proposed, draft_accepted=r.draft_accepted, **extra,
+        ))
+

@@ -1,0 +1,128 @@
+"""Speculative decoding: proposers guess the next tokens; the generator verifies them in one forward.
+
+A proposer only guesses. The generator feeds ``[last token] + draft`` for a job, samples the target
+at every position with the job's own sampler and keeps draft tokens while they equal what the target
+drew; the first disagreement is replaced by the target's own token. Every kept token is therefore a
+draw from the target model, so under greedy sampling the output is identical to plain decoding.
+Rejected positions are rolled back by truncating the sequence length (their cache slots are simply
+overwritten later).
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable, Protocol, Sequence
+
+import attrs
+import torch
+
+from ..batch import ForwardBatch
+from ..cache import CacheFullError, KVCache, SequenceState
+
+
+@attrs.define
+class DraftRequest:
+    key: Hashable  # stable per job; the proposer may keep state under it until release(key)
+    tokens: Sequence[int]  # the job's committed tokens (prompt + generated)
+    max_tokens: int  # propose at most this many
+
+
+class Proposer(Protocol):
+    """Guesses continuations for several jobs at once."""
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        ...
+
+    def release(self, key: Hashable) -> None:
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens and copy what followed.
+
+    Tries n from ``max_ngram`` down to ``min_ngram``. Costs no model call; pays off on repetitive
+    text (code edits, quoting the prompt, lists).
+    """
+
+    def __init__(self, num_tokens: int = 4, max_ngram: int = 4, min_ngram: int = 1, window: int = 4096):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.num_tokens, self.max_ngram, self.min_ngram, self.window = num_tokens, max_ngram, min_ngram, window
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        return [self._one(list(r.tokens[-self.window:]), min(r.max_tokens, self.num_tokens)) for r in requests]
+
+    def _one(self, tokens: list[int], k: int) -> list[int]:
+        n_tokens = len(tokens)
+        if k <= 0:
+            return []
+        for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
+            tail = tokens[-n:]
+            for start in range(n_tokens - n - 1, -1, -1):
+                if tokens[start:start + n] == tail:
+                    follow = tokens[start + n:start + n + k]
+                    if follow:
+                        return follow
+        return []
+
+    def release(self, key: Hashable) -> None:
+        pass
+
+
+class DraftModelProposer:
+    """A small model drafts greedily; it keeps its own paged cache per job and reuses what still matches."""
+
+    def __init__(self, draft_model: Any, num_tokens: int = 4, cache_tokens: int = 8192, page_size: int = 256):
+        self.model = getattr(draft_model, "model", draft_model)
+        self.num_tokens = num_tokens
+        self.cache = KVCache.for_model(self.model, max_tokens=cache_tokens, page_size=page_size)
+        self._seqs: dict[Hashable, tuple[SequenceState, list[int]]] = {}
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in requests]
+        live = []  # (index, seq, cached tokens, k)
+        feeds = []
+        for i, r in enumerate(requests):
+            k = min(r.max_tokens, self.num_tokens)
+            if k <= 0:
+                continue
+            seq, cached = self._seqs.get(r.key) or (SequenceState(self.cache), [])
+            common = _common_prefix(cached, r.tokens, limit=len(r.tokens) - 1)
+            del cached[common:]
+            seq.length = common
+            try:
+                seq.reserve(len(r.tokens) + k)
+            except CacheFullError:
+                self._seqs[r.key] = (seq, cached)
+                continue
+            self._seqs[r.key] = (seq, cached)
+            live.append((i, seq, cached, k))
+            feeds.append(list(r.tokens[common:]))
+        for step in range(max((k for *_, k in live), default=0)):
+            active = [(item, feed) for item, feed in zip(live, feeds) if len(out[item[0]]) < item[3]]
+            if not active:
+                break
+            batch = ForwardBatch.with_cache(
+                [feed for _, feed in active], [seq.length for (_, seq, _, _), _ in active],
+                [seq.pages for (_, seq, _, _), _ in active], self.cache,
+            )
+            logits = self.model.forward(batch)
+            for row, ((i, seq, cached, k), feed) in enumerate(active):
+                seq.length += len(feed)
+                cached += feed
+                token = int(torch.argmax(logits[row]))
+                out[i].append(token)
+            feeds = [[out[item[0]][-1]] if out[item[0]] else [] for item in live]
+        return out
+
+    def release(self, key: Hashable) -> None:
+        entry = self._seqs.pop(key, None)
+        if entry is not None:
+            entry[0].release()
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
