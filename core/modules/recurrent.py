@@ -1,0 +1,196 @@
+"""Recurrent (linear-attention) mixers and the hybrid decoder that interleaves them with attention.
+
+:class:`GatedDeltaNet` is the Qwen3-Next / Qwen3.5 linear-attention layer: input projections, a
+causal depthwise conv over q/k/v, the gated delta rule (chunked for prefill, recurrent for decode),
+a gated RMSNorm and the output projection. Its state per sequence lives in a
+:class:`~trellm.cache.recurrent.RecurrentStateLayer` slot named by ``batch.state_slots``; without a
+cache (``batch.cache is None``) every sequence starts from the zero state.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..batch import ForwardBatch
+from ..cache import KVCache
+from .base import LoadContext, Module
+from .decoder import CausalLM
+from .layers import Attention, RMSNorm
+from .linear import Linear
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim in float32 (the FLA convention the checkpoints were trained with)."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class GatedRMSNorm(Module):
+    """RMSNorm(x) * w * silu(gate), per head (``{key}.weight`` [dim])."""
+
+    def __init__(self, key: str, dim: int, eps: float):
+        self.key, self.dim, self.eps = key, dim, eps
+        self.weight: torch.Tensor | None = None
+
+    def load(self, ctx: LoadContext) -> None:
+        self.weight = ctx.store.get(f"{self.key}.weight", shape=(self.dim,), dtype=ctx.dtype, device=ctx.device)
+
+    def unload(self) -> None:
+        self.weight = None
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = ops.rms_norm(x, self.weight, self.eps)
+        return (normed.float() * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(Module):
+    """Gated delta net linear attention (Qwen3-Next, Qwen3.5).
+
+    ``projection="split"`` (Qwen3.5): ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
+    ``projection="fused"`` (Qwen3-Next): ``in_proj_qkvz`` and ``in_proj_ba``, grouped per key head.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        layer_idx: int,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_width: int,
+        eps: float,
+        projection: str = "split",
+        conv_bias: bool = False,
+        chunk_size: int = 64,
+    ):
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"{key}: value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})")
+        if projection not in ("split", "fused"):
+            raise ValueError(f"{key}: unknown projection layout {projection!r}; use 'split' or 'fused'")
+        self.key, self.layer_idx, self.projection = key, layer_idx, projection
+        self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_width, self.conv_bias, self.chunk_size = conv_width, conv_bias, chunk_size
+        if projection == "split":
+            self.in_proj_qkv = Linear(f"{key}.in_proj_qkv", hidden_size, self.conv_dim)
+            self.in_proj_z = Linear(f"{key}.in_proj_z", hidden_size, self.value_dim)
+            self.in_proj_b = Linear(f"{key}.in_proj_b", hidden_size, num_v_heads)
+            self.in_proj_a = Linear(f"{key}.in_proj_a", hidden_size, num_v_heads)
+        else:
+            self.in_proj_qkvz = Linear(f"{key}.in_proj_qkvz", hidden_size, self.conv_dim + self.value_dim)
+            self.in_proj_ba = Linear(f"{key}.in_proj_ba", hidden_size, 2 * num_v_heads)
+        self.norm = GatedRMSNorm(f"{key}.norm", head_v_dim, eps)
+        self.out_proj = Linear(f"{key}.out_proj", self.value_dim, hidden_size)
+        self.conv_weight = self.conv_bias_t = self.dt_bias = self.A_log = None
+
+    def load(self, ctx: LoadContext) -> None:
+        super().load(ctx)
+        get = lambda name, shape, dtype=ctx.dtype: ctx.store.get(f"{self.key}.{name}", shape=shape, dtype=dtype, device=ctx.device)  # noqa: E731
+        self.conv_weight = get("conv1d.weight", (self.conv_dim, 1, self.conv_width))[:, 0].contiguous()
+        self.conv_bias_t = get("conv1d.bias", (self.conv_dim,)) if self.conv_bias else None
+        self.dt_bias = get("dt_bias", (self.num_v_heads,), torch.float32)
+        self.A_log = get("A_log", (self.num_v_heads,), torch.float32)
+
+    def unload(self) -> None:
+        super().unload()
+        self.conv_weight = self.conv_bias_t = self.dt_bias = self.A_log = None
+
+    def state_layer(self, max_slots: int, dtype: torch.dtype, device):
+        """The cache layer this mixer keeps its per-sequence state in."""
+        from ..cache.recurrent import RecurrentStateLayer
+
+        shape = (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        return RecurrentStateLayer(max_slots, self.conv_dim, self.conv_width, shape, dtype, device)
+
+    def _project(self, x: torch.Tensor):
+        """(q|k|v before the conv [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
+        t = x.shape[0]
+        if self.projection == "split":
+            z = self.in_proj_z(x).view(t, self.num_v_heads, self.head_v_dim)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        per = self.num_v_heads // self.num_k_heads
+        qkvz = self.in_proj_qkvz(x).view(t, self.num_k_heads, 2 * self.head_k_dim + 2 * per * self.head_v_dim)
+        q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, per * self.head_v_dim, per * self.head_v_dim], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, self.num_k_heads, 2 * per).split([per, per], dim=-1)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return mixed, z.reshape(t, self.num_v_heads, self.head_v_dim), b.reshape(t, -1), a.reshape(t, -1)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        mixed, z, b, a = self._project(x)
+        layer = None
+        conv_state = rec_state = None
+        if batch.cache is not None:
+            if batch.state_slots is None:
+                raise ValueError(f"{self.key}: a cached forward pass of a recurrent layer needs batch.state_slots")
+            layer = batch.cache.layers[self.layer_idx]
+            fresh = batch.cached_lens == 0 if batch.cached_lens is not None else None
+            conv_state, rec_state = layer.read(batch.state_slots, fresh)
+        decode = layer is not None and t == batch.num_seqs  # one new token per sequence
+        if decode:
+            mixed, conv_state = ops.causal_conv1d_step(mixed, self.conv_weight, self.conv_bias_t, conv_state)
+        else:
+            mixed, conv_state = ops.causal_conv1d(mixed, self.conv_weight, self.conv_bias_t, batch.cu_seqlens, conv_state)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        groups = self.num_v_heads // self.num_k_heads
+        q = l2_normalize(q.reshape(t, self.num_k_heads, self.head_k_dim)).repeat_interleave(groups, dim=1)
+        k = l2_normalize(k.reshape(t, self.num_k_heads, self.head_k_dim)).repeat_interleave(groups, dim=1)
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
+        if decode:
+            o, rec_state = ops.gated_delta_rule_step(q, k, v, g, beta, rec_state)
+        else:
+            o, rec_state = ops.gated_delta_rule_chunked(q, k, v, g, beta, batch.cu_seqlens, rec_state, self.chunk_size)
+        if layer is not None:
+            layer.write(batch.state_slots, conv_state, rec_state)
+        o = self.norm.forward(o.to(x.dtype), z)
+        return self.out_proj(o.reshape(t, self.value_dim))
+
+
+class GatedAttention(Attention):
+    """Attention whose q_proj also yields a per-head output gate, interleaved per head as [q | gate]
+    (Qwen3-Next, Qwen3.5): out = o_proj(attn * sigmoid(gate)). ``norm_unit_offset``: q/k norms scale by 1 + w."""
+
+    def __init__(self, key: str, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rope, qk_norm_eps: float, norm_unit_offset: bool = True, bias: bool = False):
+        super().__init__(key, layer_idx, hidden_size, num_heads, num_kv_heads, head_dim, rope, bias, bias, qk_norm_eps)
+        self.q_proj = Linear(f"{key}.q_proj", hidden_size, 2 * num_heads * head_dim, bias)
+        self.q_norm = RMSNorm(f"{key}.q_norm", head_dim, qk_norm_eps, unit_offset=norm_unit_offset)
+        self.k_norm = RMSNorm(f"{key}.k_norm", head_dim, qk_norm_eps, unit_offset=norm_unit_offset)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q, gate = self.q_proj(x).view(t, self.num_heads, 2, self.head_dim).unbind(2)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.q_norm.forward(q), self.k_norm.forward(k)
+        cos, sin = self.rope.cos_sin(batch.positions, batch.max_seq_len)
+        q = ops.rotary_embedding(q, cos, sin, self.rope.interleaved)
+        k = ops.rotary_embedding(k, cos, sin, self.rope.interleaved)
+        if batch.cache is None:
+            o = ops.attention_varlen(q, k, v, batch.cu_seqlens, self.scale, self.sliding_window, self.softcap)
+        else:
+            cache_layer = batch.cache.layers[self.layer_idx]
+            cache_layer.store(k, v, batch.slots)
+            o = cache_layer.attend(q, batch, self.scale, self.sliding_window, self.softcap)
+        o = o.reshape(t, self.num_heads * self.head_dim)
+        return self.o_proj(o * torch.sigmoid(gate.reshape(t, -1)))
+
+
+class HybridCausalLM(CausalLM):
+    """A CausalLM whose layers mix attention and recurrent mixers; knows how to build its cache."""
+
+    def recurrent_layers(self) -> list[Module | None]:
+        """Per decoder layer, the mixer that keeps recurrent state (None for attention layers)."""
+        return [getattr(layer, "attn", None) if hasattr(getattr(layer, "attn", None), "state_layer") else None for layer in self.layers]
+
+    def make_cache(self, max_tokens: int = 8192, page_size: int = 256, max_slots: int | None = None, **kwargs) -> KVCache:
+        """Paged KV for the attention layers plus ``max_slots`` recurrent-state slots (see build_hybrid_cache)."""
+        from ..cache.recurrent import DEFAULT_STATE_SLOTS, build_hybrid_cache
+
+        return build_hybrid_cache(self, max_tokens, page_size, max_slots or DEFAULT_STATE_SLOTS, **kwargs)

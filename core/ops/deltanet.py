@@ -1,0 +1,152 @@
+"""Ops of the gated-delta-net (linear attention) layers: a causal depthwise conv1d and the gated delta rule.
+
+Varlen layout as everywhere: tokens of all sequences concatenated along dim 0, ``cu_seqlens`` [B+1].
+Each sequence brings its own initial state (from its cache slot, or zeros) and gets its final state back.
+
+The gated delta rule keeps, per value head, a state S [Dk, Dv]; for each token t
+    S <- exp(g_t) * S
+    u_t = beta_t * (v_t - S^T k_t)          (the part of v_t the state does not predict yet)
+    S <- S + k_t u_t^T
+    o_t = S^T (q_t * Dk^-1/2)
+:func:`gated_delta_rule_step` runs this for one token of every sequence (decode);
+:func:`gated_delta_rule_chunked` gives the same result for long runs with matrix products over
+chunks: inside a chunk the u's solve one unit lower-triangular system, and the state is carried
+from chunk to chunk.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import op
+
+
+@op
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    initial_states: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of each sequence: x [T, C], weight [C, K] -> (out [T, C], final states [B, C, K-1]).
+
+    ``initial_states`` [B, C, K-1] are the last K-1 inputs before each sequence's new tokens (zeros when None).
+    """
+    channels, width = weight.shape
+    bounds = cu_seqlens.tolist()
+    nseq = len(bounds) - 1
+    if initial_states is None:
+        initial_states = x.new_zeros(nseq, channels, width - 1)
+    out = torch.empty_like(x)
+    finals = []
+    for b in range(nseq):
+        s0, s1 = bounds[b], bounds[b + 1]
+        seq = torch.cat([initial_states[b].to(weight.dtype), x[s0:s1].t().to(weight.dtype)], dim=1)  # [C, K-1+L]
+        y = F.conv1d(seq[None], weight[:, None, :], bias, groups=channels)[0]  # [C, L]
+        if activation == "silu":
+            y = F.silu(y)
+        elif activation is not None:
+            raise ValueError(f"causal_conv1d: unsupported activation {activation!r}")
+        out[s0:s1] = y.t().to(x.dtype)
+        finals.append(seq[:, seq.shape[1] - (width - 1):])
+    return out, torch.stack(finals).to(initial_states.dtype)
+
+
+@op
+def causal_conv1d_step(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor, activation: str | None = "silu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token per sequence: x [B, C], states [B, C, K-1] -> (out [B, C], new states [B, C, K-1])."""
+    window = torch.cat([states.to(weight.dtype), x.to(weight.dtype)[:, :, None]], dim=2)  # [B, C, K]
+    y = (window * weight[None]).sum(-1)
+    if bias is not None:
+        y = y + bias
+    if activation == "silu":
+        y = F.silu(y)
+    elif activation is not None:
+        raise ValueError(f"causal_conv1d_step: unsupported activation {activation!r}")
+    return y.to(x.dtype), window[:, :, 1:].to(states.dtype)
+
+
+@op
+def gated_delta_rule_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recurrent form, one token per sequence: q/k [B, H, Dk], v [B, H, Dv], g/beta [B, H], state [B, H, Dk, Dv].
+
+    Returns (out [B, H, Dv] in v's dtype, new state float32). q/k are expected L2-normalised.
+    """
+    qf, kf, vf = q.float() * q.shape[-1] ** -0.5, k.float(), v.float()
+    s = state.float() * g.float().exp()[..., None, None]
+    predicted = torch.einsum("bhkv,bhk->bhv", s, kf)
+    u = beta.float()[..., None] * (vf - predicted)
+    s = s + kf[..., :, None] * u[..., None, :]
+    out = torch.einsum("bhkv,bhk->bhv", s, qf)
+    return out.to(v.dtype), s
+
+
+def _chunked_one(q, k, v, g, beta, state, chunk: int):
+    """One sequence, heads first: q/k [H, L, Dk], v [H, L, Dv], g/beta [H, L], state [H, Dk, Dv] (all float32)."""
+    h, length, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-length) % chunk
+    if pad:  # padded steps have g = 0 (no decay) and beta = 0 (no write): the state passes through unchanged
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    n = (length + pad) // chunk
+    q, k, v = (t.reshape(h, n, chunk, t.shape[-1]) for t in (q, k, v))
+    g, beta = g.reshape(h, n, chunk), beta.reshape(h, n, chunk)
+    c = g.cumsum(-1)  # log decay from the chunk start through step i
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (c[..., :, None] - c[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # exp(c_i - c_j), j <= i
+    kb = k * beta[..., None]
+    # (I + A) U = beta V - beta exp(c) K S0, with A_ij = beta_i (k_i . k_j) exp(c_i - c_j) for j < i
+    system = (kb @ k.transpose(-1, -2)) * decay
+    system = system.masked_fill(~causal.tril(-1), 0.0) + torch.eye(chunk, device=q.device)
+    values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    keys = torch.linalg.solve_triangular(system, kb * c.exp()[..., None], upper=False, unitriangular=True)
+    scores = (q @ k.transpose(-1, -2)) * decay  # intra-chunk attention, diagonal included
+    q_decayed = q * c.exp()[..., None]
+    k_to_end = k * (c[..., -1:] - c).exp()[..., None]
+    chunk_decay = c[..., -1].exp()[..., None, None]
+    out = torch.empty(h, n, chunk, dv, dtype=torch.float32, device=q.device)
+    for i in range(n):
+        u = values[:, i] - keys[:, i] @ state
+        out[:, i] = q_decayed[:, i] @ state + scores[:, i] @ u
+        state = state * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ u
+    return out.reshape(h, n * chunk, dv)[:, :length], state
+
+
+@op
+def gated_delta_rule_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_states: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked form over a varlen batch: q/k [T, H, Dk], v [T, H, Dv], g/beta [T, H], states [B, H, Dk, Dv].
+
+    Returns (out [T, H, Dv] in v's dtype, final states [B, H, Dk, Dv] float32). q/k are expected L2-normalised.
+    """
+    bounds = cu_seqlens.tolist()
+    nseq = len(bounds) - 1
+    h, dk, dv = k.shape[1], k.shape[2], v.shape[2]
+    if initial_states is None:
+        initial_states = torch.zeros(nseq, h, dk, dv, dtype=torch.float32, device=q.device)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    finals = []
+    scale = dk**-0.5
+    for b in range(nseq):
+        s0, s1 = bounds[b], bounds[b + 1]
+        heads_first = [t[s0:s1].float().transpose(0, 1) for t in (q, k, v, g, beta)]
+        heads_first[0] = heads_first[0] * scale
+        o, state = _chunked_one(*heads_first, initial_states[b].float(), chunk_size)
+        out[s0:s1] = o.transpose(0, 1).to(v.dtype)
+        finals.append(state)
+    return out, torch.stack(finals)

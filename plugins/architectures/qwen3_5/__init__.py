@@ -1,0 +1,31 @@
+"""Qwen3.5 (dense): the text path of Qwen3_5ForConditionalGeneration (and Qwen3_5ForCausalLM).
+
+The Qwen hybrid decoder (gated delta net + gated attention, 1 + w norms) with dense SwiGLU MLPs.
+"""
+from __future__ import annotations
+
+import trellm
+from trellm.config import DecoderConfig
+from trellm.plugins.architectures.qwen3_next import build_qwen_hybrid
+from trellm.spec import ArchitectureSpec
+
+MULTIMODAL = "Qwen3_5ForConditionalGeneration"
+
+
+def build(cfg: DecoderConfig):
+    prefix = "model.language_model" if cfg.architecture == MULTIMODAL else "model"
+    return build_qwen_hybrid(cfg, prefix, "split", lambda i, key: None)
+
+
+SPEC = ArchitectureSpec(
+    name="qwen3_5",
+    architectures=(MULTIMODAL, "Qwen3_5ForCausalLM"),
+    read_config=DecoderConfig.from_hf,
+    build=build,
+    description="Qwen3.5 dense (text): gated delta net + gated attention hybrid",
+)
+
+
+@trellm.hookimpl
+def trellm_register_architectures(register):
+    register(SPEC)

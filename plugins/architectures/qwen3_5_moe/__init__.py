@@ -1,0 +1,33 @@
+"""Qwen3.5 MoE: the text path of Qwen3_5MoeForConditionalGeneration (and Qwen3_5MoeForCausalLM).
+
+The Qwen hybrid decoder (gated delta net + gated attention, 1 + w norms) with a normalised softmax
+top-k MoE and a sigmoid-gated shared expert in every layer. The vision tower's tensors are ignored;
+MTP tensors (``mtp.*``) are not loaded.
+"""
+from __future__ import annotations
+
+import trellm
+from trellm.config import DecoderConfig
+from trellm.plugins.architectures.qwen3_next import build_qwen_hybrid, qwen_moe_mlp
+from trellm.spec import ArchitectureSpec
+
+MULTIMODAL = "Qwen3_5MoeForConditionalGeneration"
+
+
+def build(cfg: DecoderConfig):
+    prefix = "model.language_model" if cfg.architecture == MULTIMODAL else "model"
+    return build_qwen_hybrid(cfg, prefix, "split", lambda i, key: qwen_moe_mlp(cfg, key, normalize=True))
+
+
+SPEC = ArchitectureSpec(
+    name="qwen3_5_moe",
+    architectures=(MULTIMODAL, "Qwen3_5MoeForCausalLM"),
+    read_config=DecoderConfig.from_hf,
+    build=build,
+    description="Qwen3.5 MoE (text): gated delta net hybrid with routed + shared experts",
+)
+
+
+@trellm.hookimpl
+def trellm_register_architectures(register):
+    register(SPEC)
