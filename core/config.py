@@ -49,6 +49,11 @@ def _get(raw: dict, key: str, default: Any = None, *, required: bool = False, so
     return default
 
 
+def is_per_layer_type(rope_params: dict[str, Any] | None) -> bool:
+    """True for RoPE parameters keyed by layer type (``{"full_attention": {...}, ...}``)."""
+    return bool(rope_params) and all(isinstance(v, dict) for v in rope_params.values())
+
+
 @attrs.frozen
 class RopeConfig:
     """Rotary embedding parameters, normalised from either HF spelling."""
@@ -70,11 +75,15 @@ class RopeConfig:
     long_factor: tuple[float, ...] | None = None
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any], default_theta: float = 10000.0) -> "RopeConfig":
+    def from_hf(cls, raw: dict[str, Any], default_theta: float = 10000.0, layer_type: str = "full_attention") -> "RopeConfig":
+        """Read RoPE from ``rope_parameters`` (or legacy ``rope_theta`` + ``rope_scaling``).
+
+        Configs with per-layer-type RoPE (Gemma 3, Olmo 3: ``{"full_attention": {...},
+        "sliding_attention": {...}}``) give the entry of ``layer_type``, else the full-attention one.
+        """
         params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        # per-layer-type nesting ({"full_attention": {...}, "sliding_attention": {...}}): take the full one
-        if params and all(isinstance(v, dict) for v in params.values()):
-            params = dict(params.get("full_attention") or next(iter(params.values())))
+        if is_per_layer_type(params):
+            params = dict(params.get(layer_type) or params.get("full_attention") or next(iter(params.values())))
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
         if rope_type == "su":
             rope_type = "longrope"
@@ -210,7 +219,9 @@ class DecoderConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     sliding_window: int = 0
-    layer_types: tuple[str, ...] = ()
+    layer_types: tuple[str, ...] = ()  # per layer: "full_attention" / "sliding_attention" (empty: all full)
+    layer_ropes: dict[str, RopeConfig] = attrs.field(factory=dict, hash=False)  # per layer type, when it differs
+    nope_layers: tuple[int, ...] = ()  # layers that apply no RoPE at all (SmolLM3, Cohere2 and EXAONE 4 global layers)
     torch_dtype: str | None = None
     architecture: str = ""
     extra: dict[str, Any] = attrs.field(factory=dict, hash=False)
@@ -248,9 +259,49 @@ class DecoderConfig:
             pad_token_id=c.get("pad_token_id"),
             sliding_window=int(_get(c, "sliding_window", 0) or 0),
             layer_types=tuple(c.get("layer_types") or ()),
+            layer_ropes=_layer_ropes(c),
             torch_dtype=c.get("torch_dtype") or c.get("dtype"),
             architecture=archs[0],
             extra=c,
         )
         values.update(overrides)
-        return cls(**values)
+        cfg = cls(**values)
+        cfg.validate_layers()
+        return cfg
+
+    def layer_type(self, i: int) -> str:
+        """``"full_attention"`` or ``"sliding_attention"`` (or a family's own kind) for layer ``i``."""
+        return self.layer_types[i] if self.layer_types else "full_attention"
+
+    def layer_sliding_window(self, i: int) -> int:
+        """Window of layer ``i`` (0: full attention)."""
+        return self.sliding_window if self.layer_type(i) == "sliding_attention" else 0
+
+    def rope_for(self, layer_type: str) -> RopeConfig:
+        """The RoPE of layers of ``layer_type`` (Gemma 3 local layers use their own base)."""
+        return self.layer_ropes.get(layer_type, self.rope)
+
+    def validate_layers(self) -> None:
+        n = self.num_hidden_layers
+        if self.layer_types and len(self.layer_types) != n:
+            raise ConfigError(f"config.json: layer_types has {len(self.layer_types)} entries for {n} layers")
+        if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
+            raise ConfigError("config.json: layer_types has sliding_attention layers but sliding_window is not set")
+        bad = [i for i in self.nope_layers if not 0 <= i < n]
+        if bad:
+            raise ConfigError(f"config.json: NoPE layer indices {bad} are outside 0..{n - 1}")
+
+
+def _layer_ropes(c: dict[str, Any]) -> dict[str, RopeConfig]:
+    """Per-layer-type RoPE configs when ``rope_parameters`` is keyed by layer type, else empty."""
+    params = c.get("rope_parameters")
+    if not is_per_layer_type(params):
+        return {}
+    return {lt: RopeConfig.from_hf(c, layer_type=lt) for lt in params}
+
+
+def layer_types_from_pattern(num_layers: int, pattern: int) -> tuple[str, ...]:
+    """Sliding layers with every ``pattern``-th layer full (Gemma 2/3, Cohere2, EXAONE 4 spell it this way)."""
+    if pattern <= 0:
+        return ("full_attention",) * num_layers
+    return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers))

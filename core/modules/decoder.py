@@ -2,7 +2,8 @@
 
 A family describes how it differs from Llama with :class:`DecoderOptions` (tensor names and
 feature flags); :func:`build_decoder` composes the shared modules. A family that is Llama with a
-flag is a few lines of options, not a copy of this file.
+flag is a few lines of options, not a copy of this file. Values that come from the checkpoint's
+config (a softcap, a scale) are set by the family's ``build`` with ``attrs.evolve(options, ...)``.
 """
 from __future__ import annotations
 
@@ -12,40 +13,94 @@ import torch
 from ..batch import ForwardBatch
 from ..config import DecoderConfig
 from .base import Module
-from .layers import Attention, Embedding, GatedMLP, RMSNorm, RotaryEmbedding
+from .layers import MLP, Attention, Embedding, GatedMLP, RotaryEmbedding, make_norm
 from .linear import Linear
 
 
 @attrs.frozen
 class DecoderOptions:
-    """How a family's checkpoint and forward pass differ from Llama's."""
+    """How a family's checkpoint and forward pass differ from Llama's.
 
+    Norm placement: ``input_norm_name`` normalises the attention input and ``post_attn_norm_name``
+    the MLP input (HF's Llama names); ``attn_out_norm_name`` / ``mlp_out_norm_name`` normalise a
+    sub-layer's output before the residual add (Gemma 2/3 and GLM 4 "sandwich", Olmo 2/3 and
+    EXAONE 4 post-norm with the input norms set to None, HyperCLOVAX Peri-LN).
+    """
+
+    # tensor names
     embed_key: str = "model.embed_tokens"
     layer_prefix: str = "model.layers"
     final_norm_key: str = "model.norm"
     lm_head_key: str = "lm_head"
     attn_name: str = "self_attn"
     mlp_name: str = "mlp"
-    input_norm_name: str = "input_layernorm"
-    post_attn_norm_name: str = "post_attention_layernorm"
-    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3, Olmo ...)
+    input_norm_name: str | None = "input_layernorm"
+    post_attn_norm_name: str | None = "post_attention_layernorm"
+    attn_out_norm_name: str | None = None
+    mlp_out_norm_name: str | None = None
+    # norms
+    norm: str = "rms"  # "rms", "layer" (LayerNorm with bias) or "layer_nobias" (Cohere)
+    norm_unit_offset: bool = False  # stored RMSNorm weights are w - 1 (Gemma): scale by 1 + w
+    # block structure
+    parallel_block: bool = False  # x + attn(norm(x)) + mlp(norm(x)) with one norm (Cohere)
+    residual_multiplier: float = 1.0  # sub-layer outputs scaled before the residual add (Granite, HyperCLOVAX)
+    # attention
+    qk_norm: bool = False  # normalise q and k before RoPE (Qwen3, Olmo ...)
+    qk_norm_kind: str = "head"  # "head", "full" (whole projection, Olmo 2/3) or "layer_head" (Cohere)
+    qkv_bias: bool | None = None  # None: config.attention_bias
     o_bias: bool | None = None  # None: same as attention_bias
+    fused_qkv: str | None = None  # name of a fused [q; k; v] projection (Phi-3 "qkv_proj")
     rope_interleaved: bool = False  # GPT-J pairing instead of NeoX halves
+    nope_layer_types: tuple[str, ...] = ()  # layer types without RoPE (Cohere2 / EXAONE 4 global layers)
+    attn_scale: float | None = None  # softmax scale; None: 1/sqrt(head_dim)
+    attn_softcap: float = 0.0  # tanh softcap of attention logits (Gemma 2)
+    # MLP
+    mlp_gated: bool = True  # False: down(act(up(x))) (Arcee, Apertus)
+    fused_gate_up: str | None = None  # name of a fused [gate; up] projection (Phi-3, GLM 4 "gate_up_proj")
+    mlp_bias: bool | None = None  # None: config.mlp_bias
+    activation: str | None = None  # None: config.hidden_act
+    # embedding and head
     embed_scale: float | None = None
     final_logit_softcap: float = 0.0
     logit_scale: float = 1.0
 
 
 class DecoderLayer(Module):
-    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """One block. Pre-norm by default: ``h = x + attn(norm(x))``, then ``h + mlp(norm(h))``.
 
-    def __init__(self, key: str, input_norm: Module, attn: Attention, post_attn_norm: Module, mlp: Module):
+    Any norm may be None (absent). ``attn_out_norm`` / ``mlp_out_norm`` normalise the sub-layer
+    output before the residual add. ``parallel``: ``x + attn(norm(x)) + mlp(norm(x))``.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        input_norm: Module | None,
+        attn: Module,
+        post_attn_norm: Module | None,
+        mlp: Module,
+        attn_out_norm: Module | None = None,
+        mlp_out_norm: Module | None = None,
+        parallel: bool = False,
+        residual_multiplier: float = 1.0,
+    ):
         self.key = key
         self.input_norm, self.attn, self.post_attn_norm, self.mlp = input_norm, attn, post_attn_norm, mlp
+        self.attn_out_norm, self.mlp_out_norm = attn_out_norm, mlp_out_norm
+        self.parallel, self.residual_multiplier = parallel, residual_multiplier
+
+    @staticmethod
+    def _norm(norm: Module | None, x: torch.Tensor) -> torch.Tensor:
+        return x if norm is None else norm.forward(x)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = x + self.attn.forward(self.input_norm.forward(x), batch)
-        return h + self.mlp.forward(self.post_attn_norm.forward(h), batch)
+        if self.parallel:
+            h = self._norm(self.input_norm, x)
+            return x + self.attn.forward(h, batch) + self.mlp.forward(h, batch)
+        a = self._norm(self.attn_out_norm, self.attn.forward(self._norm(self.input_norm, x), batch))
+        h = x + (a * self.residual_multiplier if self.residual_multiplier != 1.0 else a)
+        m = self._norm(self.mlp_out_norm, self.mlp.forward(self._norm(self.post_attn_norm, h), batch))
+        return h + (m * self.residual_multiplier if self.residual_multiplier != 1.0 else m)
 
 
 class CausalLM(Module):
@@ -97,32 +152,75 @@ class CausalLM(Module):
         return self.logits_from_hidden(self.hidden_states(batch), batch)
 
 
+def layer_ropes(cfg: DecoderConfig, opts: DecoderOptions) -> list[RotaryEmbedding | None]:
+    """Per layer, the shared RoPE table it uses (one per distinct layer type) or None for NoPE layers."""
+    tables: dict[str, RotaryEmbedding] = {}
+    out: list[RotaryEmbedding | None] = []
+    nope = set(cfg.nope_layers)
+    for i in range(cfg.num_hidden_layers):
+        kind = cfg.layer_type(i)
+        if i in nope or kind in opts.nope_layer_types:
+            out.append(None)
+            continue
+        if kind not in tables:
+            tables[kind] = RotaryEmbedding(cfg.rope_for(kind), cfg.head_dim, cfg.max_position_embeddings, opts.rope_interleaved)
+        out.append(tables[kind])
+    return out
+
+
+def build_attention(cfg: DecoderConfig, opts: DecoderOptions, i: int, key: str, rope: RotaryEmbedding | None) -> Attention:
+    qkv_bias = cfg.attention_bias if opts.qkv_bias is None else opts.qkv_bias
+    return Attention(
+        key,
+        layer_idx=i,
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        rope=rope,
+        qkv_bias=qkv_bias,
+        o_bias=cfg.attention_bias if opts.o_bias is None else opts.o_bias,
+        qk_norm_eps=cfg.rms_norm_eps if opts.qk_norm else None,
+        sliding_window=cfg.layer_sliding_window(i),
+        softcap=opts.attn_softcap,
+        scale=opts.attn_scale,
+        qk_norm=opts.qk_norm_kind,
+        qk_norm_unit_offset=opts.norm_unit_offset,
+        fused_qkv=opts.fused_qkv,
+    )
+
+
+def build_mlp(cfg: DecoderConfig, opts: DecoderOptions, key: str) -> Module:
+    act = opts.activation or cfg.hidden_act
+    bias = cfg.mlp_bias if opts.mlp_bias is None else opts.mlp_bias
+    if not opts.mlp_gated:
+        return MLP(key, cfg.hidden_size, cfg.intermediate_size, act, bias)
+    return GatedMLP(key, cfg.hidden_size, cfg.intermediate_size, act, bias, opts.fused_gate_up)
+
+
 def build_decoder(cfg: DecoderConfig, opts: DecoderOptions = DecoderOptions()) -> CausalLM:
     """Compose a Llama-style decoder from shared modules according to ``opts``."""
-    rope = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, opts.rope_interleaved)
+
+    def norm(name: str | None, prefix: str) -> Module | None:
+        if name is None:
+            return None
+        return make_norm(opts.norm, f"{prefix}.{name}" if prefix else name, cfg.hidden_size, cfg.rms_norm_eps, opts.norm_unit_offset)
+
+    ropes = layer_ropes(cfg, opts)
     layers: list[Module] = []
     for i in range(cfg.num_hidden_layers):
         key = f"{opts.layer_prefix}.{i}"
-        attn = Attention(
-            f"{key}.{opts.attn_name}",
-            layer_idx=i,
-            hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            rope=rope,
-            qkv_bias=cfg.attention_bias,
-            o_bias=cfg.attention_bias if opts.o_bias is None else opts.o_bias,
-            qk_norm_eps=cfg.rms_norm_eps if opts.qk_norm else None,
-        )
-        mlp = GatedMLP(f"{key}.{opts.mlp_name}", cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
         layers.append(
             DecoderLayer(
                 key,
-                RMSNorm(f"{key}.{opts.input_norm_name}", cfg.hidden_size, cfg.rms_norm_eps),
-                attn,
-                RMSNorm(f"{key}.{opts.post_attn_norm_name}", cfg.hidden_size, cfg.rms_norm_eps),
-                mlp,
+                norm(opts.input_norm_name, key),
+                build_attention(cfg, opts, i, f"{key}.{opts.attn_name}", ropes[i]),
+                None if opts.parallel_block else norm(opts.post_attn_norm_name, key),
+                build_mlp(cfg, opts, f"{key}.{opts.mlp_name}"),
+                attn_out_norm=norm(opts.attn_out_norm_name, key),
+                mlp_out_norm=norm(opts.mlp_out_norm_name, key),
+                parallel=opts.parallel_block,
+                residual_multiplier=opts.residual_multiplier,
             )
         )
     head = Linear(
@@ -132,7 +230,7 @@ def build_decoder(cfg: DecoderConfig, opts: DecoderOptions = DecoderOptions()) -
         cfg,
         Embedding(opts.embed_key, cfg.vocab_size, cfg.hidden_size, opts.embed_scale),
         layers,
-        RMSNorm(opts.final_norm_key, cfg.hidden_size, cfg.rms_norm_eps),
+        norm(opts.final_norm_key, ""),
         head,
         opts.final_logit_softcap,
         opts.logit_scale,

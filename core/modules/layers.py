@@ -8,6 +8,8 @@ import torch
 from .. import ops
 from ..batch import ForwardBatch
 from ..config import RopeConfig
+from ..errors import WeightError
+from ..ops.dense import activation_fn, xielu
 from .base import LoadContext, Module
 from .linear import Linear
 
@@ -53,6 +55,8 @@ class RMSNorm(Module):
 
 
 class LayerNorm(Module):
+    """LayerNorm over the last dim; ``bias=False`` for the weight-only kind (Cohere)."""
+
     def __init__(self, key: str, dim: int, eps: float, bias: bool = True):
         self.key, self.dim, self.eps, self.has_bias = key, dim, eps, bias
         self.weight = self.bias = None
@@ -67,6 +71,39 @@ class LayerNorm(Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class HeadLayerNorm(Module):
+    """Weight-only LayerNorm over each head with its own weight row, ``weight`` [heads, head_dim] (Cohere QK-norm)."""
+
+    def __init__(self, key: str, num_heads: int, head_dim: int, eps: float):
+        self.key, self.num_heads, self.head_dim, self.eps = key, num_heads, head_dim, eps
+        self.weight: torch.Tensor | None = None
+
+    def load(self, ctx: LoadContext) -> None:
+        shape = (self.num_heads, self.head_dim)
+        self.weight = ctx.store.get(f"{self.key}.weight", shape=shape, dtype=ctx.dtype, device=ctx.device)
+
+    def unload(self) -> None:
+        self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ops.layer_norm(x.float(), None, None, self.eps) * self.weight.float()
+        return y.to(x.dtype)
+
+
+NORM_KINDS = ("rms", "layer", "layer_nobias")
+
+
+def make_norm(kind: str, key: str, dim: int, eps: float, unit_offset: bool = False) -> Module:
+    """The hidden-state norm a family uses: ``rms`` (optionally 1 + w), ``layer`` or ``layer_nobias``."""
+    if kind == "rms":
+        return RMSNorm(key, dim, eps, unit_offset)
+    if kind in ("layer", "layer_nobias"):
+        if unit_offset:
+            raise ValueError(f"{key}: 1 + w scaling is only defined for RMSNorm")
+        return LayerNorm(key, dim, eps, bias=kind == "layer")
+    raise ValueError(f"{key}: unknown norm kind {kind!r}; known: {', '.join(NORM_KINDS)}")
 
 
 class RotaryEmbedding:
@@ -102,8 +139,18 @@ class RotaryEmbedding:
         return cos[positions], sin[positions]
 
 
+QK_NORM_KINDS = ("head", "full", "layer_head")
+
+
 class Attention(Module):
-    """Multi-head attention with GQA, RoPE, optional QK-norm, sliding window, softcap and sinks."""
+    """Multi-head attention with GQA, RoPE, optional QK-norm, sliding window, softcap and sinks.
+
+    ``qk_norm`` says where the QK-norm (enabled by ``qk_norm_eps``) normalises: ``"head"`` RMSNorm
+    over each head (Qwen3, Gemma 3), ``"full"`` RMSNorm over the whole q/k projection (Olmo 2/3),
+    ``"layer_head"`` LayerNorm with per-head weights (Cohere). ``fused_qkv`` names one fused
+    [q; k; v] projection (Phi-3) used instead of q_proj/k_proj/v_proj; its output is split after
+    one matmul, which serves dense and quantized tensors alike.
+    """
 
     def __init__(
         self,
@@ -120,17 +167,35 @@ class Attention(Module):
         sliding_window: int = 0,
         softcap: float = 0.0,
         scale: float | None = None,
+        qk_norm: str = "head",
+        qk_norm_unit_offset: bool = False,
+        fused_qkv: str | None = None,
     ):
         self.key, self.layer_idx = key, layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = Linear(f"{key}.q_proj", hidden_size, num_heads * head_dim, qkv_bias)
-        self.k_proj = Linear(f"{key}.k_proj", hidden_size, num_kv_heads * head_dim, qkv_bias)
-        self.v_proj = Linear(f"{key}.v_proj", hidden_size, num_kv_heads * head_dim, qkv_bias)
-        self.o_proj = Linear(f"{key}.o_proj", num_heads * head_dim, hidden_size, o_bias)
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = self.q_proj = self.k_proj = self.v_proj = None
+        if fused_qkv:
+            self.qkv_proj = Linear(f"{key}.{fused_qkv}", hidden_size, q_size + 2 * kv_size, qkv_bias)
+        else:
+            self.q_proj = Linear(f"{key}.q_proj", hidden_size, q_size, qkv_bias)
+            self.k_proj = Linear(f"{key}.k_proj", hidden_size, kv_size, qkv_bias)
+            self.v_proj = Linear(f"{key}.v_proj", hidden_size, kv_size, qkv_bias)
+        self.o_proj = Linear(f"{key}.o_proj", q_size, hidden_size, o_bias)
         self.q_norm = self.k_norm = None
+        self.qk_norm = qk_norm
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(f"{key}.q_norm", head_dim, qk_norm_eps)
-            self.k_norm = RMSNorm(f"{key}.k_norm", head_dim, qk_norm_eps)
+            if qk_norm == "head":
+                self.q_norm = RMSNorm(f"{key}.q_norm", head_dim, qk_norm_eps, qk_norm_unit_offset)
+                self.k_norm = RMSNorm(f"{key}.k_norm", head_dim, qk_norm_eps, qk_norm_unit_offset)
+            elif qk_norm == "full":
+                self.q_norm = RMSNorm(f"{key}.q_norm", q_size, qk_norm_eps, qk_norm_unit_offset)
+                self.k_norm = RMSNorm(f"{key}.k_norm", kv_size, qk_norm_eps, qk_norm_unit_offset)
+            elif qk_norm == "layer_head":
+                self.q_norm = HeadLayerNorm(f"{key}.q_norm", num_heads, head_dim, qk_norm_eps)
+                self.k_norm = HeadLayerNorm(f"{key}.k_norm", num_kv_heads, head_dim, qk_norm_eps)
+            else:
+                raise ValueError(f"{key}: unknown qk_norm {qk_norm!r}; known: {', '.join(QK_NORM_KINDS)}")
         self.rope = rope
         self.sliding_window, self.softcap = sliding_window, softcap
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
@@ -138,34 +203,113 @@ class Attention(Module):
     def kv_shape(self) -> tuple[int, int, int]:
         return self.num_kv_heads, self.head_dim, self.head_dim
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, Hkv, D]: projected, QK-normed, not yet rotated."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.qkv_proj is not None:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split((q_size, kv_size, kv_size), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None and self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.qk_norm != "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Rotate q/k, store k/v in the cache (when there is one) and attend; returns [T, H, D]."""
         if self.rope is not None:
             cos, sin = self.rope.cos_sin(batch.positions, batch.max_seq_len)
             q = ops.rotary_embedding(q, cos, sin, self.rope.interleaved)
             k = ops.rotary_embedding(k, cos, sin, self.rope.interleaved)
         if batch.cache is None:
-            o = ops.attention_varlen(q, k, v, batch.cu_seqlens, self.scale, self.sliding_window, self.softcap)
-        else:
-            layer = batch.cache.layers[self.layer_idx]
-            layer.store(k, v, batch.slots)
-            o = layer.attend(q, batch, self.scale, self.sliding_window, self.softcap)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+            return ops.attention_varlen(q, k, v, batch.cu_seqlens, self.scale, self.sliding_window, self.softcap)
+        layer = batch.cache.layers[self.layer_idx]
+        layer.store(k, v, batch.slots)
+        return layer.attend(q, batch, self.scale, self.sliding_window, self.softcap)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.project_qkv(x)
+        o = self.attend(q, k, v, batch)
+        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
+
+
+class XIELU(Module):
+    """The xIELU activation (Apertus) with its trained per-layer scalars ``alpha_p``, ``alpha_n``, ``beta``, ``eps``."""
+
+    DEFAULTS = {"beta": 0.5, "eps": -1e-6}
+
+    def __init__(self, key: str):
+        self.key = key
+        self.params: dict[str, float] = {}
+
+    def load(self, ctx: LoadContext) -> None:
+        self.params = {}
+        for name in ("alpha_p", "alpha_n", "beta", "eps"):
+            full = f"{self.key}.{name}"
+            if full in ctx.store:
+                self.params[name] = float(ctx.store.get(full, dtype=torch.float32).reshape(-1)[0])
+            elif name in self.DEFAULTS:
+                self.params[name] = self.DEFAULTS[name]
+            else:
+                raise WeightError(f"{ctx.store.model_dir}: tensor {full!r} (xIELU parameter) is missing")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return xielu(x, **self.params)
 
 
 class GatedMLP(Module):
-    """down(act(gate(x)) * up(x))."""
+    """down(act(gate(x)) * up(x)); ``fused_gate_up`` names one [gate; up] tensor (Phi-3, GLM 4)."""
 
-    def __init__(self, key: str, hidden_size: int, intermediate_size: int, activation: str = "silu", bias: bool | None = False):
-        self.key, self.activation = key, activation
-        self.gate_proj = Linear(f"{key}.gate_proj", hidden_size, intermediate_size, bias)
-        self.up_proj = Linear(f"{key}.up_proj", hidden_size, intermediate_size, bias)
+    def __init__(
+        self,
+        key: str,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str = "silu",
+        bias: bool | None = False,
+        fused_gate_up: str | None = None,
+    ):
+        self.key, self.activation, self.intermediate_size = key, activation, intermediate_size
+        self.gate_up_proj = self.gate_proj = self.up_proj = None
+        if fused_gate_up:
+            self.gate_up_proj = Linear(f"{key}.{fused_gate_up}", hidden_size, 2 * intermediate_size, bias)
+        else:
+            self.gate_proj = Linear(f"{key}.gate_proj", hidden_size, intermediate_size, bias)
+            self.up_proj = Linear(f"{key}.up_proj", hidden_size, intermediate_size, bias)
         self.down_proj = Linear(f"{key}.down_proj", intermediate_size, hidden_size, bias)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
-        return self.down_proj(ops.gated_activation(self.gate_proj(x), self.up_proj(x), self.activation))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(ops.gated_activation(gate, up, self.activation))
+
+
+class MLP(Module):
+    """down(act(up(x))), the ungated MLP (Arcee relu2, Apertus xIELU, Nemotron)."""
+
+    def __init__(
+        self,
+        key: str,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str = "relu2",
+        bias: bool | None = False,
+        up_name: str = "up_proj",
+        down_name: str = "down_proj",
+    ):
+        self.key, self.activation = key, activation
+        self.up_proj = Linear(f"{key}.{up_name}", hidden_size, intermediate_size, bias)
+        self.down_proj = Linear(f"{key}.{down_name}", intermediate_size, hidden_size, bias)
+        self.act_fn = XIELU(f"{key}.act_fn") if activation == "xielu" else None
+        self._act = None if activation == "xielu" else activation_fn(activation)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        h = self.up_proj(x)
+        return self.down_proj(self.act_fn(h) if self.act_fn is not None else self._act(h))

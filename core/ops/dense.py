@@ -54,6 +54,15 @@ def activation_fn(name: str):
         raise ValueError(f"unsupported activation {name!r}; supported: {sorted(_ACTIVATIONS)}") from None
 
 
+def xielu(x: torch.Tensor, alpha_p: float, alpha_n: float, beta: float = 0.5, eps: float = -1e-6) -> torch.Tensor:
+    """xIELU (Apertus): quadratic for x > 0, a shifted ELU-like curve below; ``alpha_*`` are pre-softplus values."""
+    ap = F.softplus(torch.tensor(alpha_p)).item()
+    an = beta + F.softplus(torch.tensor(alpha_n)).item()
+    xf = x.float()
+    neg = (torch.expm1(torch.clamp(xf, max=eps)) - xf) * an + beta * xf
+    return torch.where(xf > 0, ap * xf * xf + beta * xf, neg).to(x.dtype)
+
+
 @op
 def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """``act(gate) * up`` (SwiGLU / GeGLU)."""
