@@ -294,17 +294,52 @@ def _compile_template(source: str):
     return template
 
 
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _plain(value: Any) -> Any:
+    """Template inputs rebuilt from plain JSON-like types: the sandbox then sees no object with
+    methods of its own, and the caller's data cannot be modified. Other objects (images, arrays)
+    become a placeholder naming their type, as in HF."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    for base in (bool, str, int, float):  # subclasses (enums, numpy scalars) lose their extras
+        if isinstance(value, base):
+            return base(value)
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "shape", None) == ():
+        return _plain(value.item())
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return f"<{type(value).__name__}>"
+
+
+def _normalize_message(message: Any) -> dict:
+    """A message as HF hands it to templates: keys set to None dropped (templates handle a missing
+    key better than None), and reasoning text under every name templates read it by."""
+    if not isinstance(message, dict):
+        raise TokenizerError(f"chat messages must be dicts with 'role' and 'content', got {message!r}")
+    message = {k: v for k, v in _plain(message).items() if v is not None}
+    reasoning = next((message[k] for k in _REASONING_KEYS if message.get(k) is not None), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
+
+
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True,
+                         tools: list[dict] | None = None, documents: list[dict] | None = None,
                          **kwargs: Any) -> str:
     """Render a chat template over `messages` the way HF does (sandboxed jinja2, trim_blocks and
     lstrip_blocks, HF's `tojson`, `raise_exception` and `strftime_now`)."""
-    for message in messages:
-        if not isinstance(message, dict):
-            raise TokenizerError(f"chat messages must be dicts with 'role' and 'content', got {message!r}")
-    # Deep copies through JSON so a template cannot alter the caller's messages.
-    messages = json.loads(json.dumps(messages))
     return _compile_template(template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, **kwargs
+        messages=[_normalize_message(m) for m in messages],
+        tools=_plain(tools),
+        documents=_plain(documents),
+        add_generation_prompt=add_generation_prompt,
+        **_plain(kwargs),
     )
 
 

@@ -257,6 +257,18 @@ def test_messages_are_not_modified(model_dirs):
     assert json.dumps(MESSAGES) == before
 
 
+def test_message_normalisation_matches_hf(model_dirs):
+    """None-valued keys are dropped and reasoning text is aliased, as transformers does."""
+    path = model_dirs["byte_level_no_bos"]
+    ours, hf = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(path)
+    template = ("{% for m in messages %}{{ m.role }}|{{ m.content is defined }}|{{ m.thinking }}|"
+                "{{ m.reasoning_content }};{% endfor %}")
+    messages = [{"role": "user", "content": None}, {"role": "assistant", "content": "ok", "reasoning": "hmm"}]
+    expected = hf.apply_chat_template(messages, chat_template=template, tokenize=False)
+    ours.chat_templates["probe"] = template
+    assert ours.apply_chat_template(messages, add_generation_prompt=False, template_name="probe") == expected
+
+
 # ---- streaming ---------------------------------------------------------------------------------------
 
 
