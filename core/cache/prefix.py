@@ -44,7 +44,7 @@ class PrefixCache:
         self.depth: dict[int, int] = {}
         self.last_used: dict[int, int] = {}
         self._clock = 0
-        self.hits = 0  # pages reused, for statistics
+        self.evictions = 0  # pages dropped to make room, for statistics
 
     def __len__(self) -> int:
         return len(self.page_of)
@@ -86,6 +86,7 @@ class PrefixCache:
         candidates.sort(key=lambda p: (self.last_used[p], -self.depth[p]))
         for page in candidates[:n]:
             self._drop(page)
+            self.evictions += 1
         return min(n, len(candidates))
 
     def _drop(self, page: int) -> None:

@@ -1,0 +1,289 @@
+"""The continuous-batching generator on a tiny random Llama: every batched result is checked
+against the same job decoded alone (``LoadedModel.generate_ids``, greedy)."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import trellm  # noqa: E402
+from trellm.cache.quantized import quantized_cache  # noqa: E402
+from trellm.generator import (  # noqa: E402
+    AsyncGenerator,
+    DraftModelProposer,
+    Generator,
+    Job,
+    JobFinished,
+    JobStarted,
+    JobTooLargeError,
+    NgramProposer,
+    PrefillProgress,
+    SamplerSettings,
+    TokenChunk,
+)
+from trellm.sdk.testing import make_tiny_hf_model  # noqa: E402
+
+
+def byte_tokenizer():
+    """A 256-token byte-level tokenizer (token id = byte), so the tiny model can stream text."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
+
+    from trellm.tokenizer import Tokenizer
+
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = printable[:], 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    backend = Backend(models.BPE(vocab={chr(c): b for b, c in zip(printable, chars)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return Tokenizer(backend)
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    model_dir = make_tiny_hf_model("LlamaForCausalLM", tmp_path_factory.mktemp("tiny"), max_position_embeddings=1024)
+    model = trellm.load(model_dir, device="cpu", dtype="float32")
+    model.tokenizer = byte_tokenizer()
+    return model
+
+
+_solo_cache: dict = {}
+
+
+def solo(lm, prompt, n):
+    """Greedy tokens of ``prompt`` decoded alone, no stop tokens (the oracle)."""
+    key = (tuple(prompt), n)
+    if key not in _solo_cache:
+        _solo_cache[key] = list(lm.generate_ids(list(prompt), n, stop_token_ids=[]))
+    return _solo_cache[key]
+
+
+def prompts_of(lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 256) for _ in range(n)] for n in lengths]
+
+
+def test_batching_invariance(lm):
+    prompts = prompts_of([3, 17, 40, 9, 64, 1])
+    gen = Generator(lm, cache_tokens=1024, page_size=16, max_batch_size=6, max_chunk_tokens=48)
+    results = gen.generate(prompts, max_new_tokens=12, stop_token_ids=[], return_results=True)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == solo(lm, prompt, 12)
+        assert result.eos_reason == "max_new_tokens" and result.finish_reason == "length"
+        assert result.generated_tokens == 12 and result.prompt_tokens == len(prompt)
+    gen.verify_pages()
+
+
+def test_results_stream_in_order(lm):
+    gen = Generator(lm, cache_tokens=512, page_size=16, max_chunk_tokens=16)
+    job = gen.enqueue(Job(prompts_of([40])[0], 6, stop_token_ids=[], identifier="req-1", logprobs=True, top_logprobs=3))
+    results = list(gen.stream())
+    assert all(r.identifier == "req-1" for r in results)
+    assert isinstance(results[0], JobStarted) and isinstance(results[-1], JobFinished)
+    progress = [r.prefilled for r in results if isinstance(r, PrefillProgress)]
+    assert progress == [16, 32, 40]  # chunked prefill under the 16-token budget
+    chunks = [r for r in results if isinstance(r, TokenChunk)]
+    streamed = [t for c in chunks for t in c.token_ids]
+    assert streamed == results[-1].token_ids == solo(lm, job.prompt_ids, 6)
+    logprobs = [lp for c in chunks if c.logprobs for lp in c.logprobs]
+    tops = [tp for c in chunks if c.top_logprobs for tp in c.top_logprobs]
+    assert len(logprobs) == len(tops) == 6
+    for token, lp, top in zip(streamed, logprobs, tops):
+        assert top[0][0] == token and top[0][1] == pytest.approx(lp) and len(top) == 3 and lp <= 0
+    assert "".join(c.text for c in chunks) == results[-1].text == lm.tokenizer.decode(streamed)
+
+
+def test_text_prompt_stop_string_and_banned_string(lm):
+    gen = Generator(lm, cache_tokens=1024, page_size=16)
+    prompt = "The quick brown fox"
+    plain = gen.generate(prompt, 24, stop_token_ids=[], return_results=True)
+    assert plain.token_ids == solo(lm, lm.tokenizer.encode(prompt), 24)
+    text = plain.text
+    assert len(text) > 8
+    stop = text[5:8]
+    stopped = gen.generate(prompt, 24, stop=[stop, "\x00never"], stop_token_ids=[], return_results=True)
+    assert stopped.eos_reason == "stop_string" and stopped.stop_string == stop
+    assert stopped.text == text[: text.index(stop)]
+    # The streamed text never shows a partial stop string: it is held back while it may still match.
+    banned = text[3:6]
+    result = gen.generate(prompt, 24, banned_strings=[banned], stop_token_ids=[], return_results=True)
+    assert banned not in result.text and result.text.startswith(text[:3])
+    gen.verify_pages()
+
+
+def test_stop_token_and_min_new_tokens(lm):
+    prompt = prompts_of([10], seed=3)[0]
+    reference = solo(lm, prompt, 16)
+    stop = reference[3]
+    first = reference.index(stop)
+    gen = Generator(lm, cache_tokens=512, page_size=16)
+    r = gen.generate(prompt, 16, stop_token_ids=[stop], return_results=True)
+    assert r.eos_reason == "stop_token" and r.stop_token == stop and r.token_ids == reference[:first]
+    r = gen.generate(prompt, 16, stop_token_ids=[stop], min_new_tokens=8, return_results=True)
+    assert len(r.token_ids) >= 8 and stop not in r.token_ids[:8]
+
+
+def test_prefix_sharing_skips_prefill_and_keeps_output(lm):
+    shared = prompts_of([48], seed=5)[0]
+    a, b = shared + [7, 8, 9], shared + [10, 11]
+    gen = Generator(lm, cache_tokens=1024, page_size=16)
+    gen.generate(a, 8, stop_token_ids=[])
+    before = gen.stats["prefilled_tokens"]
+    r = gen.generate(b, 8, stop_token_ids=[], return_results=True)
+    assert r.cached_tokens == 48  # three full pages found by their chained hashes
+    assert gen.stats["prefilled_tokens"] - before == len(b) - 48
+    assert r.token_ids == solo(lm, b, 8)
+    gen.verify_pages()
+    gen.clear_prefix_cache()
+    assert gen.cache.allocator.free_pages == gen.cache.num_pages
+
+
+def test_too_large_job_is_refused_and_others_keep_going(lm):
+    gen = Generator(lm, cache_tokens=128, page_size=16)
+    ok = gen.enqueue(Job(prompts_of([8])[0], 8, stop_token_ids=[]))
+    with pytest.raises(JobTooLargeError, match="cache holds only 128"):
+        gen.enqueue(Job(prompts_of([200])[0], 4))
+    with pytest.raises(JobTooLargeError, match="max_new_tokens"):
+        gen.enqueue(Job([1, 2, 3], 500))
+    with pytest.raises(JobTooLargeError, match="outside the vocabulary"):
+        gen.enqueue(Job([1, 999], 4))
+    finished = [r for r in gen.stream() if isinstance(r, JobFinished)]
+    assert [f.job for f in finished] == [ok] and finished[0].token_ids == solo(lm, ok.prompt_ids, 8)
+
+
+def test_seeded_sampling_is_batch_invariant(lm):
+    settings = SamplerSettings(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.1)
+    prompts = prompts_of([5, 20, 33], seed=9)
+    gen = Generator(lm, cache_tokens=1024, page_size=16)
+    together = gen.generate(prompts, 10, sampler=settings, seed=123, stop_token_ids=[], return_results=True)
+    alone = [gen.generate(p, 10, sampler=settings, seed=123, stop_token_ids=[], return_results=True) for p in prompts]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_speculative_equals_plain_greedy(lm, proposer):
+    # Repetitive prompts give the n-gram proposer something to find.
+    prompts = [[5, 6, 7, 8] * 6, prompts_of([30], seed=2)[0], [9, 9, 9, 1, 2, 9, 9, 9, 1]]
+    if proposer == "ngram":
+        prop = NgramProposer(num_tokens=4)
+    else:
+        prop = DraftModelProposer(lm, num_tokens=3, cache_tokens=512, page_size=16)  # drafting for itself: all accepted
+    gen = Generator(lm, cache_tokens=1024, page_size=16, proposer=prop, num_draft_tokens=4)
+    results = gen.generate(prompts, 16, stop_token_ids=[], return_results=True)
+    for prompt, r in zip(prompts, results):
+        assert r.token_ids == solo(lm, prompt, 16)
+    assert sum(r.draft_proposed for r in results) > 0
+    if proposer == "draft":
+        assert all(r.draft_accepted == r.draft_proposed for r in results)
+        assert gen.stats["steps"] < 16 + 3  # several tokens per step
+    gen.verify_pages()
+
+
+@pytest.mark.parametrize("bits", [(8, 8), (4, 6)])
+def test_quantized_cache_generates(lm, bits):
+    prompts = prompts_of([12, 30], seed=4)
+    gen = Generator(lm, cache=quantized_cache(lm, *bits, max_tokens=512, page_size=16))
+    results = gen.generate(prompts, 8, stop_token_ids=[], return_results=True)
+    assert all(len(r.token_ids) == 8 for r in results)
+    if bits == (8, 8):  # near-lossless: the first tokens agree with the fp32 cache
+        assert all(r.token_ids[:2] == solo(lm, p, 8)[:2] for p, r in zip(prompts, results))
+    gen.verify_pages()
+
+
+def test_stress_eviction_waiting_cancellation(lm):
+    """Many jobs at varying depth through a small cache: waiting, eviction, cancels; nothing lost or leaked."""
+    rng = random.Random(42)
+    stems = prompts_of([16, 24, 8], seed=11)  # shared prefixes
+    jobs = []
+    for i in range(28):
+        prompt = list(rng.choice(stems))[: rng.choice([8, 16, 24])] + [rng.randrange(1, 256) for _ in range(rng.randrange(1, 12))]
+        jobs.append(Job(prompt, rng.randrange(2, 20), stop_token_ids=[], identifier=i))
+    gen = Generator(lm, cache_tokens=8 * 20, page_size=8, max_batch_size=5, max_chunk_tokens=24)
+    to_cancel = {3, 11, 17, 25}
+    waiting_seen = False
+    queue = list(jobs)
+    gen.enqueue([queue.pop(0) for _ in range(8)])
+    finished: dict[int, JobFinished] = {}
+    streamed: dict[int, list[int]] = {i: [] for i in range(len(jobs))}
+    while gen.has_work() or queue:
+        if queue and rng.random() < 0.4:
+            gen.enqueue(queue.pop(0))
+        for result in gen.iterate():
+            if isinstance(result, TokenChunk):
+                streamed[result.identifier] += result.token_ids
+                if result.identifier in to_cancel and len(streamed[result.identifier]) >= 2:
+                    gen.cancel(result.job)
+            elif isinstance(result, JobFinished):
+                assert result.identifier not in finished
+                finished[result.identifier] = result
+        waiting_seen |= gen.num_pending > 0 and gen.num_active < gen.max_batch_size
+        gen.verify_pages()
+    assert sorted(finished) == list(range(len(jobs)))
+    assert waiting_seen and gen.cache.prefix_cache.evictions > 0 and gen.stats["reused_tokens"] > 0
+    for i, job in enumerate(jobs):
+        result = finished[i]
+        expected = solo(lm, job.prompt_ids, job.max_new_tokens)
+        assert streamed[i] == result.token_ids
+        if result.eos_reason == "cancelled":
+            assert i in to_cancel and result.token_ids == expected[: len(result.token_ids)]
+        else:
+            assert result.token_ids == expected, f"job {i}"
+    assert {i for i in to_cancel if finished[i].eos_reason == "cancelled"}
+    gen.clear_prefix_cache()
+    assert gen.cache.allocator.free_pages == gen.cache.num_pages
+
+
+def test_async_generator_streams_and_cancels(lm):
+    prompts = prompts_of([6, 20, 11, 35], seed=8)
+
+    async def main():
+        gen = Generator(lm, cache_tokens=1024, page_size=16, max_batch_size=4)
+        async with AsyncGenerator(gen) as agen:
+            jobs = [agen.submit(Job(p, 24, stop_token_ids=[], identifier=i)) for i, p in enumerate(prompts)]
+
+            async def consume(async_job):
+                return [r async for r in async_job]
+
+            async def cancel_soon(async_job):
+                async for r in async_job:
+                    if isinstance(r, TokenChunk) and r.token_ids:
+                        async_job.cancel()
+                return async_job.final
+
+            tasks = [asyncio.create_task(consume(j)) for j in jobs[:2]]
+            canceller = asyncio.create_task(cancel_soon(jobs[2]))
+            victim = asyncio.create_task(consume(jobs[3]))
+            await asyncio.sleep(0)
+            victim.cancel()  # the consuming task goes away: the job must be cancelled and its pages freed
+            outs = await asyncio.gather(*tasks)
+            cancelled = await canceller
+            with pytest.raises(asyncio.CancelledError):
+                await victim
+            with pytest.raises(JobTooLargeError):
+                agen.submit(Job([1] * 2000, 4))
+            again = await agen.generate(prompts[0], 5, stop_token_ids=[])
+        return gen, outs, cancelled, again
+
+    gen, outs, cancelled, again = asyncio.run(main())
+    for prompt, results in zip(prompts, outs):
+        assert isinstance(results[-1], JobFinished) and results[-1].token_ids == solo(lm, prompt, 24)
+    assert cancelled.eos_reason == "cancelled"
+    assert again.token_ids == solo(lm, prompts[0], 5)
+    assert not gen.has_work()
+    gen.verify_pages()
+
+
+def test_smollm2_generator_matches_simple_loop(smollm2_dir):
+    lm = trellm.load(smollm2_dir, device="cpu")
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    gen = Generator(lm, cache_tokens=1024, page_size=32)
+    texts = gen.generate(prompts, 12)
+    assert texts == [lm.generate(p, max_new_tokens=12) for p in prompts]
