@@ -79,6 +79,7 @@ class Tokenizer:
             pad_token_id = self.token_to_id(pad_token)
         self.pad_token_id = pad_token_id
         self.chat_templates = dict(chat_templates or {})
+        self._vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -99,8 +100,9 @@ class Tokenizer:
         special_map = _read_json(model_dir / "special_tokens_map.json")
         gen_config = _read_json(model_dir / "generation_config.json")
         model_config = _read_json(model_dir / "config.json")
-        if "text_config" in model_config and isinstance(model_config["text_config"], dict):
-            model_config = {**model_config["text_config"], **{k: v for k, v in model_config.items() if k.endswith("_token_id")}}
+        if isinstance(model_config.get("text_config"), dict):  # multimodal: the LM's ids live there
+            token_ids = {k: v for k, v in model_config.items() if k.endswith("_token_id")}
+            model_config = {**model_config["text_config"], **token_ids}
 
         def special(name: str) -> str | None:
             return _token_text(tok_config.get(name)) or _token_text(special_map.get(name))
@@ -123,12 +125,13 @@ class Tokenizer:
             chat_templates=templates,
             source=str(model_dir),
         )
+        origin = "given"
         if vocab_size is None:
-            vocab_size = model_config.get("vocab_size")
+            vocab_size, origin = model_config.get("vocab_size"), "config.json"
         if vocab_size is not None and tokenizer.vocab_size > int(vocab_size):
             raise TokenizerError(
                 f"{tokenizer_file}: tokenizer has ids up to {tokenizer.vocab_size - 1} but the model's "
-                f"vocab_size is {vocab_size} (config.json): tokenizer and model do not match"
+                f"vocab_size is {vocab_size} ({origin}): the tokenizer does not belong to this model"
             )
         return tokenizer
 
@@ -137,7 +140,7 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce (highest id + 1, added tokens included)."""
-        return max(self._backend.get_vocab(with_added_tokens=True).values()) + 1
+        return self._vocab_size
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
@@ -186,9 +189,11 @@ class Tokenizer:
                 f"{self.source}: the tokenizer has no chat template (none in tokenizer_config.json "
                 "or chat_template.jinja); format the prompt yourself or add a template"
             )
-        name = template_name or ("default" if "default" in self.chat_templates else None)
-        if name is None and len(self.chat_templates) == 1:
-            name = next(iter(self.chat_templates))
+        name = template_name
+        if name is None:  # HF's choice: "tool_use" when tools are given and it exists, else "default"
+            name = "tool_use" if tools is not None and "tool_use" in self.chat_templates else "default"
+            if name not in self.chat_templates and len(self.chat_templates) == 1:
+                name = next(iter(self.chat_templates))
         if name not in self.chat_templates:
             raise TokenizerError(
                 f"{self.source}: no chat template named {name!r}; available: {sorted(self.chat_templates)}"
