@@ -3,7 +3,8 @@
 For each (k -> n, K, M): the whole op (input Hadamard*suh, matmul, output Hadamard*svh) timed by CUDA
 graph replay over enough weight copies to miss the L2; effective GB/s = weight bytes / time; the
 limit is weight bytes / the copy bandwidth measured in the same run; bf16 is torch F.linear on
-weights of the same shape (also rotated past the L2). ``gemv`` is the matmul kernel alone.
+weights of the same shape (also rotated past the L2). ``path``: "fused" is the one-launch small-batch
+kernel (M <= 32), "cublas" decodes W_hat to fp16 and multiplies with cuBLAS.
 
     python benchmarks/bench_exl3_matmul.py [--quick] [--csv out.csv]
 """
@@ -34,7 +35,6 @@ def main() -> int:
     ap.add_argument("--csv", type=Path)
     args = ap.parse_args()
 
-    from trellm.kernels_cuda import binding
     from trellm.kernels_cuda import ops as cuda_ops
 
     ks = args.ks or ([4, 2] if args.quick else KS)
@@ -43,7 +43,7 @@ def main() -> int:
     bw = copy_bandwidth()
     dev = torch.cuda.get_device_name()
     print(f"# {dev}: measured copy bandwidth {bw / 1e9:.0f} GB/s (read+write), L2 {l2 >> 20} MiB, codebook {args.codebook}")
-    header = ["k", "n", "K", "M", "exl3_us", "gemv_us", "GB/s", "%copy", "limit_us", "bf16_us", "bf16_GB/s", "speedup"]
+    header = ["k", "n", "K", "M", "exl3_us", "path", "GB/s", "%copy", "limit_us", "bf16_us", "bf16_GB/s", "speedup"]
     print(" ".join(f"{h:>9}" for h in header), flush=True)
     rows = []
     bf16_cache: dict[tuple[int, int, int], float] = {}
@@ -70,15 +70,7 @@ def main() -> int:
                         cuda_ops.exl3_matmul(x, t, suh, svh, args.codebook)
 
                 t_exl3 = time_graph(run_exl3) / nc
-                t_gemv = float("nan")
-                if m <= cuda_ops.EXL3_GEMV_MAX_ROWS:
-                    xh = x.clone()
-
-                    def run_gemv():
-                        for t, _, _ in layers:
-                            binding.exl3_gemv(xh, t, args.codebook)
-
-                    t_gemv = time_graph(run_gemv) / nc
+                path = "fused" if m <= cuda_ops.EXL3_GEMV_MAX_ROWS else "cublas"
                 key = (k, n, m)
                 if key not in bf16_cache:
                     xb = x.to(torch.bfloat16)
@@ -91,14 +83,14 @@ def main() -> int:
                 t_bf16 = bf16_cache[key]
                 row = dict(
                     k=k, n=n, K=K, M=m,
-                    exl3_us=t_exl3 * 1e6, gemv_us=t_gemv * 1e6,
+                    exl3_us=t_exl3 * 1e6, path=path,
                     gbps=tbytes / t_exl3 / 1e9, pct=100 * tbytes / t_exl3 / bw,
                     limit_us=tbytes / bw * 1e6, bf16_us=t_bf16 * 1e6,
                     bf16_gbps=wb_bf16 / t_bf16 / 1e9, speedup=t_bf16 / t_exl3,
                 )
                 rows.append(row)
                 print(
-                    f"{k:>9} {n:>9} {K:>9} {m:>9} {row['exl3_us']:>9.1f} {row['gemv_us']:>9.1f} {row['gbps']:>9.0f} "
+                    f"{k:>9} {n:>9} {K:>9} {m:>9} {row['exl3_us']:>9.1f} {path:>9} {row['gbps']:>9.0f} "
                     f"{row['pct']:>8.0f}% {row['limit_us']:>9.1f} {row['bf16_us']:>9.1f} {row['bf16_gbps']:>9.0f} "
                     f"{row['speedup']:>8.2f}x",
                     flush=True,

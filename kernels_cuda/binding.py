@@ -200,41 +200,50 @@ def _trellis_dims(trellis: torch.Tensor) -> tuple[int, int, int]:
     return trellis.shape[0] * 16, trellis.shape[1] * 16, trellis.shape[2] // 16
 
 
-def exl3_gemv_splits(k: int) -> int:
-    return lib().trellm_exl3_gemv_splits(k)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def exl3_gemv(xh: torch.Tensor, trellis: torch.Tensor, codebook: str) -> torch.Tensor:
-    """Partial sums float32 [splits, m, n] of xh (fp16 [m, k], m <= 32) @ W_hat."""
+def _counters(device: torch.device, groups: int) -> torch.Tensor:
+    """Per-device zeroed int32 arrival counters of the fused matmul (each call leaves them zero)."""
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < groups:
+        c = torch.zeros(max(groups, 1 << 14), dtype=torch.int32, device=device)
+        _COUNTERS[device] = c
+    return c
+
+
+EXL3_SMALL_MAX_ROWS = 32
+
+
+def exl3_matmul_small(
+    x: torch.Tensor,
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    codebook: str,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """y [m, n] = H128(H128(x * suh) @ W_hat) * svh (+ bias) in one launch, for 1..32 rows of x [m, k]."""
     k, n, K = _trellis_dims(trellis)
-    expect(xh, "xh", dtype=torch.float16, shape=(None, k), device=trellis.device)
-    m = xh.shape[0]
-    if not 1 <= m <= 32:
-        raise KernelArgumentError(f"xh: {m} rows; the GEMV path takes 1..32")
     if k % 128 or n % 128:
         raise KernelArgumentError(f"trellis: k={k}, n={n} must be multiples of 128")
-    partial = torch.empty(exl3_gemv_splits(k), m, n, dtype=torch.float32, device=xh.device)
-    rc = lib().trellm_exl3_gemv(
-        _ptr(xh), _ptr(trellis, "int16_t *"), _ptr(partial, "float *"), m, k, n, K, _codebook_code(codebook),
-        _num_sms(xh.device), _stream(),
+    expect(x, "x", dtype=_FLOATS, shape=(None, k), device=trellis.device)
+    m = x.shape[0]
+    if not 1 <= m <= EXL3_SMALL_MAX_ROWS:
+        raise KernelArgumentError(f"x: {m} rows; the fused small-batch path takes 1..{EXL3_SMALL_MAX_ROWS}")
+    expect(suh, "suh", dtype=torch.float16, shape=(k,), device=x.device)
+    expect(svh, "svh", dtype=torch.float16, shape=(n,), device=x.device)
+    expect(bias, "bias", dtype=torch.float16, shape=(n,), device=x.device, optional=True)
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    workspace = torch.empty(lib().trellm_exl3_matmul_small_workspace(m, k, n), dtype=torch.float32, device=x.device)
+    counters = _counters(x.device, n // 128)
+    rc = lib().trellm_exl3_matmul_small(
+        _ptr(x), DTYPE_CODES[x.dtype], _ptr(suh), _ptr(trellis, "int16_t *"), _ptr(svh), _ptr(bias), _ptr(y),
+        _dtype_code(y, "out_dtype"), _ptr(workspace, "float *"), _ptr(counters, "int32_t *"), counters.numel(),
+        m, k, n, K, _codebook_code(codebook), _num_sms(x.device), _stream(),
     )
-    _check(rc, "exl3_gemv")
-    return partial
-
-
-def exl3_output(
-    partial: torch.Tensor, svh: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """y [m, n] = H128(sum of partial over splits) * svh (+ bias)."""
-    expect(partial, "partial", dtype=torch.float32, shape=(None, None, None))
-    splits, m, n = partial.shape
-    expect(svh, "svh", dtype=torch.float16, shape=(n,), device=partial.device)
-    expect(bias, "bias", dtype=torch.float16, shape=(n,), device=partial.device, optional=True)
-    y = torch.empty(m, n, dtype=out_dtype, device=partial.device)
-    rc = lib().trellm_exl3_output(
-        _ptr(partial, "float *"), splits, _ptr(svh), _ptr(bias), _ptr(y), _dtype_code(y, "out_dtype"), m, n, _stream()
-    )
-    _check(rc, "exl3_output")
+    _check(rc, "exl3_matmul_small")
     return y
 
 

@@ -143,12 +143,16 @@ __device__ __forceinline__ float apply_act(float g, int act) {
 template <typename T>
 __global__ void gated_activation_kernel(const T *__restrict__ gate, int64_t gate_stride, const T *__restrict__ up,
                                         int64_t up_stride, T *__restrict__ out, int64_t rows, int64_t dim, int act) {
-    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= rows * dim) return;
-    const int64_t r = idx / dim, c = idx % dim;
-    // Match the reference: act(gate) is rounded to the dtype before the multiply.
-    const T a = from_f32<T>(apply_act(to_f32(gate[r * gate_stride + c]), act));
-    out[idx] = from_f32<T>(to_f32(a) * to_f32(up[r * up_stride + c]));
+    // grid.y strides over rows, grid.x * blockDim.x over columns: no per-element division.
+    for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+        const T *g = gate + r * gate_stride, *u = up + r * up_stride;
+        T *o = out + r * dim;
+        for (int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; c < dim; c += (int64_t)gridDim.x * blockDim.x) {
+            // Match the reference: act(gate) is rounded to the dtype before the multiply.
+            const T a = from_f32<T>(apply_act(to_f32(g[c]), act));
+            o[c] = from_f32<T>(to_f32(a) * to_f32(u[c]));
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -229,13 +233,13 @@ extern "C" int trellm_gated_activation(const void *gate, int64_t gate_stride, co
                                        cudaStream_t stream) {
     if (rows < 0 || dim <= 0) return TRELLM_E_BAD_SHAPE;
     if (activation < TRELLM_ACT_SILU || activation > TRELLM_ACT_RELU2) return TRELLM_E_BAD_ARG;
-    const int64_t total = rows * dim;
-    if (total == 0) return TRELLM_OK;
-    const int blocks = (int)((total + 255) / 256);
+    if (rows == 0) return TRELLM_OK;
+    const int64_t col_blocks = (dim + 255) / 256;
+    const dim3 grid((unsigned)(col_blocks < 64 ? col_blocks : 64), (unsigned)(rows < 65535 ? rows : 65535));
     TRELLM_DISPATCH_DTYPE(dtype, T,
-        gated_activation_kernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T *>(gate), gate_stride,
-                                                               static_cast<const T *>(up), up_stride,
-                                                               static_cast<T *>(out), rows, dim, activation));
+        gated_activation_kernel<T><<<grid, 256, 0, stream>>>(static_cast<const T *>(gate), gate_stride,
+                                                             static_cast<const T *>(up), up_stride,
+                                                             static_cast<T *>(out), rows, dim, activation));
     TRELLM_LAUNCH_CHECK();
     return TRELLM_OK;
 }

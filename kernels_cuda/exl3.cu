@@ -1,32 +1,9 @@
-// EXL3 C entry points: GEMV, its output transform, tile decode, codebook decode.
+// EXL3 C entry points: the fused small-batch matmul, tile decode, codebook decode.
 #include "exl3_gemv.cuh"
 
 using namespace trellm;
 
 namespace {
-
-// One warp per (batch row, 128-column block): sum the k-slice partials, Hadamard, * svh (+ bias).
-template <typename TOut>
-__global__ void exl3_output_kernel(const float *__restrict__ partial, int splits, const half *__restrict__ svh,
-                                   const half *__restrict__ bias, TOut *__restrict__ y, int m, int n) {
-    const int lane = threadIdx.x & 31;
-    const int64_t job = (int64_t)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
-    const int blocks_n = n / 128;
-    if (job >= (int64_t)m * blocks_n) return;
-    const int row = (int)(job / blocks_n), col = (int)(job % blocks_n) * 128 + lane * 4;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s = 0; s < splits; ++s) {
-        const float4 p = *reinterpret_cast<const float4 *>(partial + ((size_t)s * m + row) * n + col);
-        v[0] += p.x; v[1] += p.y; v[2] += p.z; v[3] += p.w;
-    }
-    warp_hadamard_128(v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        float o = v[i] * __half2float(svh[col + i]);
-        if (bias) o += __half2float(bias[col + i]);
-        y[(size_t)row * n + col + i] = from_f32<TOut>(o);
-    }
-}
 
 int check_exl3_dims(int64_t k, int64_t n, int K, int codebook) {
     if (k <= 0 || n <= 0 || k % 128 || n % 128) return TRELLM_E_BAD_SHAPE;
@@ -38,33 +15,41 @@ int check_exl3_dims(int64_t k, int64_t n, int K, int codebook) {
 
 }  // namespace
 
-extern "C" int trellm_exl3_gemv_splits(int64_t k) { return (int)((k / 16 + GEMV_SLICE - 1) / GEMV_SLICE); }
+extern "C" int64_t trellm_exl3_matmul_small_workspace(int64_t m, int64_t k, int64_t n) {
+    return (int64_t)gemv_slices((int)k) * m * n;
+}
 
-extern "C" int trellm_exl3_gemv(const void *xh, const int16_t *trellis, float *partial, int64_t m, int64_t k,
-                                int64_t n, int K, int codebook, int num_sms, cudaStream_t stream) {
+extern "C" int trellm_exl3_matmul_small(const void *x, int x_dtype, const void *suh, const int16_t *trellis,
+                                        const void *svh, const void *bias, void *y, int y_dtype, float *workspace,
+                                        int32_t *counters, int64_t counters_len, int64_t m, int64_t k, int64_t n,
+                                        int K, int codebook, int num_sms, cudaStream_t stream) {
     int rc = check_exl3_dims(k, n, K, codebook);
     if (rc) return rc;
     if (m < 1 || m > 32) return TRELLM_E_BAD_SHAPE;
-    const half *x = static_cast<const half *>(xh);
-    const uint32_t *t = reinterpret_cast<const uint32_t *>(trellis);
+    if (counters_len < n / 128) return TRELLM_E_BAD_ARG;
+    if (x_dtype < TRELLM_F16 || x_dtype > TRELLM_F32 || y_dtype < TRELLM_F16 || y_dtype > TRELLM_F32)
+        return TRELLM_E_BAD_DTYPE;
+    MatmulArgs a;
+    a.x = x;
+    a.suh = static_cast<const half *>(suh);
+    a.trellis = reinterpret_cast<const uint32_t *>(trellis);
+    a.svh = static_cast<const half *>(svh);
+    a.bias = static_cast<const half *>(bias);
+    a.y = y;
+    a.partial = workspace;
+    a.counters = counters;
+    a.x_dtype = x_dtype;
+    a.y_dtype = y_dtype;
+    a.m = (int)m;
+    a.k = (int)k;
+    a.n = (int)n;
+    a.cols_per_block = 0;
+    a.arrivals_per_group = 0;
     switch (codebook) {
-        case 0: return launch_exl3_gemv<0>(x, t, partial, (int)m, (int)k, (int)n, K, num_sms, stream);
-        case 1: return launch_exl3_gemv<1>(x, t, partial, (int)m, (int)k, (int)n, K, num_sms, stream);
-        default: return launch_exl3_gemv<2>(x, t, partial, (int)m, (int)k, (int)n, K, num_sms, stream);
+        case 0: return launch_exl3_matmul_small<0>(a, K, num_sms, stream);
+        case 1: return launch_exl3_matmul_small<1>(a, K, num_sms, stream);
+        default: return launch_exl3_matmul_small<2>(a, K, num_sms, stream);
     }
-}
-
-extern "C" int trellm_exl3_output(const float *partial, int splits, const void *svh, const void *bias, void *y,
-                                  int y_dtype, int64_t m, int64_t n, cudaStream_t stream) {
-    if (m < 1 || n <= 0 || n % 128 || splits < 1) return TRELLM_E_BAD_SHAPE;
-    const int64_t warps = m * (n / 128);
-    const int blocks = (int)((warps + 7) / 8);
-    TRELLM_DISPATCH_DTYPE(y_dtype, T,
-                          exl3_output_kernel<T><<<blocks, 256, 0, stream>>>(
-                              partial, splits, static_cast<const half *>(svh), static_cast<const half *>(bias),
-                              static_cast<T *>(y), (int)m, (int)n));
-    TRELLM_LAUNCH_CHECK();
-    return TRELLM_OK;
 }
 
 extern "C" int trellm_exl3_decode_tiles(const int16_t *trellis, void *w_hat, int64_t k, int64_t n, int K,

@@ -43,25 +43,69 @@ template <int K, int CB> __device__ __forceinline__ void tile_fragment(const uin
     a[3] = *reinterpret_cast<uint32_t *>(&p67);
 }
 
+// Row-major fp16 x values of the block's k-slice, after x * suh and the 128-point Hadamard.
+__device__ __forceinline__ float load_as_f32(const void *p, int dtype, size_t i) {
+    if (dtype == TRELLM_F16) return __half2float(static_cast<const half *>(p)[i]);
+    if (dtype == TRELLM_BF16) return __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i]);
+    return static_cast<const float *>(p)[i];
+}
+
+__device__ __forceinline__ void store_from_f32(void *p, int dtype, size_t i, float v) {
+    if (dtype == TRELLM_F16) static_cast<half *>(p)[i] = __float2half_rn(v);
+    else if (dtype == TRELLM_BF16) static_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(v);
+    else static_cast<float *>(p)[i] = v;
+}
+
+struct MatmulArgs {
+    const void *x;          // [m, k], x_dtype
+    const half *suh;        // [k]
+    const uint32_t *trellis;
+    const half *svh;        // [n]
+    const half *bias;       // [n] or null
+    void *y;                // [m, n], y_dtype
+    float *partial;         // [slices, m, n]
+    int *counters;          // [n / 128], zero between calls (the last block of a group resets it)
+    int x_dtype, y_dtype, m, k, n, cols_per_block, arrivals_per_group;
+};
+
+// One launch: x transform, trellis matmul of the block's (k-slice, column run), partial store, and the
+// last block to arrive at a 128-column group sums the slices and applies H128 * svh (+ bias).
 template <int K, int CB, int MT>
-__global__ void __launch_bounds__(GEMV_WARPS * 32) exl3_gemv_kernel(const half *__restrict__ xh,
-                                                                    const uint32_t *__restrict__ trellis,
-                                                                    float *__restrict__ partial, int m, int k, int n,
-                                                                    int cols_per_block) {
+__global__ void __launch_bounds__(GEMV_WARPS * 32) exl3_matmul_small_kernel(const MatmulArgs args) {
     using G = TileGeom<K>;
-    constexpr int ACC_STRIDE = MT * 8 + 1;  // padded row of the shared accumulator
-    extern __shared__ float acc_smem[];     // [cols_per_block * 16][ACC_STRIDE]
+    constexpr int SLICE_K = GEMV_SLICE * 16;   // k elements per block slice
+    constexpr int ACC_STRIDE = MT * 8 + 1;     // padded row of a warp's accumulator
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const int m = args.m, k = args.k, n = args.n, cols_per_block = args.cols_per_block;
+    half *xs = reinterpret_cast<half *>(smem_raw);                                   // [m][SLICE_K]
+    float *acc_all = reinterpret_cast<float *>(smem_raw + (size_t)m * SLICE_K * sizeof(half));  // [warps][cols*16][ACC_STRIDE]
+    __shared__ int last_groups[16];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tiles_k = k / 16, tiles_n = n / 16;
-    const int slice = blockIdx.y;
+    const int slice = blockIdx.y, slices = gridDim.y;
     const int j_begin = blockIdx.x * cols_per_block;
     const int j_end = min(j_begin + cols_per_block, tiles_n);
-    const int i_begin = slice * GEMV_SLICE + warp * GEMV_KT;
+    const int k0 = slice * SLICE_K;
+    const int slice_chunks = min(SLICE_K, k - k0) / 128;
 
-    for (int idx = threadIdx.x; idx < cols_per_block * 16 * ACC_STRIDE; idx += blockDim.x) acc_smem[idx] = 0.f;
+    // Phase 0: xs = fp16(H128(x * suh)) for this slice.
+    for (int job = warp; job < m * slice_chunks; job += GEMV_WARPS) {
+        const int row = job / slice_chunks, chunk = job % slice_chunks;
+        const int col = k0 + chunk * 128 + lane * 4;
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            v[i] = load_as_f32(args.x, args.x_dtype, (size_t)row * k + col + i) * __half2float(args.suh[col + i]);
+        warp_hadamard_128(v);
+        half2 *dst = reinterpret_cast<half2 *>(xs + (size_t)row * SLICE_K + chunk * 128 + lane * 4);
+        dst[0] = __floats2half2_rn(v[0], v[1]);
+        dst[1] = __floats2half2_rn(v[2], v[3]);
+    }
+    __syncthreads();
 
     // x fragments (B operand: k x batch rows), one pair of registers per (k tile, group of 8 rows).
+    const int i_begin = slice * GEMV_SLICE + warp * GEMV_KT;
     uint32_t xf[GEMV_KT][MT][2];
     int valid_kt = 0;
 #pragma unroll
@@ -71,10 +115,10 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) exl3_gemv_kernel(const half *
 #pragma unroll
         for (int g = 0; g < MT; ++g) {
             const int row = g * 8 + (lane >> 2);
-            const int col = i * 16 + (lane & 3) * 2;
+            const int col = (warp * GEMV_KT + t) * 16 + (lane & 3) * 2;
             uint32_t b0 = 0, b1 = 0;
             if (i < tiles_k && row < m) {
-                const uint32_t *p = reinterpret_cast<const uint32_t *>(xh + (size_t)row * k + col);
+                const uint32_t *p = reinterpret_cast<const uint32_t *>(xs + (size_t)row * SLICE_K + col);
                 b0 = p[0];
                 b1 = p[4];
             }
@@ -82,19 +126,19 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) exl3_gemv_kernel(const half *
             xf[t][g][1] = b1;
         }
     }
-    __syncthreads();
 
     int w0, r;
     lane_window<K>(lane, w0, r);
     constexpr int TILE_WORDS = G::WORDS;
     const size_t row_stride = (size_t)tiles_n * TILE_WORDS;  // words between tile (i, j) and (i+1, j)
+    float *acc = acc_all + (size_t)warp * cols_per_block * 16 * ACC_STRIDE;
 
     uint32_t buf[2][GEMV_KT][G::NW];
     auto load = [&](uint32_t(&dst)[GEMV_KT][G::NW], int j) {
 #pragma unroll
         for (int t = 0; t < GEMV_KT; ++t) {
             if (t < valid_kt) {
-                const uint32_t *tile = trellis + (size_t)(i_begin + t) * row_stride + (size_t)j * TILE_WORDS;
+                const uint32_t *tile = args.trellis + (size_t)(i_begin + t) * row_stride + (size_t)j * TILE_WORDS;
                 load_lane_words<K>(tile, w0, dst[t]);
             }
         }
@@ -113,44 +157,80 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) exl3_gemv_kernel(const half *
             }
         }
         // c[g]: (n = lane/4, rows 2(lane%4)+{0,1}) and (n = lane/4 + 8, same rows)
-        float *acc = acc_smem + (size_t)(j - j_begin) * 16 * ACC_STRIDE;
+        float *dst = acc + (size_t)(j - j_begin) * 16 * ACC_STRIDE;
         const int nn = lane >> 2, mm = (lane & 3) * 2;
 #pragma unroll
         for (int g = 0; g < MT; ++g) {
-            atomicAdd(acc + nn * ACC_STRIDE + g * 8 + mm, c[g][0]);
-            atomicAdd(acc + nn * ACC_STRIDE + g * 8 + mm + 1, c[g][1]);
-            atomicAdd(acc + (nn + 8) * ACC_STRIDE + g * 8 + mm, c[g][2]);
-            atomicAdd(acc + (nn + 8) * ACC_STRIDE + g * 8 + mm + 1, c[g][3]);
+            dst[nn * ACC_STRIDE + g * 8 + mm] = c[g][0];
+            dst[nn * ACC_STRIDE + g * 8 + mm + 1] = c[g][1];
+            dst[(nn + 8) * ACC_STRIDE + g * 8 + mm] = c[g][2];
+            dst[(nn + 8) * ACC_STRIDE + g * 8 + mm + 1] = c[g][3];
         }
     };
 
-    if (valid_kt > 0 && j_begin < j_end) {
-        load(buf[0], j_begin);
-        int j = j_begin;
-        for (; j + 1 < j_end; j += 2) {
-            load(buf[1], j + 1);
-            compute(buf[0], j);
-            if (j + 2 < j_end) load(buf[0], j + 2);
-            compute(buf[1], j + 1);
-        }
-        if (j < j_end) compute(buf[0], j);
+    load(buf[0], j_begin);
+    int j = j_begin;
+    for (; j + 1 < j_end; j += 2) {
+        load(buf[1], j + 1);
+        compute(buf[0], j);
+        if (j + 2 < j_end) load(buf[0], j + 2);
+        compute(buf[1], j + 1);
     }
+    if (j < j_end) compute(buf[0], j);
     __syncthreads();
 
-    // Write this slice's partial sums for the valid batch rows, coalesced along n.
+    // Phase 2: sum the warps, store this slice's partial sums (valid rows only), coalesced along n.
     const int cols = (j_end - j_begin) * 16;
+    const size_t warp_stride = (size_t)cols_per_block * 16 * ACC_STRIDE;
     for (int idx = threadIdx.x; idx < m * cols; idx += blockDim.x) {
         const int row = idx / cols, c = idx % cols;
-        partial[((size_t)slice * m + row) * n + j_begin * 16 + c] = acc_smem[c * ACC_STRIDE + row];
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < GEMV_WARPS; ++w) s += acc_all[w * warp_stride + c * ACC_STRIDE + row];
+        args.partial[((size_t)slice * m + row) * n + j_begin * 16 + c] = s;
+    }
+    __threadfence();
+    __syncthreads();
+
+    // Phase 3: the last arrival at a 128-column group finishes it.
+    const int g_begin = (j_begin * 16) / 128, g_end = (j_end * 16 + 127) / 128;
+    if (threadIdx.x == 0) {
+        for (int g = g_begin; g < g_end; ++g) {
+            const int old = atomicAdd(args.counters + g, 1);
+            const bool last = old == args.arrivals_per_group - 1;
+            if (last) args.counters[g] = 0;
+            last_groups[g - g_begin] = last;
+        }
+    }
+    __syncthreads();
+    for (int g = g_begin; g < g_end; ++g) {
+        if (!last_groups[g - g_begin]) continue;
+        __threadfence();
+        for (int row = warp; row < m; row += GEMV_WARPS) {
+            const int col = g * 128 + lane * 4;
+            float v[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int s = 0; s < slices; ++s) {
+                const float4 p = __ldcg(reinterpret_cast<const float4 *>(args.partial + ((size_t)s * m + row) * n + col));
+                v[0] += p.x; v[1] += p.y; v[2] += p.z; v[3] += p.w;
+            }
+            warp_hadamard_128(v);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float o = v[i] * __half2float(args.svh[col + i]);
+                if (args.bias) o += __half2float(args.bias[col + i]);
+                store_from_f32(args.y, args.y_dtype, (size_t)row * n + col + i, o);
+            }
+        }
     }
 }
 
-// One warp per tile: W_hat[16i + r, 16j + c] for the lane's eight positions.
+// One warp per tile: decode into shared memory, then 16-byte stores (two lanes per tile row).
 template <int K, int CB>
 __global__ void exl3_decode_tiles_kernel(const uint32_t *__restrict__ trellis, half *__restrict__ w, int k, int n) {
-    const int lane = threadIdx.x & 31;
+    __shared__ __align__(16) half stage[8][16][16 + 8];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tiles_n = n / 16;
-    const int64_t tile = (int64_t)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+    const int64_t tile = (int64_t)blockIdx.x * (blockDim.x / 32) + warp;
     if (tile >= (int64_t)(k / 16) * tiles_n) return;
     const int i = (int)(tile / tiles_n), j = (int)(tile % tiles_n);
     int w0, r;
@@ -163,10 +243,11 @@ __global__ void exl3_decode_tiles_kernel(const uint32_t *__restrict__ trellis, h
     const int row_off[8] = {0, 1, 8, 9, 0, 1, 8, 9};
     const int col_off[8] = {0, 0, 0, 0, 8, 8, 8, 8};
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        const int row = i * 16 + r0 + row_off[e], col = j * 16 + c0 + col_off[e];
-        w[(size_t)row * n + col] = decode_one<CB>(st[e]);
-    }
+    for (int e = 0; e < 8; ++e) stage[warp][r0 + row_off[e]][c0 + col_off[e]] = decode_one<CB>(st[e]);
+    __syncwarp();
+    const int row = lane >> 1, half_col = (lane & 1) * 8;
+    const uint4 v = *reinterpret_cast<const uint4 *>(&stage[warp][row][half_col]);
+    *reinterpret_cast<uint4 *>(w + (size_t)(i * 16 + row) * n + j * 16 + half_col) = v;
 }
 
 template <int CB>
@@ -177,35 +258,53 @@ __global__ void exl3_codebook_decode_kernel(const int32_t *__restrict__ states, 
 
 // Host launchers, one translation unit per codebook (exl3_cb{0,1,2}.cu).
 template <int CB>
-int launch_exl3_gemv(const half *xh, const uint32_t *trellis, float *partial, int m, int k, int n, int K,
-                     int num_sms, cudaStream_t stream);
+int launch_exl3_matmul_small(MatmulArgs args, int K, int num_sms, cudaStream_t stream);
 template <int CB>
 int launch_exl3_decode_tiles(const uint32_t *trellis, half *w, int k, int n, int K, cudaStream_t stream);
 
+inline int gemv_slices(int k) { return (k / 16 + GEMV_SLICE - 1) / GEMV_SLICE; }
+
 template <int K, int CB, int MT>
-int launch_gemv_mt(const half *xh, const uint32_t *trellis, float *partial, int m, int k, int n, int num_sms,
-                   cudaStream_t stream) {
-    const int tiles_n = n / 16;
-    const int slices = (k / 16 + GEMV_SLICE - 1) / GEMV_SLICE;
-    // Aim for ~4 blocks per SM; each block walks a run of column tiles to keep loads in flight.
+int launch_matmul_mt(MatmulArgs args, int num_sms, cudaStream_t stream) {
+    const int tiles_n = args.n / 16;
+    const int slices = gemv_slices(args.k);
+    // Aim for ~4 blocks per SM; a block walks a run of column tiles to keep loads in flight. The run
+    // is 1, 2, 4 or 8 tiles (several blocks share a 128-column group) or a multiple of 8.
     const int target_blocks = 4 * (num_sms > 0 ? num_sms : 132);
     int cols = (tiles_n * slices + target_blocks - 1) / target_blocks;
-    const int acc_bytes_per_col = 16 * (MT * 8 + 1) * (int)sizeof(float);
-    const int max_cols = (32 * 1024) / acc_bytes_per_col;
+    const size_t acc_per_col = (size_t)GEMV_WARPS * 16 * (MT * 8 + 1) * sizeof(float);
+    const size_t xs_bytes = (size_t)args.m * GEMV_SLICE * 16 * sizeof(half);
+    const size_t budget = 100 * 1024;
+    const int max_cols = (int)((budget - xs_bytes) / acc_per_col);
     cols = max(1, min(cols, max_cols));
+    if (cols <= 8) {
+        int p = 1;
+        while (p < cols) p <<= 1;
+        cols = p;
+        while (cols > 1 && (size_t)cols * acc_per_col + xs_bytes > budget) cols >>= 1;
+    } else {
+        cols = cols / 8 * 8;
+    }
+    if ((cols + 7) / 8 * 8 / 8 > 16) cols = 128;  // last_groups holds 16 groups
+    args.cols_per_block = cols;
+    args.arrivals_per_group = slices * (cols < 8 ? 8 / cols : 1);
     dim3 grid((tiles_n + cols - 1) / cols, slices);
-    const size_t smem = (size_t)cols * acc_bytes_per_col;
-    exl3_gemv_kernel<K, CB, MT><<<grid, GEMV_WARPS * 32, smem, stream>>>(xh, trellis, partial, m, k, n, cols);
+    const size_t smem = xs_bytes + (size_t)cols * acc_per_col;
+    if (smem > 48 * 1024) {
+        cudaError_t e = cudaFuncSetAttribute(exl3_matmul_small_kernel<K, CB, MT>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) return (int)e;
+    }
+    exl3_matmul_small_kernel<K, CB, MT><<<grid, GEMV_WARPS * 32, smem, stream>>>(args);
     TRELLM_LAUNCH_CHECK();
     return TRELLM_OK;
 }
 
 template <int K, int CB>
-int launch_gemv_k(const half *xh, const uint32_t *trellis, float *partial, int m, int k, int n, int num_sms,
-                  cudaStream_t stream) {
-    if (m <= 8) return launch_gemv_mt<K, CB, 1>(xh, trellis, partial, m, k, n, num_sms, stream);
-    if (m <= 16) return launch_gemv_mt<K, CB, 2>(xh, trellis, partial, m, k, n, num_sms, stream);
-    if (m <= 32) return launch_gemv_mt<K, CB, 4>(xh, trellis, partial, m, k, n, num_sms, stream);
+int launch_matmul_k(MatmulArgs args, int num_sms, cudaStream_t stream) {
+    if (args.m <= 8) return launch_matmul_mt<K, CB, 1>(args, num_sms, stream);
+    if (args.m <= 16) return launch_matmul_mt<K, CB, 2>(args, num_sms, stream);
+    if (args.m <= 32) return launch_matmul_mt<K, CB, 4>(args, num_sms, stream);
     return TRELLM_E_UNSUPPORTED;
 }
 
@@ -213,8 +312,7 @@ int launch_gemv_k(const half *xh, const uint32_t *trellis, float *partial, int m
 
 #define TRELLM_DEFINE_CODEBOOK_LAUNCHERS(CB_VALUE)                                                              \
     template <>                                                                                                 \
-    int launch_exl3_gemv<CB_VALUE>(const half *xh, const uint32_t *trellis, float *partial, int m, int k, int n, \
-                                   int K, int num_sms, cudaStream_t stream) {                                  \
+    int launch_exl3_matmul_small<CB_VALUE>(MatmulArgs args, int K, int num_sms, cudaStream_t stream) {         \
         switch (K) {                                                                                            \
             _GEMV_CASE(1) _GEMV_CASE(2) _GEMV_CASE(3) _GEMV_CASE(4)                                             \
             _GEMV_CASE(5) _GEMV_CASE(6) _GEMV_CASE(7) _GEMV_CASE(8)                                             \
@@ -236,7 +334,7 @@ int launch_gemv_k(const half *xh, const uint32_t *trellis, float *partial, int m
     }
 
 #define _GEMV_CASE(KV) \
-    case KV: return launch_gemv_k<KV, CB_VALUE>(xh, trellis, partial, m, k, n, num_sms, stream);
+    case KV: return launch_matmul_k<KV, CB_VALUE>(args, num_sms, stream);
 #define _DEC_CASE(KV) \
     case KV: exl3_decode_tiles_kernel<KV, CB_VALUE><<<blocks, 256, 0, stream>>>(trellis, w, k, n); break;
 

@@ -21,9 +21,9 @@ from . import binding
 # load_backends() falls back to the references instead of failing at the first op call.
 binding.lib()
 
-# Rows up to this go through the fused GEMV (one pass over the trellis for up to 32 rows); above it
-# W_hat is decoded to fp16 and multiplied by cuBLAS, whose cost is then shared by all rows.
-EXL3_GEMV_MAX_ROWS = 32
+# Rows up to this go through the fused one-launch matmul (one pass over the trellis for up to 32 rows);
+# above it W_hat is decoded to fp16 and multiplied by cuBLAS, whose cost is then shared by all rows.
+EXL3_GEMV_MAX_ROWS = binding.EXL3_SMALL_MAX_ROWS
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -64,11 +64,10 @@ def exl3_matmul(
         return x.new_empty(*lead, n)
     suh16, svh16 = suh.to(torch.float16).contiguous(), svh.to(torch.float16).contiguous()
     bias16 = bias.to(torch.float16).contiguous() if bias is not None else None
-    xh = binding.hadamard_128(x2, pre=suh16, out_dtype=torch.float16)
     if m <= EXL3_GEMV_MAX_ROWS:
-        partial = binding.exl3_gemv(xh, trellis.contiguous(), codebook)
-        y = binding.exl3_output(partial, svh16, bias16, x.dtype)
+        y = binding.exl3_matmul_small(x2, trellis.contiguous(), suh16, svh16, codebook, bias16)
     else:
+        xh = binding.hadamard_128(x2, pre=suh16, out_dtype=torch.float16)
         w_hat = binding.exl3_decode_tiles(trellis.contiguous(), codebook)
         acc = torch.matmul(xh, w_hat)
         y = binding.hadamard_128(acc, post=svh16, bias=bias16, out_dtype=x.dtype)

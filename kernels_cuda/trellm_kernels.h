@@ -48,15 +48,16 @@ int trellm_fill_f32(float *out, int64_t n, float value, cudaStream_t stream);
 int trellm_hadamard_128(const void *x, int x_dtype, void *y, int y_dtype, int64_t rows, int64_t dim,
                         const void *pre, const void *post, const void *bias, cudaStream_t stream);
 
-/* EXL3 batch-1..32 path. xh: fp16 [m, k] (already H128(x * suh)); trellis int16 [k/16, n/16, 16*K];
- * partial: float32 [splits, m, n] with splits = trellm_exl3_gemv_splits(k). */
-int trellm_exl3_gemv_splits(int64_t k);
-int trellm_exl3_gemv(const void *xh, const int16_t *trellis, float *partial, int64_t m, int64_t k, int64_t n,
-                     int K, int codebook, int num_sms, cudaStream_t stream);
-
-/* y[m, n] = H128_blocks(sum_s partial[s, m, :]) * svh + bias, in y_dtype. bias may be NULL. */
-int trellm_exl3_output(const float *partial, int splits, const void *svh, const void *bias, void *y, int y_dtype,
-                       int64_t m, int64_t n, cudaStream_t stream);
+/* EXL3 matmul for 1..32 rows in one launch: y [m, n] (y_dtype) = H128(H128(x * suh) @ W_hat) * svh + bias.
+ * x [m, k] (x_dtype); suh, svh, bias fp16 (bias may be NULL); trellis int16 [k/16, n/16, 16*K].
+ * workspace: float32 of trellm_exl3_matmul_small_workspace(m, k, n) elements; counters: int32 [>= n/128],
+ * all zero before the first call (each call leaves them zero). Calls sharing counters must not run
+ * concurrently on different streams. */
+int64_t trellm_exl3_matmul_small_workspace(int64_t m, int64_t k, int64_t n);
+int trellm_exl3_matmul_small(const void *x, int x_dtype, const void *suh, const int16_t *trellis, const void *svh,
+                             const void *bias, void *y, int y_dtype, float *workspace, int32_t *counters,
+                             int64_t counters_len, int64_t m, int64_t k, int64_t n, int K, int codebook,
+                             int num_sms, cudaStream_t stream);
 
 /* W_hat fp16 [k, n] from the trellis (no Hadamards, no scales). */
 int trellm_exl3_decode_tiles(const int16_t *trellis, void *w_hat, int64_t k, int64_t n, int K, int codebook,

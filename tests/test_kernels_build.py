@@ -20,7 +20,7 @@ def test_header_abi_parses_with_cffi():
     # every C entry point the binding calls is declared
     text = binding.abi_declarations()
     for name in (
-        "trellm_error_string", "trellm_fill_f32", "trellm_hadamard_128", "trellm_exl3_gemv", "trellm_exl3_output",
+        "trellm_error_string", "trellm_fill_f32", "trellm_hadamard_128", "trellm_exl3_matmul_small", "trellm_exl3_matmul_small_workspace",
         "trellm_exl3_decode_tiles", "trellm_exl3_codebook_decode", "trellm_rms_norm", "trellm_rotary_embedding",
         "trellm_gated_activation", "trellm_write_kv_pages", "trellm_paged_attention",
     ):
