@@ -46,6 +46,8 @@ class LoadedModel:
     def __init__(self, model_dir: Path, raw_config: dict, spec, config, model, store: WeightStore, tokenizer, device, dtype):
         self.model_dir, self.raw_config, self.spec, self.config = model_dir, raw_config, spec, config
         self.model, self.store, self.tokenizer, self.device, self.dtype = model, store, tokenizer, device, dtype
+        self._cache: KVCache | None = None
+        self._runner = None
 
     def __repr__(self) -> str:
         return f"<trellm model {self.model_dir.name} ({self.spec.name}) on {self.device} {self.dtype}>"
@@ -93,7 +95,11 @@ class LoadedModel:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         stops = set(stop_token_ids if stop_token_ids is not None else self.default_stop_ids())
-        cache = cache or self.new_cache(max_tokens=len(prompt_ids) + max_new_tokens)
+        forward = self.model.forward
+        if cache is None:
+            cache, runner = self._session_cache(len(prompt_ids) + max_new_tokens)
+            if runner is not None:
+                forward = runner.forward
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         seq = SequenceState(cache)
         try:
@@ -104,7 +110,7 @@ class LoadedModel:
                     chunk, pending = pending[:PREFILL_CHUNK], pending[PREFILL_CHUNK:]
                     seq.reserve(seq.length + len(chunk))
                     batch = ForwardBatch.with_cache([chunk], [seq.length], [seq.pages], cache)
-                    logits = self.model.forward(batch)[-1]
+                    logits = forward(batch)[-1]
                     seq.length += len(chunk)
                 token = sample_token(logits, temperature, top_k, top_p, gen)
                 yield token
@@ -113,6 +119,18 @@ class LoadedModel:
                 pending = [token]
         finally:
             seq.release()
+
+    def _session_cache(self, tokens: int):
+        """A cache (and, on CUDA, a decode-graph runner) kept across simple generate calls."""
+        if self._cache is None or self._cache.num_pages * self._cache.page_size < tokens + self._cache.page_size:
+            from .graph import GraphRunner
+
+            if self._runner is not None:
+                self._runner.close()
+            floor = 8192 if self.device.type == "cuda" else 1024  # CPU: keep memory small, grow on demand
+            self._cache = self.new_cache(max_tokens=max(floor, 2 * tokens) + 256)
+            self._runner = GraphRunner(self.model, self._cache, batch_sizes=(1,)) if self.device.type == "cuda" else None
+        return self._cache, self._runner
 
     def default_stop_ids(self) -> set[int]:
         ids = set(self.config.eos_token_ids) if hasattr(self.config, "eos_token_ids") else set()
