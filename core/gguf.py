@@ -172,12 +172,15 @@ def _rope_scaling(meta: _Metadata) -> dict | None:
 # ---- tensors ------------------------------------------------------------------------------------
 
 
-def _hf_tensor_name(gguf_name: str, path: Path) -> str | None:
-    """HF name of a GGUF tensor; None for tensors HF does not store."""
+def _hf_tensor_name(gguf_name: str, path: Path) -> str:
+    """HF name of a GGUF tensor (a clear error for tensors a plain Llama does not have)."""
     if gguf_name in _TOP_TENSORS:
         return _TOP_TENSORS[gguf_name]
-    if gguf_name == "rope_freqs.weight":  # llama3 rope factors: computed from config in HF
-        return None
+    if gguf_name == "rope_freqs.weight":
+        raise GGUFImportError(
+            f"{path}: tensor 'rope_freqs.weight' holds llama3-style RoPE scaling factors, which the GGUF "
+            "importer cannot turn back into HF's rope_scaling parameters; convert from the HF checkpoint instead"
+        )
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
         return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
@@ -196,31 +199,26 @@ def _convert_tensors(reader, config: dict, path: Path, dtype: str, show_progress
     import torch
     from gguf.quants import dequantize
 
-    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(dtype)
-    if torch_dtype is None:
-        raise ConfigError(f"dtype {dtype!r} is not supported; use bfloat16, float16 or float32")
+    torch_dtype = getattr(torch, dtype)
     tensors: dict[str, torch.Tensor] = {}
     total = len(reader.tensors)
     for index, tensor in enumerate(reader.tensors, 1):
         hf_name = _hf_tensor_name(tensor.name, path)
-        if hf_name is not None:
-            try:
-                values = dequantize(tensor.data, tensor.tensor_type)
-            except NotImplementedError as exc:
-                raise GGUFImportError(
-                    f"{path}: tensor {tensor.name!r} uses quantisation {tensor.tensor_type.name}, "
-                    f"which the gguf package cannot dequantise ({exc})"
-                ) from exc
-            expected = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-            values = np.array(values, dtype=np.float32).reshape(expected)  # a copy: the reader maps the file read-only
-            if tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
-                values = _unpermute_rows(values, config["num_attention_heads"])
-            elif tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
-                values = _unpermute_rows(values, config["num_key_value_heads"])
-            tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(values)).to(torch_dtype)
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as exc:
+            raise GGUFImportError(
+                f"{path}: tensor {tensor.name!r} uses quantisation {tensor.tensor_type.name}, "
+                f"which the gguf package cannot dequantise ({exc})"
+            ) from exc
+        expected = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        values = np.array(values, dtype=np.float32).reshape(expected)  # a copy: the reader maps the file read-only
+        if tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
+            values = _unpermute_rows(values, config["num_attention_heads"])
+        elif tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
+            values = _unpermute_rows(values, config["num_key_value_heads"])
+        tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(values)).to(torch_dtype)
         _progress("dequantising tensors", index, total, show_progress)
-    if "model.embed_tokens.weight" not in tensors:
-        raise WeightError(f"{path}: tensor 'token_embd.weight' is missing")
     return tensors
 
 
@@ -334,6 +332,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloat
     from safetensors.torch import save_file
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise ConfigError(f"dtype {dtype!r} is not supported; use bfloat16, float16 or float32")
     if not gguf_path.is_file():
         raise GGUFImportError(f"{gguf_path}: GGUF file not found")
     if out_dir.exists() and not overwrite:
@@ -346,6 +346,10 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloat
     meta = _Metadata(reader, gguf_path)
     names = {t.name for t in reader.tensors}
     config = _build_config(meta, has_output="output.weight" in names, tensor_names=names, dtype=dtype)
+    for name in names:  # refuse unknown tensors before any work is done
+        _hf_tensor_name(name, gguf_path)
+    if "token_embd.weight" not in names:
+        raise WeightError(f"{gguf_path}: tensor 'token_embd.weight' is missing")
     backend, tokenizer_config = build_tokenizer(meta)
     generation_config = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import pytest
@@ -218,7 +217,9 @@ def test_synthetic_untied_gqa_gguf_round_trips(tmp_path: Path):
     writer.add_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}")
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
-    layer_names = {v: k for k, v in __import__("trellm.gguf", fromlist=["_LAYER_TENSORS"])._LAYER_TENSORS.items()}
+    from trellm.gguf import _LAYER_TENSORS
+
+    layer_names = {hf: gguf_name for gguf_name, hf in _LAYER_TENSORS.items()}
     for hf_name, tensor in state.items():
         if hf_name in names:
             gguf_name = names[hf_name]
