@@ -300,6 +300,13 @@ def _layer_ropes(c: dict[str, Any]) -> dict[str, RopeConfig]:
     return {lt: RopeConfig.from_hf(c, layer_type=lt) for lt in params}
 
 
+def sliding_on_every_layer(cfg: "DecoderConfig") -> "DecoderConfig":
+    """Mistral / Phi-3: a set ``sliding_window`` applies to every layer (their configs list no layer_types)."""
+    if cfg.sliding_window > 0 and not cfg.layer_types:
+        return attrs.evolve(cfg, layer_types=("sliding_attention",) * cfg.num_hidden_layers)
+    return cfg
+
+
 def layer_types_from_pattern(num_layers: int, pattern: int) -> tuple[str, ...]:
     """Sliding layers with every ``pattern``-th layer full (Gemma 2/3, Cohere2, EXAONE 4 spell it this way)."""
     if pattern <= 0:

@@ -46,7 +46,7 @@ def make_tiny_hf_model(
     """Build a random-weight HF model of ``architecture`` with tiny dimensions and save it (fp32).
 
     ``overrides`` replace :data:`TINY_DEFAULTS` and set any other config key the family needs
-    (``layer_types``, ``sliding_window``, softcaps ...); a value of ``None`` removes a default.
+    (``layer_types``, ``sliding_window``, softcaps ...); ``None`` is passed on as HF's "unset".
     ``perturb_norms`` adds noise to every 1-D parameter (norm weights, biases, scalars), which HF
     initialises to constants: otherwise a swapped or missing norm would go unnoticed.
     """
@@ -55,9 +55,10 @@ def make_tiny_hf_model(
     model_cls = getattr(transformers, architecture, None)
     if model_cls is None:
         raise ValueError(f"transformers {transformers.__version__} has no class {architecture!r}")
-    values = {k: v for k, v in {**TINY_DEFAULTS, **overrides}.items() if v is not None}
+    values = {**TINY_DEFAULTS, **overrides}
     config = model_cls.config_class(**values)
     config.architectures = [architecture]
+    _fit_token_ids(config)
     torch.manual_seed(seed)
     model = model_cls(config).eval().float()
     if perturb_norms:
@@ -69,6 +70,17 @@ def make_tiny_hf_model(
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def _fit_token_ids(config) -> None:
+    """Families' default special-token ids may lie outside the tiny vocabulary: move them inside."""
+    vocab = config.vocab_size
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value >= vocab:
+            setattr(config, name, vocab - 1)
+        elif isinstance(value, list) and any(v >= vocab for v in value):
+            setattr(config, name, [v if v < vocab else vocab - 1 for v in value])
 
 
 def _param_name(model, param) -> str:
@@ -125,7 +137,7 @@ class ParityReport:
                 f"  cached decode   max|diff| {self.cached_max_abs_diff:.3g} (allowed {allowed:.3g}), argmax {self.cached_argmax_agree:.1%}"
                 f"  {verdict(self.cached_max_abs_diff <= allowed and self.cached_argmax_agree == 1.0)}"
                 if self.cached_compared
-                else "  cached decode   not compared (dynamic RoPE depends on the batch)"
+                else "  cached decode   not compared (the RoPE tables depend on the sequence length)"
             ),
             f"  greedy tokens   {greedy_same}/{greedy_total} identical  {verdict(self.greedy_ok)}",
         ]
@@ -207,9 +219,18 @@ def trellm_cached_logits(lm, prompts: Sequence[Sequence[int]], page_size: int = 
     return [torch.cat(o) for o in outs]
 
 
-def _ropes(config) -> list:
+def _rope_depends_on_length(config, longest: int) -> bool:
+    """Dynamic NTK RoPE, and LongRoPE past its original length, change their tables with the longest
+    sequence of each forward pass, so logits through a cache legitimately differ from whole-prompt
+    logits (in HF too). The cached-logits comparison is skipped for them; greedy decoding still runs."""
     rope = getattr(config, "rope", None)
-    return [rope, *getattr(config, "layer_ropes", {}).values()] if rope is not None else []
+    ropes = [rope, *getattr(config, "layer_ropes", {}).values()] if rope is not None else []
+    for r in ropes:
+        if r.type == "dynamic":
+            return True
+        if r.type == "longrope" and longest > (r.original_max_position_embeddings or config.max_position_embeddings):
+            return True
+    return False
 
 
 def check_parity(
@@ -247,10 +268,8 @@ def _check_parity(model_dir: Path, prompts, max_new_tokens: int, tolerance: floa
     with torch.no_grad():
         refs = [hf(torch.tensor([p])).logits[0].float() for p in prompts]
     got = [lm.logits([p])[0] for p in prompts]
-    # Dynamic NTK RoPE rescales with the longest sequence of each forward pass, so logits through a
-    # cache legitimately differ from whole-prompt logits (in HF too): compare those only otherwise.
-    dynamic_rope = any(getattr(r, "type", "") == "dynamic" for r in _ropes(lm.config))
-    cached = None if dynamic_rope else trellm_cached_logits(lm, prompts, page_size)
+    history_dependent = _rope_depends_on_length(lm.config, max(len(p) for p in prompts))
+    cached = None if history_dependent else trellm_cached_logits(lm, prompts, page_size)
 
     def compare(outputs) -> tuple[float, float]:
         diff, agree, total = 0.0, 0, 0

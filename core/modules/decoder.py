@@ -10,8 +10,11 @@ from __future__ import annotations
 import attrs
 import torch
 
+from typing import Any, Callable
+
 from ..batch import ForwardBatch
 from ..config import DecoderConfig
+from ..spec import ArchitectureSpec
 from .base import Module
 from .layers import MLP, Attention, Embedding, GatedMLP, RotaryEmbedding, make_norm
 from .linear import Linear
@@ -235,3 +238,23 @@ def build_decoder(cfg: DecoderConfig, opts: DecoderOptions = DecoderOptions()) -
         opts.final_logit_softcap,
         opts.logit_scale,
     )
+
+
+def decoder_family(
+    name: str,
+    architectures: tuple[str, ...],
+    options: DecoderOptions = DecoderOptions(),
+    configure: Callable[[DecoderConfig, DecoderOptions], DecoderOptions] | None = None,
+    read_config: Callable[[dict[str, Any]], DecoderConfig] = DecoderConfig.from_hf,
+    description: str = "",
+) -> ArchitectureSpec:
+    """The spec of a family that is :func:`build_decoder` with ``options``.
+
+    ``configure(cfg, options)`` returns the options completed with values from the checkpoint's
+    config (softcaps, scales); ``read_config`` turns the raw HF config into a DecoderConfig.
+    """
+
+    def build(cfg: DecoderConfig) -> CausalLM:
+        return build_decoder(cfg, configure(cfg, options) if configure else options)
+
+    return ArchitectureSpec(name=name, architectures=architectures, read_config=read_config, build=build, description=description)

@@ -212,12 +212,12 @@ class Attention(Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None and self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.qk_norm != "full":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -312,4 +312,4 @@ class MLP(Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         h = self.up_proj(x)
-        return self.down_proj(self.act_fn(h) if self.act_fn is not None else self._act(h))
+        return self.down_proj(self.act_fn.forward(h) if self.act_fn is not None else self._act(h))

@@ -1,0 +1,89 @@
+"""Parity of every dense family plugin with HF transformers on tiny random weights.
+
+One case per family and option set (sliding windows, softcaps, NoPE layers, biases, fused
+tensors, RoPE variants). Each case builds a 2-layer model with transformers, loads it with trellm
+and runs :func:`trellm.sdk.testing.check_parity`: prompt logits, logits through the paged cache
+one token at a time, and 32 greedy tokens must match HF.
+"""
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from trellm.sdk.testing import check_parity, make_tiny_hf_model  # noqa: E402
+
+SLIDING = dict(sliding_window=8)  # shorter than the 23-token prompt, so the window matters
+LOCAL_GLOBAL = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+
+LONGROPE = dict(
+    partial_rotary_factor=0.5,
+    rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                     "short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [1.0, 2.0, 4.0, 8.0]},
+)
+
+CASES = {
+    "mistral_sliding": ("MistralForCausalLM", SLIDING),
+    "mistral_full": ("MistralForCausalLM", dict(sliding_window=None)),
+    "ministral_layer_types": ("MinistralForCausalLM", dict(LOCAL_GLOBAL, head_dim=16)),
+    "qwen2": ("Qwen2ForCausalLM", dict()),
+    "qwen2_sliding": ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "qwen3": ("Qwen3ForCausalLM", dict(head_dim=32)),
+    "smollm3_nope": ("SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0])),
+    "gemma": ("GemmaForCausalLM", dict(head_dim=16)),
+    "gemma2_softcap": (
+        "Gemma2ForCausalLM",
+        dict(LOCAL_GLOBAL, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+    ),
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        dict(
+            LOCAL_GLOBAL, head_dim=16, query_pre_attn_scalar=16,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            },
+        ),
+    ),
+    "gemma3_softcap": ("Gemma3ForCausalLM", dict(LOCAL_GLOBAL, head_dim=16, final_logit_softcapping=3.0, attn_logit_softcapping=2.0)),
+    "phi3_fused_sliding": ("Phi3ForCausalLM", dict(SLIDING, pad_token_id=0)),
+    # LongRoPE: long factors from the first token (both prompts exceed the original length 8) ...
+    "phi3_longrope_long_partial": ("Phi3ForCausalLM", dict(pad_token_id=0, **LONGROPE, original_max_position_embeddings=8)),
+    # ... and short factors throughout (never crosses 64), where the cached path is compared too
+    "phi3_longrope_short_partial": ("Phi3ForCausalLM", dict(pad_token_id=0, **LONGROPE, original_max_position_embeddings=64)),
+    "olmo2": ("Olmo2ForCausalLM", dict()),
+    "olmo3_sliding": ("Olmo3ForCausalLM", LOCAL_GLOBAL),
+    "cohere": ("CohereForCausalLM", dict(logit_scale=0.5)),
+    "cohere_qk_norm": ("CohereForCausalLM", dict(use_qk_norm=True)),
+    "cohere2_nope_global": ("Cohere2ForCausalLM", LOCAL_GLOBAL),
+    "exaone4_sliding_nope": ("Exaone4ForCausalLM", dict(sliding_window=8, sliding_window_pattern=2)),
+    "exaone4_full": ("Exaone4ForCausalLM", dict(sliding_window=None, layer_types=["full_attention"] * 2)),
+    "glm4": ("Glm4ForCausalLM", dict()),
+    "glm": ("GlmForCausalLM", dict()),
+    "apertus_xielu": ("ApertusForCausalLM", dict()),
+    "arcee_relu2": ("ArceeForCausalLM", dict()),
+    "seed_oss_biases": ("SeedOssForCausalLM", dict(attention_bias=True, attention_out_bias=True)),
+    "ernie4_5": ("Ernie4_5ForCausalLM", dict(use_bias=True)),
+    "granite": (
+        "GraniteForCausalLM",
+        dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
+    ),
+    "hyperclovax_peri_ln": (
+        "HyperCLOVAXForCausalLM",
+        dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=0.5),
+    ),
+}
+
+
+def _case(name: str):
+    architecture, overrides = CASES[name]
+    if not hasattr(transformers, architecture):
+        pytest.skip(f"transformers {transformers.__version__} has no {architecture}")
+    return architecture, overrides
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_family_parity(tmp_path, name):
+    architecture, overrides = _case(name)
+    model_dir = make_tiny_hf_model(architecture, tmp_path, **overrides)
+    report = check_parity(model_dir)
+    print(report)
+    report.assert_ok()
