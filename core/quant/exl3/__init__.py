@@ -1,0 +1,1 @@
+"""EXL3: the trellis-quantized weight format, its quantizer and loader."""
