@@ -85,7 +85,7 @@ class ScoreTopK:
             group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
             keep = torch.zeros_like(group_score, dtype=torch.bool)
             keep.scatter_(1, group_score.topk(self.topk_groups, dim=-1).indices, True)
-            choice = grouped.masked_fill(~keep[..., None], 0.0).view(t, e)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(t, e)
         ids = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
         if self.normalize:
@@ -354,3 +354,27 @@ def config_int(extra: dict, *names: str, default: int | None = None) -> int:
 
         raise ConfigError(f"config.json: none of {', '.join(map(repr, names))} is set")
     return default
+
+
+def deepseek_moe(cfg, key: str, correction_bias: bool = True, shared_name: str = "shared_experts") -> MoE:
+    """The DeepSeek-V3 style MoE block many families reuse (GLM 4.5, dots.llm1, ...): sigmoid scores,
+    ``e_score_correction_bias`` steering the choice, optional expert groups, ``routed_scaling_factor``,
+    and ``n_shared_experts`` always-on experts fused into one MLP of ``n_shared * moe_intermediate_size``."""
+    x = cfg.extra
+    num_experts = config_int(x, "n_routed_experts", "num_local_experts", "num_experts")
+    size = config_int(x, "moe_intermediate_size")
+    strategy = ScoreTopK(
+        config_int(x, "num_experts_per_tok"),
+        score=str(x.get("scoring_func", "sigmoid")),
+        normalize=bool(x.get("norm_topk_prob", True)),
+        scaling=float(x.get("routed_scaling_factor", 1.0) or 1.0),
+        num_groups=config_int(x, "n_group", default=1),
+        topk_groups=config_int(x, "topk_group", default=1),
+    )
+    router = Router(
+        f"{key}.gate", cfg.hidden_size, num_experts, strategy,
+        correction_bias_key=f"{key}.gate.e_score_correction_bias" if correction_bias else None, float32_logits=True,
+    )
+    n_shared = config_int(x, "n_shared_experts", default=0)
+    shared = GatedMLP(f"{key}.{shared_name}", cfg.hidden_size, size * n_shared, cfg.hidden_act) if n_shared else None
+    return MoE(key, router, Experts(f"{key}.experts", num_experts, cfg.hidden_size, size, cfg.hidden_act), shared)

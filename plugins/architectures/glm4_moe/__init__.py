@@ -1,0 +1,30 @@
+"""GLM 4.5 / 4.6 MoE (Glm4MoeForCausalLM): partial RoPE, optional QK-norm, biased q/k/v, and DeepSeek-V3
+style routing (sigmoid + correction bias, expert groups, routed scaling) after ``first_k_dense_replace`` dense layers."""
+from __future__ import annotations
+
+import trellm
+from trellm.config import DecoderConfig
+from trellm.modules.decoder import DecoderOptions, build_decoder
+from trellm.modules.moe import config_int, deepseek_moe, replace_mlps
+from trellm.spec import ArchitectureSpec
+
+
+def build(cfg: DecoderConfig):
+    model = build_decoder(cfg, DecoderOptions(qk_norm=bool(cfg.extra.get("use_qk_norm", False)), o_bias=False))
+    first_moe = config_int(cfg.extra, "first_k_dense_replace", default=0)
+    replace_mlps(model, lambda i, key: deepseek_moe(cfg, f"{key}.mlp") if i >= first_moe else None)
+    return model
+
+
+SPEC = ArchitectureSpec(
+    name="glm4_moe",
+    architectures=("Glm4MoeForCausalLM",),
+    read_config=DecoderConfig.from_hf,
+    build=build,
+    description="GLM 4.5 / 4.6 (Air): DeepSeek-style routed + shared experts, partial RoPE",
+)
+
+
+@trellm.hookimpl
+def trellm_register_architectures(register):
+    register(SPEC)
