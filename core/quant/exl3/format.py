@@ -1,0 +1,190 @@
+"""EXL3 as a :class:`~trellm.quant.QuantFormat`: detect the tensors of a module, load an EXL3Linear.
+
+A module ``key`` is EXL3 when the store holds ``{key}.trellis`` plus ``{key}.suh`` (or legacy packed
+signs ``{key}.su``) plus ``{key}.svh`` (or ``{key}.sv``). K comes from the trellis shape; the codebook
+from the optional 0-dim marker ``{key}.mcg`` / ``{key}.mul1`` (neither: 3INST). Stored dims are
+padded to multiples of 128: inputs narrower than the padded width are zero-extended and outputs
+trimmed to the module's true width.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ...errors import WeightError
+
+from ...ops.exl3 import CODEBOOK_MULTIPLIERS, exl3_decode_tiles, exl3_matmul, hadamard_128
+from ...weights import WeightStore
+from .quantize import QuantizedTensors, quantize_group
+
+
+def _as_int32(value: int) -> int:
+    return value - (1 << 32) if value >= (1 << 31) else value
+
+
+MARKER_VALUES = {name: _as_int32(mult) for name, mult in CODEBOOK_MULTIPLIERS.items()}
+
+
+def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
+    """Legacy ``su``/``sv``: int16 [m] sign bits -> fp16 [16m] of +-1 (bit i of word j is element 16j+i; set = -1)."""
+    bits = (packed.to(torch.int64).unsqueeze(-1) >> torch.arange(16, device=packed.device)) & 1
+    return (1 - 2 * bits).reshape(-1).to(torch.float16)
+
+
+def _had_rows(x: torch.Tensor) -> torch.Tensor:
+    return hadamard_128(x.t().contiguous()).t()
+
+
+class EXL3Linear:
+    """A loaded EXL3 linear: ``forward`` runs ``trellm.ops.exl3_matmul`` on the padded tensors."""
+
+    def __init__(
+        self,
+        trellis: torch.Tensor,
+        suh: torch.Tensor,
+        svh: torch.Tensor,
+        codebook: str,
+        in_features: int,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+        key: str = "<exl3>",
+    ):
+        if trellis.dtype != torch.int16 or trellis.dim() != 3 or trellis.shape[2] % 16 or not 1 <= trellis.shape[2] // 16 <= 8:
+            raise WeightError(
+                f"tensor {key + '.trellis'!r}: expected int16 [in/16, out/16, 16*K] with K in 1..8, "
+                f"got {trellis.dtype} {list(trellis.shape)}"
+            )
+        k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+        if k % 128 or n % 128:
+            raise WeightError(f"tensor {key + '.trellis'!r}: padded dims {k}x{n} must be multiples of 128")
+        if in_features > k or out_features > n:
+            raise WeightError(
+                f"tensor {key + '.trellis'!r}: holds a {k}x{n} (in x out) weight, smaller than the module's {in_features}x{out_features}"
+            )
+        for name, t, size in (("suh", suh, k), ("svh", svh, n)):
+            if t.dtype != torch.float16 or tuple(t.shape) != (size,):
+                raise WeightError(f"tensor {key + '.' + name!r}: expected float16 [{size}], got {t.dtype} {list(t.shape)}")
+        if bias is not None and (bias.dim() != 1 or bias.shape[0] not in (n, out_features)):
+            raise WeightError(f"tensor {key + '.bias'!r}: expected [{n}] or [{out_features}], got {list(bias.shape)}")
+        if bias is not None and bias.shape[0] != n:
+            bias = torch.nn.functional.pad(bias, (0, n - bias.shape[0]))
+        self.trellis, self.suh, self.svh, self.codebook = trellis, suh, svh, codebook
+        self.bias = bias.half() if bias is not None else None
+        self.in_features, self.out_features = in_features, out_features
+        self.padded_in, self.padded_out = k, n
+        self.key = key
+
+    @property
+    def bits(self) -> int:
+        return self.trellis.shape[2] // 16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[-1] < self.padded_in:
+            x2 = torch.nn.functional.pad(x2, (0, self.padded_in - x2.shape[-1]))
+        y = exl3_matmul(x2, self.trellis, self.suh, self.svh, self.codebook, self.bias)
+        if self.out_features < self.padded_out:
+            y = y[:, : self.out_features]
+        return y.reshape(*lead, self.out_features)
+
+    __call__ = forward
+
+    def nbytes(self) -> int:
+        ts = (self.trellis, self.suh, self.svh, self.bias)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The equivalent dense weight [out, in] (float32)."""
+        w_hat = exl3_decode_tiles(self.trellis, self.codebook).float()
+        w = _had_rows(hadamard_128(w_hat)) * self.suh.float()[:, None] * self.svh.float()[None, :]
+        return w[: self.in_features, : self.out_features].t().contiguous()
+
+    @classmethod
+    def from_quantized(cls, qt: QuantizedTensors, in_features: int, out_features: int, device=None, key: str = "<exl3>") -> "EXL3Linear":
+        mv = lambda t: t.to(device) if (t is not None and device is not None) else t  # noqa: E731
+        return cls(mv(qt.trellis), mv(qt.suh), mv(qt.svh), qt.codebook, in_features, out_features, mv(qt.bias), key)
+
+
+class EXL3Format:
+    """QuantFormat for EXL3 trellis tensors (ExLlamaV3-compatible)."""
+
+    name = "exl3"
+
+    def detect(self, store: WeightStore, key: str) -> bool:
+        return (
+            f"{key}.trellis" in store
+            and (f"{key}.suh" in store or f"{key}.su" in store)
+            and (f"{key}.svh" in store or f"{key}.sv" in store)
+        )
+
+    def _codebook(self, store: WeightStore, key: str) -> str:
+        present = [name for name in MARKER_VALUES if f"{key}.{name}" in store]
+        if len(present) > 1:
+            raise WeightError(f"{store.model_dir}: module {key!r} has both codebook markers {present}; at most one is allowed")
+        if not present:
+            return "3inst"
+        name = present[0]
+        marker = store.get(f"{key}.{name}")
+        if marker.numel() != 1 or marker.dtype not in (torch.int32, torch.int64):
+            raise WeightError(f"{store.model_dir}: tensor {key}.{name!r} must be a 0-dim int32 marker, got {marker.dtype} {list(marker.shape)}")
+        value = int(marker.reshape(()).item()) & 0xFFFFFFFF
+        if value != CODEBOOK_MULTIPLIERS[name]:
+            warnings.warn(
+                f"{store.model_dir}: {key}.{name} holds multiplier {value:#010x}, not the locked {CODEBOOK_MULTIPLIERS[name]:#010x}; "
+                "decoding with the locked constant (a pre-lock experimental model may decode wrongly)"
+            )
+        return name
+
+    def _scale(self, store: WeightStore, key: str, name: str, legacy: str, size: int) -> torch.Tensor:
+        if f"{key}.{name}" in store:
+            t = store.get(f"{key}.{name}")
+            if t.dtype != torch.float16 or tuple(t.shape) != (size,):
+                raise WeightError(f"{store.model_dir}: tensor {key + '.' + name!r} must be float16 [{size}], got {t.dtype} {list(t.shape)}")
+            return t
+        t = store.get(f"{key}.{legacy}")
+        if t.dtype != torch.int16 or tuple(t.shape) != (size // 16,):
+            raise WeightError(f"{store.model_dir}: tensor {key + '.' + legacy!r} must be int16 [{size // 16}] packed signs, got {t.dtype} {list(t.shape)}")
+        return unpack_signs(t)
+
+    def load_linear(
+        self,
+        store: WeightStore,
+        key: str,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> EXL3Linear:
+        trellis = store.get(f"{key}.trellis")
+        if trellis.dtype != torch.int16 or trellis.dim() != 3:
+            raise WeightError(f"{store.model_dir}: tensor {key + '.trellis'!r} must be int16 with 3 dims, got {trellis.dtype} {list(trellis.shape)}")
+        k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+        suh = self._scale(store, key, "suh", "su", k)
+        svh = self._scale(store, key, "svh", "sv", n)
+        b = None
+        if bias and f"{key}.bias" in store:
+            b = store.get(f"{key}.bias").to(torch.float16)
+        elif bias:
+            raise WeightError(f"{store.model_dir}: tensor {key + '.bias'!r} is missing (module {key!r} has a bias)")
+        mv = lambda t: t.to(device) if t is not None else None  # noqa: E731
+        try:
+            return EXL3Linear(mv(trellis), mv(suh), mv(svh), self._codebook(store, key), in_features, out_features, mv(b), key)
+        except WeightError as e:
+            raise WeightError(f"{store.model_dir}: {e}") from None
+
+
+def quantize_linear(
+    weight: torch.Tensor,
+    hessian: torch.Tensor | None,
+    bits: int,
+    codebook: str = "mul1",
+    seed: int = 0,
+    bias: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> QuantizedTensors:
+    """Quantize one HF-orientation weight [out, in] (with the Hessian of its input) to EXL3 tensors."""
+    (qt,), _ = quantize_group([weight], hessian, bits, codebook, seed, [bias], device=device)
+    return qt

@@ -1,0 +1,139 @@
+"""EXL3 format: golden vectors (bit-exact decode, dense weight, probes), packing, loader detection."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from trellm.errors import WeightError
+from trellm.ops import exl3 as ops
+from trellm.quant.exl3 import MARKER_VALUES, EXL3Format, EXL3Linear, unpack_signs
+from trellm.weights import WeightStore
+
+GOLDEN = Path(__file__).parent / "data" / "golden"
+CASES = [(K, cb) for K in (2, 4) for cb in ("3inst", "mcg", "mul1")]
+
+
+def golden(K: int, cb: str) -> dict[str, torch.Tensor]:
+    return load_file(GOLDEN / f"exl3_k{K}_{cb}_256x256.safetensors")
+
+
+def test_codebooks_all_states_bit_exact():
+    ref = load_file(GOLDEN / "exl3_codebooks_all_states.safetensors")
+    states = torch.arange(65536, dtype=torch.int32)
+    for cb in ops.CODEBOOKS:
+        got = ops.exl3_codebook_decode(states, cb)
+        assert got.dtype == torch.float16
+        assert torch.equal(got.view(torch.int16), ref[f"codebook.{cb}"].view(torch.int16)), cb
+
+
+@pytest.mark.parametrize("K,cb", CASES)
+def test_golden_decode_dense_and_probe(K, cb):
+    g = golden(K, cb)
+    trellis = g["layer.trellis"]
+    assert trellis.shape[-1] // 16 == K
+    marker = [name for name in MARKER_VALUES if f"layer.{name}" in g]
+    assert marker == ([] if cb == "3inst" else [cb])
+    w_hat = ops.exl3_decode_tiles(trellis, cb)
+    assert torch.equal(w_hat.view(torch.int16), g["expected.w_hat"].view(torch.int16))
+    lin = EXL3Linear(trellis, g["layer.suh"], g["layer.svh"], cb, 256, 256)
+    torch.testing.assert_close(lin.dense_weight().t(), g["expected.weight"], rtol=0, atol=1e-5)
+    y = ops.exl3_matmul(g["probe.x"], trellis, g["layer.suh"], g["layer.svh"], cb)
+    torch.testing.assert_close(y, g["probe.y"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin.forward(g["probe.x"]), g["probe.y"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("K", range(1, 9))
+def test_pack_unpack_roundtrip(K):
+    trellis = torch.randint(-32768, 32767, (2, 3, 16 * K), dtype=torch.int16, generator=torch.Generator().manual_seed(K))
+    states = ops.unpack_trellis(trellis)
+    # consecutive states overlap in 16-K bits, and the ring closes (tail-biting)
+    mask = (1 << (16 - K)) - 1
+    assert torch.equal(states[..., 1:] >> K, states[..., :-1] & mask)
+    assert torch.equal(states[..., 0] >> K, states[..., 255] & mask)
+    assert torch.equal(ops.pack_trellis(states, K), trellis)
+
+
+def test_documented_bit_layout_examples():
+    codes = torch.arange(256) % 16
+    states = sum((torch.roll(codes, i) << (4 * i)) for i in range(4)) & 0xFFFF
+    words = ops.pack_trellis(states, 4)
+    assert [int(w) & 0xFFFF for w in words[:5]] == [0x4567, 0x0123, 0xCDEF, 0x89AB, 0x4567]
+    assert [int(s) for s in ops.unpack_trellis(words)[:5]] == [0xDEF0, 0xEF01, 0xF012, 0x0123, 0x1234]
+    words3 = ops.pack_trellis(torch.arange(256) % 8, 3)
+    assert [int(w) & 0xFFFF for w in words3[:6]] == [0x7705, 0x0539, 0x0539, 0x3977, 0x3977, 0x7705]
+    expect = {"3inst": [-1.025, 2.066, -0.4102, -0.664, -2.2], "mcg": [3.434, 1.075, -0.564, -1.788, 1.515],
+              "mul1": [-2.012, -0.3064, -0.04242, -0.2996, -0.577]}
+    for cb, vals in expect.items():
+        got = ops.exl3_codebook_decode(torch.tensor([0xDEF0, 0xEF01, 0xF012, 0x0123, 0x1234]), cb).float()
+        torch.testing.assert_close(got, torch.tensor(vals), rtol=2e-3, atol=1e-3)
+
+
+def test_tile_permutation_matches_doc():
+    assert ops.TILE_PERM[:16].tolist() == [0, 16, 128, 144, 8, 24, 136, 152, 32, 48, 160, 176, 40, 56, 168, 184]
+    assert sorted(ops.TILE_PERM.tolist()) == list(range(256))
+
+
+def test_hadamard_is_orthonormal_and_symmetric():
+    h = ops.hadamard_matrix()
+    torch.testing.assert_close(h @ h, torch.eye(128), atol=1e-6, rtol=0)
+    assert torch.equal(h, h.t())
+    x = torch.randn(3, 256, dtype=torch.float16)
+    y = ops.hadamard_128(x)
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(ops.hadamard_128(y).float(), x.float(), atol=2e-2, rtol=0)
+
+
+def _save_layer(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> WeightStore:
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "model.safetensors")
+    return WeightStore(tmp_path)
+
+
+def test_format_detects_and_loads_with_padding(tmp_path):
+    g = golden(4, "mul1")
+    bias = torch.randn(256, dtype=torch.float16)
+    store = _save_layer(tmp_path, {
+        "m.trellis": g["layer.trellis"], "m.suh": g["layer.suh"], "m.svh": g["layer.svh"],
+        "m.mul1": g["layer.mul1"], "m.bias": bias, "dense.weight": torch.zeros(2, 2),
+    })
+    fmt = EXL3Format()
+    assert fmt.detect(store, "m") and not fmt.detect(store, "dense")
+    # true module 200 -> 250 inside the padded 256x256 tensors
+    lin = fmt.load_linear(store, "m", 200, 250, True, torch.device("cpu"), torch.float32)
+    assert lin.codebook == "mul1" and lin.bits == 4
+    x = torch.randn(2, 3, 200)
+    y = lin.forward(x)
+    assert y.shape == (2, 3, 250)
+    ref = torch.nn.functional.pad(x, (0, 56)) @ g["expected.weight"] + bias.float()
+    torch.testing.assert_close(y, ref[..., :250], rtol=1e-4, atol=1e-4)
+    assert lin.dense_weight().shape == (250, 200)
+
+
+def test_legacy_packed_signs_and_marker_warning(tmp_path):
+    g = golden(2, "mcg")
+    su = torch.randint(-32768, 32767, (16,), dtype=torch.int16)
+    store = _save_layer(tmp_path, {
+        "m.trellis": g["layer.trellis"], "m.su": su, "m.svh": g["layer.svh"],
+        "m.mcg": torch.tensor(12345, dtype=torch.int32),
+    })
+    with pytest.warns(UserWarning, match="not the locked"):
+        lin = EXL3Format().load_linear(store, "m", 256, 256, False, torch.device("cpu"), torch.float32)
+    signs = unpack_signs(su)
+    assert torch.equal(lin.suh, signs)
+    assert float(signs[0]) == (-1.0 if int(su[0]) & 1 else 1.0)
+    assert lin.codebook == "mcg"
+
+
+def test_bad_tensors_raise_clear_errors(tmp_path):
+    g = golden(2, "3inst")
+    store = _save_layer(tmp_path, {
+        "m.trellis": g["layer.trellis"], "m.suh": g["layer.suh"].float(), "m.svh": g["layer.svh"],
+    })
+    with pytest.raises(WeightError, match="m.suh"):
+        EXL3Format().load_linear(store, "m", 256, 256, False, torch.device("cpu"), torch.float32)
+    with pytest.raises(WeightError, match="trellis"):
+        EXL3Linear(g["layer.trellis"].int(), g["layer.suh"], g["layer.svh"], "3inst", 256, 256, key="x")
+    with pytest.raises(WeightError, match="smaller"):
+        EXL3Linear(g["layer.trellis"], g["layer.suh"], g["layer.svh"], "3inst", 300, 256, key="x")
