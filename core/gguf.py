@@ -393,7 +393,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("import-gguf", help="convert a llama GGUF file into an HF model directory")
     parser.add_argument("gguf_path", metavar="GGUF_PATH", help="the .gguf file")
     parser.add_argument("-o", "--out-dir", default=None,
-                        help="output directory (default: next to the GGUF, named after it without .gguf)")
+                        help="output directory (default: $TRELLM_CACHE/models/<GGUF name without .gguf>)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     parser.set_defaults(func=run)
@@ -401,8 +401,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .default_model import cache_dir
+
     gguf_path = Path(args.gguf_path)
-    out_dir = Path(args.out_dir) if args.out_dir else gguf_path.with_suffix("")
+    out_dir = Path(args.out_dir) if args.out_dir else cache_dir() / "models" / gguf_path.stem
     try:
         import_gguf(gguf_path, out_dir, dtype=args.dtype, overwrite=args.overwrite)
     except TrellmError as exc:
