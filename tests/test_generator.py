@@ -287,3 +287,53 @@ def test_smollm2_generator_matches_simple_loop(smollm2_dir):
     gen = Generator(lm, cache_tokens=1024, page_size=32)
     texts = gen.generate(prompts, 12)
     assert texts == [lm.generate(p, max_new_tokens=12) for p in prompts]
+
+
+class CountingStateLayer:
+    """A recurrent-state cache layer in its simplest form: a pool of slot ids (the hybrid plugin's
+    real layer keeps tensors per slot behind the same alloc_slot/free_slot interface)."""
+
+    def __init__(self, num_slots: int):
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.allocs = 0
+
+    def alloc_slot(self) -> int:
+        from trellm.cache import CacheFullError
+
+        if not self.free:
+            raise CacheFullError("no free state slot")
+        self.allocs += 1
+        return self.free.pop()
+
+    def free_slot(self, slot: int) -> None:
+        assert slot not in self.free
+        self.free.append(slot)
+
+
+def test_recurrent_state_slots_are_allocated_and_passed(lm):
+    from trellm.cache import KVCache
+
+    cache = KVCache.for_model(lm.model, max_tokens=1024, page_size=16)
+    states = CountingStateLayer(num_slots=2)
+    cache.layers.append(states)  # an extra layer no attention module reads
+    gen = Generator(lm, cache=cache)
+    assert not gen.prefix_caching  # recurrent state cannot be rewound to a shared page boundary
+    seen = []
+    forward = lm.model.forward
+
+    def spy(batch):
+        seen.append(batch.state_slots.tolist())
+        return forward(batch)
+
+    lm.model.forward = spy
+    try:
+        prompts = prompts_of([5, 9, 14], seed=1)
+        results = gen.generate(prompts, 4, stop_token_ids=[], return_results=True)
+    finally:
+        del lm.model.forward
+    assert [r.token_ids for r in results] == [solo(lm, p, 4) for p in prompts]
+    assert all(len(set(slots)) == len(slots) and set(slots) <= {0, 1} for slots in seen)
+    assert max(len(s) for s in seen) == 2  # only two slots: the third job waited
+    assert states.allocs == 3 and sorted(states.free) == [0, 1]
+    with pytest.raises(ValueError, match="speculative"):
+        Generator(lm, cache=cache, proposer=NgramProposer())
