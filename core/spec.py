@@ -24,9 +24,16 @@ class ArchitectureSpec:
 
 @attrs.frozen
 class VisionTowerSpec:
-    """One vision encoder family (image preprocessing + tower), combined with a language family."""
+    """One vision encoder family (image preprocessing + tower), combined with a language family.
+
+    ``model_types``: the ``vision_config.model_type`` values served. ``build(vision_config, key)``:
+    the raw vision config dict and the tower's tensor prefix -> an unloaded tower Module.
+    ``processor(preprocessor_config, vision_config)``: a callable turning a PIL image into pixels
+    (None: the architecture brings its own).
+    """
 
     name: str
     model_types: tuple[str, ...]
     build: Callable[..., Any]
     description: str = ""
+    processor: Callable[..., Any] | None = None

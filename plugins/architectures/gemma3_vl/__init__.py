@@ -1,0 +1,244 @@
+"""Gemma 3 with vision (Gemma3ForConditionalGeneration): Gemma 3 text + a SigLIP tower.
+
+Each image is resized to the tower's size, encoded to patch features, average-pooled to
+``mm_tokens_per_image`` tokens (a square grid), RMS-normalised (Gemma's 1 + w) and projected to the
+text width by ``mm_input_projection_weight``. Those rows replace the ``<image_soft_token>`` run that
+the processor writes for each ``<start_of_image>`` marker (``\\n\\n<boi><img>*N<eoi>\\n\\n``).
+
+Attention: as in the reference implementation, the tokens of one image attend to each other in
+both directions during prefill (a query in an image block also sees the later tokens of that
+block; every other pair stays causal, and the sliding window still applies on local layers).
+:class:`ImageBlockAttention` recomputes the image rows with that mask; an image run must therefore
+arrive whole in one prefill chunk (``MultimodalPrompt.safe_chunk_end`` picks such chunk ends).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Sequence
+
+import attrs
+import torch
+
+import trellm
+from trellm import ops, registry
+from trellm.config import DecoderConfig
+from trellm.errors import ConfigError
+from trellm.modules.base import LoadContext, Module
+from trellm.modules.decoder import build_decoder
+from trellm.modules.layers import Attention, RMSNorm
+from trellm.multimodal import ImageError, VisionInput, VisionLanguageModel, image_digest, read_preprocessor_config
+from trellm.ops.attention import gather_pages
+from trellm.plugins.architectures.gemma3 import OPTIONS as GEMMA3_OPTIONS
+from trellm.plugins.architectures.gemma3 import configure as configure_gemma3
+from trellm.plugins.architectures.gemma3 import read_config as read_gemma3_text
+from trellm.spec import ArchitectureSpec
+
+# One spelling of the tensor names (the hub uploads'); other transformers versions' names are aliases.
+ALIASES = (
+    ("language_model.model.", ("model.language_model.",)),
+    ("language_model.lm_head", ("lm_head",)),
+    ("vision_tower.vision_model.", ("vision_tower.", "model.vision_tower.vision_model.", "model.vision_tower.")),
+    ("multi_modal_projector.", ("model.multi_modal_projector.",)),
+)
+TEXT_OPTIONS = attrs.evolve(
+    GEMMA3_OPTIONS,
+    embed_key="language_model.model.embed_tokens",
+    layer_prefix="language_model.model.layers",
+    final_norm_key="language_model.model.norm",
+    lm_head_key="language_model.lm_head",
+)
+
+
+@attrs.frozen
+class Gemma3VLConfig:
+    text: DecoderConfig
+    vision: dict[str, Any] = attrs.field(hash=False)
+    mm_tokens_per_image: int
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text.hidden_size
+
+
+def read_config(raw: dict) -> Gemma3VLConfig:
+    vision = raw.get("vision_config")
+    if not isinstance(vision, dict):
+        raise ConfigError("config.json: Gemma3ForConditionalGeneration needs a 'vision_config' object")
+
+    def token(*names: str, default: int) -> int:
+        for n in names:
+            if raw.get(n) is not None:
+                return int(raw[n])
+        return default
+
+    cfg = Gemma3VLConfig(
+        text=read_gemma3_text(raw),
+        vision=vision,
+        mm_tokens_per_image=int(raw.get("mm_tokens_per_image", 256)),
+        image_token_id=token("image_token_id", "image_token_index", default=262144),
+        boi_token_id=token("boi_token_id", "boi_token_index", default=255999),
+        eoi_token_id=token("eoi_token_id", "eoi_token_index", default=256000),
+    )
+    side = int(round(cfg.mm_tokens_per_image**0.5))
+    patches = int(vision.get("image_size", 896)) // int(vision.get("patch_size", 14))
+    if side * side != cfg.mm_tokens_per_image or patches % side:
+        raise ConfigError(f"config.json: mm_tokens_per_image {cfg.mm_tokens_per_image} must be a square whose side divides "
+                          f"the tower's {patches} patches per side")
+    if cfg.image_token_id >= cfg.text.vocab_size:
+        raise ConfigError(f"config.json: image_token_id {cfg.image_token_id} is outside the vocabulary ({cfg.text.vocab_size})")
+    return cfg
+
+
+class ImageBlockAttention(Attention):
+    """Gemma 3 attention in which the rows of one image block also see that block's later rows.
+
+    Every row is first computed causally (which also stores K/V in the cache); rows of image blocks
+    (runs of ``batch.embed_mask``) are then recomputed with the causal-or-same-block mask.
+    """
+
+    _warned = False
+
+    def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
+        q, k, v = self.project_qkv(x)
+        o = self.attend(q, k, v, batch)
+        if batch.embed_mask is not None and bool(batch.embed_mask.any()):
+            self._redo_image_rows(o, q, k, v, batch)
+        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
+
+    def _redo_image_rows(self, o, q, k, v, batch) -> None:
+        if self.rope is not None:
+            cos, sin = self.rope.cos_sin(batch.positions, batch.max_seq_len)
+            q = ops.rotary_embedding(q, cos, sin, self.rope.interleaved)
+            k = ops.rotary_embedding(k, cos, sin, self.rope.interleaved)
+        bounds = batch.cu_seqlens.tolist()
+        for b, (a, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+            mask = batch.embed_mask[a:e]
+            if not bool(mask.any()):
+                continue
+            if batch.cache is None:
+                keys, values, offset = k[a:e], v[a:e], 0
+            else:
+                layer = batch.cache.layers[self.layer_idx]
+                total = int(batch.context_lens[b])
+                offset = total - (e - a)
+                if offset == 0:
+                    keys, values = k[a:e], v[a:e]
+                elif hasattr(layer, "k_pages"):
+                    keys = gather_pages(layer.k_pages, batch.block_table[b], total)
+                    values = gather_pages(layer.v_pages, batch.block_table[b], total)
+                else:
+                    if not ImageBlockAttention._warned:
+                        warnings.warn("Gemma 3: image rows after a cached prefix in a quantized KV cache attend causally only")
+                        ImageBlockAttention._warned = True
+                    continue
+            o[a:e][mask] = self._block_attention(q[a:e][mask], keys, values, mask, offset)
+
+    def _block_attention(self, q, keys, values, mask, offset) -> torch.Tensor:
+        """Image-row queries over all keys of the sequence with the causal-or-same-image mask."""
+        n = mask.shape[0]
+        block = torch.full((offset + n,), -1, dtype=torch.long, device=mask.device)
+        starts = mask & ~torch.cat([mask.new_zeros(1), mask[:-1]])
+        block[offset:] = torch.where(mask, torch.cumsum(starts.long(), 0) - 1, -1)
+        kpos = torch.arange(offset + n, device=mask.device)
+        qpos = kpos[offset:][mask]
+        qblock = block[offset:][mask]
+        allowed = (kpos[None, :] <= qpos[:, None]) | (block[None, :] == qblock[:, None])
+        if self.sliding_window > 0:
+            allowed &= qpos[:, None] - kpos[None, :] < self.sliding_window
+        groups = self.num_heads // self.num_kv_heads
+        kf = keys.float().transpose(0, 1).repeat_interleave(groups, 0)
+        vf = values.float().transpose(0, 1).repeat_interleave(groups, 0)
+        s = torch.matmul(q.float().transpose(0, 1), kf.transpose(1, 2)) * self.scale
+        if self.softcap > 0:
+            s = torch.tanh(s / self.softcap) * self.softcap
+        s = s.masked_fill(~allowed[None], float("-inf"))
+        return torch.matmul(torch.softmax(s, dim=-1), vf).transpose(0, 1).to(q.dtype)
+
+
+class Gemma3Vision(Module):
+    """SigLIP tower + pooling + soft-embedding norm + projection; its image processor comes from the model dir."""
+
+    def __init__(self, cfg: Gemma3VLConfig):
+        self.key = "multi_modal_projector"
+        v = cfg.vision
+        mt = v.get("model_type", "siglip_vision_model")
+        towers = registry.vision_towers()
+        if mt not in towers:
+            raise ConfigError(f"config.json: no installed vision tower serves vision_config.model_type {mt!r}; "
+                              f"installed: {', '.join(sorted(towers)) or '(none)'}")
+        self.tower_spec = towers[mt]
+        self.tower = self.tower_spec.build(v, "vision_tower.vision_model")
+        self.vision_hidden, self.text_hidden = int(v["hidden_size"]), cfg.hidden_size
+        self.patches_per_side = int(v["image_size"]) // int(v["patch_size"])
+        self.tokens_per_side = int(round(cfg.mm_tokens_per_image**0.5))
+        self.soft_emb_norm = RMSNorm("multi_modal_projector.mm_soft_emb_norm", self.vision_hidden,
+                                     float(v.get("layer_norm_eps", 1e-6)), unit_offset=True)
+        self.projection = None
+        self.processor = None
+        self.vision_config = v
+
+    def load(self, ctx: LoadContext) -> None:
+        self.projection = ctx.store.get("multi_modal_projector.mm_input_projection_weight",
+                                        shape=(self.vision_hidden, self.text_hidden), dtype=ctx.dtype, device=ctx.device)
+        pre = read_preprocessor_config(ctx.store.model_dir)
+        self.processor = None if pre is None else self.tower_spec.processor(pre, self.vision_config)
+        super().load(ctx)
+
+    def unload(self) -> None:
+        self.projection = None
+        super().unload()
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [N, 3, S, S] -> [N, mm_tokens_per_image, text hidden]."""
+        feats = self.tower.forward(pixels.to(self.projection.device))
+        n, p, d = feats.shape
+        grid = feats.transpose(1, 2).reshape(n, d, self.patches_per_side, self.patches_per_side)
+        k = self.patches_per_side // self.tokens_per_side
+        pooled = torch.nn.functional.avg_pool2d(grid, kernel_size=k, stride=k).flatten(2).transpose(1, 2)
+        return torch.matmul(self.soft_emb_norm.forward(pooled), self.projection)
+
+
+class Gemma3VisionLanguageModel(VisionLanguageModel):
+    def __init__(self, cfg: Gemma3VLConfig):
+        language = build_decoder(cfg.text, configure_gemma3(cfg.text, TEXT_OPTIONS))
+        for layer in language.layers:
+            if type(layer.attn) is Attention:
+                layer.attn.__class__ = ImageBlockAttention  # same state, image-block-aware forward
+        super().__init__(language, Gemma3Vision(cfg), ALIASES)
+        self.vl_config = cfg
+        self.image_token_id, self.marker_id = cfg.image_token_id, cfg.boi_token_id
+
+    def preprocess(self, image) -> VisionInput:
+        if self.vision.processor is None:
+            raise ImageError("the model directory has no preprocessor_config.json, so images cannot be prepared")
+        return VisionInput(self.vision.processor(image), self.vl_config.mm_tokens_per_image, image_digest(image))
+
+    def expansion_ids(self, item: VisionInput) -> list[int]:
+        c = self.vl_config
+        return [c.boi_token_id] + [c.image_token_id] * item.num_tokens + [c.eoi_token_id]
+
+    def expansion_text(self, item: VisionInput, tokenizer) -> str:
+        c = self.vl_config
+        boi, img, eoi = (tokenizer.decode([t]) for t in (c.boi_token_id, c.image_token_id, c.eoi_token_id))
+        return f"\n\n{boi}{img * item.num_tokens}{eoi}\n\n"
+
+    def encode(self, items: Sequence[VisionInput]) -> list[torch.Tensor]:
+        pixels = torch.stack([it.pixels for it in items])
+        return list(self.vision.forward(pixels).to(self.language.embed.weight.dtype))
+
+
+SPEC = ArchitectureSpec(
+    name="gemma3_vl",
+    architectures=("Gemma3ForConditionalGeneration",),
+    read_config=read_config,
+    build=Gemma3VisionLanguageModel,
+    description="Gemma 3 with vision: SigLIP tower, pooled soft tokens, bidirectional image blocks",
+)
+
+
+@trellm.hookimpl
+def trellm_register_architectures(register):
+    register(SPEC)
