@@ -1,0 +1,199 @@
+"""Decode speed of a Qwen3.5-MoE-shaped model with random weights, next to the bandwidth ideal.
+
+    python benchmarks/bench_moe_decode.py --device cuda                  # Qwen3.5-35B-A3B shape, bf16 weights
+    python benchmarks/bench_moe_decode.py --device cuda --weights exl3   # random EXL3 (4-bit) weights
+    python benchmarks/bench_moe_decode.py --device cuda --layers 8       # fewer layers (faster to set up)
+    python benchmarks/bench_moe_decode.py --tiny                         # CPU smoke run, tiny dims
+
+The model is built from trellm's modules (the qwen3_5_moe plugin) and filled with random tensors
+straight on the device, no checkpoint written. Each batch row is one sequence with its own paged
+KV pages and recurrent-state slot; after a short prefill, ``--steps`` decode steps are timed.
+The ideal is the bytes one decode step must read (weights of the layers' non-expert parts, the
+experts the batch routes to, the LM head) divided by the measured copy bandwidth (CUDA) or a
+nominal one; at batch > 1 the expected number of distinct experts per layer under uniform
+routing, E * (1 - (1 - k/E)^B), is used.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from trellm.batch import ForwardBatch
+from trellm.cache import SequenceState
+from trellm.cache.recurrent import alloc_state_slot
+from trellm.config import DecoderConfig
+from trellm.modules.base import LoadContext
+from trellm.modules.linear import Linear
+from trellm.modules.moe import ExpertMLP
+from trellm.plugins.architectures.qwen3_5_moe import build
+
+# Qwen3.5-35B-A3B text config (hidden 2048, 40 layers, 3 linear : 1 full attention, 256 experts, top 8).
+FULL = dict(
+    hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    intermediate_size=512, vocab_size=248320, max_position_embeddings=262144, rms_norm_eps=1e-6,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, full_attention_interval=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+)
+TINY = dict(
+    FULL, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, head_dim=32, vocab_size=1024,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+    num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+)
+
+
+class RandomWeights:
+    """A stand-in WeightStore that makes every requested tensor up (normal(0, std); sensible norms and decays)."""
+
+    model_dir = "<random weights>"
+
+    def __init__(self, seed: int = 0, std: float = 0.02):
+        self.std = std
+        torch.manual_seed(seed)
+
+    def __contains__(self, name: str) -> bool:
+        return name.endswith((".weight", "A_log", "dt_bias"))  # no biases, no stacked experts
+
+    def get(self, name: str, shape=None, dtype=None, device=None) -> torch.Tensor:
+        t = torch.empty(shape, dtype=torch.float32 if dtype is None else dtype, device=device)
+        if name.endswith("linear_attn.norm.weight"):
+            return t.fill_(1.0)
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            return t.zero_()  # stored as w - 1
+        if name.endswith("A_log"):
+            return t.uniform_(0.0, math.log(16.0))
+        if name.endswith("dt_bias"):
+            return t.fill_(1.0)
+        return t.normal_(0.0, self.std)
+
+
+class RandomEXL3:
+    """A QuantFormat that gives every big Linear random EXL3 tensors (``bits`` per weight) instead of reading them."""
+
+    name = "exl3-random"
+
+    def __init__(self, bits: int = 4, codebook: str = "mcg"):
+        self.bits, self.codebook = bits, codebook
+
+    def detect(self, store, key: str) -> bool:
+        return not key.endswith(("in_proj_b", "in_proj_a", "shared_expert_gate", "mlp.gate", "lm_head"))
+
+    def load_linear(self, store, key, in_features, out_features, bias, device, dtype):
+        from trellm.quant.exl3.format import EXL3Linear
+
+        pad = lambda n: -(-n // 128) * 128  # noqa: E731
+        k, n = pad(in_features), pad(out_features)
+        trellis = torch.randint(-32768, 32767, (k // 16, n // 16, 16 * self.bits), dtype=torch.int16, device=device)
+        suh = (torch.randint(0, 2, (k,), device=device) * 2 - 1).half()
+        svh = torch.full((n,), 0.02 / math.sqrt(k), dtype=torch.float16, device=device)
+        return EXL3Linear(trellis, suh, svh, self.codebook, in_features, out_features, None, key)
+
+
+def linear_bytes(model) -> tuple[int, int, int]:
+    """(bytes outside the routed experts, bytes of one routed expert, number of MoE layers)."""
+    expert_bytes, total, moe_layers = 0, 0, 0
+    for m in model.modules():
+        if isinstance(m, ExpertMLP):
+            expert_bytes = m.nbytes()
+    for layer in model.layers:
+        if hasattr(layer.mlp, "experts"):
+            moe_layers += 1
+    total = model.nbytes()
+    routed = expert_bytes * moe_layers * model.layers[0].mlp.experts.num_experts if moe_layers else 0
+    embed = model.embed.nbytes()  # one row per token is read, not the table
+    return total - routed - embed, expert_bytes, moe_layers
+
+
+def run(model, cfg, batch_size: int, prompt_len: int, steps: int, device) -> float:
+    """Decode tokens/s of ``batch_size`` sequences decoding together."""
+    page = 64
+    pages_each = -(-(prompt_len + steps + 8) // page)
+    cache = model.make_cache(max_tokens=batch_size * pages_each * page, page_size=page, max_slots=batch_size)
+    seqs, slots = [], []
+    for _ in range(batch_size):
+        s = SequenceState(cache)
+        s.reserve(prompt_len + steps + 4)
+        seqs.append(s)
+        slots.append(alloc_state_slot(cache))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(batch_size)]
+    slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+
+    def forward(tokens: list[list[int]]) -> torch.Tensor:
+        batch = ForwardBatch.with_cache(tokens, [s.length for s in seqs], [s.pages for s in seqs], cache)
+        batch.state_slots = slot_t
+        out = model.forward(batch)
+        for s, t in zip(seqs, tokens):
+            s.length += len(t)
+        return out
+
+    with torch.inference_mode():
+        nxt = forward(prompts).argmax(-1).tolist()
+        for _ in range(2):  # warm-up steps
+            nxt = forward([[t] for t in nxt]).argmax(-1).tolist()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            nxt = forward([[t] for t in nxt]).argmax(-1).tolist()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+    for s in seqs:
+        s.release()
+    return batch_size * steps / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny dims (CPU smoke run)")
+    ap.add_argument("--layers", type=int, default=None, help="override the number of layers (keep a multiple of 4)")
+    ap.add_argument("--weights", choices=("bf16", "exl3"), default="bf16")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s for the ideal (default: measured on CUDA, 50e9 on CPU)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    raw = dict(TINY if args.tiny else FULL)
+    if args.layers:
+        raw["num_hidden_layers"] = args.layers
+    raw["architectures"] = ["Qwen3_5MoeForCausalLM"]
+    cfg = DecoderConfig.from_hf(raw)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model = build(cfg)
+    formats = [RandomEXL3(args.bits)] if args.weights == "exl3" else []
+    t0 = time.perf_counter()
+    model.load(LoadContext(store=RandomWeights(), device=device, dtype=dtype, quant_formats=formats))
+    print(f"built {cfg.num_hidden_layers}-layer Qwen3.5-MoE-shaped model ({args.weights}, {dtype}) on {device} "
+          f"in {time.perf_counter() - t0:.1f}s: {model.nbytes() / 1e9:.2f} GB")
+    if args.bandwidth:
+        bandwidth = args.bandwidth
+    elif device.type == "cuda":
+        from common import copy_bandwidth  # benchmarks/common.py
+
+        bandwidth = copy_bandwidth()
+    else:
+        bandwidth = 50e9
+    dense_bytes, expert_bytes, moe_layers = linear_bytes(model)
+    experts, top_k = cfg.extra["num_experts"], cfg.extra["num_experts_per_tok"]
+    steps = args.steps or (4 if args.tiny else 16)
+    print(f"bandwidth for the ideal: {bandwidth / 1e9:.0f} GB/s; non-expert weights {dense_bytes / 1e9:.3f} GB, "
+          f"one expert {expert_bytes / 1e6:.2f} MB x {experts} x {moe_layers} layers")
+    print(f"{'batch':>5} {'tokens/s':>10} {'ms/step':>9} {'ideal tok/s':>12} {'of ideal':>9} {'GB read/step':>13}")
+    for b in args.batch:
+        touched = experts * (1 - (1 - top_k / experts) ** b)
+        step_bytes = dense_bytes + touched * expert_bytes * moe_layers
+        ideal = b * bandwidth / step_bytes
+        tps = run(model, cfg, b, args.prompt, steps, device)
+        print(f"{b:>5} {tps:>10.1f} {1e3 * b / tps:>9.1f} {ideal:>12.0f} {tps / ideal:>8.1%} {step_bytes / 1e9:>13.3f}")
+
+
+if __name__ == "__main__":
+    main()
