@@ -1,10 +1,12 @@
 // Paged-KV attention for decode and chunked prefill (GQA, causal, sliding window, softcap, sinks).
 //
-// One block per (query token, kv head, chunk of up to GMAX query heads of that kv head's group): the
-// group's queries share every K/V row read. Each warp walks a strided subset of the token's visible
-// keys with an online softmax; the warps' partial results are merged through shared memory.
-// Prefill chunks run through the same kernel (each query token is its own block), which is correct
-// but re-reads K/V per token: a tiled prefill kernel is the follow-up.
+// One block per (query token, kv head, chunk of up to GMAX query heads, key split): the group's
+// queries share every K/V row read. Inside a block each warp takes tiles of 32 keys, one key per
+// lane for the scores (no shuffles per key), then accumulates P.V with each lane owning D/32
+// contiguous output dims. Warps merge through shared memory; with several key splits
+// (flash-decoding, for short batches over long contexts) a second kernel merges the splits.
+// Prefill chunks run through the same kernel (each query token is its own block): correct, but
+// K/V are re-read per token; a tiled prefill kernel is the follow-up.
 #include "common.cuh"
 
 namespace {
@@ -12,39 +14,55 @@ namespace {
 constexpr int ATT_WARPS = 4;
 constexpr int GMAX = 8;
 
+struct AttnArgs {
+    const void *q, *k_pages, *v_pages;
+    const int32_t *block_table, *cu_seqlens, *context_lens;
+    const float *sinks;
+    void *out;
+    float *ws_m, *ws_l, *ws_acc;  // [tokens, hq, splits] (+ [.., D]) when splits > 1
+    int batch, hq, hkv, page_size, max_blocks, sliding_window, splits, split_keys;
+    float scale, softcap;
+};
+
 template <typename T, int DPL>
-__global__ void __launch_bounds__(ATT_WARPS * 32)
-paged_attention_kernel(const T *__restrict__ q, const T *__restrict__ k_pages, const T *__restrict__ v_pages,
-                       const int32_t *__restrict__ block_table, const int32_t *__restrict__ cu_seqlens,
-                       const int32_t *__restrict__ context_lens, const float *__restrict__ sinks,
-                       T *__restrict__ out, int batch, int hq, int hkv, int page_size, int max_blocks, float scale,
-                       int sliding_window, float softcap) {
+__global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const AttnArgs a) {
     constexpr int D = DPL * 32;
+    const T *q = static_cast<const T *>(a.q);
+    const T *k_pages = static_cast<const T *>(a.k_pages);
+    const T *v_pages = static_cast<const T *>(a.v_pages);
     const int token = blockIdx.x, kvh = blockIdx.y;
-    const int group = hq / hkv;
-    const int g0 = blockIdx.z * GMAX;
+    const int head_chunks = (a.hq / a.hkv + GMAX - 1) / GMAX;
+    const int chunk = blockIdx.z % head_chunks, split = blockIdx.z / head_chunks;
+    const int group = a.hq / a.hkv;
+    const int g0 = chunk * GMAX;
     const int gn = min(GMAX, group - g0);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
+    __shared__ float q_s[GMAX][D];
+    __shared__ float p_s[ATT_WARPS][GMAX][32];
+    __shared__ float sm_m[ATT_WARPS][GMAX], sm_l[ATT_WARPS][GMAX];
+    __shared__ float sm_acc[ATT_WARPS][GMAX][D];
+
     // Which sequence holds this token: the last b with cu_seqlens[b] <= token.
-    int lo = 0, hi = batch - 1;
+    int lo = 0, hi = a.batch - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (cu_seqlens[mid] <= token) lo = mid; else hi = mid - 1;
+        if (a.cu_seqlens[mid] <= token) lo = mid; else hi = mid - 1;
     }
     const int b = lo;
-    const int q_len = cu_seqlens[b + 1] - cu_seqlens[b];
-    const int ctx = context_lens[b];
-    const int qpos = ctx - q_len + (token - cu_seqlens[b]);
-    const int k_end = min(qpos, ctx - 1);  // inclusive
-    const int k_begin = sliding_window > 0 ? max(0, qpos - sliding_window + 1) : 0;
+    const int q_len = a.cu_seqlens[b + 1] - a.cu_seqlens[b];
+    const int ctx = a.context_lens[b];
+    const int qpos = ctx - q_len + (token - a.cu_seqlens[b]);
+    int k_end = min(qpos, ctx - 1) + 1;  // exclusive
+    int k_begin = a.sliding_window > 0 ? max(0, qpos - a.sliding_window + 1) : 0;
+    k_begin = max(k_begin, split * a.split_keys);
+    k_end = min(k_end, (split + 1) * a.split_keys);
 
-    float qv[GMAX][DPL];
-#pragma unroll
-    for (int g = 0; g < GMAX; ++g)
-#pragma unroll
-        for (int i = 0; i < DPL; ++i)
-            qv[g][i] = g < gn ? to_f32(q[((size_t)token * hq + kvh * group + g0 + g) * D + i * 32 + lane]) * scale : 0.f;
+    for (int idx = threadIdx.x; idx < GMAX * D; idx += blockDim.x) {
+        const int g = idx / D, d = idx % D;
+        q_s[g][d] = g < gn ? to_f32(q[((size_t)token * a.hq + kvh * group + g0 + g) * D + d]) * a.scale : 0.f;
+    }
+    __syncthreads();
 
     float m_run[GMAX], l_run[GMAX], acc[GMAX][DPL];
 #pragma unroll
@@ -55,41 +73,67 @@ paged_attention_kernel(const T *__restrict__ q, const T *__restrict__ k_pages, c
         for (int i = 0; i < DPL; ++i) acc[g][i] = 0.f;
     }
 
-    const int32_t *table = block_table + (size_t)b * max_blocks;
-    for (int j = k_begin + warp; j <= k_end; j += ATT_WARPS) {
-        const int page = table[j / page_size];
-        const size_t row = (((size_t)page * page_size + (j % page_size)) * hkv + kvh) * D;
-        float kr[DPL], vr[DPL];
+    const int32_t *table = a.block_table + (size_t)b * a.max_blocks;
+    const size_t row_stride = (size_t)a.hkv * D;  // elements between consecutive token rows of a page
+    for (int tile0 = k_begin + warp * 32; tile0 < k_end; tile0 += ATT_WARPS * 32) {
+        // Scores: lane = key.
+        const int j = tile0 + lane;
+        const bool valid = j < k_end;
+        float s[GMAX];
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) {
-            kr[i] = to_f32(k_pages[row + i * 32 + lane]);
-            vr[i] = to_f32(v_pages[row + i * 32 + lane]);
+        for (int g = 0; g < GMAX; ++g) s[g] = 0.f;
+        if (valid) {
+            const T *krow = k_pages + ((size_t)table[j / a.page_size] * a.page_size + j % a.page_size) * row_stride +
+                            (size_t)kvh * D;
+#pragma unroll 4
+            for (int d = 0; d < D; ++d) {
+                const float kv = to_f32(krow[d]);
+#pragma unroll
+                for (int g = 0; g < GMAX; ++g) s[g] += q_s[g][d] * kv;
+            }
         }
+        // Online softmax over the tile, per head.
 #pragma unroll
         for (int g = 0; g < GMAX; ++g) {
             if (g >= gn) break;
-            float s = 0.f;
-#pragma unroll
-            for (int i = 0; i < DPL; ++i) s += qv[g][i] * kr[i];
-            s = warp_sum(s);
-            if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
-            const float m_new = fmaxf(m_run[g], s);
-            const float corr = __expf(m_run[g] - m_new);
-            const float p = __expf(s - m_new);
-            l_run[g] = l_run[g] * corr + p;
-#pragma unroll
-            for (int i = 0; i < DPL; ++i) acc[g][i] = acc[g][i] * corr + p * vr[i];
+            float sv = s[g];
+            if (a.softcap > 0.f) sv = tanhf(sv / a.softcap) * a.softcap;
+            sv = valid ? sv : -INFINITY;
+            const float m_new = fmaxf(m_run[g], warp_max(sv));
+            const float corr = m_run[g] == -INFINITY ? 0.f : __expf(m_run[g] - m_new);
+            const float p = valid ? __expf(sv - m_new) : 0.f;
+            l_run[g] = l_run[g] * corr + warp_sum(p);
             m_run[g] = m_new;
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) acc[g][i] *= corr;
+            p_s[warp][g][lane] = p;
         }
+        __syncwarp();
+        // P.V: lane owns dims lane*DPL .. lane*DPL + DPL - 1.
+        const int n_keys = min(32, k_end - tile0);
+        for (int jj = 0; jj < n_keys; ++jj) {
+            const int jk = tile0 + jj;
+            const T *vrow = v_pages + ((size_t)table[jk / a.page_size] * a.page_size + jk % a.page_size) * row_stride +
+                            (size_t)kvh * D + lane * DPL;
+            float vv[DPL];
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) vv[i] = to_f32(vrow[i]);
+#pragma unroll
+            for (int g = 0; g < GMAX; ++g) {
+                if (g >= gn) break;
+                const float p = p_s[warp][g][jj];
+#pragma unroll
+                for (int i = 0; i < DPL; ++i) acc[g][i] += p * vv[i];
+            }
+        }
+        __syncwarp();
     }
 
-    __shared__ float sm_m[ATT_WARPS][GMAX], sm_l[ATT_WARPS][GMAX];
-    __shared__ float sm_acc[ATT_WARPS][GMAX][D];
 #pragma unroll
     for (int g = 0; g < GMAX; ++g) {
         if (lane == 0) { sm_m[warp][g] = m_run[g]; sm_l[warp][g] = l_run[g]; }
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) sm_acc[warp][g][i * 32 + lane] = acc[g][i];
+        for (int i = 0; i < DPL; ++i) sm_acc[warp][g][lane * DPL + i] = acc[g][i];
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < gn * D; idx += blockDim.x) {
@@ -97,57 +141,107 @@ paged_attention_kernel(const T *__restrict__ q, const T *__restrict__ k_pages, c
         const int head = kvh * group + g0 + g;
         float m_all = -INFINITY;
         for (int w = 0; w < ATT_WARPS; ++w) m_all = fmaxf(m_all, sm_m[w][g]);
-        const float sink = sinks ? sinks[head] : -INFINITY;
-        m_all = fmaxf(m_all, sink);
-        float l_all = sinks ? __expf(sink - m_all) : 0.f, o = 0.f;
+        float l_all = 0.f, o = 0.f;
         for (int w = 0; w < ATT_WARPS; ++w) {
             if (sm_m[w][g] == -INFINITY) continue;
             const float f = __expf(sm_m[w][g] - m_all);
             l_all += sm_l[w][g] * f;
             o += sm_acc[w][g][d] * f;
         }
-        out[((size_t)token * hq + head) * D + d] = from_f32<T>(l_all > 0.f ? o / l_all : 0.f);
+        if (a.splits == 1) {
+            if (a.sinks) {
+                const float sink = a.sinks[head];
+                const float m2 = fmaxf(m_all, sink);
+                const float f = m_all == -INFINITY ? 0.f : __expf(m_all - m2);
+                o *= f;
+                l_all = l_all * f + __expf(sink - m2);
+            }
+            static_cast<T *>(a.out)[((size_t)token * a.hq + head) * D + d] = from_f32<T>(l_all > 0.f ? o / l_all : 0.f);
+        } else {
+            const size_t slot = ((size_t)token * a.hq + head) * a.splits + split;
+            a.ws_acc[slot * D + d] = o;
+            if (d == 0) { a.ws_m[slot] = m_all; a.ws_l[slot] = l_all; }
+        }
+    }
+}
+
+// Merge the key splits of one (token, head).
+template <typename T>
+__global__ void attention_merge_kernel(const AttnArgs a, int head_dim) {
+    const int token = blockIdx.x, head = blockIdx.y;
+    const size_t base = ((size_t)token * a.hq + head) * a.splits;
+    float m_all = a.sinks ? a.sinks[head] : -INFINITY;
+    for (int s = 0; s < a.splits; ++s) m_all = fmaxf(m_all, a.ws_m[base + s]);
+    float l_all = a.sinks ? __expf(a.sinks[head] - m_all) : 0.f;
+    for (int s = 0; s < a.splits; ++s)
+        if (a.ws_m[base + s] != -INFINITY) l_all += a.ws_l[base + s] * __expf(a.ws_m[base + s] - m_all);
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float o = 0.f;
+        for (int s = 0; s < a.splits; ++s)
+            if (a.ws_m[base + s] != -INFINITY) o += a.ws_acc[(base + s) * head_dim + d] * __expf(a.ws_m[base + s] - m_all);
+        static_cast<T *>(a.out)[((size_t)token * a.hq + head) * head_dim + d] = from_f32<T>(l_all > 0.f ? o / l_all : 0.f);
     }
 }
 
 template <typename T>
-int launch_attention(const void *q, const void *kp, const void *vp, const int32_t *bt, const int32_t *cu,
-                     const int32_t *cl, const float *sinks, void *out, int64_t tokens, int64_t batch, int64_t hq,
-                     int64_t hkv, int64_t d, int64_t page_size, int64_t max_blocks, float scale, int window,
-                     float softcap, cudaStream_t stream) {
-    const int group = (int)(hq / hkv);
-    dim3 grid((unsigned)tokens, (unsigned)hkv, (unsigned)((group + GMAX - 1) / GMAX));
-#define ATT_CASE(DPL)                                                                                          \
-    case DPL:                                                                                                  \
-        paged_attention_kernel<T, DPL><<<grid, ATT_WARPS * 32, 0, stream>>>(                                   \
-            static_cast<const T *>(q), static_cast<const T *>(kp), static_cast<const T *>(vp), bt, cu, cl, sinks, \
-            static_cast<T *>(out), (int)batch, (int)hq, (int)hkv, (int)page_size, (int)max_blocks, scale, window, \
-            softcap);                                                                                          \
-        break;
+int launch_attention(const AttnArgs &a, int64_t tokens, int64_t d, cudaStream_t stream) {
+    const int head_chunks = (a.hq / a.hkv + GMAX - 1) / GMAX;
+    dim3 grid((unsigned)tokens, (unsigned)a.hkv, (unsigned)(head_chunks * a.splits));
+#define ATT_CASE(DPL)                                                                             \
+    case DPL: paged_attention_kernel<T, DPL><<<grid, ATT_WARPS * 32, 0, stream>>>(a); break;
     switch (d / 32) {
         ATT_CASE(2) ATT_CASE(3) ATT_CASE(4) ATT_CASE(5) ATT_CASE(6) ATT_CASE(8)
         default: return TRELLM_E_UNSUPPORTED;
     }
 #undef ATT_CASE
     TRELLM_LAUNCH_CHECK();
+    if (a.splits > 1) {
+        attention_merge_kernel<T><<<dim3((unsigned)tokens, (unsigned)a.hq), 128, 0, stream>>>(a, (int)d);
+        TRELLM_LAUNCH_CHECK();
+    }
     return TRELLM_OK;
 }
 
 }  // namespace
 
+extern "C" int trellm_paged_attention_splits(int64_t tokens, int64_t hq, int64_t hkv, int64_t page_size,
+                                             int64_t max_blocks, int num_sms) {
+    if (tokens <= 0 || hkv <= 0 || hq <= 0) return 1;
+    const int64_t head_chunks = (hq / hkv + GMAX - 1) / GMAX;
+    const int64_t blocks = tokens * hkv * head_chunks;
+    const int64_t target = 4 * (int64_t)(num_sms > 0 ? num_sms : 132);
+    const int64_t capacity = page_size * max_blocks;
+    int64_t splits = target / blocks;
+    const int64_t max_splits = (capacity + 255) / 256;  // at least 256 keys per split
+    if (splits > max_splits) splits = max_splits;
+    if (splits > 64) splits = 64;
+    return splits < 1 ? 1 : (int)splits;
+}
+
 extern "C" int trellm_paged_attention(const void *q, const void *k_pages, const void *v_pages,
                                       const int32_t *block_table, const int32_t *cu_seqlens,
-                                      const int32_t *context_lens, const float *sinks, void *out, int64_t tokens,
-                                      int64_t batch, int64_t hq, int64_t hkv, int64_t head_dim, int64_t page_size,
-                                      int64_t max_blocks, float scale, int sliding_window, float softcap, int dtype,
-                                      cudaStream_t stream) {
+                                      const int32_t *context_lens, const float *sinks, void *out, float *workspace,
+                                      int splits, int64_t tokens, int64_t batch, int64_t hq, int64_t hkv,
+                                      int64_t head_dim, int64_t page_size, int64_t max_blocks, float scale,
+                                      int sliding_window, float softcap, int dtype, cudaStream_t stream) {
     if (tokens < 0 || batch <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || page_size <= 0 || max_blocks <= 0)
         return TRELLM_E_BAD_SHAPE;
     if (head_dim % 32 || head_dim < 64 || head_dim > 256 || head_dim == 224) return TRELLM_E_UNSUPPORTED;
+    if (splits < 1 || (splits > 1 && !workspace)) return TRELLM_E_BAD_ARG;
     if (tokens == 0) return TRELLM_OK;
-    TRELLM_DISPATCH_DTYPE(dtype, T,
-        return launch_attention<T>(q, k_pages, v_pages, block_table, cu_seqlens, context_lens, sinks, out, tokens,
-                                   batch, hq, hkv, head_dim, page_size, max_blocks, scale, sliding_window, softcap,
-                                   stream));
+    AttnArgs a;
+    a.q = q; a.k_pages = k_pages; a.v_pages = v_pages;
+    a.block_table = block_table; a.cu_seqlens = cu_seqlens; a.context_lens = context_lens;
+    a.sinks = sinks; a.out = out;
+    const size_t slots = (size_t)tokens * hq * splits;
+    a.ws_m = workspace;
+    a.ws_l = workspace ? workspace + slots : nullptr;
+    a.ws_acc = workspace ? workspace + 2 * slots : nullptr;
+    a.batch = (int)batch; a.hq = (int)hq; a.hkv = (int)hkv; a.page_size = (int)page_size;
+    a.max_blocks = (int)max_blocks; a.sliding_window = sliding_window; a.splits = splits;
+    const int64_t capacity = page_size * max_blocks;
+    a.split_keys = (int)((capacity + splits - 1) / splits);
+    a.scale = scale; a.softcap = softcap;
+    TRELLM_DISPATCH_DTYPE(dtype, T, return launch_attention<T>(a, tokens, head_dim, stream));
     return TRELLM_OK;
 }

@@ -372,10 +372,15 @@ def paged_attention(
     expect(context_lens, "context_lens", dtype=torch.int32, shape=(batch,), device=q.device)
     expect(sinks, "sinks", dtype=torch.float32, shape=(hq,), device=q.device, optional=True)
     out = torch.empty_like(q)
+    splits = lib().trellm_paged_attention_splits(tokens, hq, hkv, page_size, max_blocks, _num_sms(q.device))
+    workspace = None
+    if splits > 1:
+        workspace = torch.empty(tokens * hq * splits * (d + 2), dtype=torch.float32, device=q.device)
     rc = lib().trellm_paged_attention(
         _ptr(q), _ptr(k_pages), _ptr(v_pages), _ptr(block_table, "int32_t *"), _ptr(cu_seqlens, "int32_t *"),
-        _ptr(context_lens, "int32_t *"), _ptr(sinks, "float *"), _ptr(out), tokens, batch, hq, hkv, d, page_size,
-        max_blocks, float(scale), int(sliding_window), float(softcap), DTYPE_CODES[q.dtype], _stream(),
+        _ptr(context_lens, "int32_t *"), _ptr(sinks, "float *"), _ptr(out), _ptr(workspace, "float *"), splits,
+        tokens, batch, hq, hkv, d, page_size, max_blocks, float(scale), int(sliding_window), float(softcap),
+        DTYPE_CODES[q.dtype], _stream(),
     )
     _check(rc, "paged_attention")
     return out

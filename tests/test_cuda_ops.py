@@ -293,6 +293,8 @@ def _paged_setup(dtype, ctx_lens, q_lens, hq=8, hkv=2, d=128, page_size=16, seed
         dict(ctx=[200, 33], q=[1, 5], window=32),
         dict(ctx=[90], q=[3], softcap=30.0, sinks=True),
         dict(ctx=[50, 50], q=[1, 1], hq=32, hkv=2, d=64),  # group of 16 heads
+        dict(ctx=[1000], q=[1], window=300, softcap=20.0, sinks=True),  # key splits + merge
+        dict(ctx=[3000, 5], q=[2, 5], d=256),
     ],
 )
 def test_paged_attention(ops, dtype, case):
