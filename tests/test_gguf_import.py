@@ -105,11 +105,12 @@ def test_digits_split_one_by_one_like_llama_cpp(smollm2_dir: Path):
     assert "    " in pieces  # the spaces before a number stay one token
 
 
-def test_import_is_atomic_and_refuses_to_clobber(tmp_path: Path, smollm2_gguf: Path, monkeypatch):
+def test_import_is_atomic_and_refuses_to_clobber(tmp_path: Path, tiny_llama_gguf, monkeypatch):
+    gguf_path = tiny_llama_gguf[0]
     out = tmp_path / "model"
     out.mkdir()
     with pytest.raises(GGUFImportError, match="already exists"):
-        import_gguf(smollm2_gguf, out, show_progress=False)
+        import_gguf(gguf_path, out, show_progress=False)
     out.rmdir()
 
     def interrupted(*args, **kwargs):
@@ -118,8 +119,11 @@ def test_import_is_atomic_and_refuses_to_clobber(tmp_path: Path, smollm2_gguf: P
 
     monkeypatch.setattr("trellm.gguf._convert_tensors", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        import_gguf(smollm2_gguf, out, show_progress=False)
+        import_gguf(gguf_path, out, show_progress=False)
     assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    import_gguf(gguf_path, out, show_progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temporary left behind
 
 
 def test_bad_inputs_give_clear_errors(tmp_path: Path):
@@ -175,11 +179,11 @@ def _llama_cpp_permute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def test_synthetic_untied_gqa_gguf_round_trips(tmp_path: Path):
+@pytest.fixture(scope="module")
+def tiny_llama_gguf(tmp_path_factory):
     """A random tiny Llama (GQA, untied lm_head, attention bias) written as an F32 GGUF the way
-    llama.cpp lays it out comes back with HF's exact weights, config and tokenizer."""
+    llama.cpp lays it out: (path, HF model, its config, its float32 state dict, BPE backend)."""
     gguf = pytest.importorskip("gguf")
-    from safetensors.torch import load_file
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
 
     backend = Backend(models.BPE())
@@ -200,7 +204,7 @@ def test_synthetic_untied_gqa_gguf_round_trips(tmp_path: Path):
     model = transformers.LlamaForCausalLM(config).eval()
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
 
-    path = tmp_path / "tiny.gguf"
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(2)
     writer.add_context_length(256)
@@ -239,7 +243,14 @@ def test_synthetic_untied_gqa_gguf_round_trips(tmp_path: Path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path, model, config, state, backend
 
+
+def test_synthetic_untied_gqa_gguf_round_trips(tmp_path: Path, tiny_llama_gguf):
+    """The tiny GGUF comes back with HF's exact weights, config and tokenizer."""
+    from safetensors.torch import load_file
+
+    path, model, config, state, backend = tiny_llama_gguf
     out = import_gguf(path, tmp_path / "hf", dtype="float32", show_progress=False)
     ours = load_file(str(out / "model.safetensors"))
     assert set(ours) == set(state)
