@@ -1,0 +1,86 @@
+"""``trellm serve``: the OpenAI-compatible server on uvicorn."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .config import ServerConfig, load_config_file
+
+# CLI flag -> ServerConfig field, for the flags whose value is taken as given
+_FLAGS = ("model", "model_name", "host", "port", "api_key", "admin_key", "max_queue", "max_batch_size", "max_chunk_tokens",
+          "cache_size", "page_size", "cache_bits", "draft_model", "num_draft_tokens", "device", "dtype",
+          "default_max_tokens", "max_request_bytes", "log_level")
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `server` extra)",
+                              description="Serve a model over an OpenAI-compatible API. Settings come from defaults, "
+                                          "then --config, then the flags given here.")
+    p.add_argument("-m", "--model", help="HF model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model-name", help="id shown in /v1/models and expected in requests (default: directory name)")
+    p.add_argument("--host", help="interface to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 5000)")
+    p.add_argument("--api-key", help="key for the API routes (default: generated and printed)")
+    p.add_argument("--admin-key", help="key for the admin routes (default: generated and printed)")
+    p.add_argument("--disable-auth", action="store_true", default=None, help="no keys at all (local use only)")
+    p.add_argument("--max-queue", type=int, help="jobs that may wait beyond the running batch; more get 429 (default 64)")
+    p.add_argument("--max-batch-size", type=int, help="jobs decoded together (default 16)")
+    p.add_argument("--max-chunk-tokens", type=int, help="tokens per forward (prefill chunk budget, default 512)")
+    p.add_argument("--cache-size", type=int, help="KV cache size in tokens (default 8192)")
+    p.add_argument("--page-size", type=int, help="KV cache page size in tokens (default 256)")
+    p.add_argument("--cache-bits", help="quantized KV cache: 'K,V' bits, e.g. 4,4 or 8,6 (default: fp16)")
+    p.add_argument("--draft-model", help="HF directory of a draft model for speculative decoding")
+    p.add_argument("--num-draft-tokens", type=int, help="draft tokens per step (default 4)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--dtype", help="float32, float16 or bfloat16")
+    p.add_argument("--default-max-tokens", type=int, help="chat completions without max_tokens stop here (default 512)")
+    p.add_argument("--max-request-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
+    p.add_argument("--log-level", help="debug, info, warning (default info)")
+    p.add_argument("--config", help="YAML or JSON file with the same settings (underscored or dashed names)")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    config = ServerConfig()
+    if getattr(args, "config", None):
+        config = config.updated(load_config_file(args.config), args.config)
+    given = {name: getattr(args, name) for name in _FLAGS if getattr(args, name, None) is not None}
+    if getattr(args, "disable_auth", None):
+        given["disable_auth"] = True
+    return config.updated(given, "command line")
+
+
+def with_keys(config: ServerConfig) -> tuple[ServerConfig, list[str]]:
+    """Generate the keys that were not given (unless auth is off); returns the lines that announce them."""
+    from .auth import new_key
+
+    if config.disable_auth:
+        return config, ["authentication is DISABLED: every route is open"]
+    notes = []
+    updates = {}
+    if not config.api_key:
+        updates["api_key"] = new_key()
+        notes.append(f"generated API key:   {updates['api_key']}")
+    if not config.admin_key:
+        updates["admin_key"] = new_key()
+        notes.append(f"generated admin key: {updates['admin_key']}")
+    return (config.updated(updates, "generated keys") if updates else config), notes
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        print("error: `trellm serve` needs the server extra: pip install 'trellm[server]'", file=sys.stderr)
+        return 2
+    from .app import create_app
+
+    config, notes = with_keys(config_from_args(args))
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for line in notes:
+        print(line, file=sys.stderr, flush=True)
+    app = create_app(config)
+    print(f"trellm serve: http://{config.host}:{config.port}/v1 (health: /health, docs: /docs)", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(), timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,100 @@
+"""Server settings: one record filled from defaults, then a config file, then the command line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from trellm.errors import ConfigError
+
+
+def parse_cache_bits(value: Any) -> tuple[int, int] | None:
+    """``"4,4"`` / ``"8"`` / ``[4, 6]`` -> (k_bits, v_bits); None or "" or "16" for an fp16 cache."""
+    if value is None or value == "" or value == 16 or value == "16":
+        return None
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",")]
+    elif isinstance(value, int):
+        parts = [value]
+    else:
+        parts = list(value)
+    try:
+        bits = [int(p) for p in parts]
+    except (TypeError, ValueError):
+        raise ConfigError(f"cache_bits: expected 'K,V' with integers 2..8 (or 16 for fp16), got {value!r}") from None
+    if len(bits) == 1:
+        bits = bits * 2
+    if len(bits) != 2 or not all(2 <= b <= 8 for b in bits):
+        raise ConfigError(f"cache_bits: expected 'K,V' with integers 2..8 (or 16 for fp16), got {value!r}")
+    return bits[0], bits[1]
+
+
+@attrs.define
+class ServerConfig:
+    """Everything ``trellm serve`` can be told; keys of a config file use these names."""
+
+    model: str | None = None  # HF model directory; None = the default model (SmolLM2)
+    model_name: str | None = None  # id under /v1/models; default: the directory's name
+    host: str = "127.0.0.1"
+    port: int = 5000
+    api_key: str | None = None  # None: generate one at start (printed) unless disable_auth
+    admin_key: str | None = None  # None: generate one at start (printed) unless disable_auth
+    disable_auth: bool = False
+    max_queue: int = 64  # jobs waiting for admission beyond the running batch; more get 429
+    max_batch_size: int = 16
+    max_chunk_tokens: int = 512
+    cache_size: int = 8192  # KV cache tokens
+    page_size: int = 256
+    cache_bits: tuple[int, int] | None = attrs.field(default=None, converter=parse_cache_bits)
+    draft_model: str | None = None
+    num_draft_tokens: int = 4
+    device: str | None = None
+    dtype: str | None = None
+    default_max_tokens: int = 512  # chat requests without max_tokens: at most this many (and what the cache allows)
+    max_request_bytes: int = 4 * 1024 * 1024
+    max_n: int = 16
+    strict_model_name: bool = True  # 404 for a request naming another model
+    log_level: str = "info"
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in attrs.fields(cls)]
+
+    def updated(self, values: dict[str, Any], source: str) -> "ServerConfig":
+        """A copy with ``values`` applied; unknown keys raise naming ``source``."""
+        unknown = sorted(set(values) - set(self.field_names()))
+        if unknown:
+            raise ConfigError(f"{source}: unknown setting(s) {unknown}; known: {', '.join(self.field_names())}")
+        return attrs.evolve(self, **{k.replace("-", "_"): v for k, v in values.items()})
+
+    def public_dict(self) -> dict[str, Any]:
+        """Settings without secrets (for logs and /v1/model)."""
+        d = attrs.asdict(self)
+        for secret in ("api_key", "admin_key"):
+            d[secret] = "***" if d[secret] else None
+        return d
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON file holding a mapping of ServerConfig keys (dashes or underscores)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror})") from None
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:
+        raise ConfigError(f"{path}: not valid {'JSON' if path.suffix.lower() == '.json' else 'YAML'}: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}

@@ -1,0 +1,182 @@
+"""The served model: loading and unloading, the generator behind it, and the bounded job queue.
+
+One :class:`ModelHost` lives for the server's lifetime. Loading runs in a worker thread so the event
+loop keeps answering (``/health`` says 503 meanwhile). Requests submit :class:`trellm.generator.Job`
+objects through :meth:`ModelHost.submit`, which refuses work beyond ``max_batch_size + max_queue``
+jobs in flight: the caller turns that into 429 with ``Retry-After``.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from trellm.generator import AsyncGenerator, AsyncJob, DraftModelProposer, Generator, Job
+
+from .config import ServerConfig
+
+log = logging.getLogger("trellm.server")
+
+STATE_EMPTY, STATE_LOADING, STATE_READY, STATE_FAILED = "empty", "loading", "ready", "failed"
+
+
+class QueueFullError(Exception):
+    """More jobs in flight than the server admits; answered with 429."""
+
+    def __init__(self, in_flight: int, limit: int):
+        super().__init__(f"the server is busy: {in_flight} jobs in flight, limit {limit}; retry shortly")
+        self.in_flight, self.limit = in_flight, limit
+
+
+class ModelNotReadyError(Exception):
+    """No model is loaded (loading, failed or unloaded); answered with 503."""
+
+
+@attrs.define
+class LoadSettings:
+    """What one model load uses (from the config, or an admin load request)."""
+
+    model_dir: Path
+    model_name: str
+    cache_size: int
+    page_size: int
+    cache_bits: tuple[int, int] | None
+    draft_model: Path | None
+    num_draft_tokens: int
+    max_batch_size: int
+    max_chunk_tokens: int
+    device: str | None
+    dtype: str | None
+
+    @classmethod
+    def from_config(cls, config: ServerConfig, model_dir: Path) -> "LoadSettings":
+        return cls(
+            model_dir=model_dir, model_name=config.model_name or model_dir.name, cache_size=config.cache_size,
+            page_size=config.page_size, cache_bits=config.cache_bits,
+            draft_model=Path(config.draft_model) if config.draft_model else None, num_draft_tokens=config.num_draft_tokens,
+            max_batch_size=config.max_batch_size, max_chunk_tokens=config.max_chunk_tokens,
+            device=config.device, dtype=config.dtype,
+        )
+
+
+class ModelHost:
+    """Holds the loaded model and its AsyncGenerator; counts jobs in flight against the queue limit."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.state = STATE_EMPTY
+        self.error: str | None = None
+        self.settings: LoadSettings | None = None
+        self.lm: Any = None
+        self.generator: Generator | None = None
+        self.agen: AsyncGenerator | None = None
+        self.loaded_at: float | None = None
+        self.in_flight = 0
+        self._load_lock = asyncio.Lock()
+
+    # ---- state ------------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.state == STATE_READY
+
+    @property
+    def model_name(self) -> str | None:
+        return self.settings.model_name if self.settings else None
+
+    @property
+    def tokenizer(self):
+        return self.lm.tokenizer if self.lm is not None else None
+
+    @property
+    def job_limit(self) -> int:
+        return self.settings.max_batch_size + self.config.max_queue if self.settings else 0
+
+    def require_ready(self) -> None:
+        if not self.ready:
+            detail = {STATE_LOADING: "the model is still loading", STATE_FAILED: f"the model failed to load: {self.error}",
+                      STATE_EMPTY: "no model is loaded (POST /v1/model/load with the admin key)"}[self.state]
+            raise ModelNotReadyError(detail)
+
+    # ---- load / unload ----------------------------------------------------------------------------
+
+    async def load(self, settings: LoadSettings) -> None:
+        """Load ``settings.model_dir`` (replacing any loaded model); raises what loading raised."""
+        async with self._load_lock:
+            await self._unload_now()
+            self.state, self.settings, self.error = STATE_LOADING, settings, None
+            try:
+                lm, generator = await asyncio.to_thread(_build, settings)
+            except BaseException as exc:
+                self.state, self.error = STATE_FAILED, f"{type(exc).__name__}: {exc}"
+                log.error("loading %s failed: %s", settings.model_dir, self.error)
+                raise
+            self.lm, self.generator = lm, generator
+            self.agen = AsyncGenerator(generator)
+            self.state, self.loaded_at = STATE_READY, time.time()
+            log.info("model %s ready (%s, cache %d tokens, page %d, cache_bits %s)", settings.model_name, lm,
+                     generator.capacity_tokens, settings.page_size, settings.cache_bits or "fp16")
+
+    async def unload(self) -> None:
+        async with self._load_lock:
+            await self._unload_now()
+
+    async def _unload_now(self) -> None:
+        if self.agen is not None:
+            await self.agen.close()  # cancels running jobs; their streams end with finish_reason "cancelled"
+        self.lm = self.generator = self.agen = None
+        self.state, self.loaded_at = STATE_EMPTY, None
+        gc.collect()
+
+    # ---- jobs -------------------------------------------------------------------------------------
+
+    def submit(self, jobs: list[Job]) -> list[AsyncJob]:
+        """Submit jobs together or not at all (429 when the queue would overflow, 400 for a job too large)."""
+        self.require_ready()
+        if self.in_flight + len(jobs) > self.job_limit:
+            raise QueueFullError(self.in_flight, self.job_limit)
+        submitted: list[AsyncJob] = []
+        try:
+            for job in jobs:
+                submitted.append(self.agen.submit(job))
+        except BaseException:
+            for aj in submitted:
+                aj.cancel()
+            raise
+        self.in_flight += len(submitted)
+        return submitted
+
+    def release(self, count: int) -> None:
+        """Called by a request when its jobs are finished or cancelled."""
+        self.in_flight = max(0, self.in_flight - count)
+
+
+def _build(settings: LoadSettings) -> tuple[Any, Generator]:
+    """Blocking: load the model (and draft model) and build the cache and generator."""
+    import trellm
+
+    if not (settings.model_dir / "config.json").is_file():
+        from trellm.errors import ConfigError
+
+        raise ConfigError(f"{settings.model_dir}: not a model directory (no config.json)")
+    lm = trellm.load(settings.model_dir, device=settings.device, dtype=settings.dtype)
+    if settings.cache_bits is not None:
+        from trellm.cache.quantized import quantized_cache
+
+        k_bits, v_bits = settings.cache_bits
+        cache = quantized_cache(lm.model, k_bits=k_bits, v_bits=v_bits, max_tokens=settings.cache_size, page_size=settings.page_size)
+    else:
+        cache = lm.new_cache(max_tokens=settings.cache_size, page_size=settings.page_size)
+    proposer = None
+    if settings.draft_model is not None:
+        draft = trellm.load(settings.draft_model, device=settings.device, dtype=settings.dtype, tokenizer=False)
+        proposer = DraftModelProposer(draft, num_tokens=settings.num_draft_tokens, cache_tokens=settings.cache_size,
+                                      page_size=settings.page_size)
+    generator = Generator(lm, cache, max_batch_size=settings.max_batch_size, max_chunk_tokens=settings.max_chunk_tokens,
+                          proposer=proposer, num_draft_tokens=settings.num_draft_tokens)
+    return lm, generator

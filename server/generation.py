@@ -1,0 +1,342 @@
+"""From an OpenAI request to trellm jobs and back: prompts, sampler settings, jobs, result merging.
+
+The routes stay thin: they validate and shape JSON; this module owns everything between a parsed
+request body and the generator's results, including cleanup when a client goes away.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from trellm.generator import AsyncJob, Job, JobFinished, JobStarted, JobTooLargeError, SamplerSettings, TokenChunk
+
+from .engine import ModelHost, QueueFullError
+from .errors import APIError, bad_request
+from .schemas import MAX_STOP_STRINGS, ChatCompletionRequest, ChatMessage, SamplingFields
+
+log = logging.getLogger("trellm.server")
+T = TypeVar("T")
+
+SEED_MODULUS = 2**63
+# SamplerSettings fields a request may set under the same name (None = not given = neutral).
+PASSTHROUGH_SAMPLER_FIELDS = (
+    "top_p", "min_p", "typical_p", "temperature_last", "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "penalty_range", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_range", "xtc_threshold", "xtc_probability",
+)
+
+
+# ---- prompts -----------------------------------------------------------------------------------------
+
+
+def encode_text(tokenizer, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except Exception as exc:  # e.g. lone surrogates the Rust tokenizer refuses
+        raise bad_request(f"cannot tokenize {param}: {exc}", param=param) from None
+
+
+def completion_prompts(host: ModelHost, prompt: Any) -> list[list[int]]:
+    """OpenAI's four prompt shapes -> a list of token-id prompts."""
+    tok = host.tokenizer
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise bad_request("prompt is empty", param="prompt")
+    if len(prompts) > 64:
+        raise bad_request(f"at most 64 prompts per request, got {len(prompts)}", param="prompt")
+    out = []
+    for p in prompts:
+        ids = encode_text(tok, p, True, "prompt") if isinstance(p, str) else [int(t) for t in p]
+        check_token_ids(host, ids, "prompt")
+        out.append(ids)
+    return out
+
+
+def check_token_ids(host: ModelHost, ids: Sequence[int], param: str) -> None:
+    if not ids:
+        raise bad_request(f"{param} is empty (no tokens)", param=param)
+    vocab = host.tokenizer.vocab_size if host.tokenizer is not None else None
+    model_vocab = int(getattr(host.lm.config, "vocab_size", 0) or 0)
+    limit = min(v for v in (vocab, model_vocab) if v) if (vocab or model_vocab) else None
+    if limit is not None:
+        bad = [t for t in ids if t < 0 or t >= limit]
+        if bad:
+            raise bad_request(f"{param}: token id {bad[0]} is outside the vocabulary (0..{limit - 1})", param=param)
+
+
+def message_dicts(messages: Sequence[ChatMessage]) -> list[dict]:
+    """Messages as plain dicts for the template; content parts joined (text parts only)."""
+    out = []
+    for i, m in enumerate(messages):
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            texts = []
+            for part in m.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"messages[{i}].content: only text parts are supported, got type {part.get('type')!r}",
+                                      param=f"messages[{i}].content")
+                texts.append(part["text"])
+            d["content"] = "".join(texts)
+        out.append(d)
+    return out
+
+
+def chat_prompt(host: ModelHost, req: ChatCompletionRequest) -> list[int]:
+    """Render the messages with the request's template or the model's; 400 when there is none."""
+    from trellm.tokenizer import render_chat_template
+
+    tok = host.tokenizer
+    messages = message_dicts(req.messages)
+    extra = dict(req.chat_template_kwargs or {})
+    try:
+        if req.chat_template is not None:
+            specials = {k: v for k, v in (("bos_token", tok.bos_token), ("eos_token", tok.eos_token)) if v is not None}
+            text = render_chat_template(req.chat_template, messages, add_generation_prompt=req.add_generation_prompt,
+                                        tools=req.tools, **{**specials, **extra})
+        elif not tok.has_chat_template:
+            raise bad_request(f"model {host.model_name!r} has no chat template; send one as 'chat_template' or use "
+                              "/v1/completions", param="messages", code="chat_template_missing")
+        else:
+            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools, **extra)
+    except APIError:
+        raise
+    except Exception as exc:  # a template that raises (raise_exception, bad roles, syntax) is the request's fault
+        raise bad_request(f"the chat template failed on these messages: {type(exc).__name__}: {exc}", param="messages") from None
+    ids = encode_text(tok, text, False, "messages")
+    check_token_ids(host, ids, "messages")
+    return ids
+
+
+# ---- sampling and jobs -------------------------------------------------------------------------------
+
+
+def stop_strings(req: SamplingFields) -> list[str]:
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
+    return [s for s in stops if s]
+
+
+def sampler_settings(host: ModelHost, req: SamplingFields) -> SamplerSettings:
+    """The request's sampler fields as SamplerSettings (validated by building the stack once)."""
+    kw: dict[str, Any] = {"temperature": 1.0 if req.temperature is None else req.temperature}
+    for name in PASSTHROUGH_SAMPLER_FIELDS:
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    if req.top_k is not None:
+        kw["top_k"] = max(req.top_k, 0)
+    vocab = int(getattr(host.lm.config, "vocab_size", 0) or 0) or host.tokenizer.vocab_size
+    if req.logit_bias:
+        bias = {}
+        for key, value in req.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise bad_request(f"logit_bias: key {key!r} is not a token id", param="logit_bias") from None
+            if not 0 <= token < vocab:
+                raise bad_request(f"logit_bias: token id {token} is outside the vocabulary (0..{vocab - 1})", param="logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise bad_request(f"logit_bias: bias {value} for token {token} is outside [-100, 100]", param="logit_bias")
+            bias[token] = value
+        kw["logit_bias"] = bias
+    if req.banned_tokens:
+        bad = [t for t in req.banned_tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"banned_tokens: token id {bad[0]} is outside the vocabulary", param="banned_tokens")
+        kw["banned_tokens"] = tuple(req.banned_tokens)
+    if req.dry_sequence_breakers:
+        breakers: list[int] = []
+        for b in req.dry_sequence_breakers:
+            breakers += [b] if isinstance(b, int) else encode_text(host.tokenizer, b, False, "dry_sequence_breakers")
+        kw["dry_sequence_breakers"] = tuple(breakers)
+    settings = SamplerSettings(**kw)
+    try:
+        settings.build()
+    except ValueError as exc:
+        raise bad_request(f"invalid sampler settings: {exc}") from None
+    return settings
+
+
+def make_jobs(host: ModelHost, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None, default_max: int,
+              logprobs: int | None, request_id: str) -> list[Job]:
+    """n jobs per prompt; choice index = prompt index * n + j (OpenAI's order)."""
+    n = req.n
+    if n > host.config.max_n:
+        raise bad_request(f"n={n} is more than this server allows ({host.config.max_n})", param="n")
+    if len(prompts) * n > host.job_limit:
+        raise bad_request(f"{len(prompts) * n} completions in one request; this server runs at most {host.job_limit} at once", param="n")
+    sampler = sampler_settings(host, req)
+    stops = stop_strings(req)
+    stop_ids = None
+    if req.ignore_eos or req.stop_token_ids:
+        stop_ids = set(req.stop_token_ids or []) | (set() if req.ignore_eos else host.lm.default_stop_ids())
+    capacity = host.generator.capacity_tokens
+    jobs = []
+    for p, ids in enumerate(prompts):
+        room = capacity - len(ids)
+        budget = max_tokens if max_tokens is not None else min(default_max, room)
+        if budget < 1 or len(ids) + budget > capacity:
+            raise APIError(400, f"this model's context holds {capacity} tokens; the prompt has {len(ids)} and "
+                                f"{budget} more were requested", param="max_tokens" if max_tokens else "messages",
+                           code="context_length_exceeded")
+        for j in range(n):
+            seed = None if req.seed is None else (req.seed + j) % SEED_MODULUS
+            try:
+                jobs.append(Job(
+                    ids, budget, min_new_tokens=min(req.min_tokens or 0, budget), stop=stops, stop_token_ids=stop_ids,
+                    sampler=sampler, seed=seed, banned_strings=req.banned_strings or (), logprobs=logprobs is not None,
+                    top_logprobs=logprobs or 0, identifier=(request_id, p * n + j),
+                    decode_special_tokens=not req.skip_special_tokens,
+                ))
+            except ValueError as exc:
+                raise bad_request(str(exc)) from None
+    return jobs
+
+
+# ---- running jobs --------------------------------------------------------------------------------------
+
+
+class JobGroup:
+    """The jobs of one request: submits them, merges their results, cancels and releases them once."""
+
+    def __init__(self, host: ModelHost, jobs: list[Job], request_id: str, route: str):
+        self.host, self.request_id, self.route = host, request_id, route
+        self.t_start = time.time()
+        self.t_first_token: float | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.finished: dict[int, JobFinished] = {}
+        self._closed = False
+        try:
+            self.ajobs: list[AsyncJob] = host.submit(jobs)
+        except QueueFullError as exc:
+            raise APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+        except JobTooLargeError as exc:
+            raise APIError(400, str(exc), param="max_tokens", code="context_length_exceeded") from None
+
+    async def results(self) -> AsyncIterator[tuple[int, Any]]:
+        """(job index, result) pairs as they come; ends once every job has finished."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, ajob: AsyncJob) -> None:
+            try:
+                async for result in ajob:
+                    queue.put_nowait((index, result))
+            except Exception as exc:  # the generator failed: surface it to the request
+                queue.put_nowait((index, exc))
+            finally:
+                queue.put_nowait((index, None))
+
+        tasks = [asyncio.create_task(pump(i, aj)) for i, aj in enumerate(self.ajobs)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, Exception):
+                    raise APIError(500, f"generation failed: {item}", "server_error")
+                self._account(index, item)
+                yield index, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _account(self, index: int, item: Any) -> None:
+        if isinstance(item, TokenChunk) and item.token_ids and self.t_first_token is None:
+            self.t_first_token = time.time()
+        elif isinstance(item, JobFinished):
+            self.finished[index] = item
+            self.completion_tokens += item.generated_tokens
+
+    async def run(self, consumer: Awaitable[T], request: Request | None = None) -> T:
+        """Await ``consumer`` (which drains :meth:`results`); cancel the jobs if the client disconnects first."""
+        work = asyncio.ensure_future(consumer)
+        watcher = asyncio.create_task(_wait_disconnect(request)) if request is not None else None
+        try:
+            waiting = {work} | ({watcher} if watcher else set())
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if work not in done:
+                raise APIError(499, "client closed the request", code="client_disconnected")
+            return work.result()
+        finally:
+            for t in (work, watcher):
+                if t is not None:
+                    t.cancel()
+            self.close()
+
+    def close(self) -> None:
+        """Cancel unfinished jobs (their pages come back at the next generator step) and log the request."""
+        if self._closed:
+            return
+        self._closed = True
+        for aj in self.ajobs:
+            if aj.final is None:
+                aj.cancel()
+        self.host.release(len(self.ajobs))
+        self._log()
+
+    def _log(self) -> None:
+        t_end = time.time()
+        ttft = (self.t_first_token - self.t_start) if self.t_first_token else None
+        decode_time = t_end - self.t_first_token if self.t_first_token else 0.0
+        rate = (self.completion_tokens - 1) / decode_time if decode_time > 0 and self.completion_tokens > 1 else 0.0
+        reasons = sorted({f.eos_reason for f in self.finished.values()}) or ["cancelled"]
+        log.info("request %s %s: %d jobs, tokens in %d out %d, ttft %s, %.1f tok/s, %.3fs, end %s", self.request_id, self.route,
+                 len(self.ajobs), self.prompt_tokens, self.completion_tokens,
+                 f"{ttft * 1000:.0f} ms" if ttft is not None else "-", rate, t_end - self.t_start, ",".join(reasons))
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client has gone (the body has been read already, so receive() waits for that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class JobStreamResponse(StreamingResponse):
+    """SSE stream that always watches for a disconnect and always releases its jobs, even if never started."""
+
+    def __init__(self, content: AsyncIterator[str], group: JobGroup):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "x-request-id": group.request_id})
+        self.group = group
+
+    async def __call__(self, scope, receive, send) -> None:
+        scope = {**scope, "asgi": {**scope.get("asgi", {}), "spec_version": "2.0"}}  # use Starlette's disconnect listener
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.group.close()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def finish_reason(f: JobFinished) -> str:
+    return f.finish_reason if f.finish_reason in ("stop", "length") else "stop"
+
+
+def check_finished(result: JobFinished) -> None:
+    """A job that ended by error or cancellation (not by the client) fails the request."""
+    if result.eos_reason == "error":
+        raise APIError(500, f"generation failed: {result.error}", "server_error")
+    if result.eos_reason == "cancelled":
+        raise APIError(503, "the job was cancelled (the model was unloaded or the server is stopping)", "server_error",
+                       code="cancelled")
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])

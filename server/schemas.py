@@ -1,0 +1,151 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic), plus trellm's extra sampler fields.
+
+Requests accept and ignore unknown fields (clients send ``user``, ``metadata``, ``store`` ...), but
+every field the server reads is validated here: a bad value is a 400 before any work starts.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+MAX_LIST = 64
+
+Float = float  # readability in the field declarations below
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=())
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingFields(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions: OpenAI's, then trellm's own."""
+
+    model: str = Field(..., max_length=512)
+    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP_STRINGS} stop strings")
+    temperature: float | None = Field(None, ge=0.0, le=100.0, description="0 = greedy; default 1")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    user: str | None = None
+    # trellm's sampler settings, under the names of trellm.samplers.SamplerSettings
+    top_k: int | None = Field(None, ge=-1, description="0 or -1 = off")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    typical_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature_last: bool | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    penalty_range: int | None = Field(None, ge=0)
+    dry_multiplier: float | None = Field(None, ge=0.0, le=100.0)
+    dry_base: float | None = Field(None, ge=1.0, le=4.0)
+    dry_allowed_length: int | None = Field(None, ge=1, le=4096)
+    dry_sequence_breakers: list[Union[int, str]] | None = Field(None, max_length=MAX_LIST)
+    dry_range: int | None = Field(None, ge=0)
+    xtc_threshold: float | None = Field(None, ge=0.0, le=1.0)
+    xtc_probability: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(None, ge=0)
+    banned_strings: list[str] | None = Field(None, max_length=MAX_LIST)
+    banned_tokens: list[int] | None = Field(None, max_length=4096)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_LIST)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(..., description="text, texts, token ids, or lists of token ids")
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=128)
+
+
+class ChatMessage(BaseModel):
+    """One message; content is text or a list of parts (only text parts are understood)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str = Field(..., max_length=64)
+    content: Union[str, list[dict[str, Any]], None] = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template: str | None = Field(None, description="a Jinja chat template to use instead of the model's")
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenEncodeRequest(_Request):
+    text: Union[str, list[ChatMessage]] = Field(..., description="text, or chat messages rendered by the chat template")
+    add_special_tokens: bool = True
+
+
+class TokenDecodeRequest(_Request):
+    tokens: list[int] = Field(..., max_length=1_000_000)
+    skip_special_tokens: bool = False
+
+
+class ModelLoadRequest(_Request):
+    model: str = Field(..., description="HF model directory on the server's disk", max_length=4096)
+    model_name: str | None = Field(None, max_length=512)
+    cache_size: int | None = Field(None, ge=16)
+    cache_bits: str | None = Field(None, description="'K,V' bits (2..8) for a quantized cache; '16' for fp16")
+    draft_model: str | None = Field(None, max_length=4096)
+
+
+# ---- responses (plain shapes; documented for the OpenAPI schema) -------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "trellm"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenEncodeResponse(BaseModel):
+    tokens: list[int]
+    length: int
+
+
+class TokenDecodeResponse(BaseModel):
+    text: str
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
