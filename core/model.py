@@ -53,15 +53,27 @@ class LoadedModel:
         return f"<trellm model {self.model_dir.name} ({self.spec.name}) on {self.device} {self.dtype}>"
 
     @torch.inference_mode()
-    def logits(self, input_ids: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
-        """Float32 logits [batch, seq, vocab] for whole sequences (no cache). Shorter rows are right-padded with 0."""
+    def logits(self, input_ids: torch.Tensor | Sequence[Sequence[int]], images=None) -> torch.Tensor:
+        """Float32 logits [batch, seq, vocab] for whole sequences (no cache). Shorter rows are right-padded with 0.
+
+        ``images``: per sequence, a list of images for its image markers (multimodal models); the
+        rows are then those of the expanded prompts (see ``trellm.multimodal``).
+        """
         if isinstance(input_ids, torch.Tensor):
             if input_ids.dim() == 1:
                 input_ids = input_ids[None]
             seqs = input_ids.tolist()
         else:
             seqs = [list(s) for s in input_ids]
+        prompts = None
+        if images is not None:  # multimodal: expand markers, inject image embeddings
+            from .multimodal import attach_images, prepare_prompt
+
+            prompts = [prepare_prompt(self, s, imgs) if imgs else None for s, imgs in zip(seqs, images)]
+            seqs = [p.input_ids if p is not None else s for p, s in zip(prompts, seqs)]
         batch = ForwardBatch.no_cache(seqs, self.device)
+        if prompts is not None:
+            attach_images(batch, [(p, 0) for p in prompts])
         flat = self.model.forward(batch)
         out = torch.zeros(len(seqs), max(len(s) for s in seqs), flat.shape[-1], dtype=torch.float32, device=flat.device)
         bounds = batch.cu_seqlens.tolist()
@@ -90,10 +102,21 @@ class LoadedModel:
         stop_token_ids: Sequence[int] | None = None,
         seed: int | None = None,
         cache: KVCache | None = None,
+        images=None,
     ) -> Iterator[int]:
-        """Yield generated token ids one at a time (prefill in chunks, then cached decode)."""
+        """Yield generated token ids one at a time (prefill in chunks, then cached decode).
+
+        ``images``: one per image marker of the prompt (multimodal models), or a prepared
+        ``MultimodalPrompt``; the prompt is expanded and prefilled in one chunk with the image embeddings.
+        """
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        mm = None
+        if images:
+            from .multimodal import MultimodalPrompt, attach_images, prepare_prompt
+
+            mm = images if isinstance(images, MultimodalPrompt) else prepare_prompt(self, prompt_ids, images)
+            prompt_ids = mm.input_ids
         stops = set(stop_token_ids if stop_token_ids is not None else self.default_stop_ids())
         forward = self.model.forward
         if cache is None:
@@ -107,9 +130,12 @@ class LoadedModel:
             for _ in range(max_new_tokens):
                 logits = None
                 while pending:
-                    chunk, pending = pending[:PREFILL_CHUNK], pending[PREFILL_CHUNK:]
+                    size = len(pending) if mm is not None and seq.length == 0 else PREFILL_CHUNK
+                    chunk, pending = pending[:size], pending[size:]
                     seq.reserve(seq.length + len(chunk))
                     batch = ForwardBatch.with_cache([chunk], [seq.length], [seq.pages], cache)
+                    if mm is not None and seq.length == 0:
+                        attach_images(batch, [(mm, 0)])
                     logits = forward(batch)[-1]
                     seq.length += len(chunk)
                 token = sample_token(logits, temperature, top_k, top_p, gen)
@@ -148,13 +174,22 @@ class LoadedModel:
         stop: Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
         seed: int | None = None,
+        images=None,
     ) -> Iterator[str]:
-        """Yield generated text pieces as they complete (never a split UTF-8 character or a partial stop string)."""
+        """Yield generated text pieces as they complete (never a split UTF-8 character or a partial stop string).
+
+        ``images``: file paths, bytes, data URLs or PIL images, one per image marker in ``prompt``.
+        """
         ids = self.encode_prompt(prompt)
+        if images:  # text-level placeholder expansion, as the HF processor does
+            from .multimodal import prepare_prompt
+
+            mm = prepare_prompt(self, prompt, images)
+            ids, images = mm.input_ids, mm
         stops = set(stop_token_ids) if stop_token_ids is not None else self.default_stop_ids()
         decoder = self.tokenizer.stream()
         matcher = StopStringMatcher(list(stop or []))
-        for token in self.generate_ids(ids, max_new_tokens, temperature, top_k, top_p, list(stops), seed):
+        for token in self.generate_ids(ids, max_new_tokens, temperature, top_k, top_p, list(stops), seed, images=images):
             if token in stops:
                 break
             text, stopped = matcher.feed(decoder.push(token))
