@@ -1,52 +1,80 @@
 /* Tail-biting Viterbi tile encoder for EXL3 on the CPU (same algorithm as trellm.ops.exl3.trellis_viterbi).
  *
- * One tile = 256 targets in trellis-position order. A node is the low 16-K bits of a state; state
- * s = (k << (16-K)) | node enters from node s >> K. Pass 1 starts at position 128 with free nodes and
- * backtracks to find the node entering position 0; pass 2 runs 0..255 from that node only and ends on it.
- * Tiles are independent: OpenMP spreads them over cores.
+ * One tile = 256 targets in trellis-position order. A node is the low 16-K bits of a state; the state
+ * s = (k << (16-K)) | node enters from node s >> K = (k << (16-2K)) | (node >> K). Pass 1 starts at
+ * position 128 with free nodes and backtracks to find the node entering position 0; pass 2 runs 0..255
+ * from that node only and ends on it. Tiles are independent: OpenMP spreads them over cores.
+ * The step is specialised per K (compile-time loop bounds vectorise far better).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* One trellis step for the candidates whose top K bits are k: relax next[e] from prev[e >> K]. */
-static inline void relax(const float *restrict prev, const float *restrict vals, float target, uint8_t k, int nodes,
-                         int K, float *restrict next, uint8_t *restrict bp)
-{
-    if (k == 0) {
-#pragma omp simd
-        for (int e = 0; e < nodes; e++) {
-            float d = vals[e] - target;
-            next[e] = prev[e >> K] + d * d;
-            bp[e] = 0;
-        }
-        return;
-    }
-#pragma omp simd
-    for (int e = 0; e < nodes; e++) {
-        float d = vals[e] - target;
-        float c = prev[e >> K] + d * d;
-        int better = c < next[e];
-        next[e] = better ? c : next[e];
-        bp[e] = better ? k : bp[e];
-    }
-}
+#define INF_COST 3.0e38f
 
-static void run_pass(const float *lut, const float *w, const int *pos, int steps, int K, float *cost,
-                     float *next, uint8_t *backptr, uint8_t *scratch, int keep_from)
+/* relax_K: next[e] = min_k prev[(k << (16-2K)) | (e >> K)] + (lut[(k << (16-K)) | e] - target)^2, argmin in bp. */
+#define DEFINE_RELAX(K)                                                                                      \
+    static void relax_##K(const float *restrict cost, const float *restrict lut, float target,               \
+                          float *restrict next, uint8_t *restrict bp)                                        \
+    {                                                                                                        \
+        enum { NODES = 1 << (16 - K), NK = 1 << K, NHI = 1 << (16 - 2 * K) };                                \
+        for (int k = 0; k < NK; k++) {                                                                       \
+            const float *restrict prev = cost + ((size_t)k << (16 - 2 * K));                                 \
+            const float *restrict vals = lut + ((size_t)k << (16 - K));                                      \
+            const uint8_t kk = (uint8_t)k;                                                                   \
+            if (K >= 4) {                                                                                    \
+                for (int hi = 0; hi < NHI; hi++) {                                                           \
+                    const float base = prev[hi];                                                             \
+                    float *restrict nx = next + (hi << K);                                                   \
+                    uint8_t *restrict b = bp + (hi << K);                                                    \
+                    const float *restrict v = vals + (hi << K);                                              \
+                    _Pragma("omp simd") for (int lo = 0; lo < NK; lo++) {                                    \
+                        float d = v[lo] - target;                                                            \
+                        float c = base + d * d;                                                              \
+                        int better = (k == 0) | (c < nx[lo]);                                                \
+                        nx[lo] = better ? c : nx[lo];                                                        \
+                        b[lo] = better ? kk : b[lo];                                                         \
+                    }                                                                                        \
+                }                                                                                            \
+            } else {                                                                                         \
+                _Pragma("omp simd") for (int e = 0; e < NODES; e++) {                                       \
+                    float d = vals[e] - target;                                                              \
+                    float c = prev[e >> K] + d * d;                                                          \
+                    int better = (k == 0) | (c < next[e]);                                                   \
+                    next[e] = better ? c : next[e];                                                          \
+                    bp[e] = better ? kk : bp[e];                                                             \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+    }
+
+DEFINE_RELAX(1)
+DEFINE_RELAX(2)
+DEFINE_RELAX(3)
+DEFINE_RELAX(4)
+DEFINE_RELAX(5)
+DEFINE_RELAX(6)
+DEFINE_RELAX(7)
+DEFINE_RELAX(8)
+
+typedef void (*relax_fn)(const float *, const float *, float, float *, uint8_t *);
+static const relax_fn RELAX[9] = {NULL, relax_1, relax_2, relax_3, relax_4, relax_5, relax_6, relax_7, relax_8};
+
+/* Run ``steps`` steps over positions ``pos``; keeps back-pointers of steps >= keep_from. Final costs end in ``cost``. */
+static void run_pass(const float *lut, const float *w, const int *pos, int steps, int K, float *cost, float *next,
+                     uint8_t *backptr, uint8_t *scratch, int keep_from)
 {
-    const int nodes = 1 << (16 - K), nk = 1 << K, hi_shift = 16 - 2 * K;
+    const int nodes = 1 << (16 - K);
+    float *a = cost, *b = next;
     for (int step = 0; step < steps; step++) {
-        const float target = w[pos[step]];
         uint8_t *bp = step >= keep_from ? backptr + (size_t)(step - keep_from) * nodes : scratch;
-        for (int k = 0; k < nk; k++)
-            relax(cost + ((size_t)k << hi_shift), lut + ((size_t)k << (16 - K)), target, (uint8_t)k, nodes, K, next, bp);
-        float *tmp = cost; cost = next; next = tmp;
+        RELAX[K](a, lut, w[pos[step]], b, bp);
+        float *t = a; a = b; b = t;
     }
-    if (steps & 1) memcpy(next, cost, sizeof(float) * nodes);
+    if (a != cost) memcpy(cost, a, sizeof(float) * nodes);
 }
 
-static int backtrack(const uint8_t *backptr, int steps, int K, int node, int32_t *states_out)
+static void backtrack(const uint8_t *backptr, int steps, int K, int node, int32_t *states_out)
 {
     const int nodes = 1 << (16 - K);
     for (int s = steps - 1; s >= 0; s--) {
@@ -55,7 +83,6 @@ static int backtrack(const uint8_t *backptr, int steps, int K, int node, int32_t
         states_out[s] = state;
         node = state >> K;
     }
-    return node;
 }
 
 int trellm_viterbi_tiles(const float *lut, const float *targets, int32_t *states, int n_tiles, int K)
@@ -82,7 +109,7 @@ int trellm_viterbi_tiles(const float *lut, const float *targets, int32_t *states
             for (int e = 1; e < nodes; e++) if (cost[e] < cost[best]) best = e;
             backtrack(backptr, 128, K, best, head);
             int ring = head[0] >> K;
-            for (int e = 0; e < nodes; e++) cost[e] = 3.0e38f;
+            for (int e = 0; e < nodes; e++) cost[e] = INF_COST;
             cost[ring] = 0.0f;
             run_pass(lut, w, order2, 256, K, cost, next, backptr, scratch, 0);
             backtrack(backptr, 256, K, ring, out);

@@ -1,0 +1,701 @@
+"""``trellm convert``: quantize an HF model directory to EXL3, layer by layer, with resume.
+
+Pipeline (shared/exl3_format.md section 5): calibration tokens -> embedding -> for each decoder
+layer: capture the Hessian of every linear's input, quantize the linears (linears sharing an input
+as one group), swap them for EXL3 and advance the hidden states through the *quantized* layer, so
+later Hessians see the error of earlier layers -> final norm -> head. Every finished layer is
+checkpointed into the work dir (hidden states + next layer + the layer's tensors, swapped in
+atomically), so ``resume=True`` continues where a run stopped and produces identical output.
+Finally the output directory is compiled: sharded safetensors, config.json with
+``quantization_config``, quantization_config.json and the non-weight files of the source.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .errors import ConfigError, TrellmError
+from .modules.linear import Linear
+from .quant.exl3.format import MARKER_VALUES, EXL3Linear
+from .quant.exl3.quantize import QuantizedTensors, padded, quantize_group
+
+CODEBOOK = "mul1"
+NOT_COPIED = {".safetensors", ".bin", ".ckpt", ".pth", ".pt"}
+NOT_COPIED_NAMES = {"config.json", "model.safetensors.index.json"}
+# Arguments that must match when a job is resumed.
+FIXED_ARGS = ("bits", "head_bits", "cal_rows", "cal_cols", "codebook", "scale_search")
+
+
+class ConversionError(TrellmError):
+    """The conversion cannot start or continue (bad arguments, output dir, disk space, ...)."""
+
+
+class ConversionInterrupted(ConversionError):
+    """Raised by ``stop_after_layer`` (tests): the job stopped cleanly after a checkpoint."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress
+
+
+class Progress:
+    """A one-line progress bar with ETA on stderr (silent when disabled)."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True):
+        self.total, self.label, self.enabled = max(total, 1), label, enabled
+        self.done, self.start = 0, time.perf_counter()
+
+    def update(self, done: int, note: str = "") -> None:
+        self.done = done
+        if not self.enabled:
+            return
+        elapsed = time.perf_counter() - self.start
+        frac = done / self.total
+        eta = elapsed / frac - elapsed if frac > 0 else float("nan")
+        bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
+        eta_s = f"{eta:6.0f}s" if math.isfinite(eta) else "     ?"
+        print(f"\r{self.label} [{bar}] {done}/{self.total} elapsed {elapsed:5.0f}s eta {eta_s} {note:<40}", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            print(file=sys.stderr, flush=True)
+
+
+def log(msg: str, enabled: bool = True) -> None:
+    if enabled:
+        print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration
+
+
+def calibration_rows(tokenizer, vocab_size: int, rows: int, cols: int, text_file: str | Path | None = None) -> list[list[int]]:
+    """``rows`` token rows of ``cols`` tokens: the text (built-in mix or a user file), then random tokens.
+
+    About 1/8 of the rows are uniform random tokens (as upstream does), so every embedding row and
+    rare token direction contributes a little to the Hessians. Deterministic.
+    """
+    from .data import calibration_text
+
+    if text_file is not None:
+        path = Path(text_file)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConversionError(f"calibration file {path}: cannot read as UTF-8 text ({e})") from None
+    else:
+        text = calibration_text()
+    gen = torch.Generator().manual_seed(0)
+    n_random = max(1, rows // 8) if tokenizer is not None else rows
+    out: list[list[int]] = []
+    if tokenizer is not None:
+        ids = tokenizer.encode(text)
+        if len(ids) < cols:
+            raise ConversionError(f"calibration text has {len(ids)} tokens, fewer than one row of {cols}")
+        n_text = rows - n_random
+        starts = torch.linspace(0, len(ids) - cols, steps=max(n_text, 1)).long().tolist()
+        out = [ids[s : s + cols] for s in starts[:n_text]]
+    for _ in range(rows - len(out)):
+        out.append(torch.randint(0, vocab_size, (cols,), generator=gen).tolist())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Hessian capture
+
+
+class _InputTracker:
+    """Assigns linears called with the very same input tensor to one group (q/k/v, gate/up)."""
+
+    def __init__(self):
+        self.last_input: torch.Tensor | None = None
+        self.last_group = -1
+        self.groups = 0
+
+
+class HessianRecorder:
+    """Wraps a Linear's weights: forwards unchanged, accumulating H = sum x x^T of its input (float32)."""
+
+    def __init__(self, inner, tracker: _InputTracker, shared: dict[int, "HessianRecorder"]):
+        self.inner, self.tracker, self.shared = inner, tracker, shared
+        self.in_features, self.out_features = inner.in_features, inner.out_features
+        self.group: int | None = None
+        self.hessian: torch.Tensor | None = None
+        self.count = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.tracker
+        if self.group is None:
+            if x is t.last_input:
+                self.group = t.last_group
+            else:
+                self.group = t.groups
+                t.groups += 1
+                t.last_input, t.last_group = x, self.group
+        owner = self.shared.setdefault(self.group, self)
+        if owner is self:
+            rows = x.reshape(-1, x.shape[-1]).float()
+            rows = rows[torch.isfinite(rows).all(dim=1)]
+            if self.hessian is None:
+                self.hessian = torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
+            self.hessian.addmm_(rows.t(), rows)
+            self.count += rows.shape[0]
+        return self.inner.forward(x)
+
+    __call__ = forward
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes()
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.inner.dense_weight()
+
+    def finished_hessian(self) -> torch.Tensor | None:
+        owner = self.shared.get(self.group, self)
+        if owner.hessian is None or owner.count == 0:
+            return None
+        return owner.hessian / owner.count
+
+
+def layer_linears(module) -> list[Linear]:
+    return [m for m in module.modules() if isinstance(m, Linear)]
+
+
+def _priority(layer, linear: Linear) -> int:
+    """Attention linears first (2), then the rest (1), as upstream's allocation does."""
+    from .modules.layers import Attention
+
+    for child in layer.modules():
+        if isinstance(child, Attention) and any(m is linear for m in child.modules()):
+            return 2
+    return 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Bit allocation
+
+
+@dataclass
+class PlanGroup:
+    layer: int
+    keys: list[str]
+    numel: int
+    priority: int
+    bits: int
+
+
+def allocate_bits(groups: list[PlanGroup], bits: float, num_layers: int) -> float:
+    """Give every group floor(bits), then +1 round-robin by priority until the budget int(bits*numel) is spent.
+
+    Returns the exact average bits per weight.
+    """
+    base = int(math.floor(bits))
+    total = sum(g.numel for g in groups)
+    budget = int(bits * total)
+    for g in groups:
+        g.bits = base
+    used = base * total
+    order = sorted(
+        range(len(groups)),
+        key=lambda i: (-groups[i].priority, min(groups[i].layer, num_layers - 1 - groups[i].layer), groups[i].layer, i),
+    )
+    changed = True
+    while changed:
+        changed = False
+        for i in order:
+            g = groups[i]
+            if g.bits < 8 and used + g.numel <= budget:
+                g.bits += 1
+                used += g.numel
+                changed = True
+    return used / max(total, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Work dir
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        _raise_disk(e, path)
+
+
+def _raise_disk(e: OSError, path: Path):
+    if e.errno == errno.ENOSPC:
+        raise ConversionError(f"disk full while writing {path}: free some space and rerun with resume") from None
+    raise ConversionError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(obj, indent=2))
+        os.replace(tmp, path)
+    except OSError as e:
+        _raise_disk(e, path)
+
+
+def _save_checkpoint(work: Path, state: torch.Tensor, job: dict) -> None:
+    """Write ckpt_new/, then swap: ckpt -> ckpt_old, ckpt_new -> ckpt, drop ckpt_old."""
+    new, cur, old = work / "ckpt_new", work / "ckpt", work / "ckpt_old"
+    shutil.rmtree(new, ignore_errors=True)
+    new.mkdir()
+    _atomic_save({"state": state}, new / "state.safetensors")
+    _write_json(new / "job.json", job)
+    shutil.rmtree(old, ignore_errors=True)
+    if cur.exists():
+        os.replace(cur, old)
+    os.replace(new, cur)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_checkpoint(work: Path) -> tuple[torch.Tensor, dict]:
+    cur = work / "ckpt"
+    if not cur.is_dir() and (work / "ckpt_old").is_dir():  # crashed between the two renames
+        os.replace(work / "ckpt_old", cur)
+    try:
+        job = json.loads((cur / "job.json").read_text())
+        state = load_file(str(cur / "state.safetensors"))["state"]
+    except (OSError, KeyError, json.JSONDecodeError) as e:
+        raise ConversionError(f"{work}: no usable checkpoint to resume from ({e})") from None
+    return state, job
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def _check_args(input_dir: Path, output_dir: Path, bits: float, head_bits: int) -> dict:
+    if not isinstance(bits, (int, float)) or not 1 <= bits <= 8:
+        raise ConversionError(f"bits must be between 1 and 8, got {bits!r}")
+    if head_bits not in (*range(1, 9), 16):
+        raise ConversionError(f"head_bits must be 1..8 or 16, got {head_bits!r}")
+    cfg_path = input_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ConversionError(f"{input_dir}: not a model directory (config.json is missing)")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_path}: invalid JSON ({e})") from None
+    archs = raw.get("architectures") or []
+    if not archs:
+        raise ConfigError(f"{cfg_path}: no 'architectures' entry")
+    from . import registry
+
+    registry.find_architecture(archs[0], source=str(cfg_path))  # raises UnknownArchitectureError
+    qc = raw.get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method") == "exl3":
+        raise ConversionError(f"{cfg_path}: the model is already EXL3-quantized; convert the unquantized model")
+    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
+        raise ConversionError(f"output directory {output_dir} exists and is not empty; choose a new or empty directory")
+    return raw
+
+
+def _estimate_output_bytes(store, linear_numel: int, head_numel: int, bits: float, head_bits: int) -> int:
+    total = sum(store.info(n).nbytes for n in store)
+    dense_linear = 2 * (linear_numel + head_numel)  # roughly what quantization replaces (as fp16)
+    other = max(total - dense_linear, 0)
+    return int(other + linear_numel * bits / 8 + head_numel * head_bits / 8) + (1 << 20)
+
+
+def _check_free_space(path: Path, needed: int, what: str) -> None:
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise ConversionError(
+            f"not enough disk space for the {what} at {path}: need about {needed / 2**20:.0f} MiB, {free / 2**20:.0f} MiB free"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The job
+
+
+def convert(
+    input_dir: str | Path,
+    output_dir: str | Path,
+    work_dir: str | Path,
+    bits: float,
+    head_bits: int = 6,
+    resume: bool = False,
+    calibration: str | Path | None = None,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+    cal_rows: int = 64,
+    cal_cols: int = 512,
+    codebook: str = CODEBOOK,
+    scale_search: bool = True,
+    shard_size_mb: int = 8192,
+    stop_after_layer: int | None = None,
+) -> dict:
+    """Quantize ``input_dir`` (HF safetensors) to EXL3 in ``output_dir``; returns a summary dict.
+
+    ``bits`` is the target average over the decoder linears (mixed integer K per linear group);
+    the head gets ``head_bits`` (16: kept unquantized). ``work_dir`` holds checkpoints;
+    ``resume=True`` continues a stopped job with the same arguments.
+    """
+    import trellm
+
+    input_dir, output_dir, work_dir = Path(input_dir), Path(output_dir), Path(work_dir)
+    raw_config = _check_args(input_dir, output_dir, bits, head_bits)
+    if codebook not in ("3inst", "mcg", "mul1"):
+        raise ConversionError(f"codebook must be 3inst, mcg or mul1, got {codebook!r}")
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args = dict(
+        input_dir=str(input_dir), bits=float(bits), head_bits=int(head_bits), cal_rows=cal_rows, cal_cols=cal_cols,
+        codebook=codebook, scale_search=scale_search, calibration=str(calibration) if calibration else None,
+    )
+    if resume:
+        try:
+            old = json.loads((work_dir / "args.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConversionError(f"{work_dir}: cannot resume, args.json is missing or unreadable ({e})") from None
+        changed = [k for k in FIXED_ARGS if old.get(k) != args[k]]
+        if changed:
+            raise ConversionError(f"{work_dir}: cannot resume with different {', '.join(changed)} (was {[old.get(k) for k in changed]})")
+    else:
+        if work_dir.exists() and any(work_dir.iterdir()):
+            shutil.rmtree(work_dir / "ckpt", ignore_errors=True)
+            shutil.rmtree(work_dir / "qtensors", ignore_errors=True)
+        (work_dir / "qtensors").mkdir(parents=True, exist_ok=True)
+        _write_json(work_dir / "args.json", args)
+
+    t_start = time.perf_counter()
+    lm = trellm.load(input_dir, device=dev, dtype=torch.float32, tokenizer=True)
+    model, store = lm.model, lm.store
+    layers = list(model.layers)
+    num_layers = len(layers)
+
+    # Plan: group linears by shared input with a tiny dry run, then allocate bits.
+    groups = _plan_groups(model)
+    linear_numel = sum(g.numel for g in groups)
+    head = model.lm_head
+    head_numel = head.in_features * head.out_features
+    avg_bits = allocate_bits(groups, bits, num_layers)
+    _check_free_space(output_dir, _estimate_output_bytes(store, linear_numel, head_numel, bits, head_bits), "output")
+    log(f"convert {input_dir.name}: {num_layers} layers, {linear_numel / 1e6:.1f}M linear weights at {avg_bits:.3f} bpw "
+        f"(target {bits}), head {head_numel / 1e6:.1f}M at {head_bits} bits, device {dev}", progress)
+
+    rows = calibration_rows(lm.tokenizer, model.embed.vocab_size, cal_rows, cal_cols, calibration)
+    from .batch import ForwardBatch
+
+    batch = ForwardBatch.no_cache(rows, dev)
+    if resume:
+        state, job = _load_checkpoint(work_dir)
+        state = state.to(dev)
+        start = int(job["next_layer"])
+    else:
+        with torch.inference_mode():
+            state = model.embed_tokens(batch).float()
+        start = 0
+
+    stats_log: list[dict] = []
+    weights_done = 0
+    bar = Progress(num_layers + 1, "quantizing", progress)
+    bar.update(start)
+    for index in range(start, num_layers + 1):
+        t0 = time.perf_counter()
+        if index < num_layers:
+            layer = layers[index]
+            layer_groups = [g for g in groups if g.layer == index]
+            state, layer_stats = _quantize_layer(layer, index, layer_groups, state, batch, codebook, scale_search, dev)
+            tensors = layer_stats.pop("tensors")
+            _atomic_save(tensors, work_dir / "qtensors" / f"{layer.key}.safetensors")
+        else:
+            layer_stats, tensors = _quantize_head(model, state, head_bits, codebook, scale_search, dev, num_layers)
+            _atomic_save(tensors, work_dir / "qtensors" / "lm_head.safetensors")
+        n = layer_stats.get("numel", 0)
+        weights_done += n
+        dt = time.perf_counter() - t0
+        layer_stats.update(index=index, seconds=round(dt, 3), weights_per_s=round(n / dt) if dt > 0 else 0)
+        stats_log.append(layer_stats)
+        _save_checkpoint(work_dir, state, {"next_layer": index + 1})
+        bar.update(index + 1, f"layer {index}: rfn {layer_stats.get('rfn', 0):.4f}")
+        if stop_after_layer is not None and index >= stop_after_layer and index < num_layers:
+            bar.close()
+            raise ConversionInterrupted(f"stopped after layer {index} (resume with resume=True)")
+    bar.close()
+    quant_seconds = time.perf_counter() - t_start
+
+    summary = compile_output(input_dir, output_dir, work_dir, raw_config, store, model, groups, avg_bits, head_bits,
+                             codebook, cal_rows, cal_cols, shard_size_mb, progress)
+    summary.update(
+        bits=avg_bits, head_bits=head_bits, seconds=round(time.perf_counter() - t_start, 2),
+        quant_seconds=round(quant_seconds, 2), weights_quantized=weights_done, layers=stats_log,
+    )
+    with open(work_dir / "summary.json", "w") as f:
+        json.dump(summary, f, indent=2)
+    log(f"done: {output_dir} ({summary['seconds']:.1f}s, {avg_bits:.3f} bpw average)", progress)
+    lm.store.close()
+    return summary
+
+
+def _plan_groups(model) -> list[PlanGroup]:
+    """Linears of each layer grouped by shared input (found with a one-token dry run through the model)."""
+    from .batch import ForwardBatch
+
+    device = model.embed.weight.device
+    batch = ForwardBatch.no_cache([[0, 1, 2, 3]], device)
+    plan: list[PlanGroup] = []
+    with torch.inference_mode():
+        x = model.embed_tokens(batch)
+        for index, layer in enumerate(model.layers):
+            linears = layer_linears(layer)
+            tracker, shared = _InputTracker(), {}
+            recorders = []
+            for lin in linears:
+                rec = HessianRecorder(lin.impl, tracker, shared)
+                recorders.append(rec)
+                lin.impl = rec
+            try:
+                x = layer.forward(x, batch)
+            finally:
+                for lin, rec in zip(linears, recorders):
+                    lin.impl = rec.inner
+            by_group: dict[int, list[Linear]] = {}
+            for lin, rec in zip(linears, recorders):
+                gid = rec.group if rec.group is not None else 10_000 + len(by_group)  # never called: alone
+                by_group.setdefault(gid, []).append(lin)
+            for members in by_group.values():
+                plan.append(PlanGroup(
+                    layer=index, keys=[m.key for m in members],
+                    numel=sum(m.in_features * m.out_features for m in members),
+                    priority=_priority(layer, members[0]), bits=0,
+                ))
+    return plan
+
+
+def _dense_parts(lin: Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    impl = lin.impl
+    weight = impl.dense_weight().float()
+    bias = getattr(impl, "bias", None)
+    return weight, bias
+
+
+@torch.inference_mode()
+def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tensor, batch, codebook: str,
+                    scale_search: bool, dev: torch.device) -> tuple[torch.Tensor, dict]:
+    linears = {lin.key: lin for lin in layer_linears(layer)}
+    tracker, shared = _InputTracker(), {}
+    recorders = {}
+    for key, lin in linears.items():
+        recorders[key] = HessianRecorder(lin.impl, tracker, shared)
+        lin.impl = recorders[key]
+    reference = layer.forward(state, batch)
+    for key, lin in linears.items():
+        lin.impl = recorders[key].inner
+
+    tensors: dict[str, torch.Tensor] = {}
+    numel, proxies = 0, []
+    for gi, group in enumerate(plan):
+        members = [linears[k] for k in group.keys]
+        parts = [_dense_parts(m) for m in members]
+        hessian = recorders[group.keys[0]].finished_hessian()
+        qts, st = quantize_group([w for w, _ in parts], hessian, group.bits, codebook, seed=index * 1000 + gi,
+                                 biases=[b for _, b in parts], scale_search=scale_search, device=dev)
+        for m, qt in zip(members, qts):
+            tensors.update(qt.state_dict(m.key))
+            m.impl = EXL3Linear.from_quantized(qt, m.in_features, m.out_features, dev, m.key)
+        numel += st.numel
+        proxies.append(round(st.proxy_error, 6))
+    # Advance the hidden states through the quantized layer: later layers see this layer's error.
+    new_state = layer.forward(state, batch).float()
+    rfn = ((new_state - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+    layer.unload()  # the layer is finished: free its weights
+    return new_state, {"key": layer.key, "numel": numel, "rfn": rfn, "proxy_errors": proxies,
+                       "bits": [g.bits for g in plan], "tensors": tensors}
+
+
+@torch.inference_mode()
+def _quantize_head(model, state: torch.Tensor, head_bits: int, codebook: str, scale_search: bool,
+                   dev: torch.device, num_layers: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    head = model.lm_head
+    weight, bias = _dense_parts(head)
+    if head_bits == 16:
+        tensors = {"lm_head.weight": weight.half()}
+        if bias is not None:
+            tensors["lm_head.bias"] = bias.half()
+        return {"key": "lm_head", "numel": 0, "bits": 16}, tensors
+    x = model.norm.forward(state)
+    rows = x.reshape(-1, x.shape[-1]).float()
+    hessian = rows.t() @ rows / rows.shape[0]
+    (qt,), st = quantize_group([weight], hessian, head_bits, codebook, seed=num_layers * 1000 + 999,
+                               biases=[bias], scale_search=scale_search, device=dev)
+    return ({"key": "lm_head", "numel": st.numel, "bits": head_bits, "proxy_errors": [round(st.proxy_error, 6)]},
+            qt.state_dict("lm_head"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def _storage_dtype(t: torch.Tensor) -> torch.Tensor:
+    return t.half() if t.dtype in (torch.float32, torch.float64) else t
+
+
+def compile_output(input_dir: Path, output_dir: Path, work_dir: Path, raw_config: dict, store, model, groups,
+                   avg_bits: float, head_bits: int, codebook: str, cal_rows: int, cal_cols: int,
+                   shard_size_mb: int, progress: bool) -> dict:
+    """Assemble the output dir from the source (unquantized tensors) and the work dir (quantized ones)."""
+    quantized_keys = {k for g in groups for k in g.keys}
+    head_key = model.lm_head.key
+    modules: list[dict[str, torch.Tensor]] = []  # in model order; a module is never split across shards
+
+    def source_tensors(prefix: str) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in store.keys():
+            if not (name == prefix or name.startswith(prefix + ".")):
+                continue
+            owner = name.rsplit(".", 1)[0]
+            if owner in quantized_keys or owner == head_key:
+                continue
+            out[name] = _storage_dtype(store.get(name))
+        return out
+
+    claimed: set[str] = set()
+    embed = source_tensors(model.embed.key)
+    modules.append(embed)
+    for layer in model.layers:
+        t = source_tensors(layer.key)
+        t.update(load_file(str(work_dir / "qtensors" / f"{layer.key}.safetensors")))
+        modules.append(t)
+    modules.append(source_tensors(model.norm.key) if getattr(model.norm, "key", "") else {})
+    modules.append(load_file(str(work_dir / "qtensors" / "lm_head.safetensors")))
+    for m in modules:
+        claimed |= set(m)
+    # Anything else of the source that no module claimed (extra tensors), unquantized.
+    rest = {}
+    for name in store.keys():
+        owner = name.rsplit(".", 1)[0]
+        if name in claimed or owner in quantized_keys or owner == head_key or name.startswith(head_key + "."):
+            continue
+        rest[name] = _storage_dtype(store.get(name))
+    if rest:
+        modules.append(rest)
+    modules = [m for m in modules if m]
+
+    # Shards: start a new file when the next module would exceed the limit.
+    limit = shard_size_mb * 2**20
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for m in modules:
+        m_size = sum(t.numel() * t.element_size() for t in m.values())
+        if shards[-1] and size + m_size > limit:
+            shards.append({})
+            size = 0
+        shards[-1].update(m)
+        size += m_size
+    needed = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+    _check_free_space(output_dir, needed + (1 << 20), "output")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+    ]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        path = output_dir / name
+        try:
+            save_file({k: v.contiguous() for k, v in shard.items()}, str(path))
+        except OSError as e:
+            _raise_disk(e, path)
+        weight_map.update({k: name for k in shard})
+    if len(shards) > 1:
+        _write_json(output_dir / "model.safetensors.index.json", {"metadata": {"total_size": needed}, "weight_map": weight_map})
+
+    from . import __version__
+
+    qconfig = {
+        "quant_method": "exl3",
+        "version": __version__,
+        "bits": round(avg_bits, 2),
+        "head_bits": head_bits,
+        "calibration": {"rows": cal_rows, "cols": cal_cols},
+        "out_scales": "always",
+        "codebook": codebook,
+    }
+    config = dict(raw_config)
+    if "tied_word_embeddings" in config:  # upstream's update_config quirk (not HF's tie_word_embeddings)
+        config["tied_word_embeddings"] = True
+    old_q = config.get("quantization_config")
+    if old_q is not None:
+        qconfig["original_quantization_config"] = old_q
+    config["quantization_config"] = qconfig
+    _write_json(output_dir / "config.json", config)
+    _write_json(output_dir / "quantization_config.json", dict(qconfig, tensor_storage=_tensor_storage(shards)))
+
+    for src in sorted(input_dir.iterdir()):
+        if src.is_file() and src.suffix not in NOT_COPIED and src.name not in NOT_COPIED_NAMES:
+            try:
+                shutil.copy2(src, output_dir / src.name)
+            except OSError as e:
+                _raise_disk(e, output_dir / src.name)
+    return {"output_dir": str(output_dir), "shards": names, "output_bytes": needed}
+
+
+def _tensor_storage(shards: list[dict[str, torch.Tensor]]) -> dict:
+    leaves: dict[str, dict] = {}
+    for shard in shards:
+        for name, t in shard.items():
+            leaf, tensor_name = name.rsplit(".", 1)
+            entry = leaves.setdefault(leaf, {"stored_tensors": {}})
+            entry["stored_tensors"][name] = {"shape": list(t.shape), "n_bytes": t.numel() * t.element_size(), "dtype": str(t.dtype)}
+            if tensor_name == "trellis":
+                entry["quant_format"] = "exl3"
+                entry["bits_per_weight"] = t.shape[-1] // 16
+            if tensor_name in MARKER_VALUES:
+                entry[f"{tensor_name}_multiplier"] = int(t.item()) & 0xFFFFFFFF
+    return leaves
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("convert", help="quantize an HF model directory to EXL3")
+    p.add_argument("-i", "--input", required=True, help="source HF model directory (safetensors)")
+    p.add_argument("-o", "--output", required=True, help="output directory (new or empty)")
+    p.add_argument("-w", "--work-dir", required=True, help="work directory for checkpoints (resume with -r)")
+    p.add_argument("-b", "--bits", type=float, required=True, help="target average bits per weight, 1..8 (fractional mixes K)")
+    p.add_argument("-hb", "--head-bits", type=int, default=6, help="head bits: 1..8, or 16 for unquantized (default 6)")
+    p.add_argument("-r", "--resume", action="store_true", help="resume the job in --work-dir")
+    p.add_argument("-c", "--calibration", default=None, help="UTF-8 text file to calibrate on (default: built-in mix)")
+    p.add_argument("-d", "--device", default=None, help="device for quantization (default: cuda if available)")
+    p.add_argument("--cal-rows", type=int, default=64, help="calibration rows (default 64)")
+    p.add_argument("--cal-cols", type=int, default=512, help="tokens per calibration row (default 512)")
+    p.add_argument("--codebook", default=CODEBOOK, choices=("mul1", "mcg", "3inst"))
+    p.add_argument("--shard-size", type=int, default=8192, help="shard size in MB (default 8192)")
+    p.add_argument("--no-scale-search", action="store_true", help="skip the global scale search (faster, slightly worse)")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    try:
+        convert(args.input, args.output, args.work_dir, args.bits, head_bits=args.head_bits, resume=args.resume,
+                calibration=args.calibration, device=args.device, progress=not args.quiet, cal_rows=args.cal_rows,
+                cal_cols=args.cal_cols, codebook=args.codebook, scale_search=not args.no_scale_search,
+                shard_size_mb=args.shard_size)
+    except TrellmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
