@@ -74,6 +74,13 @@ def main() -> int:
             lambda: ops.paged_attention.reference(q, kp, vp, bt, cu, cl),
             nb,
         )
+    # Trellis Viterbi encoder (conversion): weights/s per K.
+    for K in (2, 3, 4, 5, 6, 8):
+        tiles = 4096
+        targets = torch.randn(tiles, 256, device="cuda") * 1.2
+        t = time_eager(lambda: exl3.trellis_viterbi.impls["cuda"](targets, K, "mcg"), reps=3, warmup=1)
+        print(f"trellis_viterbi K={K} ({tiles} tiles, mcg)   {t * 1e3:>8.1f} ms  {tiles * 256 / t / 1e6:>6.1f} M weights/s "
+              f"(target 20)", flush=True)
     return 0
 
 

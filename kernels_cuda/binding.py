@@ -265,6 +265,24 @@ def exl3_codebook_decode(states: torch.Tensor, codebook: str) -> torch.Tensor:
     return out
 
 
+def trellis_viterbi(targets: torch.Tensor, K: int, codebook: str) -> torch.Tensor:
+    """int32 [N, 256] tail-biting Viterbi states of float32 targets [N, 256] (position order)."""
+    expect(targets, "targets", dtype=torch.float32, shape=(None, 256))
+    if not 1 <= K <= 8:
+        raise KernelArgumentError(f"K must be in 1..8, got {K}")
+    tiles = targets.shape[0]
+    states = torch.empty(tiles, 256, dtype=torch.int32, device=targets.device)
+    sms = _num_sms(targets.device)
+    scratch = torch.empty(max(1, lib().trellm_viterbi_scratch_bytes(tiles, K, sms)), dtype=torch.uint8,
+                          device=targets.device)
+    rc = lib().trellm_trellis_viterbi(
+        _ptr(targets, "float *"), _ptr(states, "int32_t *"), tiles, K, _codebook_code(codebook), _ptr(scratch), sms,
+        _stream(),
+    )
+    _check(rc, "trellis_viterbi")
+    return states
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None,

@@ -74,6 +74,13 @@ def exl3_matmul(
     return y.reshape(*lead, n)
 
 
+@_exl3.trellis_viterbi.register("cuda")
+def trellis_viterbi(targets: torch.Tensor, K: int, codebook: str) -> torch.Tensor:
+    if targets.dim() != 2 or targets.shape[-1] != 256 or not 1 <= K <= 8:
+        return _exl3.trellis_viterbi.reference(targets, K, codebook)
+    return binding.trellis_viterbi(targets.to(torch.float32).contiguous(), K, codebook)
+
+
 @_dense.rms_norm.register("cuda")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, unit_offset: bool = False) -> torch.Tensor:
     if x.dtype not in _FLOATS or x.numel() == 0 or (weight is not None and weight.dtype not in _FLOATS):

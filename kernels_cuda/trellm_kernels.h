@@ -66,11 +66,11 @@ int trellm_exl3_decode_tiles(const int16_t *trellis, void *w_hat, int64_t k, int
 /* out fp16 [count] = decode(states[i] & 0xFFFF). */
 int trellm_exl3_codebook_decode(const int32_t *states, void *out, int64_t count, int codebook, cudaStream_t stream);
 
-/* Tail-biting Viterbi over tiles: targets float32 [tiles, 256] -> states int32 [tiles, 256].
- * scratch: uint8 of trellm_viterbi_scratch_bytes(tiles, K). */
-int64_t trellm_viterbi_scratch_bytes(int64_t tiles, int K);
+/* Tail-biting Viterbi over tiles: targets float32 [tiles, 256] (position order) -> states int32 [tiles, 256].
+ * scratch: trellm_viterbi_scratch_bytes(tiles, K, num_sms) bytes of device memory. */
+int64_t trellm_viterbi_scratch_bytes(int64_t tiles, int K, int num_sms);
 int trellm_trellis_viterbi(const float *targets, int32_t *states, int64_t tiles, int K, int codebook,
-                           void *scratch, cudaStream_t stream);
+                           void *scratch, int num_sms, cudaStream_t stream);
 
 /* RMSNorm over rows of x [rows, dim] (dtype), float32 math. If residual != NULL: h = x + residual
  * (rounded to dtype) is written to h_out and normalised. weight (w_dtype) may be NULL. */

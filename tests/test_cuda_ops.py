@@ -339,3 +339,22 @@ def test_exl3_matmul_wide_layer_paths_agree(ops):
     for rows in (1, 8, 32):
         y = fn(x[:rows], trellis, suh, svh, "3inst", bias)
         assert rel_err(y, y_wide[:rows]) < 2e-3, rows
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_trellis_viterbi(ops, K):
+    codebook = ("3inst", "mcg", "mul1")[K % 3]
+    torch.manual_seed(K)
+    targets = torch.randn(6, 256, device="cuda") * 1.2
+    states = cuda_impl(ops.exl3.trellis_viterbi)(targets, K, codebook)
+    ref = ops.exl3.trellis_viterbi.reference(targets, K, codebook)
+    mask = (1 << (16 - K)) - 1
+    # a valid tail-biting path: each state inherits the previous one's low 16-K bits, round the ring
+    prev = torch.roll(states, 1, dims=1)
+    assert torch.equal(states >> K, prev & mask)
+    lut = ops.exl3.codebook_lut(codebook, "cuda", torch.float32)
+    err = ((lut[states.long()] - targets) ** 2).sum(1)
+    err_ref = ((lut[ref.long()] - targets) ** 2).sum(1)
+    # the same two-pass search: the same or an equally good path (float rounding may break near-ties)
+    assert torch.all(err <= err_ref * 1.02 + 1e-4), (err, err_ref)
+    assert (states == ref).float().mean() > 0.5
