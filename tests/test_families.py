@@ -87,3 +87,46 @@ def test_family_parity(tmp_path, name):
     report = check_parity(model_dir)
     print(report)
     report.assert_ok()
+
+
+# ---- the plugin template (sdk/template) works as shipped ---------------------------------------
+
+
+@pytest.fixture
+def template_plugin():
+    """The template's plugin module, registered at run time as if it were pip-installed."""
+    import importlib.util
+    from pathlib import Path
+
+    import trellm.sdk
+    from trellm import registry
+
+    path = Path(trellm.sdk.__file__).parent / "template" / "trellm_helium" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("trellm_helium_template", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    registry.load_plugins()
+    registry.pm.register(module, name="template-helium")
+    try:
+        yield module
+    finally:
+        registry.pm.unregister(module)
+
+
+def test_plugin_template_parity(template_plugin, assert_parity):
+    report = assert_parity("HeliumForCausalLM", head_dim=16, tie_word_embeddings=True)
+    assert report.ok
+
+
+def test_unregistered_architecture_names_itself(tmp_path):
+    import json
+
+    import trellm
+    from trellm.errors import UnknownArchitectureError
+
+    model_dir = make_tiny_hf_model("LlamaForCausalLM", tmp_path)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["architectures"] = ["NobodysForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnknownArchitectureError, match="NobodysForCausalLM"):
+        trellm.load(model_dir, device="cpu")
