@@ -317,16 +317,20 @@ class Experts(Module):
         self.stacked = StackedExperts(
             key, num_experts, hidden_size, intermediate_size, activation, bias, transposed=transposed, interleaved=interleaved
         )
-        self.active: Module | None = None
+        self.layout = ""  # "stacked" or "per_expert" once loaded (a name, not a second reference to a child)
+
+    @property
+    def active(self) -> Module:
+        return self.stacked if self.layout == "stacked" else self.per_expert
 
     def load(self, ctx: LoadContext) -> None:
-        self.active = self.stacked if f"{self.key}.gate_up_proj" in ctx.store else self.per_expert
+        self.layout = "stacked" if f"{self.key}.gate_up_proj" in ctx.store else "per_expert"
         self.active.load(ctx)
 
     def unload(self) -> None:
-        if self.active is not None:
-            self.active.unload()
-        self.active = None
+        self.per_expert.unload()
+        self.stacked.unload()
+        self.layout = ""
 
     def run_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return self.active.run_expert(e, x)
