@@ -134,8 +134,8 @@ class LoadedModel:
                     chunk, pending = pending[:size], pending[size:]
                     seq.reserve(seq.length + len(chunk))
                     batch = ForwardBatch.with_cache([chunk], [seq.length], [seq.pages], cache)
-                    if mm is not None and seq.length == 0:
-                        attach_images(batch, [(mm, 0)])
+                    if mm is not None:  # image rows (prefill) and family positions (every step)
+                        attach_images(batch, [(mm, seq.length)])
                     logits = forward(batch)[-1]
                     seq.length += len(chunk)
                 token = sample_token(logits, temperature, top_k, top_p, gen)

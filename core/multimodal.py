@@ -275,6 +275,14 @@ class MultimodalPrompt:
         mask[local] = True
         return emb, mask
 
+    def positions(self, start: int, n: int) -> torch.Tensor:
+        """Position values of sequence rows start..start+n: the prompt's own, then index + delta."""
+        own = self.extra["positions"]
+        idx = torch.arange(start, start + n)
+        inside = idx < own.shape[0]
+        shifted = idx + int(self.extra.get("position_delta", 0))
+        return torch.where(inside, own[idx.clamp(max=own.shape[0] - 1)], shifted)
+
     def safe_chunk_end(self, start: int, end: int) -> int:
         """``end`` moved back to the start of an image span it would cut (when that leaves a non-empty chunk)."""
         for span in self.spans:
@@ -285,16 +293,22 @@ class MultimodalPrompt:
 
 
 def attach_images(batch, chunks: Sequence[tuple[MultimodalPrompt | None, int]]) -> None:
-    """Fill ``batch.input_embeds`` / ``embed_mask`` for a batch of prompt chunks.
+    """Fill ``batch.input_embeds`` / ``embed_mask`` (and family positions) for a batch of sequences.
 
-    ``chunks[i] = (prompt or None, index of its first fed token in that prompt)`` for sequence i of
-    the batch, in batch order; decode steps and text-only jobs pass (None, 0).
+    ``chunks[i] = (prompt or None, index in its sequence of the first token fed now)`` for sequence
+    i of the batch, in batch order. Pass the prompt on every step of a job, decode steps included:
+    a prompt that carries its own positions (``extra["positions"]``, Qwen M-RoPE) sets the rows
+    inside the prompt and shifts every later row by ``extra["position_delta"]``.
     """
     bounds = batch.cu_seqlens.tolist()
     parts: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor]]] = []
     for (mm, start), a, b in zip(chunks, bounds[:-1], bounds[1:]):
-        if mm is not None and (got := mm.chunk_embeds(start, start + (b - a))) is not None:
+        if mm is None or b == a:
+            continue
+        if (got := mm.chunk_embeds(start, start + (b - a))) is not None:
             parts.append((a, b, got))
+        if "positions" in mm.extra:
+            batch.positions[a:b] = mm.positions(start, b - a).to(batch.positions.device)
     if not parts:
         batch.input_embeds = batch.embed_mask = None
         return

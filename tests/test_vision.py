@@ -228,7 +228,7 @@ def batched_greedy(lm, prompts, n: int, page_size: int = 4) -> list[list[int]]:
             for s, f in zip(states, feeds):
                 s.reserve(s.length + len(f))
             batch = ForwardBatch.with_cache(feeds, [s.length for s in states], [s.pages for s in states], cache)
-            attach_images(batch, [(p, 0) if step == 0 else (None, 0) for p in prompts])
+            attach_images(batch, [(p, s.length) for p, s in zip(prompts, states)])
             with torch.inference_mode():
                 tokens = lm.model.forward(batch).argmax(-1).tolist()
             for i, (s, f) in enumerate(zip(states, feeds)):

@@ -1,0 +1,126 @@
+"""Qwen2.5-VL parity with HF on a tiny random model: processor, tower (windows, 2D RoPE, merger), M-RoPE.
+
+The tower sees 4-pixel patches merged 2x2 and 16-pixel windows, so a 61x37 image becomes a 16x10
+patch grid, 8x5 merged tokens and partial windows at the edges; layer 1 attends over the whole image.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("PIL")
+from PIL import Image  # noqa: E402
+
+import trellm  # noqa: E402
+from trellm.batch import ForwardBatch  # noqa: E402
+from trellm.cache import SequenceState  # noqa: E402
+from trellm.multimodal import ImageError, attach_images, prepare_prompt  # noqa: E402
+
+IMAGE, START, END = 310, 308, 309
+PROMPT = [5, 6, START, IMAGE, END, 7, 8, 9]
+
+
+def random_image(seed: int, size=(61, 37)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def qwen25(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+                           temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1], out_hidden_size=64),
+        image_token_id=IMAGE, video_token_id=311, vision_start_token_id=START, vision_end_token_id=END,
+    )
+    hf = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                p.normal_(1, 0.3)
+    path = tmp_path_factory.mktemp("qwen2_5_vl")
+    hf.save_pretrained(path)
+    proc = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
+                                    size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64})
+    proc.save_pretrained(path)
+    return hf, proc, trellm.load(path, device="cpu", dtype="float32")
+
+
+def hf_inputs(proc, img):
+    out = proc(img, return_tensors="pt")
+    return out["pixel_values"], out["image_grid_thw"]
+
+
+def hf_logits(hf, ids, pixels, grid) -> torch.Tensor:
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        return hf(input_ids=x, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(x == IMAGE).int()).logits[0]
+
+
+def hf_greedy(hf, ids, pixels, grid, n: int) -> list[int]:
+    ids, out = list(ids), []
+    for _ in range(n):
+        out.append(int(hf_logits(hf, ids, pixels, grid)[-1].argmax()))
+        ids.append(out[-1])
+    return out
+
+
+def test_qwen25_processor_embeddings_and_logits(qwen25):
+    hf, proc, lm = qwen25
+    for img in (random_image(0), random_image(1, size=(20, 90)), random_image(2, size=(300, 200))):
+        pixels, grid = hf_inputs(proc, img)
+        item = lm.model.preprocess(img)
+        assert item.grid == tuple(grid[0].tolist()) and torch.allclose(item.pixels, pixels, atol=1e-5)
+        mm = prepare_prompt(lm, PROMPT, [img])
+        with torch.no_grad():
+            ref = hf.model.get_image_features(pixels, grid).pooler_output[0]
+        assert mm.embeds.shape == ref.shape and (mm.embeds - ref).abs().max() < 1e-5
+        mine = lm.logits([PROMPT], images=[[img]])[0]
+        assert (mine - hf_logits(hf, mm.input_ids, pixels, grid)).abs().max() < 1e-4
+
+
+def test_qwen25_greedy_continuation_with_position_delta(qwen25):
+    hf, proc, lm = qwen25
+    img = random_image(3)
+    mm = prepare_prompt(lm, PROMPT, [img])
+    assert mm.extra["position_delta"] < 0  # 40 image tokens span only max(8, 5) positions
+    ref = hf_greedy(hf, mm.input_ids, *hf_inputs(proc, img), 8)
+    assert list(lm.generate_ids(PROMPT, max_new_tokens=8, stop_token_ids=[], images=[img])) == ref
+
+
+def test_qwen25_two_images_in_one_batch_no_cross_talk(qwen25):
+    hf, proc, lm = qwen25
+    images = [Image.new("RGB", (61, 37), (255, 0, 0)), Image.new("RGB", (37, 61), (0, 40, 255))]  # other grid, other delta
+    prompts = [prepare_prompt(lm, PROMPT, [img]) for img in images]
+    refs = [hf_greedy(hf, p.input_ids, *hf_inputs(proc, img), 6) for p, img in zip(prompts, images)]
+    assert refs[0] != refs[1]
+    cache = lm.new_cache(max_tokens=256, page_size=8)
+    states = [SequenceState(cache) for _ in prompts]
+    feeds, outs = [p.input_ids for p in prompts], [[], []]
+    for _ in range(6):
+        for s, f in zip(states, feeds):
+            s.reserve(s.length + len(f))
+        batch = ForwardBatch.with_cache(feeds, [s.length for s in states], [s.pages for s in states], cache)
+        attach_images(batch, [(p, s.length) for p, s in zip(prompts, states)])
+        with torch.inference_mode():
+            tokens = lm.model.forward(batch).argmax(-1).tolist()
+        for i, s in enumerate(states):
+            s.length += len(feeds[i])
+            outs[i].append(tokens[i])
+        feeds = [[t] for t in tokens]
+    for s in states:
+        s.release()
+    assert outs == refs
+
+
+def test_qwen25_marker_count_error(qwen25):
+    _, _, lm = qwen25
+    with pytest.raises(ImageError, match="1 image markers"):
+        prepare_prompt(lm, PROMPT, [random_image(4), random_image(5)])
