@@ -120,18 +120,14 @@ class AsyncGenerator:
                 busy = self.generator.has_work()
                 if busy:
                     try:
-                        results: list[Any] = self.generator.iterate()
-                    except Exception as exc:  # a bug, not bad input: tell every waiting job
-                        results = [exc]
+                        results = self.generator.iterate()
+                    except Exception as exc:  # a bug, not bad input: fail every job rather than spin on it
+                        results = self.generator.abort(error=repr(exc))
             if not busy:
                 self._wake.wait(self.idle_wait_s)
                 self._wake.clear()
                 continue
             for item in results:
-                if isinstance(item, BaseException):
-                    for aj in list(self._jobs.values()):
-                        aj.loop.call_soon_threadsafe(aj.queue.put_nowait, item)
-                    continue
                 aj = self._jobs.get(item.job.job_id)
                 if aj is None:
                     continue

@@ -202,6 +202,18 @@ class Generator:
         out = [finished[i] if return_results else finished[i].text for i in range(len(jobs))]
         return out[0] if single else out
 
+    def abort(self, error: str = "aborted") -> list[Result]:
+        """Fail every running and waiting job (frees all their pages); returns their JobFinished results."""
+        results: list[Result] = []
+        for r in list(self.active):
+            self._finish(r, EOS_ERROR, results, error=error)
+        for job, ids in self.pending:
+            job.finished = True
+            results.append(JobFinished(job=job, identifier=job.identifier, eos_reason=EOS_ERROR, text="", token_ids=[],
+                                       prompt_tokens=len(ids), time_enqueued=job.time_enqueued or 0.0, error=error))
+        self.pending.clear()
+        return results
+
     def verify_pages(self) -> None:
         """Raise AssertionError when page refcounts differ from their holders (jobs + prefix cache)."""
         self.cache.prefix_cache.verify([r.seq.pages for r in self.active])
@@ -338,7 +350,13 @@ class Generator:
                 self.stats["prefilled_tokens"] += len(feed)
                 results.append(PrefillProgress(job=r.job, identifier=r.job.identifier, prefilled=r.seq.length, total=r.prompt_len))
             if completes:
-                self._accept(r, logits[row_start[i]: row_start[i] + len(draft) + 1], draft, results)
+                try:
+                    self._accept(r, logits[row_start[i]: row_start[i] + len(draft) + 1], draft, results)
+                except Exception as exc:  # e.g. a plugin sampler step failed: fail this job only
+                    if not r.job.finished:
+                        r.seq.length = min(r.seq.length, len(r.tokens) - 1)
+                        self._finish(r, EOS_ERROR, results, error=repr(exc))
+                    continue
             if not r.job.finished:
                 self._name_full_pages(r)
 
