@@ -27,6 +27,8 @@ DEEPSEEK_ROUTING = dict(
     first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
 )
 
+MLA = dict(q_lora_rank=32, kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, num_key_value_heads=4)
+
 FAMILIES = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
@@ -38,6 +40,11 @@ FAMILIES = {
     "glm4_moe": ("Glm4MoeForCausalLM", dict(DEEPSEEK_ROUTING, partial_rotary_factor=0.5, attention_bias=True)),
     "glm4_moe_qk_norm": ("Glm4MoeForCausalLM", dict(DEEPSEEK_ROUTING, use_qk_norm=True, n_group=1, topk_group=1)),
     "dots1": ("Dots1ForCausalLM", DEEPSEEK_ROUTING),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(DEEPSEEK_ROUTING, **MLA)),
+    "deepseek_v3_no_q_lora_yarn": ("DeepseekV3ForCausalLM", dict(
+        DEEPSEEK_ROUTING, **{**MLA, "q_lora_rank": None}, rope_interleave=False, n_group=1, topk_group=1,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                         "rope_theta": 10000.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
 }
 
 
@@ -126,3 +133,13 @@ def test_dispatch_matches_a_loop_over_tokens(tmp_path):
         sum(weights[t, j] * experts.run_expert(int(ids[t, j]), x[t : t + 1])[0] for j in range(2)) for t in range(11)
     ])
     assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_mla_caches_one_latent_per_token(tmp_path):
+    """DeepSeek V3's cache holds [c | k_pe] and c for one KV head, not per-head keys and values."""
+    import trellm
+
+    model_dir = make_tiny_hf_model("DeepseekV3ForCausalLM", tmp_path, **dict(DEEPSEEK_ROUTING, **MLA))
+    lm = trellm.load(model_dir, device="cpu", dtype=torch.float32)
+    layer = lm.new_cache(max_tokens=32, page_size=16).layers[0]
+    assert layer.k_pages.shape[2:] == (1, 24 + 8) and layer.v_pages.shape[2:] == (1, 24)
