@@ -1,0 +1,97 @@
+"""EXL3 quantizer: Viterbi tile encoder, block LDL, and the layer round trip at K = 1..8."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trellm.ops import exl3 as ops
+from trellm.quant.exl3 import EXL3Linear, dequantize, quantize_group, quantize_linear
+from trellm.quant.exl3.quantize import block_ldl, rate_distortion_bound, relative_mse
+from trellm.quant.exl3.viterbi import encode_tiles
+
+
+def _ring_ok(states: torch.Tensor, K: int) -> bool:
+    mask = (1 << (16 - K)) - 1
+    return bool(torch.equal(states[:, 1:] >> K, states[:, :-1] & mask) and torch.equal(states[:, 0] >> K, states[:, 255] & mask))
+
+
+@pytest.mark.parametrize("K", [2, 5, 8])
+def test_viterbi_recovers_a_valid_trellis_exactly(K):
+    trellis = torch.randint(-32768, 32767, (6, 16 * K), dtype=torch.int16, generator=torch.Generator().manual_seed(K))
+    target = ops.exl3_codebook_decode(ops.unpack_trellis(trellis), "mcg").float()
+    states, values = encode_tiles(target, K, "mcg")
+    assert _ring_ok(states, K)
+    assert torch.equal(values, target)
+
+
+@pytest.mark.parametrize("K", [6, 8])
+def test_cpu_encoder_matches_torch_reference(K):
+    target = torch.randn(2, 256, generator=torch.Generator().manual_seed(1)) * 1.2
+    ref = ops.trellis_viterbi(target, K, "3inst")  # the op's torch reference on CPU
+    got, values = encode_tiles(target, K, "3inst")
+    assert _ring_ok(ref.long(), K) and _ring_ok(got.long(), K)
+    err_ref = (ops.exl3_codebook_decode(ref, "3inst").float() - target).pow(2).sum(1)
+    err_got = (values - target).pow(2).sum(1)
+    torch.testing.assert_close(err_got, err_ref, rtol=0.02, atol=1e-3)  # float cost order differs
+
+
+def test_block_ldl_factorises_the_hessian():
+    x = torch.randn(512, 128, dtype=torch.float64)
+    h = x.t() @ x / 512 + 0.1 * torch.eye(128, dtype=torch.float64)
+    u = block_ldl(h.float()).double() + torch.eye(128, dtype=torch.float64)
+    # U unit block-lower: U^-1 H U^-T is block diagonal (16x16 blocks)
+    uinv = torch.linalg.inv(u)
+    d = uinv @ h @ uinv.t()
+    mask = torch.block_diag(*[torch.ones(16, 16, dtype=torch.bool)] * 8)
+    assert d[~mask].abs().max() < 1e-3 * d.abs().max()
+    assert torch.equal(u.triu(1)[~mask], torch.zeros_like(u)[~mask])
+
+
+def test_layer_roundtrip_error_falls_with_K():
+    """A random 128x128 layer with correlated inputs: output error (and weight MSE) fall with every K."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(128, 128, generator=gen)
+    mix = torch.randn(128, 128, generator=gen) * 0.2 + torch.eye(128)
+    x = torch.randn(1024, 128, generator=gen) @ mix
+    h = x.t() @ x / x.shape[0]
+    ref = x @ w.t()
+    out_err, w_err = [], []
+    for K in range(1, 9):
+        (qt,), stats = quantize_group([w], h, K, "mul1", seed=K)
+        assert qt.trellis.shape == (8, 8, 16 * K) and qt.trellis.dtype == torch.int16
+        dense = dequantize(qt).t()
+        out_err.append(((x @ dense.t() - ref).pow(2).sum() / ref.pow(2).sum()).item())
+        w_err.append(relative_mse(w, dense))
+        assert stats.proxy_error == pytest.approx(out_err[-1], rel=0.35)
+    print("\nK  output-rel-MSE  weight-rel-MSE  2^-2K")
+    for K, (o, e) in enumerate(zip(out_err, w_err), start=1):
+        print(f"{K}  {o:.6f}  {e:.6f}  {rate_distortion_bound(K):.6f}")
+    assert all(a > b for a, b in zip(out_err, out_err[1:])), out_err
+    # within a small factor of the Gaussian rate-distortion bound where fp16 resolution does not dominate
+    for K in range(1, 6):
+        assert out_err[K - 1] < 2.0 * rate_distortion_bound(K)
+
+
+def test_quantize_linear_padding_bias_and_forward():
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(100, 72, generator=gen)  # padded to 128x128 in storage
+    b = torch.randn(100, generator=gen)
+    qt = quantize_linear(w, None, 5, "3inst", bias=b)
+    assert qt.trellis.shape == (8, 8, 80) and qt.bias.shape == (128,)
+    assert torch.all(qt.svh[100:] == 0)
+    tensors = qt.state_dict("layer")
+    assert set(tensors) == {"layer.trellis", "layer.suh", "layer.svh", "layer.bias"}
+    lin = EXL3Linear.from_quantized(qt, 72, 100)
+    x = torch.randn(4, 72, generator=gen)
+    y = lin.forward(x)
+    torch.testing.assert_close(y, x @ lin.dense_weight().t() + qt.bias[:100].float(), rtol=1e-4, atol=1e-4)
+    assert relative_mse(x @ w.t() + b, y) < 0.01
+    # uncalibrated (no Hessian): weight error near the Gaussian rate-distortion bound 2^-2K
+    assert relative_mse(w, lin.dense_weight()) < 1.6 * rate_distortion_bound(5)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="1..8"):
+        quantize_group([torch.randn(128, 128)], None, 9)
+    with pytest.raises(ValueError, match="codebook"):
+        quantize_group([torch.randn(128, 128)], None, 4, "foo")
