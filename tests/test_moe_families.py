@@ -40,6 +40,9 @@ FAMILIES = {
     "glm4_moe": ("Glm4MoeForCausalLM", dict(DEEPSEEK_ROUTING, partial_rotary_factor=0.5, attention_bias=True)),
     "glm4_moe_qk_norm": ("Glm4MoeForCausalLM", dict(DEEPSEEK_ROUTING, use_qk_norm=True, n_group=1, topk_group=1)),
     "dots1": ("Dots1ForCausalLM", DEEPSEEK_ROUTING),
+    "ernie4_5_moe": ("Ernie4_5_MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_num_shared_experts=1,
+        moe_layer_start_index=1, tie_word_embeddings=False)),
     "deepseek_v3": ("DeepseekV3ForCausalLM", dict(DEEPSEEK_ROUTING, **MLA)),
     "deepseek_v3_no_q_lora_yarn": ("DeepseekV3ForCausalLM", dict(
         DEEPSEEK_ROUTING, **{**MLA, "q_lora_rank": None}, rope_interleave=False, n_group=1, topk_group=1,

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..batch import ForwardBatch
+from ..errors import WeightError
 from .base import LoadContext, Module
 from .layers import GatedMLP
 from .linear import DenseLinear, Linear
@@ -119,9 +120,13 @@ class Router(Module):
     def load(self, ctx: LoadContext) -> None:
         self.gate.load(ctx)
         if self.correction_bias_key is not None:
-            self.correction_bias = ctx.store.get(
-                self.correction_bias_key, shape=(self.num_experts,), dtype=torch.float32, device=ctx.device
-            )
+            bias = ctx.store.get(self.correction_bias_key, dtype=torch.float32, device=ctx.device)
+            if bias.numel() != self.num_experts:  # stored as [E] or [1, E] (ERNIE)
+                raise WeightError(
+                    f"{ctx.store.model_dir}: tensor {self.correction_bias_key!r} has shape {list(bias.shape)}, "
+                    f"expected {self.num_experts} values (one per expert)"
+                )
+            self.correction_bias = bias.reshape(-1)
 
     def unload(self) -> None:
         self.gate.unload()
