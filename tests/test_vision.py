@@ -22,6 +22,7 @@ from trellm.batch import ForwardBatch  # noqa: E402
 from trellm.cache import SequenceState  # noqa: E402
 from trellm.cache.prefix import page_hashes  # noqa: E402
 from trellm.multimodal import ImageError, attach_images, load_image, prepare_prompt, split_openai_messages  # noqa: E402
+from trellm.sdk.testing import torch_threads  # noqa: E402
 
 IMAGE, BOI, EOI = 299, 297, 298
 PROMPT = [2, 10, 11, BOI, 12, 13, 14, 15, 16, 17, 18]
@@ -144,7 +145,8 @@ def gemma3(tmp_path_factory):
         "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pan_and_scan": False,
     }))
-    return hf, trellm.load(path, device="cpu", dtype="float32"), path
+    with torch_threads(1):  # tiny models: one thread is fastest and spares a loaded machine
+        yield hf, trellm.load(path, device="cpu", dtype="float32"), path
 
 
 def hf_pixels(path, img) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""Qwen2.5-VL parity with HF on a tiny random model: processor, tower (windows, 2D RoPE, merger), M-RoPE.
+"""Qwen2.5-VL and Qwen3-VL parity with HF on tiny random models: processor, towers, M-RoPE, DeepStack.
 
 The tower sees 4-pixel patches merged 2x2 and 16-pixel windows, so a 61x37 image becomes a 16x10
-patch grid, 8x5 merged tokens and partial windows at the edges; layer 1 attends over the whole image.
+patch grid, 8x5 merged tokens and (Qwen2.5-VL) partial windows at the edges; layer 1 attends over the
+whole image. Qwen3-VL resamples a 4x4 learned position table and taps tower layers 0 and 1 for DeepStack.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import trellm  # noqa: E402
 from trellm.batch import ForwardBatch  # noqa: E402
 from trellm.cache import SequenceState  # noqa: E402
 from trellm.multimodal import ImageError, attach_images, prepare_prompt  # noqa: E402
+from trellm.sdk.testing import torch_threads  # noqa: E402
 
 IMAGE, START, END = 310, 308, 309
 PROMPT = [5, 6, START, IMAGE, END, 7, 8, 9]
@@ -26,31 +28,50 @@ def random_image(seed: int, size=(61, 37)) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
 
 
-@pytest.fixture(scope="module")
-def qwen25(tmp_path_factory):
+def tiny_config(transformers, family: str):
+    text = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=64)
+    tokens = dict(image_token_id=IMAGE, video_token_id=311, vision_start_token_id=START, vision_end_token_id=END)
+    if family == "qwen2_5_vl":
+        vision.update(window_size=16, fullatt_block_indexes=[1])
+        return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens), transformers.Qwen2_5_VLForConditionalGeneration
+    text["rope_parameters"]["mrope_interleaved"] = True
+    vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+    return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens), transformers.Qwen3VLForConditionalGeneration
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def qwen(request, tmp_path_factory):
+    """(HF model, HF image processor, trellm model) of a tiny random Qwen2.5-VL / Qwen3-VL."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     torch.manual_seed(0)
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
-                           temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1], out_hidden_size=64),
-        image_token_id=IMAGE, video_token_id=311, vision_start_token_id=START, vision_end_token_id=END,
-    )
-    hf = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
-    with torch.no_grad():
+    config, cls = tiny_config(transformers, request.param)
+    hf = cls(config).eval()
+    with torch.no_grad():  # norms start at one / zero: give them values
         for name, p in hf.named_parameters():
             if "norm" in name or "ln_q" in name:
                 p.normal_(1, 0.3)
-    path = tmp_path_factory.mktemp("qwen2_5_vl")
+    path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
+    mean = {} if request.param == "qwen2_5_vl" else {"image_mean": [0.5] * 3, "image_std": [0.5] * 3}
     proc = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
-                                    size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64})
+                                    size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64}, **mean)
     proc.save_pretrained(path)
-    return hf, proc, trellm.load(path, device="cpu", dtype="float32")
+    with torch_threads(1):
+        yield hf, proc, trellm.load(path, device="cpu", dtype="float32")
+
+
+def hf_image_features(hf, pixels, grid) -> torch.Tensor:
+    """Merged tokens, then (Qwen3-VL) each DeepStack feature, side by side: the layout trellm carries."""
+    with torch.no_grad():
+        out = hf.model.get_image_features(pixels, grid)
+    deep = [d[0] for d in getattr(out, "deepstack_features", None) or []]
+    return torch.cat([out.pooler_output[0]] + deep, dim=-1)
 
 
 def hf_inputs(proc, img):
@@ -72,22 +93,21 @@ def hf_greedy(hf, ids, pixels, grid, n: int) -> list[int]:
     return out
 
 
-def test_qwen25_processor_embeddings_and_logits(qwen25):
-    hf, proc, lm = qwen25
+def test_qwen_processor_embeddings_and_logits(qwen):
+    hf, proc, lm = qwen
     for img in (random_image(0), random_image(1, size=(20, 90)), random_image(2, size=(300, 200))):
         pixels, grid = hf_inputs(proc, img)
         item = lm.model.preprocess(img)
         assert item.grid == tuple(grid[0].tolist()) and torch.allclose(item.pixels, pixels, atol=1e-5)
         mm = prepare_prompt(lm, PROMPT, [img])
-        with torch.no_grad():
-            ref = hf.model.get_image_features(pixels, grid).pooler_output[0]
+        ref = hf_image_features(hf, pixels, grid)
         assert mm.embeds.shape == ref.shape and (mm.embeds - ref).abs().max() < 1e-5
         mine = lm.logits([PROMPT], images=[[img]])[0]
         assert (mine - hf_logits(hf, mm.input_ids, pixels, grid)).abs().max() < 1e-4
 
 
-def test_qwen25_greedy_continuation_with_position_delta(qwen25):
-    hf, proc, lm = qwen25
+def test_qwen_greedy_continuation_with_position_delta(qwen):
+    hf, proc, lm = qwen
     img = random_image(3)
     mm = prepare_prompt(lm, PROMPT, [img])
     assert mm.extra["position_delta"] < 0  # 40 image tokens span only max(8, 5) positions
@@ -95,8 +115,8 @@ def test_qwen25_greedy_continuation_with_position_delta(qwen25):
     assert list(lm.generate_ids(PROMPT, max_new_tokens=8, stop_token_ids=[], images=[img])) == ref
 
 
-def test_qwen25_two_images_in_one_batch_no_cross_talk(qwen25):
-    hf, proc, lm = qwen25
+def test_qwen_two_images_in_one_batch_no_cross_talk(qwen):
+    hf, proc, lm = qwen
     images = [Image.new("RGB", (61, 37), (255, 0, 0)), Image.new("RGB", (37, 61), (0, 40, 255))]  # other grid, other delta
     prompts = [prepare_prompt(lm, PROMPT, [img]) for img in images]
     refs = [hf_greedy(hf, p.input_ids, *hf_inputs(proc, img), 6) for p, img in zip(prompts, images)]
@@ -120,7 +140,7 @@ def test_qwen25_two_images_in_one_batch_no_cross_talk(qwen25):
     assert outs == refs
 
 
-def test_qwen25_marker_count_error(qwen25):
-    _, _, lm = qwen25
+def test_qwen_marker_count_error(qwen):
+    _, _, lm = qwen
     with pytest.raises(ImageError, match="1 image markers"):
         prepare_prompt(lm, PROMPT, [random_image(4), random_image(5)])

@@ -135,7 +135,7 @@ def read_config(raw: dict, read_text=read_qwen2_text) -> QwenVLConfig:
 class QwenVision(Module):
     """The tower plus its image processor (read from the model directory at load)."""
 
-    def __init__(self, cfg: QwenVLConfig, key: str = "visual"):
+    def __init__(self, cfg: QwenVLConfig, key: str):
         self.key = key
         mt = cfg.vision.get("model_type", "qwen2_5_vl_vision")
         towers = registry.vision_towers()
@@ -158,6 +158,7 @@ class QwenVisionLanguageModel(VisionLanguageModel):
     interleaved_sections = False
     text_options = TEXT_OPTIONS
     aliases = ALIASES
+    vision_key = "visual"
 
     def __init__(self, cfg: QwenVLConfig):
         language = self.build_language(cfg)
@@ -165,7 +166,7 @@ class QwenVisionLanguageModel(VisionLanguageModel):
         for attn in language.attention_layers():
             if attn is not None:
                 attn.rope = rope
-        super().__init__(language, QwenVision(cfg), self.aliases)
+        super().__init__(language, QwenVision(cfg, self.vision_key), self.aliases)
         self.vl_config = cfg
         self.image_token_id = self.marker_id = cfg.image_token_id
         self.merge = int(cfg.vision.get("spatial_merge_size", 2))

@@ -1,0 +1,74 @@
+"""Qwen3-VL (Qwen3VLForConditionalGeneration): Qwen3 text with interleaved M-RoPE and DeepStack.
+
+Differences from Qwen2.5-VL: the M-RoPE bands are interleaved (t, h, w, t, h, w, ...); the tower
+is :class:`~trellm.plugins.vision.qwen_vl.Qwen3VisionTower`; and DeepStack: features taken from
+a few tower layers are added to the language model's hidden states at the image rows after its
+first layers (one tapped tower layer per language layer). The image rows' embeddings therefore
+carry ``1 + len(deepstack_visual_indexes)`` blocks of width ``hidden_size``; the first replaces the
+token embedding, the others are the DeepStack additions (only prefill rows carry them).
+"""
+from __future__ import annotations
+
+import attrs
+import torch
+
+import trellm
+from trellm.modules.decoder import DecoderOptions, build_decoder
+from trellm.plugins.architectures.qwen2 import read_config as read_qwen_text
+from trellm.plugins.architectures.qwen2_5_vl import QwenVisionLanguageModel, QwenVLConfig
+from trellm.plugins.architectures.qwen2_5_vl import read_config as read_qwen_vl_config
+from trellm.spec import ArchitectureSpec
+
+ALIASES = (
+    ("model.language_model.", ("model.",)),
+    ("model.visual.", ("visual.",)),
+)
+
+
+def read_config(raw: dict) -> QwenVLConfig:
+    return read_qwen_vl_config(raw, read_qwen_text)
+
+
+class Qwen3VisionLanguageModel(QwenVisionLanguageModel):
+    interleaved_sections = True
+    aliases = ALIASES
+    text_options = DecoderOptions(
+        qk_norm=True,
+        embed_key="model.language_model.embed_tokens",
+        layer_prefix="model.language_model.layers",
+        final_norm_key="model.language_model.norm",
+    )
+    vision_key = "model.visual"
+
+    def __init__(self, cfg: QwenVLConfig):
+        super().__init__(cfg)
+        self.num_deepstack = len(cfg.vision.get("deepstack_visual_indexes") or ())
+
+    def forward(self, batch) -> torch.Tensor:
+        lm, hidden = self.language, self.language.config.hidden_size
+        extra = None
+        if batch.input_embeds is not None and batch.input_embeds.shape[-1] > hidden:
+            extra = batch.input_embeds[:, hidden:].split(hidden, dim=-1)
+            batch = attrs.evolve(batch, input_embeds=batch.input_embeds[:, :hidden])
+        x = lm.embed_tokens(batch)
+        for i, layer in enumerate(lm.layers):
+            x = layer.forward(x, batch)
+            if extra is not None and i < len(extra):
+                rows = batch.embed_mask
+                x = x.clone()
+                x[rows] = x[rows] + extra[i][rows].to(x.dtype)
+        return lm.logits_from_hidden(x, batch)
+
+
+SPEC = ArchitectureSpec(
+    name="qwen3_vl",
+    architectures=("Qwen3VLForConditionalGeneration",),
+    read_config=read_config,
+    build=Qwen3VisionLanguageModel,
+    description="Qwen3-VL: Qwen3 text with interleaved M-RoPE and DeepStack, Qwen3-VL ViT",
+)
+
+
+@trellm.hookimpl
+def trellm_register_architectures(register):
+    register(SPEC)
