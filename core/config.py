@@ -54,6 +54,14 @@ def is_per_layer_type(rope_params: dict[str, Any] | None) -> bool:
     return bool(rope_params) and all(isinstance(v, dict) for v in rope_params.values())
 
 
+def _first(raw: dict, keys: tuple[str, ...], default: Any) -> Any:
+    """The first of ``keys`` set in ``raw`` (families spell the norm epsilon four ways)."""
+    for k in keys:
+        if raw.get(k) is not None:
+            return raw[k]
+    return default
+
+
 @attrs.frozen
 class RopeConfig:
     """Rotary embedding parameters, normalised from either HF spelling."""
@@ -248,7 +256,7 @@ class DecoderConfig:
             intermediate_size=int(_get(c, "intermediate_size", 4 * hidden)),
             vocab_size=int(_get(c, "vocab_size", required=True)),
             max_position_embeddings=int(_get(c, "max_position_embeddings", 2048)),
-            rms_norm_eps=float(_get(c, "rms_norm_eps", _get(c, "layer_norm_eps", 1e-6))),
+            rms_norm_eps=float(_first(c, ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "norm_eps"), 1e-6)),
             rope=RopeConfig.from_hf(c),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", c.get("tie_word_embeddings", False))),
             attention_bias=bool(_get(c, "attention_bias", False)),

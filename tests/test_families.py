@@ -70,6 +70,8 @@ CASES = {
         "HyperCLOVAXForCausalLM",
         dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=0.5),
     ),
+    "starcoder2_sliding": ("Starcoder2ForCausalLM", dict(SLIDING, use_bias=True)),
+    "nemotron": ("NemotronForCausalLM", dict(partial_rotary_factor=0.5)),
 }
 
 

@@ -43,7 +43,7 @@ class DecoderOptions:
     mlp_out_norm_name: str | None = None
     # norms
     norm: str = "rms"  # "rms", "layer" (LayerNorm with bias) or "layer_nobias" (Cohere)
-    norm_unit_offset: bool = False  # stored RMSNorm weights are w - 1 (Gemma): scale by 1 + w
+    norm_unit_offset: bool = False  # stored norm weights are w - 1 (Gemma, Nemotron): scale by 1 + w
     # block structure
     parallel_block: bool = False  # x + attn(norm(x)) + mlp(norm(x)) with one norm (Cohere)
     residual_multiplier: float = 1.0  # sub-layer outputs scaled before the residual add (Granite, HyperCLOVAX)
@@ -59,6 +59,8 @@ class DecoderOptions:
     attn_softcap: float = 0.0  # tanh softcap of attention logits (Gemma 2)
     # MLP
     mlp_gated: bool = True  # False: down(act(up(x))) (Arcee, Apertus)
+    mlp_up_name: str = "up_proj"  # tensor names of the ungated MLP (Starcoder2: c_fc / c_proj)
+    mlp_down_name: str = "down_proj"
     fused_gate_up: str | None = None  # name of a fused [gate; up] projection (Phi-3, GLM 4 "gate_up_proj")
     mlp_bias: bool | None = None  # None: config.mlp_bias
     activation: str | None = None  # None: config.hidden_act
@@ -197,7 +199,7 @@ def build_mlp(cfg: DecoderConfig, opts: DecoderOptions, key: str) -> Module:
     act = opts.activation or cfg.hidden_act
     bias = cfg.mlp_bias if opts.mlp_bias is None else opts.mlp_bias
     if not opts.mlp_gated:
-        return MLP(key, cfg.hidden_size, cfg.intermediate_size, act, bias)
+        return MLP(key, cfg.hidden_size, cfg.intermediate_size, act, bias, opts.mlp_up_name, opts.mlp_down_name)
     return GatedMLP(key, cfg.hidden_size, cfg.intermediate_size, act, bias, opts.fused_gate_up)
 
 

@@ -55,14 +55,20 @@ class RMSNorm(Module):
 
 
 class LayerNorm(Module):
-    """LayerNorm over the last dim; ``bias=False`` for the weight-only kind (Cohere)."""
+    """LayerNorm over the last dim; ``bias=False`` for the weight-only kind (Cohere).
 
-    def __init__(self, key: str, dim: int, eps: float, bias: bool = True):
-        self.key, self.dim, self.eps, self.has_bias = key, dim, eps, bias
+    ``unit_offset``: the stored weight is w - 1 (Nemotron's LayerNorm1P); 1 is added at load, in
+    the model dtype, as the reference does.
+    """
+
+    def __init__(self, key: str, dim: int, eps: float, bias: bool = True, unit_offset: bool = False):
+        self.key, self.dim, self.eps, self.has_bias, self.unit_offset = key, dim, eps, bias, unit_offset
         self.weight = self.bias = None
 
     def load(self, ctx: LoadContext) -> None:
         self.weight = ctx.store.get(f"{self.key}.weight", shape=(self.dim,), dtype=ctx.dtype, device=ctx.device)
+        if self.unit_offset:
+            self.weight = self.weight + 1.0
         if self.has_bias:
             self.bias = ctx.store.get(f"{self.key}.bias", shape=(self.dim,), dtype=ctx.dtype, device=ctx.device)
 
@@ -96,13 +102,11 @@ NORM_KINDS = ("rms", "layer", "layer_nobias")
 
 
 def make_norm(kind: str, key: str, dim: int, eps: float, unit_offset: bool = False) -> Module:
-    """The hidden-state norm a family uses: ``rms`` (optionally 1 + w), ``layer`` or ``layer_nobias``."""
+    """The hidden-state norm a family uses: ``rms``, ``layer`` or ``layer_nobias``; ``unit_offset`` scales by 1 + w."""
     if kind == "rms":
         return RMSNorm(key, dim, eps, unit_offset)
     if kind in ("layer", "layer_nobias"):
-        if unit_offset:
-            raise ValueError(f"{key}: 1 + w scaling is only defined for RMSNorm")
-        return LayerNorm(key, dim, eps, bias=kind == "layer")
+        return LayerNorm(key, dim, eps, bias=kind == "layer", unit_offset=unit_offset)
     raise ValueError(f"{key}: unknown norm kind {kind!r}; known: {', '.join(NORM_KINDS)}")
 
 
