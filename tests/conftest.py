@@ -25,3 +25,24 @@ def smollm2_dir(smollm2_gguf: Path) -> Path:
     from trellm.default_model import default_model_dir
 
     return default_model_dir(show_progress=False)
+
+
+# ---- server tests: a tiny random Llama that speaks SmolLM2's tokenizer ------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_smollm2_tokenizer_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
+    """A 2-layer random LlamaForCausalLM with SmolLM2's vocabulary and tokenizer files (chat template
+    included): fast enough to fuzz a server with, real enough to tokenize and template like SmolLM2."""
+    import json
+    import shutil
+
+    from trellm.sdk.testing import make_tiny_hf_model
+
+    vocab = json.loads((smollm2_dir / "config.json").read_text())["vocab_size"]
+    out = make_tiny_hf_model("LlamaForCausalLM", tmp_path_factory.mktemp("tiny_llama_tok"), vocab_size=vocab,
+                             max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (smollm2_dir / name).is_file():
+            shutil.copy(smollm2_dir / name, out / name)
+    return out
