@@ -74,11 +74,11 @@ template <int K, int CB, int MT>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) exl3_matmul_small_kernel(const MatmulArgs args) {
     using G = TileGeom<K>;
     constexpr int SLICE_K = GEMV_SLICE * 16;   // k elements per block slice
-    constexpr int ACC_STRIDE = MT * 8 + 1;     // padded row of a warp's accumulator
+    const int acc_stride = args.m | 1;          // odd row stride of a warp's accumulator: valid rows only
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int m = args.m, k = args.k, n = args.n, cols_per_block = args.cols_per_block;
     half *xs = reinterpret_cast<half *>(smem_raw);                                   // [m][SLICE_K]
-    float *acc_all = reinterpret_cast<float *>(smem_raw + (size_t)m * SLICE_K * sizeof(half));  // [warps][cols*16][ACC_STRIDE]
+    float *acc_all = reinterpret_cast<float *>(smem_raw + (size_t)m * SLICE_K * sizeof(half));  // [warps][cols*16][acc_stride]
     __shared__ int last_groups[16];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -88,6 +88,27 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) exl3_matmul_small_kernel(cons
     const int j_end = min(j_begin + cols_per_block, tiles_n);
     const int k0 = slice * SLICE_K;
     const int slice_chunks = min(SLICE_K, k - k0) / 128;
+
+    // Trellis words of the first column go in flight before the x transform: they do not depend on it.
+    const int i_begin = slice * GEMV_SLICE + warp * GEMV_KT;
+    int w0, r;
+    lane_window<K>(lane, w0, r);
+    constexpr int TILE_WORDS = G::WORDS;
+    const size_t row_stride = (size_t)tiles_n * TILE_WORDS;  // words between tile (i, j) and (i+1, j)
+    float *acc = acc_all + (size_t)warp * cols_per_block * 16 * acc_stride;
+
+    uint32_t buf[2][GEMV_KT][G::NW];
+    auto load = [&](uint32_t(&dst)[GEMV_KT][G::NW], int j) {
+#pragma unroll
+        for (int t = 0; t < GEMV_KT; ++t) {
+            // Past the end of k, re-read the last tile row: its x fragments are zero, and keeping every
+            // tile branch-free lets the compiler interleave the eight decode chains.
+            const int i = min(i_begin + t, tiles_k - 1);
+            const uint32_t *tile = args.trellis + (size_t)i * row_stride + (size_t)j * TILE_WORDS;
+            load_lane_words<K>(tile, w0, dst[t]);
+        }
+    };
+    load(buf[0], j_begin);
 
     // Phase 0: xs = fp16(H128(x * suh)) for this slice.
     for (int job = warp; job < m * slice_chunks; job += GEMV_WARPS) {
@@ -105,13 +126,10 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) exl3_matmul_small_kernel(cons
     __syncthreads();
 
     // x fragments (B operand: k x batch rows), one pair of registers per (k tile, group of 8 rows).
-    const int i_begin = slice * GEMV_SLICE + warp * GEMV_KT;
     uint32_t xf[GEMV_KT][MT][2];
-    int valid_kt = 0;
 #pragma unroll
     for (int t = 0; t < GEMV_KT; ++t) {
         const int i = i_begin + t;
-        if (i < tiles_k) valid_kt = t + 1;
 #pragma unroll
         for (int g = 0; g < MT; ++g) {
             const int row = g * 8 + (lane >> 2);
@@ -127,48 +145,34 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) exl3_matmul_small_kernel(cons
         }
     }
 
-    int w0, r;
-    lane_window<K>(lane, w0, r);
-    constexpr int TILE_WORDS = G::WORDS;
-    const size_t row_stride = (size_t)tiles_n * TILE_WORDS;  // words between tile (i, j) and (i+1, j)
-    float *acc = acc_all + (size_t)warp * cols_per_block * 16 * ACC_STRIDE;
-
-    uint32_t buf[2][GEMV_KT][G::NW];
-    auto load = [&](uint32_t(&dst)[GEMV_KT][G::NW], int j) {
-#pragma unroll
-        for (int t = 0; t < GEMV_KT; ++t) {
-            if (t < valid_kt) {
-                const uint32_t *tile = args.trellis + (size_t)(i_begin + t) * row_stride + (size_t)j * TILE_WORDS;
-                load_lane_words<K>(tile, w0, dst[t]);
-            }
-        }
-    };
     auto compute = [&](const uint32_t(&src)[GEMV_KT][G::NW], int j) {
         float c[MT][4];
 #pragma unroll
         for (int g = 0; g < MT; ++g) c[g][0] = c[g][1] = c[g][2] = c[g][3] = 0.f;
 #pragma unroll
         for (int t = 0; t < GEMV_KT; ++t) {
-            if (t < valid_kt) {
-                uint32_t a[4];
-                tile_fragment<K, CB>(src[t], r, a);
+            uint32_t a[4];
+            tile_fragment<K, CB>(src[t], r, a);
 #pragma unroll
-                for (int g = 0; g < MT; ++g) mma_16816(c[g], a, xf[t][g][0], xf[t][g][1]);
-            }
+            for (int g = 0; g < MT; ++g) mma_16816(c[g], a, xf[t][g][0], xf[t][g][1]);
         }
         // c[g]: (n = lane/4, rows 2(lane%4)+{0,1}) and (n = lane/4 + 8, same rows)
-        float *dst = acc + (size_t)(j - j_begin) * 16 * ACC_STRIDE;
+        float *dst = acc + (size_t)(j - j_begin) * 16 * acc_stride;
         const int nn = lane >> 2, mm = (lane & 3) * 2;
 #pragma unroll
         for (int g = 0; g < MT; ++g) {
-            dst[nn * ACC_STRIDE + g * 8 + mm] = c[g][0];
-            dst[nn * ACC_STRIDE + g * 8 + mm + 1] = c[g][1];
-            dst[(nn + 8) * ACC_STRIDE + g * 8 + mm] = c[g][2];
-            dst[(nn + 8) * ACC_STRIDE + g * 8 + mm + 1] = c[g][3];
+            const int row = g * 8 + mm;
+            if (row < m) {
+                dst[nn * acc_stride + row] = c[g][0];
+                dst[(nn + 8) * acc_stride + row] = c[g][2];
+            }
+            if (row + 1 < m) {
+                dst[nn * acc_stride + row + 1] = c[g][1];
+                dst[(nn + 8) * acc_stride + row + 1] = c[g][3];
+            }
         }
     };
 
-    load(buf[0], j_begin);
     int j = j_begin;
     for (; j + 1 < j_end; j += 2) {
         load(buf[1], j + 1);
@@ -181,12 +185,12 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) exl3_matmul_small_kernel(cons
 
     // Phase 2: sum the warps, store this slice's partial sums (valid rows only), coalesced along n.
     const int cols = (j_end - j_begin) * 16;
-    const size_t warp_stride = (size_t)cols_per_block * 16 * ACC_STRIDE;
+    const size_t warp_stride = (size_t)cols_per_block * 16 * acc_stride;
     for (int idx = threadIdx.x; idx < m * cols; idx += blockDim.x) {
         const int row = idx / cols, c = idx % cols;
         float s = 0.f;
 #pragma unroll
-        for (int w = 0; w < GEMV_WARPS; ++w) s += acc_all[w * warp_stride + c * ACC_STRIDE + row];
+        for (int w = 0; w < GEMV_WARPS; ++w) s += acc_all[w * warp_stride + c * acc_stride + row];
         args.partial[((size_t)slice * m + row) * n + j_begin * 16 + c] = s;
     }
     __threadfence();
@@ -268,34 +272,37 @@ template <int K, int CB, int MT>
 int launch_matmul_mt(MatmulArgs args, int num_sms, cudaStream_t stream) {
     const int tiles_n = args.n / 16;
     const int slices = gemv_slices(args.k);
-    // Aim for ~4 blocks per SM; a block walks a run of column tiles to keep loads in flight. The run
-    // is 1, 2, 4 or 8 tiles (several blocks share a 128-column group) or a multiple of 8.
-    const int target_blocks = 4 * (num_sms > 0 ? num_sms : 132);
-    int cols = (tiles_n * slices + target_blocks - 1) / target_blocks;
-    const size_t acc_per_col = (size_t)GEMV_WARPS * 16 * (MT * 8 + 1) * sizeof(float);
+    const size_t acc_per_col = (size_t)GEMV_WARPS * 16 * (args.m | 1) * sizeof(float);
     const size_t xs_bytes = (size_t)args.m * GEMV_SLICE * 16 * sizeof(half);
-    const size_t budget = 100 * 1024;
-    const int max_cols = (int)((budget - xs_bytes) / acc_per_col);
-    cols = max(1, min(cols, max_cols));
+    const size_t budget = 100 * 1024;  // two blocks fit an SM's shared memory
+    const int max_cols = min(128, (int)((budget - xs_bytes) / acc_per_col));  // last_groups holds 16 groups
+    auto kernel = exl3_matmul_small_kernel<K, CB, MT>;
+    static int blocks_per_sm = 0;  // per instantiation; the register count bounds it
+    if (blocks_per_sm == 0) {
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)budget);
+        int b = 0;
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, GEMV_WARPS * 32, budget) != cudaSuccess || b < 1)
+            b = 1;
+        blocks_per_sm = b;
+    }
+    // One wave: every block resident at once, each walking a run of column tiles (1, 2, 4 or 8 tiles
+    // sharing a 128-column group, or a multiple of 8) so its trellis loads overlap its decoding.
+    const int resident = (num_sms > 0 ? num_sms : 132) * blocks_per_sm;
+    int cols = (tiles_n * slices + resident - 1) / resident;
     if (cols <= 8) {
         int p = 1;
         while (p < cols) p <<= 1;
         cols = p;
-        while (cols > 1 && (size_t)cols * acc_per_col + xs_bytes > budget) cols >>= 1;
     } else {
-        cols = cols / 8 * 8;
+        cols = (cols + 7) / 8 * 8;
     }
-    if ((cols + 7) / 8 * 8 / 8 > 16) cols = 128;  // last_groups holds 16 groups
+    while (cols > max_cols) cols = cols > 8 ? cols - 8 : cols / 2;
+    cols = max(cols, 1);
     args.cols_per_block = cols;
     args.arrivals_per_group = slices * (cols < 8 ? 8 / cols : 1);
     dim3 grid((tiles_n + cols - 1) / cols, slices);
     const size_t smem = xs_bytes + (size_t)cols * acc_per_col;
-    if (smem > 48 * 1024) {
-        cudaError_t e = cudaFuncSetAttribute(exl3_matmul_small_kernel<K, CB, MT>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        if (e != cudaSuccess) return (int)e;
-    }
-    exl3_matmul_small_kernel<K, CB, MT><<<grid, GEMV_WARPS * 32, smem, stream>>>(args);
+    kernel<<<grid, GEMV_WARPS * 32, smem, stream>>>(args);
     TRELLM_LAUNCH_CHECK();
     return TRELLM_OK;
 }
