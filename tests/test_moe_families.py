@@ -43,6 +43,9 @@ FAMILIES = {
     "ernie4_5_moe": ("Ernie4_5_MoeForCausalLM", dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_num_shared_experts=1,
         moe_layer_start_index=1, tie_word_embeddings=False)),
+    "minimax_m2": ("MiniMaxM2ForCausalLM", dict(
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
     "deepseek_v3": ("DeepseekV3ForCausalLM", dict(DEEPSEEK_ROUTING, **MLA)),
     "deepseek_v3_no_q_lora_yarn": ("DeepseekV3ForCausalLM", dict(
         DEEPSEEK_ROUTING, **{**MLA, "q_lora_rank": None}, rope_interleave=False, n_group=1, topk_group=1,
