@@ -132,3 +132,18 @@ def test_unregistered_architecture_names_itself(tmp_path):
     (model_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnknownArchitectureError, match="NobodysForCausalLM"):
         trellm.load(model_dir, device="cpu")
+
+
+def test_fused_tensor_with_wrong_shape_names_it(tmp_path):
+    """Fused Phi-3 tensors are split at load; a wrong fused shape is reported with the tensor's name."""
+    import json
+
+    import trellm
+    from trellm.errors import WeightError
+
+    model_dir = make_tiny_hf_model("Phi3ForCausalLM", tmp_path, pad_token_id=0)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["num_key_value_heads"] = 4  # the stored qkv_proj holds 2 kv heads
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(WeightError, match=r"model\.layers\.0\.self_attn\.qkv_proj\.weight.*\[128, 64\].*\[192, 64\]"):
+        trellm.load(model_dir, device="cpu")

@@ -52,7 +52,7 @@ class DecoderOptions:
     qk_norm_kind: str = "head"  # "head", "full" (whole projection, Olmo 2/3) or "layer_head" (Cohere)
     qkv_bias: bool | None = None  # None: config.attention_bias
     o_bias: bool | None = None  # None: same as attention_bias
-    fused_qkv: str | None = None  # name of a fused [q; k; v] projection (Phi-3 "qkv_proj")
+    fused_qkv: str | None = None  # fused [q; k; v] checkpoint tensor split at load (Phi-3 "qkv_proj")
     rope_interleaved: bool = False  # GPT-J pairing instead of NeoX halves
     nope_layer_types: tuple[str, ...] = ()  # layer types without RoPE (Cohere2 / EXAONE 4 global layers)
     attn_scale: float | None = None  # softmax scale; None: 1/sqrt(head_dim)
@@ -61,7 +61,7 @@ class DecoderOptions:
     mlp_gated: bool = True  # False: down(act(up(x))) (Arcee, Apertus)
     mlp_up_name: str = "up_proj"  # tensor names of the ungated MLP (Starcoder2: c_fc / c_proj)
     mlp_down_name: str = "down_proj"
-    fused_gate_up: str | None = None  # name of a fused [gate; up] projection (Phi-3, GLM 4 "gate_up_proj")
+    fused_gate_up: str | None = None  # fused [gate; up] checkpoint tensor split at load (Phi-3, GLM 4 "gate_up_proj")
     mlp_bias: bool | None = None  # None: config.mlp_bias
     activation: str | None = None  # None: config.hidden_act
     # embedding and head

@@ -11,7 +11,7 @@ from ..config import RopeConfig
 from ..errors import WeightError
 from ..ops.dense import activation_fn, xielu
 from .base import LoadContext, Module
-from .linear import Linear
+from .linear import DenseLinear, Linear
 
 
 class Embedding(Module):
@@ -110,6 +110,46 @@ def make_norm(kind: str, key: str, dim: int, eps: float, unit_offset: bool = Fal
     raise ValueError(f"{key}: unknown norm kind {kind!r}; known: {', '.join(NORM_KINDS)}")
 
 
+class FusedSliceLinear(Linear):
+    """One projection of a fused checkpoint tensor (Phi-3 ``qkv_proj``, ``gate_up_proj``), split at load.
+
+    Loads ``key`` itself when the checkpoint has it (quantized checkpoints store the parts apart);
+    otherwise rows ``[start, start + out_features)`` of the dense ``fused_key`` tensor, whose shape
+    must be ``[fused_rows, in_features]``. Keeping the parts separate gives every family the same
+    module layout for the quantizer, kernels and checkpoints with either spelling.
+    """
+
+    def __init__(
+        self, key: str, in_features: int, out_features: int, bias: bool | None, fused_key: str, start: int, fused_rows: int
+    ):
+        super().__init__(key, in_features, out_features, bias)
+        self.fused_key, self.start, self.fused_rows = fused_key, start, fused_rows
+
+    def load(self, ctx: LoadContext) -> None:
+        store = ctx.store
+        if f"{self.key}.weight" in store or any(f.detect(store, self.key) for f in ctx.quant_formats):
+            return super().load(ctx)
+        name = f"{self.fused_key}.weight"
+        if name not in store:
+            raise WeightError(f"{store.model_dir}: neither {self.key + '.weight'!r} nor the fused tensor {name!r} is present")
+        rows = slice(self.start, self.start + self.out_features)
+        weight = store.get(name, shape=(self.fused_rows, self.in_features), dtype=ctx.dtype, device=ctx.device)
+        bias = None
+        has_bias = self.bias if self.bias is not None else f"{self.fused_key}.bias" in store
+        if has_bias:
+            bias = store.get(f"{self.fused_key}.bias", shape=(self.fused_rows,), dtype=ctx.dtype, device=ctx.device)[rows].contiguous()
+        self.impl = DenseLinear(weight[rows].contiguous(), bias)
+
+
+def fused_parts(key: str, fused_name: str, names: tuple[str, ...], in_features: int, sizes: tuple[int, ...], bias) -> list[Linear]:
+    """``FusedSliceLinear`` parts ``{key}.{name}`` of the fused ``{key}.{fused_name}``, in the order stored."""
+    parts, start = [], 0
+    for name, size in zip(names, sizes):
+        parts.append(FusedSliceLinear(f"{key}.{name}", in_features, size, bias, f"{key}.{fused_name}", start, sum(sizes)))
+        start += size
+    return parts
+
+
 class RotaryEmbedding:
     """cos/sin tables for one RoPE configuration, grown on demand and shared by all layers using it."""
 
@@ -151,9 +191,8 @@ class Attention(Module):
 
     ``qk_norm`` says where the QK-norm (enabled by ``qk_norm_eps``) normalises: ``"head"`` RMSNorm
     over each head (Qwen3, Gemma 3), ``"full"`` RMSNorm over the whole q/k projection (Olmo 2/3),
-    ``"layer_head"`` LayerNorm with per-head weights (Cohere). ``fused_qkv`` names one fused
-    [q; k; v] projection (Phi-3) used instead of q_proj/k_proj/v_proj; its output is split after
-    one matmul, which serves dense and quantized tensors alike.
+    ``"layer_head"`` LayerNorm with per-head weights (Cohere). ``fused_qkv`` names a fused
+    [q; k; v] checkpoint tensor (Phi-3 ``qkv_proj``), split into q_proj/k_proj/v_proj at load.
     """
 
     def __init__(
@@ -178,9 +217,10 @@ class Attention(Module):
         self.key, self.layer_idx = key, layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = self.q_proj = self.k_proj = self.v_proj = None
         if fused_qkv:
-            self.qkv_proj = Linear(f"{key}.{fused_qkv}", hidden_size, q_size + 2 * kv_size, qkv_bias)
+            self.q_proj, self.k_proj, self.v_proj = fused_parts(
+                key, fused_qkv, ("q_proj", "k_proj", "v_proj"), hidden_size, (q_size, kv_size, kv_size), qkv_bias
+            )
         else:
             self.q_proj = Linear(f"{key}.q_proj", hidden_size, q_size, qkv_bias)
             self.k_proj = Linear(f"{key}.k_proj", hidden_size, kv_size, qkv_bias)
@@ -210,11 +250,7 @@ class Attention(Module):
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k and v [T, Hkv, D]: projected, QK-normed, not yet rotated."""
         t = x.shape[0]
-        if self.qkv_proj is not None:
-            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split((q_size, kv_size, kv_size), dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None and self.qk_norm == "full":
             q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -267,7 +303,7 @@ class XIELU(Module):
 
 
 class GatedMLP(Module):
-    """down(act(gate(x)) * up(x)); ``fused_gate_up`` names one [gate; up] tensor (Phi-3, GLM 4)."""
+    """down(act(gate(x)) * up(x)); ``fused_gate_up`` names a fused [gate; up] checkpoint tensor (Phi-3, GLM 4)."""
 
     def __init__(
         self,
@@ -279,20 +315,17 @@ class GatedMLP(Module):
         fused_gate_up: str | None = None,
     ):
         self.key, self.activation, self.intermediate_size = key, activation, intermediate_size
-        self.gate_up_proj = self.gate_proj = self.up_proj = None
         if fused_gate_up:
-            self.gate_up_proj = Linear(f"{key}.{fused_gate_up}", hidden_size, 2 * intermediate_size, bias)
+            self.gate_proj, self.up_proj = fused_parts(
+                key, fused_gate_up, ("gate_proj", "up_proj"), hidden_size, (intermediate_size, intermediate_size), bias
+            )
         else:
             self.gate_proj = Linear(f"{key}.gate_proj", hidden_size, intermediate_size, bias)
             self.up_proj = Linear(f"{key}.up_proj", hidden_size, intermediate_size, bias)
         self.down_proj = Linear(f"{key}.down_proj", intermediate_size, hidden_size, bias)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(ops.gated_activation(gate, up, self.activation))
+        return self.down_proj(ops.gated_activation(self.gate_proj(x), self.up_proj(x), self.activation))
 
 
 class MLP(Module):

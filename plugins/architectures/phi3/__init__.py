@@ -1,7 +1,7 @@
 """Phi-3 / Phi-4 (Phi3ForCausalLM): fused qkv_proj and gate_up_proj, LongRoPE, optional partial rotary.
 
-The fused tensors are loaded as one projection each and their outputs split ([q; k; v] and
-[gate; up]); Linear checks each fused tensor's shape against the sizes the config implies.
+The fused tensors are split at load into q/k/v and gate/up projections (checked against the
+sizes the config implies); checkpoints that store the parts apart (quantized ones) load as they are.
 """
 from __future__ import annotations
 
