@@ -424,6 +424,9 @@ class VisionLanguageModel(Module):
     def finish_prompt(self, prompt: MultimodalPrompt, items: Sequence[VisionInput]) -> None:
         """Hook for family data computed from the expanded prompt (Qwen: M-RoPE positions)."""
 
+    def use_tokenizer(self, tokenizer) -> None:
+        """Hook to read special token ids from the model's tokenizer (Mistral 3: [IMG_BREAK], [IMG_END])."""
+
     # -- shared -------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prepare(self, prompt: str | Sequence[int], images: Sequence[ImageSource], tokenizer=None) -> MultimodalPrompt:
@@ -433,6 +436,8 @@ class VisionLanguageModel(Module):
         pil = [load_image(img, name=f"image {i}" if not isinstance(img, (str, Path)) or str(img).startswith("data:") else None)
                for i, img in enumerate(images)]
         items = [self.preprocess(img) for img in pil]
+        if tokenizer is not None:
+            self.use_tokenizer(tokenizer)
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise ImageError("a text prompt with images needs the model's tokenizer; pass token ids instead")

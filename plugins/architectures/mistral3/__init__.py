@@ -1,0 +1,157 @@
+"""Mistral 3 (Mistral3ForConditionalGeneration): Mistral text + the Pixtral tower.
+
+Each image's patch features (from ``vision_feature_layer``) are RMS-normalised, every
+``spatial_merge_size`` x ``spatial_merge_size`` block of patches is merged by one linear map, and a
+two-layer MLP projects them to the text width. In the prompt, each ``[IMG]`` marker becomes rows of
+``[IMG]`` tokens, one per merged block, each row closed by ``[IMG_BREAK]`` and the last by ``[IMG_END]``.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+import trellm
+from trellm import registry
+from trellm.config import DecoderConfig, sliding_on_every_layer
+from trellm.errors import ConfigError
+from trellm.modules.base import LoadContext, Module
+from trellm.modules.decoder import DecoderOptions, build_decoder
+from trellm.modules.layers import RMSNorm
+from trellm.modules.linear import Linear
+from trellm.multimodal import ImageError, VisionInput, VisionLanguageModel, image_digest, read_preprocessor_config
+from trellm.ops.dense import activation_fn
+from trellm.spec import ArchitectureSpec
+
+ALIASES = (
+    ("language_model.model.", ("model.language_model.",)),
+    ("language_model.lm_head", ("lm_head",)),
+    ("vision_tower.", ("model.vision_tower.",)),
+    ("multi_modal_projector.", ("model.multi_modal_projector.",)),
+)
+TEXT_OPTIONS = DecoderOptions(
+    embed_key="language_model.model.embed_tokens",
+    layer_prefix="language_model.model.layers",
+    final_norm_key="language_model.model.norm",
+    lm_head_key="language_model.lm_head",
+)
+# Mistral's tekken ids, used when no tokenizer tells otherwise
+DEFAULT_BREAK_ID, DEFAULT_END_ID = 12, 13
+
+
+@attrs.frozen
+class Mistral3Config:
+    text: DecoderConfig
+    vision: dict[str, Any] = attrs.field(hash=False)
+    image_token_id: int
+    spatial_merge_size: int
+    feature_layers: tuple[int, ...]
+    projector_act: str
+    projector_bias: bool
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text.hidden_size
+
+
+def read_config(raw: dict) -> Mistral3Config:
+    vision = raw.get("vision_config")
+    if not isinstance(vision, dict):
+        raise ConfigError("config.json: Mistral3ForConditionalGeneration needs a 'vision_config' object")
+    layers = raw.get("vision_feature_layer", -1)
+    return Mistral3Config(
+        text=sliding_on_every_layer(DecoderConfig.from_hf(raw)),
+        vision=vision,
+        image_token_id=int(raw.get("image_token_id", raw.get("image_token_index", 10))),
+        spatial_merge_size=int(raw.get("spatial_merge_size", 2)),
+        feature_layers=tuple(int(i) for i in layers) if isinstance(layers, list) else (int(layers),),
+        projector_act=str(raw.get("projector_hidden_act", "gelu")),
+        projector_bias=bool(raw.get("multimodal_projector_bias", False)),
+    )
+
+
+class Mistral3Vision(Module):
+    """Pixtral tower + norm, patch merger and MLP projector."""
+
+    def __init__(self, cfg: Mistral3Config):
+        self.key = "multi_modal_projector"
+        mt = cfg.vision.get("model_type", "pixtral")
+        towers = registry.vision_towers()
+        if mt not in towers:
+            raise ConfigError(f"config.json: no installed vision tower serves vision_config.model_type {mt!r}")
+        self.spec, self.cfg = towers[mt], cfg
+        self.tower = self.spec.build(cfg.vision, "vision_tower")
+        d, m, text = int(cfg.vision["hidden_size"]), cfg.spatial_merge_size, cfg.hidden_size
+        feat = d * len(cfg.feature_layers)
+        self.norm = RMSNorm("multi_modal_projector.norm", feat, cfg.text.rms_norm_eps)
+        self.merging_layer = Linear("multi_modal_projector.patch_merger.merging_layer", feat * m * m, feat)
+        self.linear_1 = Linear("multi_modal_projector.linear_1", feat, text, cfg.projector_bias)
+        self.linear_2 = Linear("multi_modal_projector.linear_2", text, text, cfg.projector_bias)
+        self._act = activation_fn(cfg.projector_act)
+        self.processor = None
+
+    def load(self, ctx: LoadContext) -> None:
+        pre = read_preprocessor_config(ctx.store.model_dir)
+        self.processor = None if pre is None else self.spec.processor(pre, self.cfg.vision, self.cfg.spatial_merge_size)
+        super().load(ctx)
+
+    def forward(self, images: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        states, grids = self.tower.forward(images)
+        feats = self.norm.forward(torch.cat([states[i] for i in self.cfg.feature_layers], dim=-1))
+        m, out, start = self.cfg.spatial_merge_size, [], 0
+        for gh, gw in grids:
+            grid = feats[start: start + gh * gw].T.reshape(1, -1, gh, gw)
+            blocks = F.unfold(grid, kernel_size=m, stride=m)[0].T  # [(gh/m)*(gw/m), d*m*m]
+            out.append(self.linear_2(self._act(self.linear_1(self.merging_layer(blocks)))))
+            start += gh * gw
+        return out
+
+
+class Mistral3VisionLanguageModel(VisionLanguageModel):
+    def __init__(self, cfg: Mistral3Config):
+        super().__init__(build_decoder(cfg.text, TEXT_OPTIONS), Mistral3Vision(cfg), ALIASES)
+        self.vl_config = cfg
+        self.image_token_id = self.marker_id = cfg.image_token_id
+        self.break_id, self.end_id = DEFAULT_BREAK_ID, DEFAULT_END_ID
+
+    def use_tokenizer(self, tokenizer) -> None:
+        for name, attr in (("[IMG_BREAK]", "break_id"), ("[IMG_END]", "end_id")):
+            if (token := tokenizer.token_to_id(name)) is not None:
+                setattr(self, attr, token)
+
+    def preprocess(self, image) -> VisionInput:
+        if self.vision.processor is None:
+            raise ImageError("the model directory has no preprocessor_config.json, so images cannot be prepared")
+        pixels = self.vision.processor(image)
+        t = self.vision.processor.token_size
+        rows, cols = pixels.shape[1] // t, pixels.shape[2] // t
+        return VisionInput(pixels, rows * cols, image_digest(image), (rows, cols))
+
+    def expansion_ids(self, item: VisionInput) -> list[int]:
+        rows, cols = item.grid
+        ids = ([self.image_token_id] * cols + [self.break_id]) * rows
+        ids[-1] = self.end_id
+        return ids
+
+    def expansion_text(self, item: VisionInput, tokenizer) -> str:
+        return tokenizer.decode(self.expansion_ids(item))
+
+    def encode(self, items: Sequence[VisionInput]) -> list[torch.Tensor]:
+        dtype = self.language.embed.weight.dtype
+        return [e.to(dtype) for e in self.vision.forward([it.pixels for it in items])]
+
+
+SPEC = ArchitectureSpec(
+    name="mistral3",
+    architectures=("Mistral3ForConditionalGeneration",),
+    read_config=read_config,
+    build=Mistral3VisionLanguageModel,
+    description="Mistral 3 (Small 3.1/3.2): Mistral text + Pixtral tower, 2x2 patch merger",
+)
+
+
+@trellm.hookimpl
+def trellm_register_architectures(register):
+    register(SPEC)
