@@ -34,6 +34,9 @@ FAMILIES = {
     "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", {**LINEAR, **EXPERTS}),
     "qwen3_5": ("Qwen3_5ForCausalLM", LINEAR),
     "qwen3_next": ("Qwen3NextForCausalLM", {**LINEAR, **EXPERTS, "decoder_sparse_step": 1, "mlp_only_layers": [1]}),
+    "lfm2_moe": ("Lfm2MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1, num_hidden_layers=3,
+        layer_types=["conv", "full_attention", "conv"], routed_scaling_factor=1.5)),
 }
 
 PROMPT_LENS = (70, 9, 23)  # 70 > one 64-token delta-rule chunk
@@ -83,10 +86,24 @@ def cached_greedy(model, prompt_ids: list[list[int]], new_tokens: int, chunk: in
     return out, torch.stack(last_logits)
 
 
+def randomize(model_dir, suffixes: tuple[str, ...], scale: float = 0.5) -> None:
+    """Give router biases (zero in a fresh HF model) random values in the saved checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(0)
+    for name in tensors:
+        if name.endswith(suffixes):
+            tensors[name] = torch.randn(tensors[name].shape, generator=g) * scale
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
     arch, cfg = FAMILIES[request.param]
     model_dir = make_tiny_hf_model(arch, tmp_path_factory.mktemp(request.param), **cfg)
+    randomize(model_dir, ("e_score_correction_bias", "expert_bias"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     lm = trellm.load(model_dir, device="cpu", dtype=torch.float32)
     return hf, lm

@@ -178,7 +178,7 @@ class ExpertMLP(Module):
         self.up_proj = Linear(f"{key}.{up}", hidden_size, intermediate_size, bias)
         self.down_proj = Linear(f"{key}.{down}", intermediate_size, hidden_size, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 

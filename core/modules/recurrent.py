@@ -152,6 +152,53 @@ class GatedDeltaNet(Module):
         return self.out_proj(o.reshape(t, self.value_dim))
 
 
+class ShortConv(Module):
+    """LFM2's gated short convolution: B, C, x = in_proj(h); y = C * causal_conv(B * x); out_proj(y).
+
+    Its only state is the last ``width - 1`` conv inputs per sequence (a recurrent-state slot).
+    """
+
+    def __init__(self, key: str, layer_idx: int, hidden_size: int, width: int, bias: bool = False):
+        self.key, self.layer_idx, self.hidden_size, self.width, self.has_bias = key, layer_idx, hidden_size, width, bias
+        self.in_proj = Linear(f"{key}.in_proj", hidden_size, 3 * hidden_size, bias)
+        self.out_proj = Linear(f"{key}.out_proj", hidden_size, hidden_size, bias)
+        self.conv_weight = self.conv_bias = None
+
+    def load(self, ctx: LoadContext) -> None:
+        super().load(ctx)
+        w = ctx.store.get(f"{self.key}.conv.weight", shape=(self.hidden_size, 1, self.width), dtype=ctx.dtype, device=ctx.device)
+        self.conv_weight = w[:, 0].contiguous()
+        if self.has_bias:
+            self.conv_bias = ctx.store.get(f"{self.key}.conv.bias", shape=(self.hidden_size,), dtype=ctx.dtype, device=ctx.device)
+
+    def unload(self) -> None:
+        super().unload()
+        self.conv_weight = self.conv_bias = None
+
+    def state_layer(self, max_slots: int, dtype: torch.dtype, device):
+        from ..cache.recurrent import RecurrentStateLayer
+
+        return RecurrentStateLayer(max_slots, self.hidden_size, self.width, (0,), dtype, device)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        b, c, h = self.in_proj(x).chunk(3, dim=-1)
+        bx = b * h
+        layer = None
+        conv_state = None
+        if batch.cache is not None:
+            if batch.state_slots is None:
+                raise ValueError(f"{self.key}: a cached forward pass of a recurrent layer needs batch.state_slots")
+            layer = batch.cache.layers[self.layer_idx]
+            conv_state, _ = layer.read(batch.state_slots, batch.cached_lens == 0 if batch.cached_lens is not None else None)
+        if layer is not None and x.shape[0] == batch.num_seqs:
+            y, conv_state = ops.causal_conv1d_step(bx, self.conv_weight, self.conv_bias, conv_state, activation=None)
+        else:
+            y, conv_state = ops.causal_conv1d(bx, self.conv_weight, self.conv_bias, batch.cu_seqlens, conv_state, activation=None)
+        if layer is not None:
+            layer.conv_states[batch.state_slots] = conv_state.to(layer.conv_states.dtype)
+        return self.out_proj(c * y)
+
+
 class GatedAttention(Attention):
     """Attention whose q_proj also yields a per-head output gate, interleaved per head as [q | gate]
     (Qwen3-Next, Qwen3.5): out = o_proj(attn * sigmoid(gate)). ``norm_unit_offset``: q/k norms scale by 1 + w."""
