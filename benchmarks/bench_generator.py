@@ -20,6 +20,10 @@ import torch
 import trellm
 from trellm.generator import DraftModelProposer, Generator, Job, JobFinished, NgramProposer
 
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                     tie_word_embeddings=True, initializer_range=0.02)
+
 TOPICS = ["the sea", "a mountain village", "an old clock", "the first snow", "a city at night", "a lost key",
           "the library", "a long train ride", "a garden in spring", "the lighthouse", "a chess game", "the desert"]
 
@@ -72,6 +76,8 @@ def repetitive_prompts(lm, n: int) -> list[list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--random-like-smollm2", metavar="DIR", default=None,
+                    help="build a random-weight Llama of SmolLM2-135M's shape in DIR and use it (no weights needed)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--batch-sizes", default="1,2,4,8,16")
@@ -87,6 +93,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.random_like_smollm2:
+        from trellm.sdk.testing import make_tiny_hf_model
+
+        args.model = make_tiny_hf_model("LlamaForCausalLM", args.random_like_smollm2, **SMOLLM2_SHAPE)
     if args.model is None:
         from trellm.default_model import default_model_dir
 

@@ -13,7 +13,6 @@ temperature first or last.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Mapping, Sequence
 
 import attrs

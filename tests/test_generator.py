@@ -6,7 +6,6 @@ import asyncio
 import random
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
@@ -355,3 +354,28 @@ def test_recurrent_state_slots_are_allocated_and_passed(lm):
     assert states.allocs == 3 and sorted(states.free) == [0, 1]
     with pytest.raises(ValueError, match="speculative"):
         Generator(lm, cache=cache, proposer=NgramProposer())
+
+
+@pytest.mark.parametrize("overtake", [0, 3])
+def test_big_job_is_not_starved(lm, overtake):
+    """Small jobs keep arriving; a big one that needs most of the cache still gets in (aging)."""
+    gen = Generator(lm, cache_tokens=16 * 8, page_size=16, max_batch_size=8, max_overtake_steps=overtake)
+    small = lambda i: Job(prompts_of([4], seed=100 + i)[0], 6, stop_token_ids=[], identifier=f"s{i}")  # noqa: E731
+    gen.enqueue([small(i) for i in range(3)])
+    gen.iterate()  # the small ones are running
+    big = gen.enqueue(Job(prompts_of([40], seed=7)[0], 60, stop_token_ids=[], identifier="big"))  # needs 7 of 8 pages
+    started = {}
+    for step in range(200):
+        if step < 40:
+            gen.enqueue(small(10 + step))
+        for r in gen.iterate():
+            if isinstance(r, JobStarted):
+                started[r.identifier] = step
+        if "big" in started:
+            break
+    assert "big" in started and started["big"] <= overtake + 12
+    overtook = [k for k, v in started.items() if k != "big" and v < started["big"] and int(k[1:]) >= 10]
+    assert (len(overtook) == 0) if overtake == 0 else (len(overtook) > 0)
+    gen.cancel(big)
+    list(gen.stream())
+    gen.verify_pages()

@@ -5,7 +5,8 @@ Each step (:meth:`Generator.iterate`):
 1. finish cancelled jobs (their pages go back at once);
 2. admit waiting jobs in FIFO order while the batch has room and the cache can hold the job's whole
    length (prompt + max_new_tokens, reserved up front so a running job never runs out of pages);
-   a job that does not fit waits, and nobody behind it jumps the queue, so no job starves;
+   a job that does not fit waits; later jobs that fit may pass it for ``max_overtake_steps`` steps,
+   then nobody passes it until it is in (aging), so a big job is never starved;
 3. plan one token budget (``max_chunk_tokens``): every decoding job gets its next token (plus
    speculative draft tokens), prefilling jobs share what is left in admission order;
 4. run one forward over the mixed batch, then sample, verify drafts, stream text, check stops.
@@ -44,6 +45,7 @@ from .job import (
 from .speculative import DraftRequest, Proposer
 
 BANNED_STRING_RETRIES = 32
+ADMIT_SCAN = 64  # how deep into the queue admission looks for jobs that fit
 
 
 class JobTooLargeError(TrellmError, ValueError):
@@ -76,7 +78,6 @@ class _Running:
         self.time_first_token: float | None = None
         self.draft_proposed = 0
         self.draft_accepted = 0
-        self.pending_chunk: TokenChunk | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -103,6 +104,7 @@ class Generator:
         proposer: Proposer | None = None,
         num_draft_tokens: int = 4,
         prefix_caching: bool = True,
+        max_overtake_steps: int = 16,
     ):
         self.loaded = model if hasattr(model, "model") else None
         self.model = getattr(model, "model", model)
@@ -112,6 +114,8 @@ class Generator:
             raise ValueError(f"max_batch_size and max_chunk_tokens must be >= 1, got {max_batch_size}, {max_chunk_tokens}")
         self.max_batch_size = max_batch_size
         self.max_chunk_tokens = max_chunk_tokens
+        self.max_overtake_steps = max_overtake_steps  # 0 = strict FIFO admission
+        self._head_waited = 0
         self.proposer = proposer
         self.num_draft_tokens = num_draft_tokens
         self.state_layers = self.cache.state_layers()
@@ -246,34 +250,54 @@ class Generator:
         return list(ids)
 
     def _admit(self, results: list[Result]) -> None:
+        """Admit waiting jobs in FIFO order. A job that does not fit yet may be overtaken by later ones
+        that do, but only for ``max_overtake_steps`` steps; after that nobody passes it (aging)."""
+        i = 0
+        head_blocked = False
+        while i < len(self.pending) and i < ADMIT_SCAN and len(self.active) < self.max_batch_size:
+            job, prompt_ids = self.pending[i]
+            if self._try_admit(job, prompt_ids, results):
+                del self.pending[i]
+                if i == 0:
+                    self._head_waited = 0
+                continue
+            if i == 0:
+                head_blocked = True
+                if self._head_waited >= self.max_overtake_steps:
+                    break
+            i += 1
+        if head_blocked:
+            self._head_waited += 1
+
+    def _try_admit(self, job: Job, prompt_ids: list[int], results: list[Result]) -> bool:
+        """Give ``job`` its pages (reusing cached prefix pages) and a state slot; False when they are not free."""
         prefix = self.cache.prefix_cache
-        while self.pending and len(self.active) < self.max_batch_size:
-            job, prompt_ids = self.pending[0]
-            total_pages = self.cache.pages_for(len(prompt_ids) + job.max_new_tokens)
-            names: list[bytes] = []
-            reused: list[int] = []
-            if self.prefix_caching:
-                # The last prompt token is always computed (its logits start decoding), so reuse stops before its page.
-                names = page_hashes(prompt_ids[: len(prompt_ids) - 1], self.cache.page_size)
-                reused = prefix.lookup(names)
-            if prefix.available(excluding=reused) < total_pages - len(reused):
-                break  # wait for pages; FIFO, so nobody overtakes this job
-            slots = self._alloc_state_slots()
-            if slots is False:
-                break
-            self.pending.popleft()
-            seq = SequenceState(self.cache)
-            self.cache.allocator.incref(reused)
-            seq.pages = reused + prefix.alloc(total_pages - len(reused))
-            seq.length = len(reused) * self.cache.page_size
-            run = _Running(job, prompt_ids, seq, self.tokenizer, job.stop_token_ids if job.stop_token_ids is not None else self.default_stop_ids)
-            run.state_slot = slots
-            run.cached_tokens = seq.length
-            run.named_pages = len(reused)
-            run.last_name = names[len(reused) - 1] if reused else ROOT_HASH
-            self.stats["reused_tokens"] += seq.length
-            self.active.append(run)
-            results.append(JobStarted(job=job, identifier=job.identifier, prompt_tokens=run.prompt_len, cached_tokens=run.cached_tokens))
+        total_pages = self.cache.pages_for(len(prompt_ids) + job.max_new_tokens)
+        names: list[bytes] = []
+        reused: list[int] = []
+        if self.prefix_caching:
+            # The last prompt token is always computed (its logits start decoding), so reuse stops before its page.
+            names = page_hashes(prompt_ids[: len(prompt_ids) - 1], self.cache.page_size)
+            reused = prefix.lookup(names)
+        if prefix.available(excluding=reused) < total_pages - len(reused):
+            return False
+        slot = self._alloc_state_slots()
+        if slot is False:
+            return False
+        seq = SequenceState(self.cache)
+        self.cache.allocator.incref(reused)
+        seq.pages = reused + prefix.alloc(total_pages - len(reused))
+        seq.length = len(reused) * self.cache.page_size
+        stop_ids = job.stop_token_ids if job.stop_token_ids is not None else self.default_stop_ids
+        run = _Running(job, prompt_ids, seq, self.tokenizer, stop_ids)
+        run.state_slot = slot
+        run.cached_tokens = seq.length
+        run.named_pages = len(reused)
+        run.last_name = names[len(reused) - 1] if reused else ROOT_HASH
+        self.stats["reused_tokens"] += seq.length
+        self.active.append(run)
+        results.append(JobStarted(job=job, identifier=job.identifier, prompt_tokens=run.prompt_len, cached_tokens=run.cached_tokens))
+        return True
 
     def _alloc_state_slots(self) -> int | None | bool:
         """One recurrent-state slot (same index in every state layer), None without state layers, False when none is free."""
