@@ -1,4 +1,4 @@
-"""Qwen2.5-VL and Qwen3-VL parity with HF on tiny random models: processor, towers, M-RoPE, DeepStack.
+"""Qwen2.5-VL, Qwen3-VL and GLM 4.1V parity with HF on tiny random models: processors, towers, M-RoPE, DeepStack.
 
 The tower sees 4-pixel patches merged 2x2 and 16-pixel windows, so a 61x37 image becomes a 16x10
 patch grid, 8x5 merged tokens and (Qwen2.5-VL) partial windows at the edges; layer 1 attends over the
@@ -35,6 +35,11 @@ def tiny_config(transformers, family: str):
     vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
                   temporal_patch_size=2, out_hidden_size=64)
     tokens = dict(image_token_id=IMAGE, video_token_id=311, vision_start_token_id=START, vision_end_token_id=END)
+    if family == "glm4v":
+        text["rope_parameters"].update(mrope_section=[2, 1, 1], partial_rotary_factor=0.5)
+        vision.update(intermediate_size=48, image_size=16)
+        tokens = dict(image_token_id=IMAGE, video_token_id=311, image_start_token_id=START, image_end_token_id=END)
+        return transformers.Glm4vConfig(text_config=text, vision_config=vision, **tokens), transformers.Glm4vForConditionalGeneration
     if family == "qwen2_5_vl":
         vision.update(window_size=16, fullatt_block_indexes=[1])
         return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens), transformers.Qwen2_5_VLForConditionalGeneration
@@ -43,9 +48,9 @@ def tiny_config(transformers, family: str):
     return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens), transformers.Qwen3VLForConditionalGeneration
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "glm4v"])
 def qwen(request, tmp_path_factory):
-    """(HF model, HF image processor, trellm model) of a tiny random Qwen2.5-VL / Qwen3-VL."""
+    """(HF model, HF image processor, trellm model) of a tiny random Qwen2.5-VL / Qwen3-VL / GLM 4.1V."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -58,9 +63,12 @@ def qwen(request, tmp_path_factory):
                 p.normal_(1, 0.3)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
-    mean = {} if request.param == "qwen2_5_vl" else {"image_mean": [0.5] * 3, "image_std": [0.5] * 3}
-    proc = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
-                                    size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64}, **mean)
+    mean = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if request.param == "qwen3_vl" else {}
+    proc_cls = Qwen2VLImageProcessorPil
+    if request.param == "glm4v":
+        from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil as proc_cls
+    proc = proc_cls(patch_size=4, merge_size=2, temporal_patch_size=2,
+                    size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64}, **mean)
     proc.save_pretrained(path)
     with torch_threads(1):
         yield hf, proc, trellm.load(path, device="cpu", dtype="float32")

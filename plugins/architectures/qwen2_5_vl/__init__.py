@@ -53,16 +53,17 @@ class MRotaryEmbedding:
     """RoPE whose frequency bands read the time / row / column position (``sections`` bands each).
 
     ``interleaved_sections``: bands assigned t, h, w, t, h, w, ... (Qwen3-VL) instead of in blocks.
+    Only the first ``rotary_dim`` dims of each head rotate (GLM 4.1V: half of them).
     Drop-in for :class:`trellm.modules.layers.RotaryEmbedding` (``cos_sin(positions, max_seq_len)``).
     """
 
-    interleaved = False  # NeoX pairing of dims
-
-    def __init__(self, head_dim: int, theta: float, sections: Sequence[int], interleaved_sections: bool = False):
-        half = head_dim // 2
+    def __init__(self, rotary_dim: int, theta: float, sections: Sequence[int], interleaved_sections: bool = False,
+                 interleaved: bool = False):
+        half = rotary_dim // 2
         if sum(sections) != half:
-            raise ConfigError(f"config.json: mrope_section {list(sections)} must add up to head_dim / 2 = {half}")
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+            raise ConfigError(f"config.json: mrope_section {list(sections)} must add up to the rotary dim / 2 = {half}")
+        self.interleaved = interleaved  # GPT-J pairing of dims (GLM) instead of NeoX halves
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
         if interleaved_sections:
             axis = torch.zeros(half, dtype=torch.long)
             for a in (1, 2):
@@ -126,8 +127,8 @@ def read_config(raw: dict, read_text=read_qwen2_text) -> QwenVLConfig:
     return QwenVLConfig(
         text=text, vision=vision,
         image_token_id=int(raw.get("image_token_id", 151655)),
-        vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
-        vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
+        vision_start_token_id=int(raw.get("vision_start_token_id", raw.get("image_start_token_id", 151652))),
+        vision_end_token_id=int(raw.get("vision_end_token_id", raw.get("image_end_token_id", 151653))),
         mrope_section=tuple(int(s) for s in section),
     )
 
@@ -162,7 +163,9 @@ class QwenVisionLanguageModel(VisionLanguageModel):
 
     def __init__(self, cfg: QwenVLConfig):
         language = self.build_language(cfg)
-        rope = MRotaryEmbedding(cfg.text.head_dim, cfg.text.rope.theta, cfg.mrope_section, self.interleaved_sections)
+        rotary_dim = int(cfg.text.head_dim * cfg.text.rope.partial_rotary_factor)
+        rope = MRotaryEmbedding(rotary_dim, cfg.text.rope.theta, cfg.mrope_section, self.interleaved_sections,
+                                self.text_options.rope_interleaved)
         for attn in language.attention_layers():
             if attn is not None:
                 attn.rope = rope

@@ -74,9 +74,13 @@ class QwenVLProcessor:
             steps=steps,
         )
 
+    def fit(self, height: int, width: int) -> tuple[int, int]:
+        """The resized (height, width) of an image."""
+        return fit_size(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
+
     def __call__(self, img) -> tuple[torch.Tensor, tuple[int, int, int]]:
         w0, h0 = img.size
-        h, w = fit_size(h0, w0, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
+        h, w = self.fit(h0, w0)
         x = self.steps.to_array(self.steps.resize(img, h, w))  # [C, h, w]
         p, m, c = self.patch_size, self.merge_size, x.shape[0]
         gh, gw = h // p, w // p
