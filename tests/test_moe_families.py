@@ -46,6 +46,10 @@ FAMILIES = {
     "minimax_m2": ("MiniMaxM2ForCausalLM", dict(
         num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16, bos_token_id=1, eos_token_id=2,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    "afmoe": ("AfmoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1, num_hidden_layers=3,
+        head_dim=16, sliding_window=8, route_scale=2.0, mup_enabled=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     "deepseek_v3": ("DeepseekV3ForCausalLM", dict(DEEPSEEK_ROUTING, **MLA)),
     "deepseek_v3_no_q_lora_yarn": ("DeepseekV3ForCausalLM", dict(
         DEEPSEEK_ROUTING, **{**MLA, "q_lora_rank": None}, rope_interleave=False, n_group=1, topk_group=1,
@@ -72,6 +76,7 @@ def test_moe_family_parity(tmp_path, name):
     arch, cfg = FAMILIES[name]
     model_dir = make_tiny_hf_model(arch, tmp_path, **cfg)
     randomize(model_dir, "e_score_correction_bias")
+    randomize(model_dir, "expert_bias")
     check_parity(model_dir, max_new_tokens=12).assert_ok()
 
 

@@ -1,0 +1,96 @@
+"""AfMoE (AfmoeForCausalLM, Arcee Trinity): sandwich-normed blocks, attention with QK-norm and a sigmoid
+output gate, RoPE on sliding-window layers only (global layers are NoPE), and sigmoid-routed experts
+with an expert bias, ``route_scale`` and shared experts after ``num_dense_layers`` dense layers."""
+from __future__ import annotations
+
+import torch
+
+import trellm
+from trellm import ops
+from trellm.batch import ForwardBatch
+from trellm.config import DecoderConfig
+from trellm.modules.base import Module
+from trellm.modules.decoder import DecoderLayer
+from trellm.modules.layers import Attention, Embedding, GatedMLP, RMSNorm, RotaryEmbedding
+from trellm.modules.linear import Linear
+from trellm.modules.moe import Experts, MoE, Router, ScoreTopK, config_int
+from trellm.modules.decoder import CausalLM
+from trellm.spec import ArchitectureSpec
+
+
+class OutputGatedAttention(Attention):
+    """Attention followed by ``o * sigmoid(gate_proj(x))``; no RoPE when ``rope`` is None (NoPE global layers)."""
+
+    def __init__(self, key: str, layer_idx: int, cfg: DecoderConfig, rope: RotaryEmbedding | None, sliding_window: int):
+        super().__init__(key, layer_idx, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                         rope, cfg.attention_bias, cfg.attention_bias, cfg.rms_norm_eps, sliding_window=sliding_window)
+        self.gate_proj = Linear(f"{key}.gate_proj", cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_norm.forward(self.q_proj(x).view(t, self.num_heads, self.head_dim))
+        k = self.k_norm.forward(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.rope is not None:
+            cos, sin = self.rope.cos_sin(batch.positions, batch.max_seq_len)
+            q = ops.rotary_embedding(q, cos, sin, self.rope.interleaved)
+            k = ops.rotary_embedding(k, cos, sin, self.rope.interleaved)
+        if batch.cache is None:
+            o = ops.attention_varlen(q, k, v, batch.cu_seqlens, self.scale, self.sliding_window)
+        else:
+            layer = batch.cache.layers[self.layer_idx]
+            layer.store(k, v, batch.slots)
+            o = layer.attend(q, batch, self.scale, self.sliding_window)
+        o = o.reshape(t, self.num_heads * self.head_dim) * torch.sigmoid(self.gate_proj(x))
+        return self.o_proj(o)
+
+
+def build(cfg: DecoderConfig) -> CausalLM:
+    x = cfg.extra
+    eps, hidden = cfg.rms_norm_eps, cfg.hidden_size
+    types = list(cfg.layer_types) or ["sliding_attention"] * cfg.num_hidden_layers
+    rope = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+    num_experts, size = config_int(x, "num_experts"), config_int(x, "moe_intermediate_size")
+    n_shared = config_int(x, "num_shared_experts", default=0)
+    dense_layers = config_int(x, "num_dense_layers", default=0)
+    strategy = ScoreTopK(config_int(x, "num_experts_per_tok"), score="sigmoid", scaling=float(x.get("route_scale", 1.0)))
+    layers: list[Module] = []
+    for i, kind in enumerate(types):
+        key = f"model.layers.{i}"
+        sliding = kind == "sliding_attention"
+        attn = OutputGatedAttention(f"{key}.self_attn", i, cfg, rope if sliding else None, cfg.sliding_window if sliding else 0)
+        m = f"{key}.mlp"
+        if i < dense_layers:
+            mlp: Module = GatedMLP(m, hidden, cfg.intermediate_size, cfg.hidden_act)
+        else:
+            mlp = MoE(
+                m,
+                Router(f"{m}.router.gate", hidden, num_experts, strategy, correction_bias_key=f"{m}.expert_bias"),
+                Experts(f"{m}.experts", num_experts, hidden, size, cfg.hidden_act),
+                GatedMLP(f"{m}.shared_experts", hidden, size * n_shared, cfg.hidden_act) if n_shared else None,
+            )
+        norm = lambda name: RMSNorm(f"{key}.{name}", hidden, eps)  # noqa: E731
+        layers.append(DecoderLayer(key, norm("input_layernorm"), attn, norm("pre_mlp_layernorm"), mlp,
+                                   attn_out_norm=norm("post_attention_layernorm"), mlp_out_norm=norm("post_mlp_layernorm")))
+    scale = hidden**0.5 if x.get("mup_enabled") else None
+    return CausalLM(
+        cfg,
+        Embedding("model.embed_tokens", cfg.vocab_size, hidden, scale),
+        layers,
+        RMSNorm("model.norm", hidden, eps),
+        Linear("lm_head", hidden, cfg.vocab_size, alt_key="model.embed_tokens" if cfg.tie_word_embeddings else None),
+    )
+
+
+SPEC = ArchitectureSpec(
+    name="afmoe",
+    architectures=("AfmoeForCausalLM",),
+    read_config=DecoderConfig.from_hf,
+    build=build,
+    description="Arcee AfMoE (Trinity): gated attention, NoPE global layers, sigmoid-routed experts",
+)
+
+
+@trellm.hookimpl
+def trellm_register_architectures(register):
+    register(SPEC)
