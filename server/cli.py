@@ -10,7 +10,7 @@ from .config import ServerConfig, load_config_file
 # CLI flag -> ServerConfig field, for the flags whose value is taken as given
 _FLAGS = ("model", "model_name", "host", "port", "api_key", "admin_key", "max_queue", "max_batch_size", "max_chunk_tokens",
           "cache_size", "page_size", "cache_bits", "draft_model", "num_draft_tokens", "device", "dtype",
-          "default_max_tokens", "max_request_bytes", "log_level")
+          "default_max_tokens", "max_tokens_limit", "max_request_bytes", "log_level")
 
 
 def add_cli(subparsers) -> None:
@@ -35,6 +35,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", help="float32, float16 or bfloat16")
     p.add_argument("--default-max-tokens", type=int, help="chat completions without max_tokens stop here (default 512)")
+    p.add_argument("--max-tokens-limit", type=int, help="the most new tokens one request may ask for (default: no limit)")
+    p.add_argument("--accept-any-model-name", dest="strict_model_name", action="store_false", default=None,
+                   help="serve requests whatever model name they give (default: 404 for another name)")
     p.add_argument("--max-request-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
     p.add_argument("--log-level", help="debug, info, warning (default info)")
     p.add_argument("--config", help="YAML or JSON file with the same settings (underscored or dashed names)")
@@ -48,6 +51,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     given = {name: getattr(args, name) for name in _FLAGS if getattr(args, name, None) is not None}
     if getattr(args, "disable_auth", None):
         given["disable_auth"] = True
+    if getattr(args, "strict_model_name", None) is False:
+        given["strict_model_name"] = False
     return config.updated(given, "command line")
 
 

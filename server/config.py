@@ -53,6 +53,7 @@ class ServerConfig:
     device: str | None = None
     dtype: str | None = None
     default_max_tokens: int = 512  # chat requests without max_tokens: at most this many (and what the cache allows)
+    max_tokens_limit: int | None = None  # requests asking for more new tokens get 400; None = what the cache allows
     max_request_bytes: int = 4 * 1024 * 1024
     max_n: int = 16
     strict_model_name: bool = True  # 404 for a request naming another model

@@ -17,7 +17,7 @@ from trellm.generator import AsyncJob, Job, JobFinished, JobStarted, JobTooLarge
 
 from .engine import ModelHost, QueueFullError
 from .errors import APIError, bad_request
-from .schemas import MAX_STOP_STRINGS, ChatCompletionRequest, ChatMessage, SamplingFields
+from .schemas import DRY_MAX_RANGE, GREEDY_BELOW_TEMPERATURE, MAX_STOP_STRINGS, ChatCompletionRequest, ChatMessage, SamplingFields
 
 log = logging.getLogger("trellm.server")
 T = TypeVar("T")
@@ -128,7 +128,8 @@ def stop_strings(req: SamplingFields) -> list[str]:
 
 def sampler_settings(host: ModelHost, req: SamplingFields) -> SamplerSettings:
     """The request's sampler fields as SamplerSettings (validated by building the stack once)."""
-    kw: dict[str, Any] = {"temperature": 1.0 if req.temperature is None else req.temperature}
+    temperature = 1.0 if req.temperature is None else req.temperature
+    kw: dict[str, Any] = {"temperature": 0.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature}
     for name in PASSTHROUGH_SAMPLER_FIELDS:
         value = getattr(req, name)
         if value is not None:
@@ -159,6 +160,8 @@ def sampler_settings(host: ModelHost, req: SamplingFields) -> SamplerSettings:
         for b in req.dry_sequence_breakers:
             breakers += [b] if isinstance(b, int) else encode_text(host.tokenizer, b, False, "dry_sequence_breakers")
         kw["dry_sequence_breakers"] = tuple(breakers)
+    if req.dry_multiplier:
+        kw["dry_range"] = min(req.dry_range or DRY_MAX_RANGE, DRY_MAX_RANGE)
     settings = SamplerSettings(**kw)
     try:
         settings.build()
@@ -181,6 +184,11 @@ def make_jobs(host: ModelHost, req: SamplingFields, prompts: list[list[int]], ma
     if req.ignore_eos or req.stop_token_ids:
         stop_ids = set(req.stop_token_ids or []) | (set() if req.ignore_eos else host.lm.default_stop_ids())
     capacity = host.generator.capacity_tokens
+    limit = host.config.max_tokens_limit
+    if limit is not None and max_tokens is not None and max_tokens > limit:
+        raise bad_request(f"max_tokens={max_tokens} is more than this server allows per request ({limit})", param="max_tokens")
+    if limit is not None:
+        default_max = min(default_max, limit)
     jobs = []
     for p, ids in enumerate(prompts):
         room = capacity - len(ids)

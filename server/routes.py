@@ -102,8 +102,9 @@ def build_router(keys) -> APIRouter:
         if isinstance(body.text, str):
             ids = encode_text(host.tokenizer, body.text, body.add_special_tokens, "text")
         else:
-            chat = ChatCompletionRequest(model=host.model_name, messages=body.text)
-            ids = chat_prompt(host, chat) if body.text else []
+            if not body.text:
+                raise bad_request("text: the message list is empty", param="text")
+            ids = chat_prompt(host, ChatCompletionRequest.model_construct(model=host.model_name, messages=body.text))
         return TokenEncodeResponse(tokens=ids, length=len(ids))
 
     @router.post("/v1/token/decode", dependencies=api, response_model=TokenDecodeResponse, tags=["tokens"])

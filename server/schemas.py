@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LIST = 64
+DRY_MAX_RANGE = 512  # DRY's penalty grows as base ** match length: a bounded window keeps it finite
+GREEDY_BELOW_TEMPERATURE = 1e-4  # smaller temperatures overflow the logits; they mean greedy anyway
 
 Float = float  # readability in the field declarations below
 
@@ -46,13 +48,13 @@ class SamplingFields(_Request):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     typical_p: float | None = Field(None, gt=0.0, le=1.0)
     temperature_last: bool | None = None
-    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
     penalty_range: int | None = Field(None, ge=0)
     dry_multiplier: float | None = Field(None, ge=0.0, le=100.0)
     dry_base: float | None = Field(None, ge=1.0, le=4.0)
     dry_allowed_length: int | None = Field(None, ge=1, le=4096)
     dry_sequence_breakers: list[Union[int, str]] | None = Field(None, max_length=MAX_LIST)
-    dry_range: int | None = Field(None, ge=0)
+    dry_range: int | None = Field(None, ge=0, description=f"0 = the last {DRY_MAX_RANGE} tokens (the most allowed)")
     xtc_threshold: float | None = Field(None, ge=0.0, le=1.0)
     xtc_probability: float | None = Field(None, ge=0.0, le=1.0)
     min_tokens: int | None = Field(None, ge=0)
