@@ -145,8 +145,33 @@ def gemma3(tmp_path_factory):
         "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pan_and_scan": False,
     }))
+    write_tiny_tokenizer(path)
     with torch_threads(1):  # tiny models: one thread is fastest and spares a loaded machine
         yield hf, trellm.load(path, device="cpu", dtype="float32"), path
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn> {{ m.role }} "
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type == 'image' %}<start_of_image>{% else %}{{ p.text }}{% endif %} {% endfor %}{% endif %}"
+    "<end_of_turn> {% endfor %}{% if add_generation_prompt %}<start_of_turn> model {% endif %}"
+)
+
+
+def write_tiny_tokenizer(path) -> None:
+    """A word-level tokenizer with Gemma 3's image tokens and a chat template that writes one marker per image."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "user", "model", "what", "is", "this", "?"]
+    vocab = {w: i for i, w in enumerate(words)}
+    vocab.update({f"w{i}": i for i in range(len(words), 297)})
+    vocab.update({"<start_of_image>": BOI, "<end_of_image>": EOI, "<image_soft_token>": IMAGE})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                            "<end_of_image>", "<image_soft_token>"])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "bos_token": "<bos>", "chat_template": CHAT_TEMPLATE}))
 
 
 def hf_pixels(path, img) -> torch.Tensor:
@@ -270,3 +295,22 @@ def test_gemma3_bad_requests_leave_model_working(gemma3):
         list(lm.generate_ids(PROMPT, max_new_tokens=2, images=[b"garbage"]))
     assert torch.equal(lm.logits([PROMPT], images=[[img]]), before)
     assert len(list(lm.generate_ids([2, 10, 11], max_new_tokens=3, stop_token_ids=[]))) == 3  # text-only still works
+
+
+def test_gemma3_openai_chat_with_data_url_image(gemma3):
+    """The server's path: OpenAI messages -> chat template with image markers -> text prompt + images -> generate."""
+    hf, lm, path = gemma3
+    img = random_image(13)
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "what is this ?"},
+        {"type": "image_url", "image_url": {"url": data_url(img)}},
+    ]}]
+    template_messages, images = split_openai_messages(messages)
+    prompt = lm.tokenizer.apply_chat_template(template_messages)
+    assert prompt.count("<start_of_image>") == 1
+    by_text = prepare_prompt(lm, prompt, images)  # text-level expansion, as HF's processor does
+    by_ids = prepare_prompt(lm, lm.tokenizer.encode(prompt), images)
+    assert by_text.input_ids == by_ids.input_ids and by_text.input_ids.count(IMAGE) == 4
+    ids = list(lm.generate_ids(by_ids.input_ids, max_new_tokens=5, stop_token_ids=[], images=by_ids))
+    assert ids == hf_greedy(hf, by_ids.input_ids, hf_pixels(path, img), 5)
+    assert lm.generate(prompt, max_new_tokens=5, stop_token_ids=[], images=images) == lm.tokenizer.decode(ids)
