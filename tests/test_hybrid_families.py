@@ -34,6 +34,9 @@ FAMILIES = {
     "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", {**LINEAR, **EXPERTS}),
     "qwen3_5": ("Qwen3_5ForCausalLM", LINEAR),
     "qwen3_next": ("Qwen3NextForCausalLM", {**LINEAR, **EXPERTS, "decoder_sparse_step": 1, "mlp_only_layers": [1]}),
+    "olmo_hybrid": ("OlmoHybridForCausalLM", dict(
+        num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)),
     "lfm2_moe": ("Lfm2MoeForCausalLM", dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1, num_hidden_layers=3,
         layer_types=["conv", "full_attention", "conv"], routed_scaling_factor=1.5)),

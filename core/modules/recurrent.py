@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..batch import ForwardBatch
 from ..cache import KVCache
+from ..errors import WeightError
 from .base import LoadContext, Module
 from .decoder import CausalLM
 from .layers import Attention, RMSNorm
@@ -49,6 +50,9 @@ class GatedDeltaNet(Module):
 
     ``projection="split"`` (Qwen3.5): ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
     ``projection="fused"`` (Qwen3-Next): ``in_proj_qkvz`` and ``in_proj_ba``, grouped per key head.
+    ``projection="separate"`` (OLMo Hybrid): ``q_proj``/``k_proj``/``v_proj``/``g_proj``/``b_proj``/``a_proj``,
+    the conv stored as ``q_conv1d``/``k_conv1d``/``v_conv1d``, output ``o_norm`` + ``o_proj``.
+    ``beta_scale`` 2 lets beta reach (0, 2) (negative eigenvalues, OLMo Hybrid).
     """
 
     def __init__(
@@ -65,11 +69,13 @@ class GatedDeltaNet(Module):
         projection: str = "split",
         conv_bias: bool = False,
         chunk_size: int = 64,
+        beta_scale: float = 1.0,
+        norm_eps: float | None = None,
     ):
         if num_v_heads % num_k_heads:
             raise ValueError(f"{key}: value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})")
-        if projection not in ("split", "fused"):
-            raise ValueError(f"{key}: unknown projection layout {projection!r}; use 'split' or 'fused'")
+        if projection not in ("split", "fused", "separate"):
+            raise ValueError(f"{key}: unknown projection layout {projection!r}; use 'split', 'fused' or 'separate'")
         self.key, self.layer_idx, self.projection = key, layer_idx, projection
         self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim = num_k_heads, num_v_heads, head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
@@ -80,17 +86,33 @@ class GatedDeltaNet(Module):
             self.in_proj_z = Linear(f"{key}.in_proj_z", hidden_size, self.value_dim)
             self.in_proj_b = Linear(f"{key}.in_proj_b", hidden_size, num_v_heads)
             self.in_proj_a = Linear(f"{key}.in_proj_a", hidden_size, num_v_heads)
-        else:
+        elif projection == "fused":
             self.in_proj_qkvz = Linear(f"{key}.in_proj_qkvz", hidden_size, self.conv_dim + self.value_dim)
             self.in_proj_ba = Linear(f"{key}.in_proj_ba", hidden_size, 2 * num_v_heads)
-        self.norm = GatedRMSNorm(f"{key}.norm", head_v_dim, eps)
-        self.out_proj = Linear(f"{key}.out_proj", self.value_dim, hidden_size)
+        else:
+            self.q_proj = Linear(f"{key}.q_proj", hidden_size, self.key_dim)
+            self.k_proj = Linear(f"{key}.k_proj", hidden_size, self.key_dim)
+            self.v_proj = Linear(f"{key}.v_proj", hidden_size, self.value_dim)
+            self.g_proj = Linear(f"{key}.g_proj", hidden_size, self.value_dim)
+            self.b_proj = Linear(f"{key}.b_proj", hidden_size, num_v_heads)
+            self.a_proj = Linear(f"{key}.a_proj", hidden_size, num_v_heads)
+        separate = projection == "separate"
+        self.norm = GatedRMSNorm(f"{key}.{'o_norm' if separate else 'norm'}", head_v_dim, eps if norm_eps is None else norm_eps)
+        self.out_proj = Linear(f"{key}.{'o_proj' if separate else 'out_proj'}", self.value_dim, hidden_size)
+        self.beta_scale = beta_scale
         self.conv_weight = self.conv_bias_t = self.dt_bias = self.A_log = None
 
     def load(self, ctx: LoadContext) -> None:
         super().load(ctx)
         get = lambda name, shape, dtype=ctx.dtype: ctx.store.get(f"{self.key}.{name}", shape=shape, dtype=dtype, device=ctx.device)  # noqa: E731
-        self.conv_weight = get("conv1d.weight", (self.conv_dim, 1, self.conv_width))[:, 0].contiguous()
+        if self.projection == "separate":  # q/k/v convs stored apart (however the checkpoint split the channels)
+            parts = [get(f"{n}_conv1d.weight", None) for n in "qkv"]
+            self.conv_weight = torch.cat(parts)[:, 0].contiguous()
+            if self.conv_weight.shape != (self.conv_dim, self.conv_width):
+                raise WeightError(f"{ctx.store.model_dir}: {self.key}.{{q,k,v}}_conv1d.weight hold "
+                                  f"{list(self.conv_weight.shape)}, expected {[self.conv_dim, self.conv_width]}")
+        else:
+            self.conv_weight = get("conv1d.weight", (self.conv_dim, 1, self.conv_width))[:, 0].contiguous()
         self.conv_bias_t = get("conv1d.bias", (self.conv_dim,)) if self.conv_bias else None
         self.dt_bias = get("dt_bias", (self.num_v_heads,), torch.float32)
         self.A_log = get("A_log", (self.num_v_heads,), torch.float32)
@@ -109,6 +131,8 @@ class GatedDeltaNet(Module):
     def _project(self, x: torch.Tensor):
         """(q|k|v before the conv [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
         t = x.shape[0]
+        if self.projection == "separate":
+            return self._project_separate(x)
         if self.projection == "split":
             z = self.in_proj_z(x).view(t, self.num_v_heads, self.head_v_dim)
             return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
@@ -118,6 +142,11 @@ class GatedDeltaNet(Module):
         b, a = self.in_proj_ba(x).view(t, self.num_k_heads, 2 * per).split([per, per], dim=-1)
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return mixed, z.reshape(t, self.num_v_heads, self.head_v_dim), b.reshape(t, -1), a.reshape(t, -1)
+
+    def _project_separate(self, x: torch.Tensor):
+        t = x.shape[0]
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        return mixed, self.g_proj(x).view(t, self.num_v_heads, self.head_v_dim), self.b_proj(x), self.a_proj(x)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
@@ -141,6 +170,8 @@ class GatedDeltaNet(Module):
         k = l2_normalize(k.reshape(t, self.num_k_heads, self.head_k_dim)).repeat_interleave(groups, dim=1)
         v = v.reshape(t, self.num_v_heads, self.head_v_dim)
         beta = torch.sigmoid(b.float())
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
         if decode:
             o, rec_state = ops.gated_delta_rule_step(q, k, v, g, beta, rec_state)
