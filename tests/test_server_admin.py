@@ -1,0 +1,112 @@
+"""Server administration and configuration: model unload/load with the admin key, /health while loading,
+a model without a chat template, config files and the ``trellm serve`` command line."""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+try:
+    import httpx2 as httpx
+except ImportError:
+    httpx = pytest.importorskip("httpx")
+
+from trellm.errors import ConfigError  # noqa: E402
+from trellm.server.cli import config_from_args, with_keys  # noqa: E402
+from trellm.server.config import ServerConfig  # noqa: E402
+from trellm.server.testing import ServerThread  # noqa: E402
+
+API_KEY, ADMIN_KEY = "admin-test-api", "admin-test-admin"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def no_template_dir(tiny_llama_smollm2_tokenizer_dir, tmp_path_factory):
+    """The tiny Llama with every chat template removed."""
+    out = tmp_path_factory.mktemp("no_template")
+    for f in tiny_llama_smollm2_tokenizer_dir.iterdir():
+        if f.name != "chat_template.jinja":
+            shutil.copy(f, out / f.name)
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    tok_config.pop("chat_template", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(no_template_dir):
+    config = ServerConfig(model=str(no_template_dir), model_name="tiny", api_key=API_KEY, admin_key=ADMIN_KEY, device="cpu",
+                          cache_size=512, page_size=32, max_tokens_limit=8)
+    with ServerThread(config) as s:
+        yield s
+
+
+def test_missing_chat_template_is_a_clear_400(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert e.value.code == "chat_template_missing" and "chat_template" in e.value.message
+    template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_body={"chat_template": template})
+    assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
+
+
+def test_unload_then_load_with_health_503_while_loading(server, smollm2_dir):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    assert httpx.post(server.url + "/v1/model/unload", headers=ADMIN).json() == {"status": "unloaded"}
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 503 and health.json()["status"] == "empty"
+    with pytest.raises(openai.InternalServerError) as e:  # 503: no model
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert e.value.status_code == 503 and e.value.code == "model_not_ready"
+    assert client.models.list().data == []
+
+    seen = []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.append(httpx.get(server.url + "/health").status_code)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        r = httpx.post(server.url + "/v1/model/load", headers=ADMIN, timeout=300,
+                       json={"model": str(smollm2_dir), "model_name": "smol", "cache_size": 1024})
+    finally:
+        done.set()
+        watcher.join()
+    assert r.status_code == 200 and r.json()["id"] == "smol"
+    assert 503 in seen and httpx.get(server.url + "/health").status_code == 200
+    assert client.completions.create(model="smol", prompt="The capital of France is", max_tokens=2,
+                                     temperature=0).choices[0].text.startswith(" Paris")
+    bad = httpx.post(server.url + "/v1/model/load", headers=ADMIN, json={"model": "/no/such/dir"})
+    assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(server.url + "/health").status_code == 200  # a bad load request leaves the model alone
+
+
+def test_config_file_and_flags(tmp_path):
+    from trellm.cli import build_parser
+
+    (tmp_path / "serve.yaml").write_text("port: 6001\nmax-queue: 3\ncache_bits: 4,6\napi_key: from-file\n")
+    args = build_parser().parse_args(["serve", "--config", str(tmp_path / "serve.yaml"), "--max-queue", "9", "-m", "/models/x"])
+    config = config_from_args(args)
+    assert (config.port, config.max_queue, config.cache_bits, config.api_key, config.model) == (6001, 9, (4, 6), "from-file", "/models/x")
+    config, notes = with_keys(config)
+    assert config.api_key == "from-file" and len(config.admin_key) == 32 and len(notes) == 1
+    (tmp_path / "serve.json").write_text(json.dumps({"disable_auth": True, "port": 7000}))
+    config, notes = with_keys(config_from_args(build_parser().parse_args(["serve", "--config", str(tmp_path / "serve.json")])))
+    assert config.disable_auth and config.api_key is None and "DISABLED" in notes[0]
+    (tmp_path / "bad.yaml").write_text("prot: 1\n")
+    with pytest.raises(ConfigError, match="prot"):
+        config_from_args(build_parser().parse_args(["serve", "--config", str(tmp_path / "bad.yaml")]))
+    with pytest.raises(ConfigError, match="cache_bits"):
+        ServerConfig(cache_bits="4,9")
