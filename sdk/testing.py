@@ -56,9 +56,9 @@ def make_tiny_hf_model(
     if model_cls is None:
         raise ValueError(f"transformers {transformers.__version__} has no class {architecture!r}")
     values = {**TINY_DEFAULTS, **overrides}
+    values.update(_token_ids_inside(model_cls.config_class(), values))
     config = model_cls.config_class(**values)
     config.architectures = [architecture]
-    _fit_token_ids(config)
     torch.manual_seed(seed)
     model = model_cls(config).eval().float()
     if perturb_norms:
@@ -72,15 +72,17 @@ def make_tiny_hf_model(
     return out
 
 
-def _fit_token_ids(config) -> None:
+def _token_ids_inside(default_config, values: dict[str, Any]) -> dict[str, Any]:
     """Families' default special-token ids may lie outside the tiny vocabulary: move them inside."""
-    vocab = config.vocab_size
+    vocab = values["vocab_size"]
+    fixed: dict[str, Any] = {}
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        value = getattr(config, name, None)
+        value = values[name] if name in values else getattr(default_config, name, None)
         if isinstance(value, int) and value >= vocab:
-            setattr(config, name, vocab - 1)
+            fixed[name] = vocab - 1
         elif isinstance(value, list) and any(v >= vocab for v in value):
-            setattr(config, name, [v if v < vocab else vocab - 1 for v in value])
+            fixed[name] = [v if v < vocab else vocab - 1 for v in value]
+    return fixed
 
 
 def _param_name(model, param) -> str:
