@@ -212,7 +212,7 @@ def _counters(device: torch.device, groups: int) -> torch.Tensor:
     return c
 
 
-EXL3_SMALL_MAX_ROWS = 32
+EXL3_SMALL_MAX_ROWS = 16
 
 
 def exl3_matmul_small(
@@ -224,7 +224,7 @@ def exl3_matmul_small(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """y [m, n] = H128(H128(x * suh) @ W_hat) * svh (+ bias) in one launch, for 1..32 rows of x [m, k]."""
+    """y [m, n] = H128(H128(x * suh) @ W_hat) * svh (+ bias) in one launch, for 1..16 rows of x [m, k]."""
     k, n, K = _trellis_dims(trellis)
     if k % 128 or n % 128:
         raise KernelArgumentError(f"trellis: k={k}, n={n} must be multiples of 128")

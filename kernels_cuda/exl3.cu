@@ -25,7 +25,7 @@ extern "C" int trellm_exl3_matmul_small(const void *x, int x_dtype, const void *
                                         int K, int codebook, int num_sms, cudaStream_t stream) {
     int rc = check_exl3_dims(k, n, K, codebook);
     if (rc) return rc;
-    if (m < 1 || m > 32) return TRELLM_E_BAD_SHAPE;
+    if (m < 1 || m > 16) return TRELLM_E_BAD_SHAPE;
     if (counters_len < n / 128) return TRELLM_E_BAD_ARG;
     if (x_dtype < TRELLM_F16 || x_dtype > TRELLM_F32 || y_dtype < TRELLM_F16 || y_dtype > TRELLM_F32)
         return TRELLM_E_BAD_DTYPE;

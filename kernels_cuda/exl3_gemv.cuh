@@ -14,11 +14,13 @@
 
 #include "common.cuh"
 
+#include <stdlib.h>
+
 namespace trellm {
 
 constexpr int GEMV_WARPS = 8;
-constexpr int GEMV_KT = 8;                          // k tiles per warp
-constexpr int GEMV_SLICE = GEMV_WARPS * GEMV_KT;    // k tiles per block slice
+// k tiles per warp (KT): 8 (two blocks per SM), or 4 with a register cap for three (TRELLM_EXL3_KT=4).
+// A block's k-slice is GEMV_WARPS * KT tiles.
 
 __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm volatile(
@@ -70,10 +72,10 @@ struct MatmulArgs {
 
 // One launch: x transform, trellis matmul of the block's (k-slice, column run), partial store, and the
 // last block to arrive at a 128-column group sums the slices and applies H128 * svh (+ bias).
-template <int K, int CB, int MT>
-__global__ void __launch_bounds__(GEMV_WARPS * 32) exl3_matmul_small_kernel(const MatmulArgs args) {
+template <int K, int CB, int MT, int KT>
+__global__ void __launch_bounds__(GEMV_WARPS * 32, KT == 4 ? 3 : 2) exl3_matmul_small_kernel(const MatmulArgs args) {
     using G = TileGeom<K>;
-    constexpr int SLICE_K = GEMV_SLICE * 16;   // k elements per block slice
+    constexpr int SLICE_K = GEMV_WARPS * KT * 16;   // k elements per block slice
     const int acc_stride = args.m | 1;          // odd row stride of a warp's accumulator: valid rows only
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int m = args.m, k = args.k, n = args.n, cols_per_block = args.cols_per_block;
@@ -90,17 +92,17 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) exl3_matmul_small_kernel(cons
     const int slice_chunks = min(SLICE_K, k - k0) / 128;
 
     // Trellis words of the first column go in flight before the x transform: they do not depend on it.
-    const int i_begin = slice * GEMV_SLICE + warp * GEMV_KT;
+    const int i_begin = slice * GEMV_WARPS * KT + warp * KT;
     int w0, r;
     lane_window<K>(lane, w0, r);
     constexpr int TILE_WORDS = G::WORDS;
     const size_t row_stride = (size_t)tiles_n * TILE_WORDS;  // words between tile (i, j) and (i+1, j)
     float *acc = acc_all + (size_t)warp * cols_per_block * 16 * acc_stride;
 
-    uint32_t buf[2][GEMV_KT][G::NW];
-    auto load = [&](uint32_t(&dst)[GEMV_KT][G::NW], int j) {
+    uint32_t buf[2][KT][G::NW];
+    auto load = [&](uint32_t(&dst)[KT][G::NW], int j) {
 #pragma unroll
-        for (int t = 0; t < GEMV_KT; ++t) {
+        for (int t = 0; t < KT; ++t) {
             // Past the end of k, re-read the last tile row: its x fragments are zero, and keeping every
             // tile branch-free lets the compiler interleave the eight decode chains.
             const int i = min(i_begin + t, tiles_k - 1);
@@ -126,14 +128,14 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) exl3_matmul_small_kernel(cons
     __syncthreads();
 
     // x fragments (B operand: k x batch rows), one pair of registers per (k tile, group of 8 rows).
-    uint32_t xf[GEMV_KT][MT][2];
+    uint32_t xf[KT][MT][2];
 #pragma unroll
-    for (int t = 0; t < GEMV_KT; ++t) {
+    for (int t = 0; t < KT; ++t) {
         const int i = i_begin + t;
 #pragma unroll
         for (int g = 0; g < MT; ++g) {
             const int row = g * 8 + (lane >> 2);
-            const int col = (warp * GEMV_KT + t) * 16 + (lane & 3) * 2;
+            const int col = (warp * KT + t) * 16 + (lane & 3) * 2;
             uint32_t b0 = 0, b1 = 0;
             if (i < tiles_k && row < m) {
                 const uint32_t *p = reinterpret_cast<const uint32_t *>(xs + (size_t)row * SLICE_K + col);
@@ -145,12 +147,12 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) exl3_matmul_small_kernel(cons
         }
     }
 
-    auto compute = [&](const uint32_t(&src)[GEMV_KT][G::NW], int j) {
+    auto compute = [&](const uint32_t(&src)[KT][G::NW], int j) {
         float c[MT][4];
 #pragma unroll
         for (int g = 0; g < MT; ++g) c[g][0] = c[g][1] = c[g][2] = c[g][3] = 0.f;
 #pragma unroll
-        for (int t = 0; t < GEMV_KT; ++t) {
+        for (int t = 0; t < KT; ++t) {
             uint32_t a[4];
             tile_fragment<K, CB>(src[t], r, a);
 #pragma unroll
@@ -266,17 +268,29 @@ int launch_exl3_matmul_small(MatmulArgs args, int K, int num_sms, cudaStream_t s
 template <int CB>
 int launch_exl3_decode_tiles(const uint32_t *trellis, half *w, int k, int n, int K, cudaStream_t stream);
 
-inline int gemv_slices(int k) { return (k / 16 + GEMV_SLICE - 1) / GEMV_SLICE; }
+// KT from TRELLM_EXL3_KT (read once): 8 (default) or 4.
+inline int gemv_kt() {
+    static int kt = [] {
+        const char *e = getenv("TRELLM_EXL3_KT");
+        return (e && atoi(e) == 4) ? 4 : 8;
+    }();
+    return kt;
+}
 
-template <int K, int CB, int MT>
+inline int gemv_slices(int k) {
+    const int slice = GEMV_WARPS * gemv_kt();
+    return (k / 16 + slice - 1) / slice;
+}
+
+template <int K, int CB, int MT, int KT>
 int launch_matmul_mt(MatmulArgs args, int num_sms, cudaStream_t stream) {
     const int tiles_n = args.n / 16;
     const int slices = gemv_slices(args.k);
     const size_t acc_per_col = (size_t)GEMV_WARPS * 16 * (args.m | 1) * sizeof(float);
-    const size_t xs_bytes = (size_t)args.m * GEMV_SLICE * 16 * sizeof(half);
+    const size_t xs_bytes = (size_t)args.m * GEMV_WARPS * KT * 16 * sizeof(half);
     const size_t budget = 100 * 1024;  // two blocks fit an SM's shared memory
     const int max_cols = min(128, (int)((budget - xs_bytes) / acc_per_col));  // last_groups holds 16 groups
-    auto kernel = exl3_matmul_small_kernel<K, CB, MT>;
+    auto kernel = exl3_matmul_small_kernel<K, CB, MT, KT>;
     static int blocks_per_sm = 0;  // per instantiation; the register count bounds it
     if (blocks_per_sm == 0) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)budget);
@@ -309,9 +323,11 @@ int launch_matmul_mt(MatmulArgs args, int num_sms, cudaStream_t stream) {
 
 template <int K, int CB>
 int launch_matmul_k(MatmulArgs args, int num_sms, cudaStream_t stream) {
-    if (args.m <= 8) return launch_matmul_mt<K, CB, 1>(args, num_sms, stream);
-    if (args.m <= 16) return launch_matmul_mt<K, CB, 2>(args, num_sms, stream);
-    if (args.m <= 32) return launch_matmul_mt<K, CB, 4>(args, num_sms, stream);
+    const bool kt4 = gemv_kt() == 4;
+    if (args.m <= 8) return kt4 ? launch_matmul_mt<K, CB, 1, 4>(args, num_sms, stream)
+                                : launch_matmul_mt<K, CB, 1, 8>(args, num_sms, stream);
+    if (args.m <= 16) return kt4 ? launch_matmul_mt<K, CB, 2, 4>(args, num_sms, stream)
+                                 : launch_matmul_mt<K, CB, 2, 8>(args, num_sms, stream);
     return TRELLM_E_UNSUPPORTED;
 }
 

@@ -48,7 +48,7 @@ int trellm_fill_f32(float *out, int64_t n, float value, cudaStream_t stream);
 int trellm_hadamard_128(const void *x, int x_dtype, void *y, int y_dtype, int64_t rows, int64_t dim,
                         const void *pre, const void *post, const void *bias, cudaStream_t stream);
 
-/* EXL3 matmul for 1..32 rows in one launch: y [m, n] (y_dtype) = H128(H128(x * suh) @ W_hat) * svh + bias.
+/* EXL3 matmul for 1..16 rows in one launch: y [m, n] (y_dtype) = H128(H128(x * suh) @ W_hat) * svh + bias.
  * x [m, k] (x_dtype); suh, svh, bias fp16 (bias may be NULL); trellis int16 [k/16, n/16, 16*K].
  * workspace: float32 of trellm_exl3_matmul_small_workspace(m, k, n) elements; counters: int32 [>= n/128],
  * all zero before the first call (each call leaves them zero). Calls sharing counters must not run

@@ -336,7 +336,7 @@ def test_exl3_matmul_wide_layer_paths_agree(ops):
     x = torch.randn(40, k, device="cuda", dtype=torch.float16)
     fn = cuda_impl(ops.exl3.exl3_matmul)
     y_wide = fn(x, trellis, suh, svh, "3inst", bias)
-    for rows in (1, 8, 32):
+    for rows in (1, 8, 16):
         y = fn(x[:rows], trellis, suh, svh, "3inst", bias)
         assert rel_err(y, y_wide[:rows]) < 2e-3, rows
 
