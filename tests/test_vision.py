@@ -314,3 +314,25 @@ def test_gemma3_openai_chat_with_data_url_image(gemma3):
     ids = list(lm.generate_ids(by_ids.input_ids, max_new_tokens=5, stop_token_ids=[], images=by_ids))
     assert ids == hf_greedy(hf, by_ids.input_ids, hf_pixels(path, img), 5)
     assert lm.generate(prompt, max_new_tokens=5, stop_token_ids=[], images=images) == lm.tokenizer.decode(ids)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def check_on_cuda(lm, prompt, images) -> None:
+    """The model on the GPU (float32, decode through CUDA graphs) gives the CPU's logits and greedy tokens; bf16 runs."""
+    gpu = trellm.load(lm.model_dir, device="cuda", dtype="float32")
+    ref = lm.logits([prompt], images=[images])[0]
+    assert (gpu.logits([prompt], images=[images])[0].cpu() - ref).abs().max() < 1e-3
+    want = list(lm.generate_ids(prompt, max_new_tokens=6, stop_token_ids=[], images=images))
+    assert list(gpu.generate_ids(prompt, max_new_tokens=6, stop_token_ids=[], images=images)) == want
+    half = trellm.load(lm.model_dir, device="cuda", dtype="bfloat16")
+    got = half.logits([prompt], images=[images])[0].cpu()
+    assert torch.isfinite(got).all() and (got - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+@pytest.mark.cuda
+@cuda
+def test_gemma3_on_cuda(gemma3):
+    _, lm, _ = gemma3
+    check_on_cuda(lm, PROMPT, [random_image(14)])

@@ -17,6 +17,7 @@ from trellm.batch import ForwardBatch  # noqa: E402
 from trellm.cache import SequenceState  # noqa: E402
 from trellm.multimodal import attach_images, prepare_prompt  # noqa: E402
 from trellm.sdk.testing import torch_threads  # noqa: E402
+from test_vision import check_on_cuda  # noqa: E402  (tests/ is on sys.path)
 
 IMG, BREAK, END = 10, 12, 13
 PROMPT = [1, 5, 6, IMG, 7, 8, 9]
@@ -112,3 +113,10 @@ def test_mistral3_greedy_and_two_images_in_one_batch(mistral3):
     for s in states:
         s.release()
     assert outs == refs
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mistral3_on_cuda(mistral3):
+    _, _, lm = mistral3
+    check_on_cuda(lm, PROMPT, [random_image(3)])

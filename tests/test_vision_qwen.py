@@ -18,6 +18,7 @@ from trellm.batch import ForwardBatch  # noqa: E402
 from trellm.cache import SequenceState  # noqa: E402
 from trellm.multimodal import ImageError, attach_images, prepare_prompt  # noqa: E402
 from trellm.sdk.testing import torch_threads  # noqa: E402
+from test_vision import check_on_cuda  # noqa: E402  (tests/ is on sys.path)
 
 IMAGE, START, END = 310, 308, 309
 PROMPT = [5, 6, START, IMAGE, END, 7, 8, 9]
@@ -152,3 +153,10 @@ def test_qwen_marker_count_error(qwen):
     _, _, lm = qwen
     with pytest.raises(ImageError, match="1 image markers"):
         prepare_prompt(lm, PROMPT, [random_image(4), random_image(5)])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_qwen_on_cuda(qwen):
+    _, _, lm = qwen
+    check_on_cuda(lm, PROMPT, [random_image(6)])

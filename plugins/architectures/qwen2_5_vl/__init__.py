@@ -71,11 +71,15 @@ class MRotaryEmbedding:
         else:
             axis = torch.cat([torch.full((n,), a, dtype=torch.long) for a, n in enumerate(sections)])
         self.axis = axis  # which of (t, h, w) feeds each frequency band
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        thw = unpack_positions(positions).float()  # [3, L]
-        chosen = thw[self.axis.to(positions.device)]  # [half, L]
-        freqs = chosen.T * self.inv_freq.to(positions.device)
+        dev = positions.device
+        if dev not in self._on_device:  # copied once, before any CUDA-graph capture (which forbids copies)
+            self._on_device[dev] = (self.axis.to(dev), self.inv_freq.to(dev))
+        axis, inv_freq = self._on_device[dev]
+        chosen = unpack_positions(positions).float()[axis]  # [half, L]: each band's position
+        freqs = chosen.T * inv_freq
         return freqs.cos(), freqs.sin()
 
 
