@@ -6,6 +6,7 @@ import asyncio
 import random
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -44,6 +45,15 @@ def byte_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     return Tokenizer(backend)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy machine thread barriers cost ~5x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
