@@ -389,3 +389,16 @@ def test_big_job_is_not_starved(lm, overtake):
     gen.cancel(big)
     list(gen.stream())
     gen.verify_pages()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_generator_on_cuda(lm):
+    cuda_lm = trellm.load(lm.model_dir, device="cuda", dtype="float32")
+    prompts = prompts_of([3, 17, 40, 9], seed=12)
+    gen = Generator(cuda_lm, cache_tokens=1024, page_size=16, proposer=NgramProposer())
+    batched = gen.generate(prompts, 10, stop_token_ids=[], return_results=True)
+    assert [r.token_ids for r in batched] == [list(cuda_lm.generate_ids(p, 10, stop_token_ids=[])) for p in prompts]
+    qgen = Generator(cuda_lm, cache=quantized_cache(cuda_lm, 8, 8, max_tokens=1024, page_size=16))
+    assert all(len(r.token_ids) == 10 for r in qgen.generate(prompts, 10, stop_token_ids=[], return_results=True))
+    gen.verify_pages()
