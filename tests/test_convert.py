@@ -1,0 +1,137 @@
+"""`trellm convert`: a tiny random Llama to EXL3 on CPU, loaded back; resume; clear errors."""
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import trellm
+from trellm.convert import ConversionError, ConversionInterrupted, PlanGroup, allocate_bits, convert
+from trellm.errors import UnknownArchitectureError
+
+FAST = dict(device="cpu", progress=False, cal_rows=8, cal_cols=64, head_bits=6)
+
+
+def make_tiny_llama(path: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # larger weights than the default init: every layer matters to the logits
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 1.0 if "embed" in name else 0.1)
+    model.save_pretrained(path)
+    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("convert")
+    src = make_tiny_llama(root / "dense")
+    summary = convert(src, root / "q4", root / "work", 4.0, **FAST)
+    return src, root, summary
+
+
+def _kl(dense_dir: Path, quant_dir: Path) -> tuple[float, float]:
+    dense = trellm.load(dense_dir, device="cpu", dtype=torch.float32, tokenizer=False)
+    quant = trellm.load(quant_dir, device="cpu", dtype=torch.float32, tokenizer=False)
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    p, q = dense.logits(ids).log_softmax(-1), quant.logits(ids).log_softmax(-1)
+    kl = (p.exp() * (p - q)).sum(-1).mean().item()
+    agree = (p.argmax(-1) == q.argmax(-1)).float().mean().item()
+    return kl, agree
+
+
+def test_convert_tiny_llama_loads_and_matches_dense(converted):
+    src, root, summary = converted
+    out = root / "q4"
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["config.json", "generation_config.json", "model.safetensors", "quantization_config.json", "tokenizer_config.json"]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "exl3" and qc["bits"] == 4.0 and qc["head_bits"] == 6 and qc["codebook"] == "mul1"
+    storage = json.loads((out / "quantization_config.json").read_text())["tensor_storage"]
+    assert storage["lm_head"]["bits_per_weight"] == 6 and storage["lm_head"]["mul1_multiplier"] == 0x83DCD12D
+    assert storage["model.layers.0.self_attn.k_proj"]["stored_tensors"]["model.layers.0.self_attn.k_proj.trellis"]["shape"] == [8, 8, 64]
+    store = trellm.weights.WeightStore(out)
+    assert "model.embed_tokens.weight" in store and "lm_head.trellis" in store  # tied head written as lm_head.*
+    assert "model.layers.0.mlp.down_proj.weight" not in store
+    kl, agree = _kl(src, out)
+    print(f"\n4 bpw tiny Llama: KL(dense||quant) = {kl:.5f}, top-1 agreement {agree:.3f}, {summary['seconds']}s")
+    assert kl < 0.05 and agree > 0.8
+    assert all(layer["rfn"] < 0.2 for layer in summary["layers"] if "rfn" in layer)
+
+
+def test_interrupt_and_resume_is_byte_identical(converted):
+    src, root, _ = converted
+    work = root / "work_resume"
+    with pytest.raises(ConversionInterrupted):
+        convert(src, root / "q4_resumed", work, 4.0, stop_after_layer=0, **FAST)
+    assert json.loads((work / "ckpt" / "job.json").read_text())["next_layer"] == 1
+    assert not (root / "q4_resumed").exists()
+    with pytest.raises(ConversionError, match="different bits"):
+        convert(src, root / "q4_resumed", work, 5.0, resume=True, **FAST)
+    convert(src, root / "q4_resumed", work, 4.0, resume=True, **FAST)
+    for name in ("model.safetensors", "config.json", "quantization_config.json"):
+        assert (root / "q4_resumed" / name).read_bytes() == (root / "q4" / name).read_bytes(), name
+
+
+def test_fractional_bits_mix_and_cli(converted, capsys):
+    src, root, _ = converted
+    from trellm.cli import main
+
+    rc = main(["convert", "-i", str(src), "-o", str(root / "q45"), "-w", str(root / "w45"), "-b", "4.5", "-hb", "16",
+               "-d", "cpu", "--cal-rows", "4", "--cal-cols", "32", "--no-scale-search", "-q"])
+    assert rc == 0
+    out = root / "q45"
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 4.5
+    store = trellm.weights.WeightStore(out)
+    ks = {store.info(n).shape[-1] // 16 for n in store if n.endswith(".trellis")}
+    assert ks == {4, 5}
+    assert "lm_head.weight" in store and "lm_head.trellis" not in store  # head_bits 16: unquantized
+    quant = trellm.load(out, device="cpu", tokenizer=False)
+    assert torch.isfinite(quant.logits([[1, 2, 3]])).all()
+
+
+def test_allocate_bits_hits_fractional_target():
+    groups = [PlanGroup(layer=i // 2, keys=[str(i)], numel=1000 * (1 + i % 2), priority=2 - i % 2, bits=0) for i in range(8)]
+    avg = allocate_bits(groups, 3.5, 4)
+    assert 3.4 <= avg <= 3.5 and {g.bits for g in groups} == {3, 4}
+    assert allocate_bits(groups, 8.0, 4) == 8.0
+
+
+def test_errors_name_the_problem(converted, tmp_path, monkeypatch):
+    src, root, _ = converted
+    with pytest.raises(ConversionError, match="not empty"):
+        convert(src, root / "q4", tmp_path / "w", 4.0, **FAST)
+    with pytest.raises(ConversionError, match="bits must be between 1 and 8"):
+        convert(src, tmp_path / "o", tmp_path / "w", 9.0, **FAST)
+    with pytest.raises(ConversionError, match="head_bits"):
+        convert(src, tmp_path / "o", tmp_path / "w", 4.0, **dict(FAST, head_bits=10))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"]}))
+    with pytest.raises(UnknownArchitectureError, match="NoSuchModelForCausalLM"):
+        convert(bad, tmp_path / "o", tmp_path / "w", 4.0, **FAST)
+
+    import shutil
+
+    import trellm.convert as conv
+
+    monkeypatch.setattr(conv.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 1000))
+    with pytest.raises(ConversionError, match="not enough disk space"):
+        convert(src, tmp_path / "o", tmp_path / "w", 4.0, **FAST)
+    monkeypatch.undo()
+
+    def full_disk(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)  # the first write of the job (args.json)
+    with pytest.raises(ConversionError, match="disk full"):
+        convert(src, tmp_path / "o", tmp_path / "w", 4.0, **FAST)
