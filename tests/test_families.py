@@ -147,3 +147,13 @@ def test_fused_tensor_with_wrong_shape_names_it(tmp_path):
     (model_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(WeightError, match=r"model\.layers\.0\.self_attn\.qkv_proj\.weight.*\[128, 64\].*\[192, 64\]"):
         trellm.load(model_dir, device="cpu")
+
+
+def test_every_family_is_registered_through_its_entry_point():
+    """Each CASES architecture is served by a built-in plugin found through the ``trellm`` entry points."""
+    from trellm import registry
+
+    table = registry.architectures()
+    missing = sorted({arch for arch, _ in CASES.values()} - set(table))
+    assert not missing, f"architectures without a plugin: {missing} (run pip install -e . --no-deps after adding entry points)"
+    assert table["Gemma3ForCausalLM"][0] == "gemma3" and table["Olmo3ForCausalLM"][0] == "olmo"

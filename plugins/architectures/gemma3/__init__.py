@@ -10,6 +10,7 @@ import attrs
 
 import trellm
 from trellm.config import DecoderConfig, RopeConfig, text_config
+from trellm.errors import ConfigError
 from trellm.modules.decoder import decoder_family
 from trellm.plugins.architectures.gemma2 import OPTIONS as GEMMA2_OPTIONS
 from trellm.plugins.architectures.gemma2 import configure as configure_gemma2
@@ -19,6 +20,8 @@ OPTIONS = attrs.evolve(GEMMA2_OPTIONS, qk_norm=True)
 
 
 def read_config(raw: dict) -> DecoderConfig:
+    if text_config(raw).get("use_bidirectional_attention"):
+        raise ConfigError("config.json: use_bidirectional_attention=true (EmbeddingGemma) is an encoder; trellm serves causal LMs")
     cfg = read_gemma2(raw, default_pattern=6)
     local_base = text_config(raw).get("rope_local_base_freq")
     if "sliding_attention" not in cfg.layer_ropes and local_base:
