@@ -37,6 +37,11 @@ FAMILIES = {
     "olmo_hybrid": ("OlmoHybridForCausalLM", dict(
         num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)),
+    "nemotron_h": ("NemotronHForCausalLM", dict(
+        num_hidden_layers=3, layers_block_type=["linear_attention", "full_attention", "moe"], mamba_num_heads=4,
+        mamba_head_dim=16, ssm_state_size=16, n_groups=2, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, head_dim=16, n_group=2, topk_group=1,
+        chunk_size=16, routed_scaling_factor=1.5)),
     "lfm2_moe": ("Lfm2MoeForCausalLM", dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1, num_hidden_layers=3,
         layer_types=["conv", "full_attention", "conv"], routed_scaling_factor=1.5)),
@@ -205,9 +210,11 @@ def test_recurrent_state_layer_slots():
 def test_hybrid_cache_layout(family):
     _, lm = family
     cache = lm.model.make_cache(max_tokens=64, page_size=16, max_slots=2)
-    kinds = ["state" if isinstance(l, RecurrentStateLayer) else "kv" for l in cache.layers]
-    assert kinds == ["state", "kv", "state"]
-    assert len(state_layers(cache)) == 2
+    kinds = ["state" if isinstance(l, RecurrentStateLayer) else "kv" if l is not None else None for l in cache.layers]
+    want = ["state" if r is not None else "kv" if a is not None else None
+            for r, a in zip(lm.model.recurrent_layers(), lm.model.attention_layers())]
+    assert kinds == want and "state" in kinds and "kv" in kinds
+    assert len(state_layers(cache)) == kinds.count("state")
 
 
 def test_cached_forward_without_slots_is_an_error(family):

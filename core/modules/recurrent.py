@@ -230,6 +230,90 @@ class ShortConv(Module):
         return self.out_proj(c * y)
 
 
+class Mamba2Mixer(Module):
+    """Mamba-2 selective state space mixer (NemotronH): in_proj -> [z | x B C | dt], causal conv + SiLU on
+    x B C, the SSD recurrence per head, y * silu(z) RMS-normalised per group, out_proj."""
+
+    def __init__(self, key: str, layer_idx: int, hidden_size: int, num_heads: int, head_dim: int, state_size: int,
+                 num_groups: int, conv_width: int, eps: float, conv_bias: bool = True, proj_bias: bool = False,
+                 dt_min: float = 0.0, chunk_size: int = 64):
+        if num_heads % num_groups:
+            raise ValueError(f"{key}: mamba heads ({num_heads}) must be a multiple of n_groups ({num_groups})")
+        self.key, self.layer_idx = key, layer_idx
+        self.num_heads, self.head_dim, self.state_size, self.num_groups = num_heads, head_dim, state_size, num_groups
+        self.inner = num_heads * head_dim
+        self.conv_dim = self.inner + 2 * num_groups * state_size
+        self.conv_width, self.has_conv_bias, self.eps, self.dt_min, self.chunk_size = conv_width, conv_bias, eps, dt_min, chunk_size
+        self.in_proj = Linear(f"{key}.in_proj", hidden_size, self.inner + self.conv_dim + num_heads, proj_bias)
+        self.out_proj = Linear(f"{key}.out_proj", self.inner, hidden_size, proj_bias)
+        self.conv_weight = self.conv_bias = self.dt_bias = self.A_log = self.D = self.norm_weight = None
+
+    def load(self, ctx: LoadContext) -> None:
+        super().load(ctx)
+        get = lambda name, shape, dtype=ctx.dtype: ctx.store.get(f"{self.key}.{name}", shape=shape, dtype=dtype, device=ctx.device)  # noqa: E731
+        self.conv_weight = get("conv1d.weight", (self.conv_dim, 1, self.conv_width))[:, 0].contiguous()
+        self.conv_bias = get("conv1d.bias", (self.conv_dim,)) if self.has_conv_bias else None
+        h = self.num_heads
+        self.dt_bias, self.A_log, self.D = (get(n, (h,), torch.float32) for n in ("dt_bias", "A_log", "D"))
+        self.norm_weight = get("norm.weight", (self.inner,))
+
+    def unload(self) -> None:
+        super().unload()
+        self.conv_weight = self.conv_bias = self.dt_bias = self.A_log = self.D = self.norm_weight = None
+
+    def state_layer(self, max_slots: int, dtype: torch.dtype, device):
+        from ..cache.recurrent import RecurrentStateLayer
+
+        shape = (self.num_heads, self.head_dim, self.state_size)
+        return RecurrentStateLayer(max_slots, self.conv_dim, self.conv_width, shape, dtype, device)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
+        layer = conv_state = ssm_state = None
+        if batch.cache is not None:
+            if batch.state_slots is None:
+                raise ValueError(f"{self.key}: a cached forward pass of a recurrent layer needs batch.state_slots")
+            layer = batch.cache.layers[self.layer_idx]
+            conv_state, ssm_state = layer.read(batch.state_slots, batch.cached_lens == 0 if batch.cached_lens is not None else None)
+        decode = layer is not None and t == batch.num_seqs
+        if decode:
+            xbc, conv_state = ops.causal_conv1d_step(xbc, self.conv_weight, self.conv_bias, conv_state)
+        else:
+            xbc, conv_state = ops.causal_conv1d(xbc, self.conv_weight, self.conv_bias, batch.cu_seqlens, conv_state)
+        gn = self.num_groups * self.state_size
+        xs, b, c = xbc.split([self.inner, gn, gn], dim=-1)
+        per = self.num_heads // self.num_groups
+        xs = xs.reshape(t, self.num_heads, self.head_dim)
+        b = b.reshape(t, self.num_groups, self.state_size).repeat_interleave(per, dim=1)
+        c = c.reshape(t, self.num_groups, self.state_size).repeat_interleave(per, dim=1)
+        dt = F.softplus(dt.float() + self.dt_bias).clamp_min(self.dt_min)
+        a = -self.A_log.exp()
+        if decode:
+            y, ssm_state = ops.ssd_step(xs, dt, a, b, c, self.D, ssm_state)
+        else:
+            y, ssm_state = ops.ssd_chunked(xs, dt, a, b, c, self.D, batch.cu_seqlens, ssm_state, self.chunk_size)
+        if layer is not None:
+            layer.write(batch.state_slots, conv_state, ssm_state)
+        gated = y.reshape(t, self.inner).float() * F.silu(z.float())
+        groups = gated.view(t, self.num_groups, -1)
+        normed = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).view(t, self.inner)
+        return self.out_proj(self.norm_weight * normed.to(x.dtype))
+
+
+class ResidualBlock(Module):
+    """x + mixer(norm(x)): the one-mixer blocks of NemotronH (the mixer is Mamba, attention, an MLP or an MoE).
+
+    The mixer sits in ``attn`` so the cache finds attention and recurrent mixers where it looks for them.
+    """
+
+    def __init__(self, key: str, norm: Module, mixer: Module):
+        self.key, self.norm, self.attn = key, norm, mixer
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return x + self.attn.forward(self.norm.forward(x), batch)
+
+
 class GatedAttention(Attention):
     """Attention whose q_proj also yields a per-head output gate, interleaved per head as [q | gate]
     (Qwen3-Next, Qwen3.5): out = o_proj(attn * sigmoid(gate)). ``norm_unit_offset``: q/k norms scale by 1 + w."""

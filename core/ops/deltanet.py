@@ -150,3 +150,72 @@ def gated_delta_rule_chunked(
         out[s0:s1] = o.transpose(0, 1).to(v.dtype)
         finals.append(state)
     return out, torch.stack(finals)
+
+
+# ---- Mamba-2 (state-space duality): the same varlen/state conventions, a scalar decay and no delta rule ----
+#
+# Per head a state S [P, N]; for each token t, with dt_t > 0 and A < 0:
+#     S <- exp(dt_t * A) * S + dt_t * x_t B_t^T
+#     y_t = S C_t + D * x_t
+# (B and C are already expanded from their groups to the heads.)
+
+
+@op
+def ssd_step(
+    x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence: x [B, H, P], dt [B, H], a/d [H], b/c [B, H, N], state [B, H, P, N] -> (y, new state f32)."""
+    dtf = dt.float()
+    s = state.float() * torch.exp(dtf * a.float())[..., None, None]
+    s = s + (dtf[..., None] * x.float())[..., :, None] * b.float()[..., None, :]
+    y = torch.einsum("bhpn,bhn->bhp", s, c.float()) + d.float()[:, None] * x.float()
+    return y.to(x.dtype), s
+
+
+@op
+def ssd_chunked(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_states: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked form over a varlen batch: x [T, H, P], dt [T, H], b/c [T, H, N] -> (y [T, H, P], final states [B, H, P, N])."""
+    bounds = cu_seqlens.tolist()
+    nseq = len(bounds) - 1
+    h, p, n = x.shape[1], x.shape[2], b.shape[2]
+    if initial_states is None:
+        initial_states = torch.zeros(nseq, h, p, n, dtype=torch.float32, device=x.device)
+    out = torch.empty_like(x)
+    finals = []
+    for s_ in range(nseq):
+        s0, s1 = bounds[s_], bounds[s_ + 1]
+        length = s1 - s0
+        pad = (-length) % chunk_size
+        xs, dts = x[s0:s1].float().transpose(0, 1), dt[s0:s1].float().transpose(0, 1)  # [H, L, P], [H, L]
+        bs, cs = b[s0:s1].float().transpose(0, 1), c[s0:s1].float().transpose(0, 1)  # [H, L, N]
+        if pad:  # dt = 0 on padding: no decay, no write
+            xs, bs, cs = (F.pad(t, (0, 0, 0, pad)) for t in (xs, bs, cs))
+            dts = F.pad(dts, (0, pad))
+        k = (length + pad) // chunk_size
+        xs, bs, cs = (t.reshape(h, k, chunk_size, t.shape[-1]) for t in (xs, bs, cs))
+        dts = dts.reshape(h, k, chunk_size)
+        cum = (dts * a.float()[:, None, None]).cumsum(-1)  # log decay from the chunk start
+        causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
+        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+        u = xs * dts[..., None]  # dt-weighted inputs [H, K, C, P]
+        scores = (cs @ bs.transpose(-1, -2)) * decay  # [H, K, C, C]
+        to_end = (cum[..., -1:] - cum).exp()
+        state = initial_states[s_].float()  # [H, P, N]
+        ys = torch.empty(h, k, chunk_size, p, dtype=torch.float32, device=x.device)
+        for i in range(k):
+            ys[:, i] = scores[:, i] @ u[:, i] + cum[:, i].exp()[..., None] * (cs[:, i] @ state.transpose(-1, -2))
+            state = state * cum[:, i, -1].exp()[:, None, None] + (u[:, i] * to_end[:, i, :, None]).transpose(-1, -2) @ bs[:, i]
+        y = ys.reshape(h, k * chunk_size, p)[:, :length] + d.float()[:, None, None] * xs.reshape(h, -1, p)[:, :length]
+        out[s0:s1] = y.transpose(0, 1).to(x.dtype)
+        finals.append(state)
+    return out, torch.stack(finals)
