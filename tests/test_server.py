@@ -235,6 +235,14 @@ def test_client_disconnect_frees_job_and_pages(server):
     assert_pages_free(server)
 
 
+def test_non_streaming_client_that_gives_up_frees_its_job(server):
+    body = {"model": server.model, "prompt": PROMPT, "max_tokens": 1000, "temperature": 0}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, headers={"x-api-key": API_KEY}, timeout=1.5)
+    assert wait_idle(server) < 5
+    assert_pages_free(server)
+
+
 def test_full_queue_answers_429_with_retry_after(server, client):
     body = {"model": server.model, "prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True, "n": MAX_BATCH}
     with httpx.Client(timeout=60) as http:
