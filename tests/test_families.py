@@ -72,6 +72,7 @@ CASES = {
     ),
     "starcoder2_sliding": ("Starcoder2ForCausalLM", dict(SLIDING, use_bias=True)),
     "nemotron": ("NemotronForCausalLM", dict(partial_rotary_factor=0.5)),
+    "phi2_parallel": ("PhiForCausalLM", dict(partial_rotary_factor=0.5)),
 }
 
 

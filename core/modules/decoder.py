@@ -50,6 +50,7 @@ class DecoderOptions:
     # attention
     qk_norm: bool = False  # normalise q and k before RoPE (Qwen3, Olmo ...)
     qk_norm_kind: str = "head"  # "head", "full" (whole projection, Olmo 2/3) or "layer_head" (Cohere)
+    o_proj_name: str = "o_proj"  # Phi-2: "dense"
     qkv_bias: bool | None = None  # None: config.attention_bias
     o_bias: bool | None = None  # None: same as attention_bias
     fused_qkv: str | None = None  # fused [q; k; v] checkpoint tensor split at load (Phi-3 "qkv_proj")
@@ -68,6 +69,7 @@ class DecoderOptions:
     embed_scale: float | None = None
     final_logit_softcap: float = 0.0
     logit_scale: float = 1.0
+    lm_head_bias: bool = False  # Phi-2
 
 
 class DecoderLayer(Module):
@@ -192,6 +194,7 @@ def build_attention(cfg: DecoderConfig, opts: DecoderOptions, i: int, key: str, 
         qk_norm=opts.qk_norm_kind,
         qk_norm_unit_offset=opts.norm_unit_offset,
         fused_qkv=opts.fused_qkv,
+        o_proj_name=opts.o_proj_name,
     )
 
 
@@ -229,7 +232,8 @@ def build_decoder(cfg: DecoderConfig, opts: DecoderOptions = DecoderOptions()) -
             )
         )
     head = Linear(
-        opts.lm_head_key, cfg.hidden_size, cfg.vocab_size, bias=False, alt_key=opts.embed_key if cfg.tie_word_embeddings else None
+        opts.lm_head_key, cfg.hidden_size, cfg.vocab_size, bias=opts.lm_head_bias,
+        alt_key=opts.embed_key if cfg.tie_word_embeddings else None,
     )
     return CausalLM(
         cfg,

@@ -213,6 +213,7 @@ class Attention(Module):
         qk_norm: str = "head",
         qk_norm_unit_offset: bool = False,
         fused_qkv: str | None = None,
+        o_proj_name: str = "o_proj",
     ):
         self.key, self.layer_idx = key, layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -225,7 +226,7 @@ class Attention(Module):
             self.q_proj = Linear(f"{key}.q_proj", hidden_size, q_size, qkv_bias)
             self.k_proj = Linear(f"{key}.k_proj", hidden_size, kv_size, qkv_bias)
             self.v_proj = Linear(f"{key}.v_proj", hidden_size, kv_size, qkv_bias)
-        self.o_proj = Linear(f"{key}.o_proj", q_size, hidden_size, o_bias)
+        self.o_proj = Linear(f"{key}.{o_proj_name}", q_size, hidden_size, o_bias)
         self.q_norm = self.k_norm = None
         self.qk_norm = qk_norm
         if qk_norm_eps is not None:
