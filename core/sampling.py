@@ -1,7 +1,12 @@
-"""Basic token sampling for the simple generate loop (the full sampler stack lives in the generator)."""
+"""Token sampling for the simple generate loop, and stop-string matching for streamed text.
+
+The sampler steps themselves live in :mod:`trellm.samplers`; ``sample_token`` is a shortcut into them.
+"""
 from __future__ import annotations
 
 import torch
+
+from .samplers import SamplerSettings, SamplingContext
 
 
 def sample_token(
@@ -11,22 +16,12 @@ def sample_token(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> int:
-    """Pick one token id from float32 logits [vocab]; ``temperature == 0`` is greedy (argmax)."""
-    if temperature <= 0.0:
-        return int(torch.argmax(logits))
-    scores = logits.float() / temperature
-    if top_k > 0 and top_k < scores.shape[-1]:
-        kth = torch.topk(scores, top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        probs = torch.softmax(sorted_scores, dim=-1)
-        cum = torch.cumsum(probs, dim=-1)
-        drop = cum - probs > top_p  # keep the smallest set whose mass reaches top_p
-        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
-        scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    """Pick one token id from float32 logits [vocab]; ``temperature == 0`` is greedy (argmax).
+
+    A shortcut into the sampler stack (:mod:`trellm.samplers`) for the simple generate loop.
+    """
+    settings = SamplerSettings(temperature=temperature, top_k=top_k, top_p=top_p)
+    return settings.build().sample(logits, SamplingContext(tokens=(), generator=generator))
 
 
 class StopStringMatcher:

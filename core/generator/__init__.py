@@ -6,8 +6,12 @@ Public API (stable; the OpenAI server builds on it)::
     from trellm.generator import JobStarted, PrefillProgress, TokenChunk, JobFinished
 
     lm = trellm.load(path)
-    gen = Generator(lm, cache_tokens=16384, page_size=256, max_batch_size=16, max_chunk_tokens=512)
-    # or Generator(lm, cache=KVCache.for_model(lm.model, ...)) / quantized: cache=quantized_cache(lm.model, k_bits=4, v_bits=4, ...)
+    gen = Generator(lm, cache_tokens=16384, page_size=256, max_batch_size=16, max_chunk_tokens=512,
+                    max_overtake_steps=16, prefix_caching=True)
+    # own cache: Generator(lm, cache=KVCache.for_model(lm.model, max_tokens=..., page_size=...))
+    # quantized cache: from trellm.cache.quantized import quantized_cache
+    #                  Generator(lm, cache=quantized_cache(lm, k_bits=4, v_bits=6, max_tokens=16384))
+    gen.capacity_tokens                   # the most prompt + max_new_tokens one job may ask for
 
     # blocking
     text = gen.generate("Once upon a time", max_new_tokens=64)                  # str
@@ -45,6 +49,12 @@ Results (attrs classes, all with ``job`` and ``identifier``):
 
 Speculative decoding: ``Generator(lm, proposer=NgramProposer())`` or
 ``proposer=DraftModelProposer(draft_lm)``, ``num_draft_tokens=4``.
+
+Housekeeping: ``gen.stats`` (prefilled / reused / decoded tokens, steps), ``gen.verify_pages()``
+(page refcounts vs holders), ``gen.clear_prefix_cache()``, ``gen.abort(error)`` (fail everything,
+free all pages), ``gen.num_active`` / ``gen.num_pending`` / ``gen.has_work()``.
+Thread safety: a Generator is single-threaded except ``cancel()``, which only sets a flag;
+AsyncGenerator serializes everything else behind one lock.
 """
 from ..samplers import SamplerSettings, SamplerStack
 from .async_generator import AsyncGenerator, AsyncJob
