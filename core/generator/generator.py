@@ -371,8 +371,9 @@ class Generator:
             completes = r.seq.length + len(feed) - len(draft) == len(r.tokens)
             r.seq.length += len(feed)
             if not r.generated:  # still in the prompt
-                self.stats["prefilled_tokens"] += len(feed)
-                results.append(PrefillProgress(job=r.job, identifier=r.job.identifier, prefilled=r.seq.length, total=r.prompt_len))
+                self.stats["prefilled_tokens"] += len(feed) - len(draft)
+                results.append(PrefillProgress(job=r.job, identifier=r.job.identifier,
+                                               prefilled=min(r.seq.length, r.prompt_len), total=r.prompt_len))
             if completes:
                 try:
                     self._accept(r, logits[row_start[i]: row_start[i] + len(draft) + 1], draft, results)
