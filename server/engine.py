@@ -169,7 +169,8 @@ def _build(settings: LoadSettings) -> tuple[Any, Generator]:
         from trellm.cache.quantized import quantized_cache
 
         k_bits, v_bits = settings.cache_bits
-        cache = quantized_cache(lm.model, k_bits=k_bits, v_bits=v_bits, max_tokens=settings.cache_size, page_size=settings.page_size)
+        cache = quantized_cache(lm.model, k_bits=k_bits, v_bits=v_bits, max_tokens=settings.cache_size,
+                                page_size=settings.page_size)
     else:
         cache = lm.new_cache(max_tokens=settings.cache_size, page_size=settings.page_size)
     proposer = None

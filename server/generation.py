@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from trellm.generator import AsyncJob, Job, JobFinished, JobStarted, JobTooLargeError, SamplerSettings, TokenChunk
+from trellm.generator import AsyncJob, Job, JobFinished, JobTooLargeError, SamplerSettings, TokenChunk
 
 from .engine import ModelHost, QueueFullError
 from .errors import APIError, bad_request
@@ -177,7 +177,8 @@ def make_jobs(host: ModelHost, req: SamplingFields, prompts: list[list[int]], ma
     if n > host.config.max_n:
         raise bad_request(f"n={n} is more than this server allows ({host.config.max_n})", param="n")
     if len(prompts) * n > host.job_limit:
-        raise bad_request(f"{len(prompts) * n} completions in one request; this server runs at most {host.job_limit} at once", param="n")
+        raise bad_request(f"{len(prompts) * n} completions in one request; this server runs at most {host.job_limit} at once",
+                          param="n")
     sampler = sampler_settings(host, req)
     stops = stop_strings(req)
     stop_ids = None

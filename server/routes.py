@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 
-from .engine import STATE_READY, LoadSettings, ModelHost
+from .engine import LoadSettings, ModelHost
 from .errors import APIError, AsciiJSONResponse, bad_request
 from .generation import (
     JobGroup, JobStreamResponse, chat_prompt, check_token_ids, completion_prompts, encode_text, finish_reason, make_jobs,

@@ -66,7 +66,8 @@ class SamplingFields(_Request):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(..., description="text, texts, token ids, or lists of token ids")
+    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
+        ..., description="text, texts, token ids, or lists of token ids")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None

@@ -116,8 +116,10 @@ def test_n_choices_and_seed(server, client):
     a = [c.text for c in client.completions.create(**kwargs).choices]
     b = [c.text for c in client.completions.create(**kwargs).choices]
     assert a == b  # seeded sampling repeats (choice j uses seed + j)
-    chunks = list(client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=3, temperature=0, n=2, stream=True))
-    texts = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)}
+    chunks = list(client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=3, temperature=0, n=2,
+                                                 stream=True))
+    texts = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+             for i in (0, 1)}
     assert texts[0] == texts[1] != ""
 
 

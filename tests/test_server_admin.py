@@ -99,7 +99,8 @@ def test_config_file_and_flags(tmp_path):
     (tmp_path / "serve.yaml").write_text("port: 6001\nmax-queue: 3\ncache_bits: 4,6\napi_key: from-file\n")
     args = build_parser().parse_args(["serve", "--config", str(tmp_path / "serve.yaml"), "--max-queue", "9", "-m", "/models/x"])
     config = config_from_args(args)
-    assert (config.port, config.max_queue, config.cache_bits, config.api_key, config.model) == (6001, 9, (4, 6), "from-file", "/models/x")
+    got = (config.port, config.max_queue, config.cache_bits, config.api_key, config.model)
+    assert got == (6001, 9, (4, 6), "from-file", "/models/x")
     config, notes = with_keys(config)
     assert config.api_key == "from-file" and len(config.admin_key) == 32 and len(notes) == 1
     (tmp_path / "serve.json").write_text(json.dumps({"disable_auth": True, "port": 7000}))
