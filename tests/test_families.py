@@ -73,6 +73,8 @@ CASES = {
     "starcoder2_sliding": ("Starcoder2ForCausalLM", dict(SLIDING, use_bias=True)),
     "nemotron": ("NemotronForCausalLM", dict(partial_rotary_factor=0.5)),
     "phi2_parallel": ("PhiForCausalLM", dict(partial_rotary_factor=0.5)),
+    "stablelm_qkv_bias": ("StableLmForCausalLM", dict(use_qkv_bias=True)),
+    "stablelm_parallel": ("StableLmForCausalLM", dict(use_parallel_residual=True)),
 }
 
 
