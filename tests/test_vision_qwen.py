@@ -160,3 +160,89 @@ def test_qwen_marker_count_error(qwen):
 def test_qwen_on_cuda(qwen):
     _, _, lm = qwen
     check_on_cuda(lm, PROMPT, [random_image(6)])
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    """A tiny Qwen3.5 (hybrid) with vision, served by QWEN3_5_VISION_SPEC registered as a plugin for this module."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from trellm import registry
+    from trellm.plugins.architectures.qwen3_vl import QWEN3_5_VISION_SPEC
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                 "mrope_interleaved": True, "partial_rotary_factor": 0.25})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=311,
+                                        vision_start_token_id=START, vision_end_token_id=END)
+    hf = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(0 if "language_model" in name else 1, 0.3)  # text norms are 1 + w
+    path = tmp_path_factory.mktemp("qwen3_5_vl")
+    hf.save_pretrained(path)
+    proc = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
+                                    image_std=[0.5] * 3, size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64})
+    proc.save_pretrained(path)
+
+    class VisionPlugin:
+        @trellm.hookimpl
+        def trellm_register_architectures(register):
+            register(QWEN3_5_VISION_SPEC)
+
+    registry.load_plugins()
+    registry.pm.register(VisionPlugin, name="test_qwen3_5_vision")
+    try:
+        with torch_threads(1):
+            yield hf, proc, trellm.load(path, device="cpu", dtype="float32")
+    finally:
+        registry.pm.unregister(name="test_qwen3_5_vision")
+
+
+def test_qwen3_5_hybrid_with_vision(qwen3_5):
+    hf, proc, lm = qwen3_5
+    img = random_image(7)
+    pixels, grid = hf_inputs(proc, img)
+    mm = prepare_prompt(lm, PROMPT, [img])
+    assert (mm.embeds - hf_image_features(hf, pixels, grid)).abs().max() < 1e-5
+    assert (lm.logits([PROMPT], images=[[img]])[0] - hf_logits(hf, mm.input_ids, pixels, grid)).abs().max() < 1e-4
+
+
+
+def test_qwen3_5_two_images_in_one_batch(qwen3_5):
+    """Hybrid model: paged KV + recurrent-state slots, two images decoded side by side (no cross-talk)."""
+    from trellm.cache.recurrent import alloc_state_slot, free_state_slot
+
+    hf, proc, lm = qwen3_5
+    images = [Image.new("RGB", (61, 37), (255, 0, 0)), Image.new("RGB", (37, 61), (0, 40, 255))]
+    prompts = [prepare_prompt(lm, PROMPT, [img]) for img in images]
+    refs = [hf_greedy(hf, p.input_ids, *hf_inputs(proc, img), 5) for p, img in zip(prompts, images)]
+    assert refs[0] != refs[1]
+    cache = lm.model.make_cache(max_tokens=256, page_size=8, max_slots=3)
+    states = [SequenceState(cache) for _ in prompts]
+    slots = [alloc_state_slot(cache) for _ in prompts]
+    feeds, outs = [p.input_ids for p in prompts], [[], []]
+    for _ in range(5):
+        for s, f in zip(states, feeds):
+            s.reserve(s.length + len(f))
+        batch = ForwardBatch.with_cache(feeds, [s.length for s in states], [s.pages for s in states], cache)
+        batch.state_slots = torch.tensor(slots, dtype=torch.long)
+        attach_images(batch, [(p, s.length) for p, s in zip(prompts, states)])
+        with torch.inference_mode():
+            tokens = lm.model.forward(batch).argmax(-1).tolist()
+        for i, s in enumerate(states):
+            s.length += len(feeds[i])
+            outs[i].append(tokens[i])
+        feeds = [[t] for t in tokens]
+    for s, slot in zip(states, slots):
+        s.release()
+        free_state_slot(cache, slot)
+    assert outs == refs

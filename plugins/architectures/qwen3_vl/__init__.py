@@ -1,5 +1,8 @@
 """Qwen3-VL (Qwen3VLForConditionalGeneration): Qwen3 text with interleaved M-RoPE and DeepStack.
 
+:data:`QWEN3_5_VISION_SPEC` serves Qwen3.5 / Qwen3.5 MoE with images the same way (their hybrid text
+models, the same tower without DeepStack); it is not registered by default (see its comment).
+
 Differences from Qwen2.5-VL: the M-RoPE bands are interleaved (t, h, w, t, h, w, ...); the tower
 is :class:`~trellm.plugins.vision.qwen_vl.Qwen3VisionTower`; and DeepStack: features taken from
 a few tower layers are added to the language model's hidden states at the image rows after its
@@ -58,6 +61,38 @@ class Qwen3VisionLanguageModel(QwenVisionLanguageModel):
                 x = x.clone()
                 x[rows] = x[rows] + extra[i][rows].to(x.dtype)
         return lm.logits_from_hidden(x, batch)
+
+
+class Qwen35VisionLanguageModel(QwenVisionLanguageModel):
+    """Qwen3.5 / Qwen3.5 MoE with vision: the hybrid text model of the qwen3_5 plugins, the Qwen3-VL tower
+    (without DeepStack) and interleaved M-RoPE over the rotated part of each attention head."""
+
+    interleaved_sections = True
+    aliases = ALIASES
+    vision_key = "model.visual"
+
+    def build_language(self, cfg: QwenVLConfig):
+        from trellm.plugins.architectures import qwen3_5, qwen3_5_moe
+
+        text_spec = qwen3_5_moe.SPEC if cfg.text.architecture in qwen3_5_moe.SPEC.architectures else qwen3_5.SPEC
+        return text_spec.build(cfg.text)
+
+
+def read_qwen3_5_config(raw: dict) -> QwenVLConfig:
+    from trellm.config import DecoderConfig
+
+    return read_qwen_vl_config(raw, DecoderConfig.from_hf)
+
+
+# Not registered by default: the qwen3_5 / qwen3_5_moe plugins serve these architectures text-only.
+# Registering QWEN3_5_VISION_SPEC (a plugin registered after them wins) adds image input.
+QWEN3_5_VISION_SPEC = ArchitectureSpec(
+    name="qwen3_5_vl",
+    architectures=("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
+    read_config=read_qwen3_5_config,
+    build=Qwen35VisionLanguageModel,
+    description="Qwen3.5 (dense / MoE) with vision: hybrid text with interleaved M-RoPE, Qwen3-VL tower",
+)
 
 
 SPEC = ArchitectureSpec(
