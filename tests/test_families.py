@@ -49,6 +49,7 @@ CASES = {
     "phi3_longrope_long_partial": ("Phi3ForCausalLM", dict(pad_token_id=0, **LONGROPE, original_max_position_embeddings=8)),
     # ... and short factors throughout (never crosses 64), where the cached path is compared too
     "phi3_longrope_short_partial": ("Phi3ForCausalLM", dict(pad_token_id=0, **LONGROPE, original_max_position_embeddings=64)),
+    "olmo1_clip_qkv": ("OlmoForCausalLM", dict(clip_qkv=0.5)),
     "olmo2": ("Olmo2ForCausalLM", dict()),
     "olmo3_sliding": ("Olmo3ForCausalLM", LOCAL_GLOBAL),
     "cohere": ("CohereForCausalLM", dict(logit_scale=0.5)),

@@ -42,7 +42,7 @@ class DecoderOptions:
     attn_out_norm_name: str | None = None
     mlp_out_norm_name: str | None = None
     # norms
-    norm: str = "rms"  # "rms", "layer" (LayerNorm with bias) or "layer_nobias" (Cohere)
+    norm: str = "rms"  # "rms", "layer" (LayerNorm with bias), "layer_nobias" (Cohere), "layer_noparam" (OLMo 1)
     norm_unit_offset: bool = False  # stored norm weights are w - 1 (Gemma, Nemotron): scale by 1 + w
     # block structure
     parallel_block: bool = False  # x + attn(norm(x)) + mlp(norm(x)) with one norm (Cohere)
@@ -58,6 +58,7 @@ class DecoderOptions:
     nope_layer_types: tuple[str, ...] = ()  # layer types without RoPE (Cohere2 / EXAONE 4 global layers)
     attn_scale: float | None = None  # softmax scale; None: 1/sqrt(head_dim)
     attn_softcap: float = 0.0  # tanh softcap of attention logits (Gemma 2)
+    clip_qkv: float | None = None  # clamp q/k/v projections (OLMo 1)
     # MLP
     mlp_gated: bool = True  # False: down(act(up(x))) (Arcee, Apertus)
     mlp_up_name: str = "up_proj"  # tensor names of the ungated MLP (Starcoder2: c_fc / c_proj)
@@ -195,6 +196,7 @@ def build_attention(cfg: DecoderConfig, opts: DecoderOptions, i: int, key: str, 
         qk_norm_unit_offset=opts.norm_unit_offset,
         fused_qkv=opts.fused_qkv,
         o_proj_name=opts.o_proj_name,
+        clip_qkv=opts.clip_qkv,
     )
 
 

@@ -55,17 +55,21 @@ class RMSNorm(Module):
 
 
 class LayerNorm(Module):
-    """LayerNorm over the last dim; ``bias=False`` for the weight-only kind (Cohere).
+    """LayerNorm over the last dim; ``bias=False`` for the weight-only kind (Cohere), ``has_weight=False``
+    for the parameter-free one (OLMo 1).
 
     ``unit_offset``: the stored weight is w - 1 (Nemotron's LayerNorm1P); 1 is added at load, in
     the model dtype, as the reference does.
     """
 
-    def __init__(self, key: str, dim: int, eps: float, bias: bool = True, unit_offset: bool = False):
+    def __init__(self, key: str, dim: int, eps: float, bias: bool = True, unit_offset: bool = False, has_weight: bool = True):
         self.key, self.dim, self.eps, self.has_bias, self.unit_offset = key, dim, eps, bias, unit_offset
+        self.has_weight = has_weight
         self.weight = self.bias = None
 
     def load(self, ctx: LoadContext) -> None:
+        if not self.has_weight:
+            return
         self.weight = ctx.store.get(f"{self.key}.weight", shape=(self.dim,), dtype=ctx.dtype, device=ctx.device)
         if self.unit_offset:
             self.weight = self.weight + 1.0
@@ -98,15 +102,15 @@ class HeadLayerNorm(Module):
         return y.to(x.dtype)
 
 
-NORM_KINDS = ("rms", "layer", "layer_nobias")
+NORM_KINDS = ("rms", "layer", "layer_nobias", "layer_noparam")
 
 
 def make_norm(kind: str, key: str, dim: int, eps: float, unit_offset: bool = False) -> Module:
-    """The hidden-state norm a family uses: ``rms``, ``layer`` or ``layer_nobias``; ``unit_offset`` scales by 1 + w."""
+    """The hidden-state norm a family uses (one of NORM_KINDS); ``unit_offset`` scales by 1 + w."""
     if kind == "rms":
         return RMSNorm(key, dim, eps, unit_offset)
-    if kind in ("layer", "layer_nobias"):
-        return LayerNorm(key, dim, eps, bias=kind == "layer", unit_offset=unit_offset)
+    if kind in ("layer", "layer_nobias", "layer_noparam"):
+        return LayerNorm(key, dim, eps, bias=kind == "layer", unit_offset=unit_offset, has_weight=kind != "layer_noparam")
     raise ValueError(f"{key}: unknown norm kind {kind!r}; known: {', '.join(NORM_KINDS)}")
 
 
@@ -214,6 +218,7 @@ class Attention(Module):
         qk_norm_unit_offset: bool = False,
         fused_qkv: str | None = None,
         o_proj_name: str = "o_proj",
+        clip_qkv: float | None = None,
     ):
         self.key, self.layer_idx = key, layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -242,6 +247,7 @@ class Attention(Module):
             else:
                 raise ValueError(f"{key}: unknown qk_norm {qk_norm!r}; known: {', '.join(QK_NORM_KINDS)}")
         self.rope = rope
+        self.clip_qkv = clip_qkv  # OLMo 1 clamps the projections to [-clip, clip]
         self.sliding_window, self.softcap = sliding_window, softcap
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
 
@@ -252,6 +258,8 @@ class Attention(Module):
         """q [T, H, D], k and v [T, Hkv, D]: projected, QK-normed, not yet rotated."""
         t = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         if self.q_norm is not None and self.qk_norm == "full":
             q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         q = q.reshape(t, self.num_heads, self.head_dim)
