@@ -21,6 +21,7 @@ from .schemas import (
 )
 from trellm.generator import JobFinished, TokenChunk
 
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 413, 429, 500, 503)
 }
@@ -65,15 +66,15 @@ def build_router(keys) -> APIRouter:
             raise bad_request("best_of other than n is not supported", param="best_of")
         prompts = completion_prompts(host, body.prompt)
         request_id = "cmpl-" + secrets.token_hex(12)
-        jobs = make_jobs(host, body, prompts, body.max_tokens, 16, body.logprobs, request_id)
-        group = JobGroup(host, jobs, request_id, "/v1/completions")
-        group.prompt_tokens = sum(len(p) for p in prompts)
+        jobs = make_jobs(host, body, prompts, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs, request_id)
         echo = [host.tokenizer.decode(p) if body.echo else "" for p in prompts for _ in range(body.n)]
         shaper = CompletionShaper(host, body, request_id, echo)
+        group = JobGroup(host, jobs, request_id, "/v1/completions")  # submitted: from here on the response releases them
+        group.prompt_tokens = sum(len(p) for p in prompts)
         if body.stream:
             return JobStreamResponse(sse(shaper.stream(group)), group)
-        body = await group.run(shaper.whole(group), request)
-        return AsciiJSONResponse(body, headers={"x-request-id": request_id})
+        reply = await group.run(shaper.whole(group), request)
+        return AsciiJSONResponse(reply, headers={"x-request-id": request_id})
 
     @router.post("/v1/chat/completions", dependencies=api, tags=["openai"])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -88,13 +89,13 @@ def build_router(keys) -> APIRouter:
             raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
         jobs = make_jobs(host, body, [ids], max_tokens, host.config.default_max_tokens, top if body.logprobs else None,
                          request_id)
+        shaper = ChatShaper(host, body, request_id, len(jobs))
         group = JobGroup(host, jobs, request_id, "/v1/chat/completions")
         group.prompt_tokens = len(ids)
-        shaper = ChatShaper(host, body, request_id, len(jobs))
         if body.stream:
             return JobStreamResponse(sse(shaper.stream(group)), group)
-        body = await group.run(shaper.whole(group), request)
-        return AsciiJSONResponse(body, headers={"x-request-id": request_id})
+        reply = await group.run(shaper.whole(group), request)
+        return AsciiJSONResponse(reply, headers={"x-request-id": request_id})
 
     @router.post("/v1/token/encode", dependencies=api, response_model=TokenEncodeResponse, tags=["tokens"])
     async def token_encode(body: TokenEncodeRequest, request: Request):
