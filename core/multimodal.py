@@ -85,11 +85,8 @@ def load_image(source: ImageSource, name: str | None = None) -> Any:
         return img if img.mode == "RGB" else img.convert("RGB")
     if isinstance(source, (bytes, bytearray, memoryview)):
         data, label = bytes(source), name or "image bytes"
-    elif isinstance(source, str) and source.startswith("data:"):
-        data, label = decode_data_url(source), name or "data URL image"
-    elif isinstance(source, str) and "://" in source:
-        decode_data_url(source)  # raises the "remote URL refused" error
-        raise AssertionError("unreachable")
+    elif isinstance(source, str) and (source.startswith("data:") or "://" in source):
+        data, label = decode_data_url(source), name or "data URL image"  # remote URLs raise here
     elif isinstance(source, (str, Path)):
         path = Path(source)
         label = name or str(path)
@@ -433,8 +430,7 @@ class VisionLanguageModel(Module):
         """Expand each image marker of ``prompt`` and encode the images (one marker per image, in order)."""
         if len(images) > self.max_images:
             raise ImageError(f"{len(images)} images given; this model takes at most {self.max_images} per prompt")
-        pil = [load_image(img, name=f"image {i}" if not isinstance(img, (str, Path)) or str(img).startswith("data:") else None)
-               for i, img in enumerate(images)]
+        pil = [load_image(img, name=None if _is_path(img) else f"image {i}") for i, img in enumerate(images)]
         items = [self.preprocess(img) for img in pil]
         if tokenizer is not None:
             self.use_tokenizer(tokenizer)
@@ -470,6 +466,11 @@ class VisionLanguageModel(Module):
         out = MultimodalPrompt(ids, spans, flat)
         self.finish_prompt(out, items)
         return out
+
+
+def _is_path(source: ImageSource) -> bool:
+    """A file path (its errors name the file itself) rather than data."""
+    return isinstance(source, Path) or (isinstance(source, str) and not source.startswith("data:") and "://" not in source)
 
 
 def _check_marker_count(found: int, wanted: int, what: str) -> None:
