@@ -191,7 +191,11 @@ class Generator:
         return_results: bool = False,
         **job_kwargs: Any,
     ) -> Any:
-        """Blocking: complete one prompt (text or ids) or a list of prompts; returns text(s) or JobFinished(s)."""
+        """Blocking: complete one prompt (text or ids) or a list of prompts; returns text(s) or JobFinished(s).
+
+        It drives ``iterate()`` itself, so jobs enqueued by others advance too, but their results are
+        not returned anywhere: do not mix it with your own ``iterate()`` loop.
+        """
         single = isinstance(prompt, str) or (len(prompt) > 0 and isinstance(prompt[0], int))
         prompts = [prompt] if single else list(prompt)
         jobs = [Job(p, max_new_tokens, identifier=i, **job_kwargs) for i, p in enumerate(prompts)]
