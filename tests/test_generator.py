@@ -402,3 +402,33 @@ def test_generator_on_cuda(lm):
     qgen = Generator(cuda_lm, cache=quantized_cache(cuda_lm, 8, 8, max_tokens=1024, page_size=16))
     assert all(len(r.token_ids) == 10 for r in qgen.generate(prompts, 10, stop_token_ids=[], return_results=True))
     gen.verify_pages()
+
+
+@pytest.mark.slow
+def test_smollm2_counting_stress(smollm2_dir):
+    """Real weights, self-checking: prompts count upward, every continuation must keep counting.
+    A small cache forces waiting and prefix-page eviction; some jobs are cancelled mid-stream."""
+    lm = trellm.load(smollm2_dir, device="cpu")
+    rng = random.Random(7)
+    specs = [(rng.randrange(1, 200), rng.randrange(4, 40)) for _ in range(16)]
+    gen = Generator(lm, cache_tokens=32 * 12, page_size=32, max_batch_size=6, max_chunk_tokens=128)
+    jobs = [Job(", ".join(str(i) for i in range(s, s + n)) + ",", 12, identifier=k) for k, (s, n) in enumerate(specs)]
+    queue, finished, cancel = list(jobs), {}, {2, 9}
+    gen.enqueue([queue.pop(0) for _ in range(6)])
+    while gen.has_work() or queue:
+        if queue and rng.random() < 0.5:
+            gen.enqueue(queue.pop(0))
+        for r in gen.iterate():
+            if isinstance(r, TokenChunk) and r.identifier in cancel:
+                gen.cancel(r.job)
+            if isinstance(r, JobFinished):
+                finished[r.identifier] = r
+        gen.verify_pages()
+    assert sorted(finished) == list(range(len(jobs)))
+    for k, (s, n) in enumerate(specs):
+        r = finished[k]
+        if k in cancel:
+            assert r.eos_reason == "cancelled"
+            continue
+        numbers = [int(x) for x in r.text.split(",")[:-1]]
+        assert numbers[:2] == [s + n, s + n + 1], (k, r.text)
