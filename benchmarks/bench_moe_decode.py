@@ -20,25 +20,23 @@ import math
 import time
 
 import torch
-
 from trellm.batch import ForwardBatch
 from trellm.cache import SequenceState
 from trellm.cache.recurrent import alloc_state_slot
 from trellm.config import DecoderConfig
 from trellm.modules.base import LoadContext
-from trellm.modules.linear import Linear
 from trellm.modules.moe import ExpertMLP
 from trellm.plugins.architectures.qwen3_5_moe import build
 
 # Qwen3.5-35B-A3B text config (hidden 2048, 40 layers, 3 linear : 1 full attention, 256 experts, top 8).
-FULL = dict(
-    hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-    intermediate_size=512, vocab_size=248320, max_position_embeddings=262144, rms_norm_eps=1e-6,
-    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-    linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
-    shared_expert_intermediate_size=512, full_attention_interval=4,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-)
+FULL = {
+    "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "intermediate_size": 512, "vocab_size": 248320, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "full_attention_interval": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+}
 TINY = dict(
     FULL, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, head_dim=32, vocab_size=1024,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
@@ -62,7 +60,7 @@ class RandomWeights:
         t = torch.empty(shape, dtype=torch.float32 if dtype is None else dtype, device=device)
         if name.endswith("linear_attn.norm.weight"):
             return t.fill_(1.0)
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        if name.endswith(("norm.weight", "layernorm.weight")):
             return t.zero_()  # stored as w - 1
         if name.endswith("A_log"):
             return t.uniform_(0.0, math.log(16.0))
@@ -85,7 +83,7 @@ class RandomEXL3:
     def load_linear(self, store, key, in_features, out_features, bias, device, dtype):
         from trellm.quant.exl3.format import EXL3Linear
 
-        pad = lambda n: -(-n // 128) * 128  # noqa: E731
+        pad = lambda n: -(-n // 128) * 128
         k, n = pad(in_features), pad(out_features)
         trellis = torch.randint(-32768, 32767, (k // 16, n // 16, 16 * self.bits), dtype=torch.int16, device=device)
         suh = (torch.randint(0, 2, (k,), device=device) * 2 - 1).half()

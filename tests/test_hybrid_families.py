@@ -12,39 +12,39 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import trellm  # noqa: E402
-from trellm.batch import ForwardBatch  # noqa: E402
-from trellm.cache import CacheFullError, SequenceState  # noqa: E402
-from trellm.cache.recurrent import (  # noqa: E402
+import trellm
+from trellm.batch import ForwardBatch
+from trellm.cache import CacheFullError, SequenceState
+from trellm.cache.recurrent import (
     RecurrentStateLayer,
     alloc_state_slot,
     copy_state_slot,
     free_state_slot,
     state_layers,
 )
-from trellm.sdk.testing import _hf_greedy, make_tiny_hf_model  # noqa: E402
+from trellm.sdk.testing import _hf_greedy, make_tiny_hf_model
 
-LINEAR = dict(
-    head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-    num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
-)
-EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+LINEAR = {
+    "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+}
+EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
 
 FAMILIES = {
     "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", {**LINEAR, **EXPERTS}),
     "qwen3_5": ("Qwen3_5ForCausalLM", LINEAR),
     "qwen3_next": ("Qwen3NextForCausalLM", {**LINEAR, **EXPERTS, "decoder_sparse_step": 1, "mlp_only_layers": [1]}),
-    "olmo_hybrid": ("OlmoHybridForCausalLM", dict(
-        num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)),
-    "nemotron_h": ("NemotronHForCausalLM", dict(
-        num_hidden_layers=3, layers_block_type=["linear_attention", "full_attention", "moe"], mamba_num_heads=4,
-        mamba_head_dim=16, ssm_state_size=16, n_groups=2, n_routed_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, head_dim=16, n_group=2, topk_group=1,
-        chunk_size=16, routed_scaling_factor=1.5)),
-    "lfm2_moe": ("Lfm2MoeForCausalLM", dict(
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1, num_hidden_layers=3,
-        layer_types=["conv", "full_attention", "conv"], routed_scaling_factor=1.5)),
+    "olmo_hybrid": ("OlmoHybridForCausalLM", {
+        "num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16}),
+    "nemotron_h": ("NemotronHForCausalLM", {
+        "num_hidden_layers": 3, "layers_block_type": ["linear_attention", "full_attention", "moe"], "mamba_num_heads": 4,
+        "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32, "head_dim": 16, "n_group": 2, "topk_group": 1,
+        "chunk_size": 16, "routed_scaling_factor": 1.5}),
+    "lfm2_moe": ("Lfm2MoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_dense_layers": 1, "num_hidden_layers": 3,
+        "layer_types": ["conv", "full_attention", "conv"], "routed_scaling_factor": 1.5}),
 }
 
 PROMPT_LENS = (70, 9, 23)  # 70 > one 64-token delta-rule chunk
@@ -143,7 +143,7 @@ def test_multimodal_checkpoint_text_path(tmp_path):
     """Qwen3_5MoeForConditionalGeneration: the language model under model.language_model.*, vision ignored."""
     text = {k: v for k, v in {**LINEAR, **EXPERTS}.items()}
     text.update(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.15)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
     config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
     config.architectures = ["Qwen3_5MoeForConditionalGeneration"]
     torch.manual_seed(0)

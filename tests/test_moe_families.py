@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from trellm.modules.moe import (  # noqa: E402
+from trellm.modules.moe import (
     ExpertList,
     ScoreTopK,
     SoftmaxTopK,
@@ -20,36 +20,36 @@ from trellm.modules.moe import (  # noqa: E402
     TopKSoftmax,
     dispatch_experts,
 )
-from trellm.sdk.testing import check_parity, make_tiny_hf_model  # noqa: E402
+from trellm.sdk.testing import check_parity, make_tiny_hf_model
 
-DEEPSEEK_ROUTING = dict(
-    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
-    first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-)
+DEEPSEEK_ROUTING = {
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 4, "topk_group": 2,
+    "first_k_dense_replace": 1, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+}
 
-MLA = dict(q_lora_rank=32, kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, num_key_value_heads=4)
+MLA = {"q_lora_rank": 32, "kv_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "num_key_value_heads": 4}
 
 FAMILIES = {
-    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
-    "qwen3_moe_unnormalised": ("Qwen3MoeForCausalLM", dict(
-        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False)),
-    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
-    "gpt_oss": ("GptOssForCausalLM", dict(
-        num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16, sliding_window=8)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "qwen3_moe_unnormalised": ("Qwen3MoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": False}),
+    "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    "gpt_oss": ("GptOssForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "head_dim": 16, "sliding_window": 8}),
     "glm4_moe": ("Glm4MoeForCausalLM", dict(DEEPSEEK_ROUTING, partial_rotary_factor=0.5, attention_bias=True)),
     "glm4_moe_qk_norm": ("Glm4MoeForCausalLM", dict(DEEPSEEK_ROUTING, use_qk_norm=True, n_group=1, topk_group=1)),
     "dots1": ("Dots1ForCausalLM", DEEPSEEK_ROUTING),
-    "ernie4_5_moe": ("Ernie4_5_MoeForCausalLM", dict(
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_num_shared_experts=1,
-        moe_layer_start_index=1, tie_word_embeddings=False)),
-    "minimax_m2": ("MiniMaxM2ForCausalLM", dict(
-        num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16, bos_token_id=1, eos_token_id=2,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
-    "afmoe": ("AfmoeForCausalLM", dict(
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1, num_hidden_layers=3,
-        head_dim=16, sliding_window=8, route_scale=2.0, mup_enabled=True,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "ernie4_5_moe": ("Ernie4_5_MoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "moe_num_shared_experts": 1,
+        "moe_layer_start_index": 1, "tie_word_embeddings": False}),
+    "minimax_m2": ("MiniMaxM2ForCausalLM", {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "head_dim": 16, "bos_token_id": 1, "eos_token_id": 2,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
+    "afmoe": ("AfmoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_dense_layers": 1, "num_hidden_layers": 3,
+        "head_dim": 16, "sliding_window": 8, "route_scale": 2.0, "mup_enabled": True,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
     "deepseek_v3": ("DeepseekV3ForCausalLM", dict(DEEPSEEK_ROUTING, **MLA)),
     "deepseek_v3_no_q_lora_yarn": ("DeepseekV3ForCausalLM", dict(
         DEEPSEEK_ROUTING, **{**MLA, "q_lora_rank": None}, rope_interleave=False, n_group=1, topk_group=1,
@@ -104,7 +104,6 @@ def test_topk_softmax_equals_renormalised_softmax_topk():
 def _stacked_and_list(tmp_path, e=5, h=16, i=8, interleaved=False):
     """The same random experts stored stacked ([E, 2I, H] / [E, H, I]) and per expert."""
     from safetensors.torch import save_file
-
     from trellm.modules.base import LoadContext
     from trellm.weights import WeightStore
 

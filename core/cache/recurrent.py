@@ -124,6 +124,12 @@ def copy_state_slot(cache: KVCache, src: int, dst: int) -> None:
 
 
 __all__ = [
-    "RecurrentStateLayer", "build_hybrid_cache", "alloc_state_slot", "free_state_slot", "copy_state_slot",
-    "state_layers", "DEFAULT_STATE_SLOTS", "KVCacheLayer",
+    "DEFAULT_STATE_SLOTS",
+    "KVCacheLayer",
+    "RecurrentStateLayer",
+    "alloc_state_slot",
+    "build_hybrid_cache",
+    "copy_state_slot",
+    "free_state_slot",
+    "state_layers",
 ]

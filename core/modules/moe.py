@@ -9,7 +9,7 @@ got tokens once on its contiguous block: no Python loop over tokens.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -258,7 +258,7 @@ def _check_experts(experts: Module) -> None:
 
 def dispatch_experts(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t, grouped by expert."""
-    t, k = ids.shape
+    k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token_of = order // k

@@ -104,7 +104,7 @@ class GatedDeltaNet(Module):
 
     def load(self, ctx: LoadContext) -> None:
         super().load(ctx)
-        get = lambda name, shape, dtype=ctx.dtype: ctx.store.get(f"{self.key}.{name}", shape=shape, dtype=dtype, device=ctx.device)  # noqa: E731
+        get = lambda name, shape, dtype=ctx.dtype: ctx.store.get(f"{self.key}.{name}", shape=shape, dtype=dtype, device=ctx.device)
         if self.projection == "separate":  # q/k/v convs stored apart (however the checkpoint split the channels)
             parts = [get(f"{n}_conv1d.weight", None) for n in "qkv"]
             self.conv_weight = torch.cat(parts)[:, 0].contiguous()
@@ -250,7 +250,7 @@ class Mamba2Mixer(Module):
 
     def load(self, ctx: LoadContext) -> None:
         super().load(ctx)
-        get = lambda name, shape, dtype=ctx.dtype: ctx.store.get(f"{self.key}.{name}", shape=shape, dtype=dtype, device=ctx.device)  # noqa: E731
+        get = lambda name, shape, dtype=ctx.dtype: ctx.store.get(f"{self.key}.{name}", shape=shape, dtype=dtype, device=ctx.device)
         self.conv_weight = get("conv1d.weight", (self.conv_dim, 1, self.conv_width))[:, 0].contiguous()
         self.conv_bias = get("conv1d.bias", (self.conv_dim,)) if self.has_conv_bias else None
         h = self.num_heads

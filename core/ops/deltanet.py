@@ -89,7 +89,7 @@ def gated_delta_rule_step(
 
 def _chunked_one(q, k, v, g, beta, state, chunk: int):
     """One sequence, heads first: q/k [H, L, Dk], v [H, L, Dv], g/beta [H, L], state [H, Dk, Dv] (all float32)."""
-    h, length, dk = k.shape
+    h, length = k.shape[:2]
     dv = v.shape[-1]
     pad = (-length) % chunk
     if pad:  # padded steps have g = 0 (no decay) and beta = 0 (no write): the state passes through unchanged

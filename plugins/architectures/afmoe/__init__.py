@@ -4,17 +4,21 @@ with an expert bias, ``route_scale`` and shared experts after ``num_dense_layers
 from __future__ import annotations
 
 import torch
-
 import trellm
 from trellm import ops
 from trellm.batch import ForwardBatch
 from trellm.config import DecoderConfig
 from trellm.modules.base import Module
-from trellm.modules.decoder import DecoderLayer
-from trellm.modules.layers import Attention, Embedding, GatedMLP, RMSNorm, RotaryEmbedding
+from trellm.modules.decoder import CausalLM, DecoderLayer
+from trellm.modules.layers import (
+    Attention,
+    Embedding,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+)
 from trellm.modules.linear import Linear
 from trellm.modules.moe import Experts, MoE, Router, ScoreTopK, config_int
-from trellm.modules.decoder import CausalLM
 from trellm.spec import ArchitectureSpec
 
 
@@ -69,9 +73,11 @@ def build(cfg: DecoderConfig) -> CausalLM:
                 Experts(f"{m}.experts", num_experts, hidden, size, cfg.hidden_act),
                 GatedMLP(f"{m}.shared_experts", hidden, size * n_shared, cfg.hidden_act) if n_shared else None,
             )
-        norm = lambda name: RMSNorm(f"{key}.{name}", hidden, eps)  # noqa: E731
-        layers.append(DecoderLayer(key, norm("input_layernorm"), attn, norm("pre_mlp_layernorm"), mlp,
-                                   attn_out_norm=norm("post_attention_layernorm"), mlp_out_norm=norm("post_mlp_layernorm")))
+        inp, pre_mlp, post_attn, post_mlp = (
+            RMSNorm(f"{key}.{n}", hidden, eps)
+            for n in ("input_layernorm", "pre_mlp_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
+        )
+        layers.append(DecoderLayer(key, inp, attn, pre_mlp, mlp, attn_out_norm=post_attn, mlp_out_norm=post_mlp))
     scale = hidden**0.5 if x.get("mup_enabled") else None
     return CausalLM(
         cfg,

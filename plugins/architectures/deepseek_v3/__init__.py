@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 import trellm
 from trellm import ops
 from trellm.batch import ForwardBatch

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
 import trellm
 from trellm import ops
 from trellm.batch import ForwardBatch
@@ -13,7 +12,14 @@ from trellm.config import DecoderConfig
 from trellm.modules.base import LoadContext
 from trellm.modules.decoder import build_decoder
 from trellm.modules.layers import Attention
-from trellm.modules.moe import Experts, MoE, Router, TopKSoftmax, clamped_swiglu, config_int
+from trellm.modules.moe import (
+    Experts,
+    MoE,
+    Router,
+    TopKSoftmax,
+    clamped_swiglu,
+    config_int,
+)
 from trellm.spec import ArchitectureSpec
 
 

@@ -9,7 +9,7 @@ from trellm.modules.base import Module
 from trellm.modules.decoder import DecoderLayer
 from trellm.modules.layers import Attention, Embedding, RMSNorm, RotaryEmbedding
 from trellm.modules.linear import Linear
-from trellm.modules.moe import Experts, ExpertMLP, MoE, Router, ScoreTopK, config_int
+from trellm.modules.moe import ExpertMLP, Experts, MoE, Router, ScoreTopK, config_int
 from trellm.modules.recurrent import HybridCausalLM, ShortConv
 from trellm.spec import ArchitectureSpec
 

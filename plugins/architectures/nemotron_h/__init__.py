@@ -4,7 +4,6 @@ optional latent projection around the routed experts."""
 from __future__ import annotations
 
 import torch
-
 import trellm
 from trellm.batch import ForwardBatch
 from trellm.config import DecoderConfig, text_config

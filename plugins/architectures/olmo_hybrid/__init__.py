@@ -7,7 +7,13 @@ from trellm.config import DecoderConfig
 from trellm.errors import ConfigError
 from trellm.modules.base import Module
 from trellm.modules.decoder import DecoderLayer
-from trellm.modules.layers import Attention, Embedding, GatedMLP, RMSNorm, RotaryEmbedding
+from trellm.modules.layers import (
+    Attention,
+    Embedding,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+)
 from trellm.modules.linear import Linear
 from trellm.modules.moe import config_int
 from trellm.modules.recurrent import GatedDeltaNet, HybridCausalLM
@@ -25,7 +31,10 @@ def build(cfg: DecoderConfig) -> HybridCausalLM:
     layers: list[Module] = []
     for i, kind in enumerate(types):
         key = f"model.layers.{i}"
-        norm = lambda name: RMSNorm(f"{key}.{name}", hidden, eps)  # noqa: E731
+
+        def norm(name: str, key: str = key) -> RMSNorm:
+            return RMSNorm(f"{key}.{name}", hidden, eps)
+
         mlp = GatedMLP(f"{key}.mlp", hidden, cfg.intermediate_size, cfg.hidden_act)
         if kind == "linear_attention":
             mixer = GatedDeltaNet(

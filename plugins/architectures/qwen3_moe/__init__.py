@@ -4,7 +4,14 @@ from __future__ import annotations
 import trellm
 from trellm.config import DecoderConfig
 from trellm.modules.decoder import DecoderOptions, build_decoder
-from trellm.modules.moe import Experts, MoE, Router, SoftmaxTopK, config_int, replace_mlps
+from trellm.modules.moe import (
+    Experts,
+    MoE,
+    Router,
+    SoftmaxTopK,
+    config_int,
+    replace_mlps,
+)
 from trellm.spec import ArchitectureSpec
 
 
