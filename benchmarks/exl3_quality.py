@@ -55,10 +55,13 @@ def main() -> int:
     ap.add_argument("--cal-cols", type=int, default=512)
     ap.add_argument("--parallel", type=int, default=6)
     ap.add_argument("--deadline-s", type=float, default=1e9)
+    ap.add_argument("--smoke", action="store_true", help="only: Viterbi throughput and one layer quantized on the device")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         return one(args)
+    if args.smoke:
+        return smoke(args.device)
 
     start = time.perf_counter()
     work, out = Path(args.work), Path(args.out)
@@ -108,6 +111,31 @@ def main() -> int:
             rows.append(json.loads(f.read_text()))
     report(rows, out)
     return 0 if rows else 1
+
+
+def smoke(device: str) -> int:
+    """Kernels build, Viterbi speed, and one 1536x576 layer through quantize -> EXL3Linear on ``device``."""
+    import torch
+
+    from trellm.quant.exl3 import EXL3Linear, quantize_group
+    from trellm.quant.exl3.quantize import relative_mse
+
+    _viterbi_throughput(device)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(576, 1536, generator=gen)
+    x = torch.randn(4096, 1536, generator=gen) @ (torch.eye(1536) + 0.05 * torch.randn(1536, 1536, generator=gen))
+    h = x.t() @ x / x.shape[0]
+    for K in (2, 4):
+        t0 = time.perf_counter()
+        (qt,), st = quantize_group([w], h, K, "mul1", device=device)
+        dt = time.perf_counter() - t0
+        lin = EXL3Linear.from_quantized(qt, 1536, 576)
+        xd = x[:256].to(device)
+        y = lin.forward(xd).float().cpu()
+        ref = x[:256] @ w.t()
+        print(f"layer 1536x576 K={K}: {dt:.2f}s ({w.numel() / dt / 1e6:.2f} M weights/s), proxy {st.proxy_error:.5f}, "
+              f"output rel MSE {relative_mse(ref, y):.5f}, scale {st.scale:.3f}", flush=True)
+    return 0
 
 
 def _viterbi_throughput(device: str) -> None:
