@@ -83,7 +83,7 @@ class RopeConfig:
     long_factor: tuple[float, ...] | None = None
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any], default_theta: float = 10000.0, layer_type: str = "full_attention") -> "RopeConfig":
+    def from_hf(cls, raw: dict[str, Any], default_theta: float = 10000.0, layer_type: str = "full_attention") -> RopeConfig:
         """Read RoPE from ``rope_parameters`` (or legacy ``rope_theta`` + ``rope_scaling``).
 
         Configs with per-layer-type RoPE (Gemma 3, Olmo 3: ``{"full_attention": {...},
@@ -111,7 +111,7 @@ class RopeConfig:
                 factor = raw["max_position_embeddings"] / omax
         if rope_type in ("linear", "dynamic", "yarn", "llama3") and factor < 1.0:
             raise ConfigError(f"config.json: rope factor must be >= 1 for rope type {rope_type!r}, got {factor}")
-        tup = lambda v: tuple(float(x) for x in v) if v is not None else None  # noqa: E731
+        tup = lambda v: tuple(float(x) for x in v) if v is not None else None
         return cls(
             theta=float(theta),
             type=rope_type,
@@ -235,7 +235,7 @@ class DecoderConfig:
     extra: dict[str, Any] = attrs.field(factory=dict, hash=False)
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any], **overrides: Any) -> "DecoderConfig":
+    def from_hf(cls, raw: dict[str, Any], **overrides: Any) -> DecoderConfig:
         c = text_config(raw)
         hidden = int(_get(c, "hidden_size", required=True))
         heads = int(_get(c, "num_attention_heads", required=True))
@@ -308,7 +308,7 @@ def _layer_ropes(c: dict[str, Any]) -> dict[str, RopeConfig]:
     return {lt: RopeConfig.from_hf(c, layer_type=lt) for lt in params}
 
 
-def sliding_on_every_layer(cfg: "DecoderConfig") -> "DecoderConfig":
+def sliding_on_every_layer(cfg: DecoderConfig) -> DecoderConfig:
     """Mistral / Phi-3: a set ``sliding_window`` applies to every layer (their configs list no layer_types)."""
     if cfg.sliding_window > 0 and not cfg.layer_types:
         return attrs.evolve(cfg, layer_types=("sliding_attention",) * cfg.num_hidden_layers)

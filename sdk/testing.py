@@ -22,8 +22,9 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -128,13 +129,15 @@ class ParityReport:
 
     def __str__(self) -> str:
         allowed = self.tolerance * self.logit_range
-        verdict = lambda good: "ok" if good else "FAIL"  # noqa: E731
+        verdict = lambda good: "ok" if good else "FAIL"
         greedy_same = sum(a == b for h, t in zip(self.greedy_hf, self.greedy_trellm) for a, b in zip(h, t))
         greedy_total = sum(len(h) for h in self.greedy_hf)
         rows = [
             f"parity {self.architecture or '(model)'}: {'PASS' if self.ok else 'FAIL'} ({self.seconds:.1f}s)",
-            f"  prompt logits   max|diff| {self.max_abs_diff:.3g} (allowed {allowed:.3g}), argmax {self.argmax_agree:.1%}"
-            f"  {verdict(self.max_abs_diff <= allowed and self.argmax_agree == 1.0)}",
+            (
+                f"  prompt logits   max|diff| {self.max_abs_diff:.3g} (allowed {allowed:.3g}), argmax {self.argmax_agree:.1%}"
+                f"  {verdict(self.max_abs_diff <= allowed and self.argmax_agree == 1.0)}"
+            ),
             (
                 f"  cached decode   max|diff| {self.cached_max_abs_diff:.3g} (allowed {allowed:.3g}), argmax {self.cached_argmax_agree:.1%}"
                 f"  {verdict(self.cached_max_abs_diff <= allowed and self.cached_argmax_agree == 1.0)}"
@@ -256,7 +259,6 @@ def check_parity(
 
 def _check_parity(model_dir: Path, prompts, max_new_tokens: int, tolerance: float, page_size: int, seed: int) -> ParityReport:
     import transformers
-
     import trellm
 
     t0 = time.perf_counter()

@@ -9,7 +9,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from trellm.sdk.testing import check_parity, make_tiny_hf_model  # noqa: E402
+from trellm.sdk.testing import check_parity, make_tiny_hf_model
 
 SLIDING = dict(sliding_window=8)  # shorter than the 23-token prompt, so the window matters
 LOCAL_GLOBAL = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])

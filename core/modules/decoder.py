@@ -7,10 +7,11 @@ config (a softcap, a scale) are set by the family's ``build`` with ``attrs.evolv
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import attrs
 import torch
-
-from typing import Any, Callable
 
 from ..batch import ForwardBatch
 from ..config import DecoderConfig

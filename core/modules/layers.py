@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 
@@ -290,7 +291,7 @@ class Attention(Module):
 class XIELU(Module):
     """The xIELU activation (Apertus) with its trained per-layer scalars ``alpha_p``, ``alpha_n``, ``beta``, ``eps``."""
 
-    DEFAULTS = {"beta": 0.5, "eps": -1e-6}
+    DEFAULTS: ClassVar[dict[str, float]] = {"beta": 0.5, "eps": -1e-6}
 
     def __init__(self, key: str):
         self.key = key

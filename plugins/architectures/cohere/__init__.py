@@ -6,7 +6,6 @@ GPT-J (interleaved) RoPE, logits multiplied by ``logit_scale``, optional per-hea
 from __future__ import annotations
 
 import attrs
-
 import trellm
 from trellm.modules.decoder import DecoderOptions, decoder_family
 

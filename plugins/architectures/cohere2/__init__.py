@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import attrs
-
 import trellm
 from trellm.config import DecoderConfig, layer_types_from_pattern, text_config
 from trellm.modules.decoder import decoder_family

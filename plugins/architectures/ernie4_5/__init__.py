@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import attrs
-
 import trellm
 from trellm.modules.decoder import DecoderOptions, decoder_family
 

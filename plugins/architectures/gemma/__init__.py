@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import attrs
-
 import trellm
 from trellm.modules.decoder import DecoderOptions, decoder_family
 

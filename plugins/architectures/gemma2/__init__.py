@@ -6,7 +6,6 @@ tanh-softcapped; the softmax scale is ``query_pre_attn_scalar ** -0.5``.
 from __future__ import annotations
 
 import attrs
-
 import trellm
 from trellm.config import DecoderConfig, layer_types_from_pattern, text_config
 from trellm.modules.decoder import DecoderOptions, decoder_family

@@ -7,7 +7,6 @@ key is ignored, as in the reference implementation.
 from __future__ import annotations
 
 import attrs
-
 import trellm
 from trellm.config import DecoderConfig, RopeConfig, text_config
 from trellm.errors import ConfigError

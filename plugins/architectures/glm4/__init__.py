@@ -6,7 +6,6 @@ sub-layer outputs. q/k/v carry biases (``attention_bias``), o_proj does not.
 from __future__ import annotations
 
 import attrs
-
 import trellm
 from trellm.modules.decoder import DecoderOptions, decoder_family
 

@@ -5,7 +5,6 @@ Logits are divided by ``logits_scaling``; the softmax scale is ``attention_multi
 from __future__ import annotations
 
 import attrs
-
 import trellm
 from trellm.modules.decoder import DecoderOptions, decoder_family
 

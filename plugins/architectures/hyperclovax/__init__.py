@@ -6,7 +6,6 @@ before the scaled residual add; logits are *multiplied* by ``logits_scaling`` (G
 from __future__ import annotations
 
 import attrs
-
 import trellm
 from trellm.modules.decoder import DecoderOptions, decoder_family
 from trellm.plugins.architectures.granite import configure as configure_granite

@@ -8,7 +8,6 @@ sliding-window layers (``layer_types``) with their own RoPE entry.
 from __future__ import annotations
 
 import attrs
-
 import trellm
 from trellm.config import DecoderConfig
 from trellm.modules.decoder import DecoderOptions, decoder_family

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import attrs
-
 import trellm
-from trellm.modules.decoder import DecoderOptions, decoder_family
+from trellm.modules.decoder import decoder_family
 
 SPEC = decoder_family(
     "seed_oss",

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import attrs
-
 import trellm
 from trellm.config import DecoderConfig, text_config
 from trellm.errors import ConfigError

@@ -4,7 +4,6 @@ and optional parallel residual (``use_parallel_residual``). The per-head ``qk_la
 from __future__ import annotations
 
 import attrs
-
 import trellm
 from trellm.config import DecoderConfig, text_config
 from trellm.errors import ConfigError

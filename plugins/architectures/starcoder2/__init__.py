@@ -5,7 +5,6 @@ A set ``sliding_window`` applies to every layer, as in Mistral.
 from __future__ import annotations
 
 import attrs
-
 import trellm
 from trellm.config import DecoderConfig, sliding_on_every_layer
 from trellm.modules.decoder import DecoderOptions, decoder_family

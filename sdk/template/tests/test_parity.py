@@ -21,5 +21,5 @@ def test_helium_parity(assert_parity, name):
 def test_plugin_is_registered():
     from trellm import registry
 
-    plugin, spec = registry.architectures()["HeliumForCausalLM"]
+    _, spec = registry.architectures()["HeliumForCausalLM"]
     assert spec.name == "helium"
