@@ -69,6 +69,7 @@ class DecoderOptions:
     activation: str | None = None  # None: config.hidden_act
     # embedding and head
     embed_scale: float | None = None
+    embed_scale_rounded: bool = True  # scale rounded to the model dtype first (Gemma); False: exact (Granite)
     final_logit_softcap: float = 0.0
     logit_scale: float = 1.0
     lm_head_bias: bool = False  # Phi-2
@@ -240,7 +241,7 @@ def build_decoder(cfg: DecoderConfig, opts: DecoderOptions = DecoderOptions()) -
     )
     return CausalLM(
         cfg,
-        Embedding(opts.embed_key, cfg.vocab_size, cfg.hidden_size, opts.embed_scale),
+        Embedding(opts.embed_key, cfg.vocab_size, cfg.hidden_size, opts.embed_scale, opts.embed_scale_rounded),
         layers,
         norm(opts.final_norm_key, ""),
         head,

@@ -16,10 +16,15 @@ from .linear import DenseLinear, Linear
 
 
 class Embedding(Module):
-    """Token embedding table [vocab, hidden]; ``scale`` multiplies the output (Gemma: sqrt(hidden))."""
+    """Token embedding table [vocab, hidden]; ``scale`` multiplies the output.
 
-    def __init__(self, key: str, vocab_size: int, hidden_size: int, scale: float | None = None):
+    ``round_scale``: the scale is first rounded to the model dtype (Gemma's sqrt(hidden) is a
+    tensor in the model dtype); Granite-style muP multipliers are exact floats (``False``).
+    """
+
+    def __init__(self, key: str, vocab_size: int, hidden_size: int, scale: float | None = None, round_scale: bool = True):
         self.key, self.vocab_size, self.hidden_size, self.scale = key, vocab_size, hidden_size, scale
+        self.round_scale = round_scale
         self.weight: torch.Tensor | None = None
 
     def load(self, ctx: LoadContext) -> None:
@@ -33,7 +38,7 @@ class Embedding(Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.weight[ids]
         if self.scale is not None:
-            x = x * torch.tensor(self.scale, dtype=x.dtype)
+            x = x * (torch.tensor(self.scale, dtype=x.dtype) if self.round_scale else self.scale)
         return x
 
 

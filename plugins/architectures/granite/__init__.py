@@ -16,6 +16,7 @@ def configure(cfg, opts: DecoderOptions, divide_logits: bool = True) -> DecoderO
     return attrs.evolve(
         opts,
         embed_scale=float(x.get("embedding_multiplier", 1.0)),
+        embed_scale_rounded=False,
         residual_multiplier=float(x.get("residual_multiplier", 1.0)),
         attn_scale=float(attn) if attn is not None else None,
         logit_scale=1.0 / logits if divide_logits else logits,
