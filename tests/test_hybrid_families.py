@@ -240,3 +240,16 @@ def test_generator_batches_hybrid_jobs(family):
         done = gen.generate([list(p) for p in ps], max_new_tokens=NEW_TOKENS, return_results=True, stop_token_ids=[])
         want, _ = cached_greedy(lm.model, ps, NEW_TOKENS)
     assert [r.token_ids for r in done] == want
+
+
+def test_nemotron_h_latent_moe_logits(tmp_path):
+    """NemotronH with ``moe_latent_size``: routed experts run in a projected latent space."""
+    arch, cfg = FAMILIES["nemotron_h"]
+    model_dir = make_tiny_hf_model(arch, tmp_path, **{**cfg, "moe_latent_size": 16})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    lm = trellm.load(model_dir, device="cpu", dtype=torch.float32)
+    p = prompts(lm.config.vocab_size)[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([p])).logits[0]
+    got = lm.logits([p])[0]
+    assert (ref - got).abs().max() <= 1e-3 * (ref.max() - ref.min())
