@@ -155,6 +155,30 @@ __global__ void gated_activation_kernel(const T *__restrict__ gate, int64_t gate
     }
 }
 
+// 16-byte vectors: VEC elements per thread per step (dim, strides and pointers aligned to VEC).
+template <typename T, int VEC>
+__global__ void gated_activation_vec_kernel(const T *__restrict__ gate, int64_t gate_stride, const T *__restrict__ up,
+                                            int64_t up_stride, T *__restrict__ out, int64_t rows, int64_t dim, int act) {
+    const int64_t vecs = dim / VEC;
+    for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+        const uint4 *g = reinterpret_cast<const uint4 *>(gate + r * gate_stride);
+        const uint4 *u = reinterpret_cast<const uint4 *>(up + r * up_stride);
+        uint4 *o = reinterpret_cast<uint4 *>(out + r * dim);
+        for (int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; c < vecs; c += (int64_t)gridDim.x * blockDim.x) {
+            uint4 gv = g[c], uv = u[c], ov;
+            const T *ge = reinterpret_cast<const T *>(&gv);
+            const T *ue = reinterpret_cast<const T *>(&uv);
+            T *oe = reinterpret_cast<T *>(&ov);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) {
+                const T a = from_f32<T>(apply_act(to_f32(ge[i]), act));
+                oe[i] = from_f32<T>(to_f32(a) * to_f32(ue[i]));
+            }
+            o[c] = ov;
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // KV-cache write: one block per token, 16-byte copies when the row allows.
 
@@ -234,12 +258,24 @@ extern "C" int trellm_gated_activation(const void *gate, int64_t gate_stride, co
     if (rows < 0 || dim <= 0) return TRELLM_E_BAD_SHAPE;
     if (activation < TRELLM_ACT_SILU || activation > TRELLM_ACT_RELU2) return TRELLM_E_BAD_ARG;
     if (rows == 0) return TRELLM_OK;
-    const int64_t col_blocks = (dim + 255) / 256;
+    const int elem = dtype == TRELLM_F32 ? 4 : 2;
+    const int vec = 16 / elem;
+    const bool aligned = ((uintptr_t)gate | (uintptr_t)up | (uintptr_t)out) % 16 == 0 && dim % vec == 0 &&
+                         gate_stride % vec == 0 && up_stride % vec == 0;
+    const int64_t units = aligned ? dim / vec : dim;
+    const int64_t col_blocks = (units + 255) / 256;
     const dim3 grid((unsigned)(col_blocks < 64 ? col_blocks : 64), (unsigned)(rows < 65535 ? rows : 65535));
-    TRELLM_DISPATCH_DTYPE(dtype, T,
-        gated_activation_kernel<T><<<grid, 256, 0, stream>>>(static_cast<const T *>(gate), gate_stride,
-                                                             static_cast<const T *>(up), up_stride,
-                                                             static_cast<T *>(out), rows, dim, activation));
+    if (aligned) {
+        TRELLM_DISPATCH_DTYPE(dtype, T,
+            gated_activation_vec_kernel<T, 16 / sizeof(T)><<<grid, 256, 0, stream>>>(
+                static_cast<const T *>(gate), gate_stride, static_cast<const T *>(up), up_stride,
+                static_cast<T *>(out), rows, dim, activation));
+    } else {
+        TRELLM_DISPATCH_DTYPE(dtype, T,
+            gated_activation_kernel<T><<<grid, 256, 0, stream>>>(static_cast<const T *>(gate), gate_stride,
+                                                                 static_cast<const T *>(up), up_stride,
+                                                                 static_cast<T *>(out), rows, dim, activation));
+    }
     TRELLM_LAUNCH_CHECK();
     return TRELLM_OK;
 }

@@ -257,11 +257,12 @@ def test_rotary_embedding(ops, interleaved, rot_frac, dtype):
     assert rel_err(out, ref) < (8e-3 if dtype == torch.bfloat16 else 1e-3 if dtype == torch.float16 else 1e-6)
 
 
+@pytest.mark.parametrize("dim", [1000, 999])  # 16-byte vector path, scalar path
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu", "relu2"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_gated_activation(ops, activation, dtype):
-    gu = torch.randn(13, 2 * 1000, device="cuda", dtype=dtype) * 2
-    gate, up = gu[:, :1000], gu[:, 1000:]  # strided views of a fused projection
+def test_gated_activation(ops, activation, dtype, dim):
+    gu = torch.randn(13, 2 * dim, device="cuda", dtype=dtype) * 2
+    gate, up = gu[:, :dim], gu[:, dim:]  # strided views of a fused projection
     out = cuda_impl(ops.gated_activation)(gate, up, activation)
     ref = ops.gated_activation.reference(gate, up, activation)
     assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3 if dtype == torch.float16 else 1e-5)
