@@ -432,3 +432,20 @@ def test_smollm2_counting_stress(smollm2_dir):
             continue
         numbers = [int(x) for x in r.text.split(",")[:-1]]
         assert numbers[:2] == [s + n, s + n + 1], (k, r.text)
+
+
+def test_prefix_pages_shared_while_the_first_job_still_prefills(lm):
+    """Pages are named as soon as a prefill chunk fills them, so a second job reuses them mid-prefill;
+    this also holds with a quantized cache and speculative decoding on."""
+    shared = prompts_of([64], seed=21)[0]
+    gen = Generator(lm, cache=quantized_cache(lm, 8, 8, max_tokens=1024, page_size=16), max_chunk_tokens=32,
+                    proposer=NgramProposer())
+    first = gen.enqueue(Job(shared + [1, 2], 6, stop_token_ids=[]))
+    gen.iterate()  # 32 of 66 prompt tokens in: two full pages named
+    second = gen.enqueue(Job(shared + [3], 6, stop_token_ids=[]))
+    results = list(gen.stream())
+    started = {r.job: r for r in results if isinstance(r, JobStarted)}
+    assert started[second].cached_tokens == 32
+    done = {r.job: r for r in results if isinstance(r, JobFinished)}
+    assert done[first].generated_tokens == done[second].generated_tokens == 6
+    gen.verify_pages()
