@@ -161,3 +161,28 @@ def test_every_family_is_registered_through_its_entry_point():
     missing = sorted({arch for arch, _ in CASES.values()} - set(table))
     assert not missing, f"architectures without a plugin: {missing} (run pip install -e . --no-deps after adding entry points)"
     assert table["Gemma3ForCausalLM"][0] == "gemma3" and table["Olmo3ForCausalLM"][0] == "olmo"
+
+
+@pytest.mark.parametrize(
+    "architecture, overrides, key",
+    [
+        ("PhiForCausalLM", dict(qk_layernorm=True), "qk_layernorm"),
+        ("StableLmForCausalLM", dict(qk_layernorm=True), "qk_layernorm"),
+        ("Gemma3ForCausalLM", dict(head_dim=16, use_bidirectional_attention=True), "use_bidirectional_attention"),
+        ("Olmo3ForCausalLM", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]), "layer_types"),
+    ],
+)
+def test_unsupported_config_values_name_the_key(tmp_path, architecture, overrides, key):
+    """Values a family does not support fail at load with a ConfigError naming the config key."""
+    import json
+
+    import trellm
+    from trellm.errors import ConfigError
+
+    model_dir = make_tiny_hf_model(architecture, tmp_path, **overrides)
+    if architecture == "Olmo3ForCausalLM":  # corrupt it: three layer types for two layers
+        cfg = json.loads((model_dir / "config.json").read_text())
+        cfg["layer_types"].append("full_attention")
+        (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=key):
+        trellm.load(model_dir, device="cpu")
