@@ -23,14 +23,14 @@ class ServerThread:
     :class:`~trellm.server.engine.ModelHost` (generator and cache accounting for tests).
     """
 
-    def __init__(self, config: ServerConfig, ready_timeout_s: float = 300.0, log_level: str = "warning"):
+    def __init__(self, config: ServerConfig, port: int | None = None, ready_timeout_s: float = 300.0,
+                 log_level: str = "warning"):
         import uvicorn
 
         from .app import create_app
 
-        self.config = config.updated({"host": "127.0.0.1", "port": config.port or free_port()}, "ServerThread")
-        if self.config.port == 5000:
-            self.config = self.config.updated({"port": free_port()}, "ServerThread")
+        # Loopback only, on ``port`` or a free one (config.host/port are ignored: tests never listen outside).
+        self.config = config.updated({"host": "127.0.0.1", "port": port or free_port()}, "ServerThread")
         self.app = create_app(self.config)
         self.url = f"http://127.0.0.1:{self.config.port}"
         self.ready_timeout_s = ready_timeout_s
