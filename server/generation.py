@@ -6,6 +6,7 @@ request body and the generator's results, including cleanup when a client goes a
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
@@ -348,4 +349,42 @@ def check_finished(result: JobFinished) -> None:
 
 
 def token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+    return token_piece(tokenizer, token_id)[0]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def token_piece(tokenizer, token_id: int) -> tuple[str, tuple[int, ...]]:
+    """A token's text (decoded alone) and its raw UTF-8 bytes, which may be part of a character.
+
+    Byte-level BPE spells bytes as printable characters (GPT-2's table) and SentencePiece byte
+    fallback as ``<0xNN>``; both are mapped back, so ``bytes`` is exact where ``text`` shows U+FFFD.
+    """
+    text = tokenizer.decode([token_id])
+    piece = tokenizer.id_to_token(token_id) or ""
+    raw: bytes | None = None
+    if type(tokenizer.backend.decoder).__name__ == "ByteLevel" and all(c in _BYTE_OF_CHAR for c in piece):
+        raw = bytes(_BYTE_OF_CHAR[c] for c in piece)
+    elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            raw = bytes([int(piece[3:5], 16)])
+        except ValueError:
+            raw = None
+    if raw is None:
+        raw = text.encode("utf-8", "replace")
+    return text, tuple(raw)
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's printable stand-ins for the 256 byte values, inverted (character -> byte)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(range(ord("\xae"), 256))
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_OF_CHAR = _byte_level_table()

@@ -13,7 +13,7 @@ from .engine import LoadSettings, ModelHost
 from .errors import APIError, AsciiJSONResponse, bad_request
 from .generation import (
     JobGroup, JobStreamResponse, chat_prompt, check_token_ids, completion_prompts, encode_text, finish_reason, make_jobs,
-    check_finished, token_text,
+    check_finished, token_piece, token_text,
 )
 from .schemas import (
     ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList, ModelLoadRequest, TokenDecodeRequest,
@@ -280,11 +280,13 @@ class ChatShaper(CompletionShaper):
         tok = self.host.tokenizer
         content = []
         for i, lp in enumerate(result.logprobs):
-            s = token_text(tok, result.token_ids[i])
+            text, raw = token_piece(tok, result.token_ids[i])
             tops = (result.top_logprobs or [])[i] if self.body.top_logprobs and result.top_logprobs else []
-            content.append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "replace")),
-                            "top_logprobs": [{"token": (ts := token_text(tok, t)), "logprob": tlp,
-                                              "bytes": list(ts.encode("utf-8", "replace"))} for t, tlp in tops]})
+            top_entries = []
+            for t, tlp in tops:
+                t_text, t_raw = token_piece(tok, t)
+                top_entries.append({"token": t_text, "logprob": tlp, "bytes": list(t_raw)})
+            content.append({"token": text, "logprob": lp, "bytes": list(raw), "top_logprobs": top_entries})
         return {"content": content}
 
     def token_choice(self, index: int, result: TokenChunk) -> dict:
