@@ -87,6 +87,7 @@ def test_chat_stream_matches_whole_and_reports_usage(server, client):
     assert text and whole.choices[0].message.role == "assistant" and whole.object == "chat.completion"
     assert len(whole.choices[0].logprobs.content) == 6
     assert all(len(t.top_logprobs) == 2 for t in whole.choices[0].logprobs.content)
+    assert bytes(b for t in whole.choices[0].logprobs.content for b in t.bytes).decode("utf-8") == text
     chunks = list(client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=6, temperature=0, stream=True,
                                                  stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
