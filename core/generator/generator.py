@@ -106,16 +106,15 @@ class Generator:
         prefix_caching: bool = True,
         max_overtake_steps: int = 16,
     ):
-        self.loaded = model if hasattr(model, "model") else None
-        self.model = getattr(model, "model", model)
+        if max_batch_size < 1 or max_chunk_tokens < 1:
+            raise ValueError(f"max_batch_size and max_chunk_tokens must be >= 1, got {max_batch_size}, {max_chunk_tokens}")
+        self.model = getattr(model, "model", model)  # a LoadedModel or its module tree
         self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         if cache is None:  # a model with recurrent layers knows how to build its hybrid cache
             make = getattr(self.model, "make_cache", None)
             cache = (make(max_tokens=cache_tokens, page_size=page_size, max_slots=max_batch_size) if make is not None
                      else KVCache.for_model(self.model, max_tokens=cache_tokens, page_size=page_size))
         self.cache = cache
-        if max_batch_size < 1 or max_chunk_tokens < 1:
-            raise ValueError(f"max_batch_size and max_chunk_tokens must be >= 1, got {max_batch_size}, {max_chunk_tokens}")
         self.max_batch_size = max_batch_size
         self.max_chunk_tokens = max_chunk_tokens
         self.max_overtake_steps = max_overtake_steps  # 0 = strict FIFO admission
