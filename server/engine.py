@@ -165,19 +165,23 @@ def _build(settings: LoadSettings) -> tuple[Any, Generator]:
 
         raise ConfigError(f"{settings.model_dir}: not a model directory (no config.json)")
     lm = trellm.load(settings.model_dir, device=settings.device, dtype=settings.dtype)
+    cache = None  # fp16: the generator builds it (a hybrid model's cache also holds recurrent-state slots)
     if settings.cache_bits is not None:
         from trellm.cache.quantized import quantized_cache
+        from trellm.errors import ConfigError
 
+        if getattr(lm.model, "make_cache", None) is not None:
+            raise ConfigError(f"{settings.model_dir}: cache_bits is not supported for models with recurrent layers; "
+                              "serve it with an fp16 cache")
         k_bits, v_bits = settings.cache_bits
         cache = quantized_cache(lm.model, k_bits=k_bits, v_bits=v_bits, max_tokens=settings.cache_size,
                                 page_size=settings.page_size)
-    else:
-        cache = lm.new_cache(max_tokens=settings.cache_size, page_size=settings.page_size)
     proposer = None
     if settings.draft_model is not None:
         draft = trellm.load(settings.draft_model, device=settings.device, dtype=settings.dtype, tokenizer=False)
         proposer = DraftModelProposer(draft, num_tokens=settings.num_draft_tokens, cache_tokens=settings.cache_size,
                                       page_size=settings.page_size)
-    generator = Generator(lm, cache, max_batch_size=settings.max_batch_size, max_chunk_tokens=settings.max_chunk_tokens,
+    generator = Generator(lm, cache, cache_tokens=settings.cache_size, page_size=settings.page_size,
+                          max_batch_size=settings.max_batch_size, max_chunk_tokens=settings.max_chunk_tokens,
                           proposer=proposer, num_draft_tokens=settings.num_draft_tokens)
     return lm, generator
