@@ -93,6 +93,36 @@ def test_unload_then_load_with_health_503_while_loading(server, smollm2_dir):
     assert httpx.get(server.url + "/health").status_code == 200  # a bad load request leaves the model alone
 
 
+def test_hybrid_model_batches_like_it_runs_alone(server, tiny_llama_smollm2_tokenizer_dir, tmp_path):
+    """A model with recurrent layers (Qwen3.5 layout) loaded by the admin route: its cache gets state slots."""
+    import asyncio
+
+    from trellm.sdk.testing import make_tiny_hf_model
+
+    linear = {"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+              "linear_value_head_dim": 16, "num_hidden_layers": 3,
+              "layer_types": ["linear_attention", "full_attention", "linear_attention"]}
+    vocab = json.loads((tiny_llama_smollm2_tokenizer_dir / "config.json").read_text())["vocab_size"]
+    out = make_tiny_hf_model("Qwen3_5ForCausalLM", tmp_path / "hybrid", vocab_size=vocab, bos_token_id=1, eos_token_id=2,
+                             pad_token_id=2, **linear)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_llama_smollm2_tokenizer_dir / name, out / name)
+    r = httpx.post(server.url + "/v1/model/load", headers=ADMIN, timeout=300, json={"model": str(out), "model_name": "hybrid"})
+    assert r.status_code == 200, r.text
+    assert server.host.generator.state_layers
+    prompts = ("Hello", "The sky is", "one two three")
+
+    async def run() -> tuple[list[str], list[str]]:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0) as client:
+            async def one(p: str) -> str:
+                r = await client.completions.create(model="hybrid", prompt=p, max_tokens=6, temperature=0)
+                return r.choices[0].text
+            return [await one(p) for p in prompts], list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    alone, together = asyncio.run(run())
+    assert together == alone and all(alone)
+
+
 def test_config_file_and_flags(tmp_path):
     from trellm.cli import build_parser
 
