@@ -449,3 +449,19 @@ def test_prefix_pages_shared_while_the_first_job_still_prefills(lm):
     done = {r.job: r for r in results if isinstance(r, JobFinished)}
     assert done[first].generated_tokens == done[second].generated_tokens == 6
     gen.verify_pages()
+
+
+def test_long_prompt_does_not_stall_running_streams(lm):
+    gen = Generator(lm, cache_tokens=1024, page_size=16, max_chunk_tokens=32)
+    running = gen.enqueue(Job(prompts_of([5], seed=30)[0], 30, stop_token_ids=[]))
+    gen.iterate()
+    long = gen.enqueue(Job(prompts_of([200], seed=31)[0], 4, stop_token_ids=[]))
+    prefill_steps = 0
+    while not long.finished:
+        results = gen.iterate()
+        if any(isinstance(r, PrefillProgress) and r.job is long for r in results):
+            prefill_steps += 1
+            assert any(isinstance(r, TokenChunk) and r.job is running for r in results)  # one token every step
+    assert prefill_steps >= 200 // 32  # the prompt went in chunks under the shared budget
+    list(gen.stream())
+    gen.verify_pages()
