@@ -123,8 +123,14 @@ def test_text_prompt_stop_string_and_banned_string(lm):
     assert stopped.text == text[: text.index(stop)]
     # The streamed text never shows a partial stop string: it is held back while it may still match.
     banned = text[3:6]
-    result = gen.generate(prompt, 24, banned_strings=[banned], stop_token_ids=[], return_results=True)
-    assert banned not in result.text and result.text.startswith(text[:3])
+    job = gen.enqueue(Job(prompt, 24, banned_strings=[banned, "\x00nope"], stop_token_ids=[]))
+    results = list(gen.stream())
+    result = results[-1]
+    streamed = [r for r in results if isinstance(r, TokenChunk)]
+    assert banned not in result.text and result.text.startswith(text[:3]) and result.text != text
+    assert "".join(c.text for c in streamed) == result.text  # nothing streamed was taken back
+    assert [t for c in streamed for t in c.token_ids] == result.token_ids and len(result.token_ids) == 24
+    assert result.job is job
     gen.verify_pages()
 
 

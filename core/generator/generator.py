@@ -44,8 +44,8 @@ from .job import (
 )
 from .speculative import DraftRequest, Proposer
 
-BANNED_STRING_RETRIES = 32
-ADMIT_SCAN = 64  # how deep into the queue admission looks for jobs that fit
+ADMIT_SCAN = 64
+MAX_REWINDS = 256  # banned strings: rewinds per job before they are no longer enforced  # how deep into the queue admission looks for jobs that fit
 
 
 class JobTooLargeError(TrellmError, ValueError):
@@ -68,9 +68,18 @@ class _Running:
         self.rng = torch.Generator()
         self.rng.manual_seed(job.seed if job.seed is not None else int(torch.randint(0, 2**62, ()).item()))
         self.decoder = tokenizer.stream(skip_special_tokens=not job.decode_special_tokens) if tokenizer else None
-        self.matcher = StopStringMatcher(job.stop_strings)
-        self.text_parts: list[str] = []  # emitted text
-        self.raw_tail = ""  # recent decoded text (for banned strings)
+        # Banned strings are matched like stop strings (text that may still become one is held back),
+        # but a match rewinds the job instead of ending it. They need text, so a tokenizer.
+        self.banned = list(job.banned_strings) if tokenizer is not None else []
+        self.matcher = StopStringMatcher(job.stop_strings + self.banned)
+        self.text_parts: list[str] = []  # released text
+        self.held_ids: list[int] = []  # generated but not yet released (see Generator._accept)
+        self.held_logprobs: list[float] = []
+        self.held_tops: list[list[tuple[int, float]]] = []
+        self.held_text = ""
+        self.released = 0  # generated tokens up to here are streamed and final
+        self.bans: dict[int, set[int]] = {}  # generated position -> token ids banned there
+        self.rewinds = 0
         self.cached_tokens = 0
         self.named_pages = 0  # leading pages entered in the prefix cache
         self.last_name = ROOT_HASH
@@ -393,39 +402,38 @@ class Generator:
                 self._name_full_pages(r)
 
     def _accept(self, r: _Running, logits: torch.Tensor, draft: list[int], results: list[Result]) -> None:
-        """Sample at each fed position; keep draft tokens while the target agrees, then roll the cache back."""
-        new_ids: list[int] = []
-        logprobs: list[float] = []
-        tops: list[list[tuple[int, float]]] = []
-        text = ""
+        """Sample at each fed position; keep draft tokens while the target agrees, then roll the cache back.
+
+        New tokens and text go to the job's held buffer first. It is released as a TokenChunk at once,
+        except for a job with banned strings while its text could still grow into one: if a banned
+        string completes, the job rewinds to the last release point and bans the token taken there.
+        """
         finish: tuple[str, dict] | None = None
         r.draft_proposed += len(draft)
         for pos in range(len(draft) + 1):
             token = self._sample(r, logits[pos])
             if pos < len(draft) and token == draft[pos]:
                 r.draft_accepted += 1
-            if r.job.logprobs:
-                lp = torch.log_softmax(logits[pos], dim=-1)
-                logprobs.append(float(lp[token]))
-                if r.job.top_logprobs:
-                    v, ix = torch.topk(lp, min(r.job.top_logprobs, lp.shape[-1]))
-                    tops.append([(int(a), float(b)) for a, b in zip(ix, v)])
             if r.time_first_token is None:
                 r.time_first_token = time.time()
             if token in r.stop_ids and len(r.generated) >= r.job.min_new_tokens:
                 finish = (EOS_STOP_TOKEN, {"stop_token": token})
-                if r.job.logprobs:
-                    logprobs.pop()
-                    if tops:
-                        tops.pop()
                 break
             r.tokens.append(token)
             r.generated.append(token)
-            new_ids.append(token)
+            r.held_ids.append(token)
+            if r.job.logprobs:
+                lp = torch.log_softmax(logits[pos], dim=-1)
+                r.held_logprobs.append(float(lp[token]))
+                if r.job.top_logprobs:
+                    v, ix = torch.topk(lp, min(r.job.top_logprobs, lp.shape[-1]))
+                    r.held_tops.append([(int(a), float(b)) for a, b in zip(ix, v)])
             self.stats["decoded_tokens"] += 1
-            piece = self._decode(r, token)
-            emitted, stopped = r.matcher.feed(piece)
-            text += emitted
+            emitted, stopped = r.matcher.feed(r.decoder.push(token) if r.decoder is not None else "")
+            r.held_text += emitted
+            if stopped and r.matcher.matched in r.banned:
+                self._rewind(r)
+                break
             if stopped:
                 finish = (EOS_STOP_STRING, {"stop_string": r.matcher.matched})
                 break
@@ -434,56 +442,53 @@ class Generator:
                 break
             if pos >= len(draft) or token != draft[pos]:
                 break
-        r.seq.length = len(r.tokens) - 1  # drop cache entries of rejected draft tokens
-        r.text_parts.append(text)
-        if new_ids or text:
-            results.append(TokenChunk(
-                job=r.job, identifier=r.job.identifier, text=text, token_ids=new_ids,
-                logprobs=logprobs if r.job.logprobs else None, top_logprobs=tops if r.job.top_logprobs else None,
-            ))
+        r.seq.length = len(r.tokens) - 1  # drop cache entries of rejected draft tokens (and rewound ones)
+        if finish is not None or not r.banned or not r.matcher.pending:
+            self._release(r, results)
         if finish is not None:
             self._finish(r, finish[0], results, **finish[1])
 
+    def _release(self, r: _Running, results: list[Result]) -> None:
+        """Stream the held tokens and text (a release point: nothing before it is ever rewound)."""
+        if r.held_ids or r.held_text:
+            r.text_parts.append(r.held_text)
+            results.append(TokenChunk(
+                job=r.job, identifier=r.job.identifier, text=r.held_text, token_ids=r.held_ids,
+                logprobs=r.held_logprobs if r.job.logprobs else None,
+                top_logprobs=r.held_tops if r.job.top_logprobs else None,
+            ))
+        r.held_ids, r.held_logprobs, r.held_tops, r.held_text = [], [], [], ""
+        r.released = len(r.generated)
+
+    def _rewind(self, r: _Running) -> None:
+        """A banned string completed: drop what followed the last release point, ban the token chosen there."""
+        keep = r.released
+        r.bans.setdefault(keep, set()).add(r.generated[keep])
+        del r.generated[keep:]
+        del r.tokens[r.prompt_len + keep:]
+        r.held_ids, r.held_logprobs, r.held_tops, r.held_text = [], [], [], ""
+        r.matcher = StopStringMatcher(r.job.stop_strings + r.banned)
+        r.decoder = self.tokenizer.stream(skip_special_tokens=not r.job.decode_special_tokens)
+        r.decoder.push_many(r.generated)
+        r.rewinds += 1
+        if r.rewinds >= MAX_REWINDS:  # give up on a string the model insists on rather than loop forever
+            r.banned = []
+            r.matcher = StopStringMatcher(r.job.stop_strings)
+
     def _sample(self, r: _Running, logits: torch.Tensor) -> int:
         ctx = SamplingContext(tokens=r.tokens, prompt_len=r.prompt_len, generator=r.rng)
-        exclude: list[int] = []
+        exclude: list[int] = list(r.bans.get(len(r.generated), ()))
         if len(r.generated) < r.job.min_new_tokens:
             exclude += [t for t in r.stop_ids if 0 <= t < logits.shape[-1]]
-        token = r.sampler.sample(logits, ctx, exclude)
-        if not (r.job.banned_strings and self.tokenizer is not None):
-            return token
-        for _ in range(BANNED_STRING_RETRIES):
-            piece = self._peek_text(r, token)
-            window = r.raw_tail + piece
-            if not any(b in window and b not in r.raw_tail for b in r.job.banned_strings):
-                return token
-            exclude.append(token)
-            token = r.sampler.sample(logits, ctx, exclude)
-        return token
-
-    def _peek_text(self, r: _Running, token: int) -> str:
-        """The text ``token`` would add after the generated tokens so far (without touching the decoder)."""
-        context = r.generated[-6:]
-        skip = not r.job.decode_special_tokens
-        before = self.tokenizer.decode(context, skip_special_tokens=skip)
-        after = self.tokenizer.decode(context + [token], skip_special_tokens=skip)
-        return after[len(before):] if after.startswith(before) else after
-
-    def _decode(self, r: _Running, token: int) -> str:
-        if r.decoder is None:
-            return ""
-        piece = r.decoder.push(token)
-        keep = max((len(b) for b in r.job.banned_strings), default=0)
-        if keep:
-            r.raw_tail = (r.raw_tail + piece)[-keep:]
-        return piece
+        return r.sampler.sample(logits, ctx, exclude)
 
     def _name_full_pages(self, r: _Running) -> None:
         """Enter the job's newly completed pages into the prefix cache."""
         if not self.prefix_caching:
             return
         page_size = self.cache.page_size
-        full = min(r.seq.length, len(r.tokens)) // page_size
+        final = r.prompt_len + r.released if r.banned else len(r.tokens)  # a rewind may still rewrite the rest
+        full = min(r.seq.length, len(r.tokens), final) // page_size
         while r.named_pages < full:
             i = r.named_pages
             r.last_name = page_hashes(r.tokens[i * page_size:(i + 1) * page_size], page_size, r.last_name)[0]
@@ -509,6 +514,7 @@ class Generator:
             self.pending = keep
 
     def _finish(self, r: _Running, reason: str, results: list[Result], **extra: Any) -> None:
+        self._release(r, results)  # held tokens are final now (cancelled, out of tokens ...)
         tail = ""
         if reason != EOS_STOP_STRING:
             if r.decoder is not None:

@@ -24,8 +24,9 @@ class Job:
 
     ``prompt`` is text (needs the model's tokenizer) or token ids. ``stop_token_ids=None`` means the
     model's EOS ids. ``sampler`` is :class:`SamplerSettings`, a :class:`SamplerStack`, or None for
-    greedy. ``banned_strings`` never appear in the output (the token that would complete one is
-    excluded and redrawn). ``logprobs`` returns each sampled token's log-probability under the model
+    greedy. ``banned_strings`` never appear in the output: text that could still grow into one is
+    held back, and when one completes the job rewinds to where the held text began and bans the
+    token it took there (needs the tokenizer). ``logprobs`` returns each sampled token's log-probability under the model
     (raw logits); ``top_logprobs=k`` also returns the k most likely tokens at each step.
     ``identifier`` is any value; it is echoed in every result.
     """
