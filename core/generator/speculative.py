@@ -70,10 +70,13 @@ class NgramProposer:
 class DraftModelProposer:
     """A small model drafts greedily; it keeps its own paged cache per job and reuses what still matches."""
 
-    def __init__(self, draft_model: Any, num_tokens: int = 4, cache_tokens: int = 8192, page_size: int = 256):
+    def __init__(self, draft_model: Any, num_tokens: int = 4, cache_tokens: int = 8192, page_size: int = 256,
+                 cache: KVCache | None = None):
         self.model = getattr(draft_model, "model", draft_model)
         self.num_tokens = num_tokens
-        self.cache = KVCache.for_model(self.model, max_tokens=cache_tokens, page_size=page_size)
+        self.cache = cache if cache is not None else KVCache.for_model(self.model, max_tokens=cache_tokens, page_size=page_size)
+        if self.cache.state_layers():
+            raise ValueError("a draft model with recurrent layers cannot roll back rejected drafts; use an attention-only draft")
         self._seqs: dict[Hashable, tuple[SequenceState, list[int]]] = {}
 
     @torch.inference_mode()
