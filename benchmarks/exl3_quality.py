@@ -19,6 +19,39 @@ import time
 from pathlib import Path
 
 
+def merge_ggufs(paths: list[str], out: Path) -> Path:
+    """One GGUF from several: metadata of the last file, each tensor from the first file that has it.
+
+    Lets a model travel in pieces smaller than a transfer limit (e.g. layers 0-11 with the
+    embedding, then the remaining layers with the full metadata).
+    """
+    import gguf
+
+    readers = [gguf.GGUFReader(p) for p in paths]
+    meta = readers[-1]
+    arch = meta.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), arch=arch, endianess=meta.endianess)
+    for field in meta.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    tensors = {}
+    for r in readers:
+        for t in r.tensors:
+            tensors.setdefault(t.name, (r, t))
+    for name, (r, t) in tensors.items():
+        writer.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, (r, t) in tensors.items():
+        writer.write_tensor_data(t.data, tensor_endianess=r.endianess)
+    writer.close()
+    return out
+
+
 def one(args) -> int:
     """Child: convert at one bitrate and evaluate against the dense model; writes a JSON line."""
     import torch
@@ -44,7 +77,7 @@ def one(args) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gguf", nargs="+", help="SmolLM2 GGUF file (or its parts, concatenated in order)")
+    ap.add_argument("--gguf", nargs="+", help="SmolLM2 GGUF file (or GGUF pieces to merge, see merge_ggufs)")
     ap.add_argument("--dense", help="an existing dense HF dir (instead of --gguf)")
     ap.add_argument("--out", default="exl3_quality_out")
     ap.add_argument("--work", default="/tmp/exl3_quality")
@@ -70,10 +103,7 @@ def main() -> int:
     if args.dense is None:
         gguf = Path(args.gguf[0])
         if len(args.gguf) > 1:
-            gguf = work / "model.gguf"
-            with open(gguf, "wb") as f:
-                for part in args.gguf:
-                    f.write(Path(part).read_bytes())
+            gguf = merge_ggufs(args.gguf, work / "model.gguf")
         from trellm.gguf import import_gguf
 
         args.dense = str(work / "dense")
