@@ -262,14 +262,14 @@ def dispatch_experts(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token_of = order // k
-    hit, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    hit_counts = torch.stack([hit, counts]).tolist()  # one host sync per layer
+    counts = torch.bincount(flat, minlength=experts.num_experts).tolist()  # one host sync per layer
     xs = x[token_of]
     ys = torch.empty_like(xs)
     start = 0
-    for e, n in zip(*hit_counts):  # only the experts that got tokens
-        ys[start : start + n] = experts.run_expert(e, xs[start : start + n])
-        start += n
+    for e, n in enumerate(counts):
+        if n:  # only the experts that got tokens run
+            ys[start : start + n] = experts.run_expert(e, xs[start : start + n])
+            start += n
     ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, ys)
 
