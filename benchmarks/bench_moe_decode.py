@@ -25,7 +25,6 @@ from trellm.cache import SequenceState
 from trellm.cache.recurrent import alloc_state_slot
 from trellm.config import DecoderConfig
 from trellm.modules.base import LoadContext
-from trellm.modules.moe import ExpertMLP
 from trellm.plugins.architectures.qwen3_5_moe import build
 
 # Qwen3.5-35B-A3B text config (hidden 2048, 40 layers, 3 linear : 1 full attention, 256 experts, top 8).
@@ -49,12 +48,14 @@ class RandomWeights:
 
     model_dir = "<random weights>"
 
-    def __init__(self, seed: int = 0, std: float = 0.02):
-        self.std = std
+    def __init__(self, seed: int = 0, std: float = 0.02, stacked_experts: bool = True):
+        self.std, self.stacked_experts = std, stacked_experts
         torch.manual_seed(seed)
 
     def __contains__(self, name: str) -> bool:
-        return name.endswith((".weight", "A_log", "dt_bias"))  # no biases, no stacked experts
+        if name.endswith("experts.gate_up_proj"):
+            return self.stacked_experts  # [E, 2I, H] tensors rather than one Linear per expert
+        return name.endswith((".weight", "A_log", "dt_bias"))  # no biases
 
     def get(self, name: str, shape=None, dtype=None, device=None) -> torch.Tensor:
         t = torch.empty(shape, dtype=torch.float32 if dtype is None else dtype, device=device)
@@ -93,17 +94,11 @@ class RandomEXL3:
 
 def linear_bytes(model) -> tuple[int, int, int]:
     """(bytes outside the routed experts, bytes of one routed expert, number of MoE layers)."""
-    expert_bytes, total, moe_layers = 0, 0, 0
-    for m in model.modules():
-        if isinstance(m, ExpertMLP):
-            expert_bytes = m.nbytes()
-    for layer in model.layers:
-        if hasattr(layer.mlp, "experts"):
-            moe_layers += 1
-    total = model.nbytes()
-    routed = expert_bytes * moe_layers * model.layers[0].mlp.experts.num_experts if moe_layers else 0
+    routed = [layer.mlp.experts for layer in model.layers if hasattr(layer.mlp, "experts")]
+    routed_bytes = sum(e.nbytes() for e in routed)
+    expert_bytes = routed[0].nbytes() // routed[0].num_experts if routed else 0
     embed = model.embed.nbytes()  # one row per token is read, not the table
-    return total - routed - embed, expert_bytes, moe_layers
+    return model.nbytes() - routed_bytes - embed, expert_bytes, len(routed)
 
 
 def run(model, cfg, batch_size: int, prompt_len: int, steps: int, device) -> float:
@@ -153,6 +148,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="override the number of layers (keep a multiple of 4)")
     ap.add_argument("--weights", choices=("bf16", "exl3"), default="bf16")
     ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--experts", choices=("stacked", "per_expert"), default=None,
+                    help="expert layout (default: stacked for bf16, per_expert for exl3, whose experts are Linears)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--steps", type=int, default=None)
@@ -168,8 +165,12 @@ def main() -> None:
     model = build(cfg)
     formats = [RandomEXL3(args.bits)] if args.weights == "exl3" else []
     t0 = time.perf_counter()
-    model.load(LoadContext(store=RandomWeights(), device=device, dtype=dtype, quant_formats=formats))
-    print(f"built {cfg.num_hidden_layers}-layer Qwen3.5-MoE-shaped model ({args.weights}, {dtype}) on {device} "
+    layout = args.experts or ("per_expert" if args.weights == "exl3" else "stacked")
+    if layout == "stacked" and args.weights == "exl3":
+        raise SystemExit("EXL3 experts are per-expert Linears; use --experts per_expert")
+    store = RandomWeights(stacked_experts=layout == "stacked")
+    model.load(LoadContext(store=store, device=device, dtype=dtype, quant_formats=formats))
+    print(f"built {cfg.num_hidden_layers}-layer Qwen3.5-MoE-shaped model ({args.weights}, {layout} experts, {dtype}) on {device} "
           f"in {time.perf_counter() - t0:.1f}s: {model.nbytes() / 1e9:.2f} GB")
     if args.bandwidth:
         bandwidth = args.bandwidth

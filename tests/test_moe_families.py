@@ -153,3 +153,12 @@ def test_mla_caches_one_latent_per_token(tmp_path):
     lm = trellm.load(model_dir, device="cpu", dtype=torch.float32)
     layer = lm.new_cache(max_tokens=32, page_size=16).layers[0]
     assert layer.k_pages.shape[2:] == (1, 24 + 8) and layer.v_pages.shape[2:] == (1, 24)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_grouped_stacked_dispatch_matches_per_expert(tmp_path, interleaved):
+    """Stacked experts run all at once (padded batched matmuls); per-expert Linears one by one: same sums."""
+    stacked, per_expert = _stacked_and_list(tmp_path, interleaved=interleaved)
+    x = torch.randn(9, 16)
+    weights, ids = SoftmaxTopK(3)(torch.randn(9, 5))
+    assert torch.allclose(dispatch_experts(stacked, x, weights, ids), dispatch_experts(per_expert, x, weights, ids), atol=1e-4)

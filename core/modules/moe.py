@@ -219,6 +219,7 @@ class StackedExperts(Module):
         self.has_bias, self.transposed, self.interleaved = bias, transposed, interleaved
         self.gate_up: list[DenseLinear] = []
         self.down: list[DenseLinear] = []
+        self.stacked = None
 
     def _read(self, ctx: LoadContext, name: str, rows: int, cols: int) -> torch.Tensor:
         shape = (self.num_experts, cols, rows) if self.transposed else (self.num_experts, rows, cols)
@@ -239,9 +240,38 @@ class StackedExperts(Module):
             gu_bias = gu_bias[:, order].contiguous() if gu_bias is not None else None
         self.gate_up = [DenseLinear(gate_up[x], None if gu_bias is None else gu_bias[x]) for x in range(e)]
         self.down = [DenseLinear(down[x], None if d_bias is None else d_bias[x]) for x in range(e)]
+        self.stacked = (gate_up, gu_bias, down, d_bias)  # the same storage, for run_grouped
 
     def unload(self) -> None:
         self.gate_up, self.down = [], []
+        self.stacked = None
+
+    def run_grouped(self, counts: list[int], xs: torch.Tensor) -> torch.Tensor:
+        """All experts at once with batched matmuls (rows of ``xs`` sorted by expert, ``counts`` per expert).
+
+        Each expert that got tokens gets a padded row block; a handful of launches replace three
+        matmuls per expert, which is what decode steps of many sequences need.
+        """
+        gate_up, gu_bias, down, d_bias = self.stacked
+        hit = [e for e, n in enumerate(counts) if n]
+        width = max(counts)
+        rows, take, start = [], [], 0
+        for j, e in enumerate(hit):
+            n = counts[e]
+            rows.append(list(range(start, start + n)) + [start] * (width - n))  # pad with a real row; dropped below
+            take += range(j * width, j * width + n)
+            start += n
+        dev = xs.device
+        ids = torch.tensor(hit, device=dev)
+        xp = xs[torch.tensor(rows, device=dev)]  # [hit, width, H]
+        gu = torch.bmm(xp, gate_up[ids].transpose(1, 2))
+        if gu_bias is not None:
+            gu = gu + gu_bias[ids][:, None]
+        gate, up = gu.chunk(2, dim=-1)
+        y = torch.bmm(self.act(gate, up), down[ids].transpose(1, 2))
+        if d_bias is not None:
+            y = y + d_bias[ids][:, None]
+        return y.reshape(-1, y.shape[-1])[torch.tensor(take, device=dev)]
 
     def nbytes(self) -> int:
         return sum(l.nbytes() for l in self.gate_up + self.down)
@@ -264,6 +294,10 @@ def dispatch_experts(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch
     token_of = order // k
     counts = torch.bincount(flat, minlength=experts.num_experts).tolist()  # one host sync per layer
     xs = x[token_of]
+    grouped = getattr(experts, "run_grouped", None)
+    if grouped is not None:
+        ys = grouped(counts, xs)
+        return torch.zeros_like(x).index_add_(0, token_of, ys * weights.reshape(-1)[order, None].to(ys.dtype))
     ys = torch.empty_like(xs)
     start = 0
     for e, n in enumerate(counts):
@@ -339,6 +373,11 @@ class Experts(Module):
 
     def run_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return self.active.run_expert(e, x)
+
+    @property
+    def run_grouped(self):
+        """The batched path when the experts are stacked tensors, else None (one Linear call per expert)."""
+        return getattr(self.active, "run_grouped", None) if self.layout == "stacked" else None
 
 
 def replace_mlps(model, make_mlp: Callable[[int, str], Module | None]) -> None:
