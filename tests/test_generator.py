@@ -471,3 +471,13 @@ def test_long_prompt_does_not_stall_running_streams(lm):
     assert prefill_steps >= 200 // 32  # the prompt went in chunks under the shared budget
     list(gen.stream())
     gen.verify_pages()
+
+
+def test_images_for_a_text_model_raise_at_enqueue(lm):
+    from trellm.multimodal import ImageError
+
+    gen = Generator(lm, cache_tokens=512, page_size=16)
+    with pytest.raises(ImageError, match="takes no image input"):
+        gen.enqueue(Job([1, 2, 3], 4, images=[b"\x89PNG"]))
+    assert gen.num_pending == 0
+    assert gen.generate([1, 2, 3], 3, stop_token_ids=[], images=[]) == gen.generate([1, 2, 3], 3, stop_token_ids=[])

@@ -27,6 +27,7 @@ from ..batch import ForwardBatch
 from ..cache import CacheFullError, KVCache, SequenceState
 from ..cache.prefix import ROOT_HASH, page_hashes
 from ..errors import TrellmError
+from ..multimodal import attach_images
 from ..samplers import SamplerSettings, SamplerStack, SamplingContext
 from ..sampling import StopStringMatcher
 from .job import (
@@ -57,6 +58,9 @@ class _Running:
 
     def __init__(self, job: Job, prompt_ids: list[int], seq: SequenceState, tokenizer, stop_ids: set[int]):
         self.job = job
+        self.mm = job.multimodal  # MultimodalPrompt or None
+        # Prefix-cache page names hash these ids: image rows carry their image's digest, not the placeholder id.
+        self.prompt_hash_ids = self.mm.hash_ids() if self.mm is not None else prompt_ids
         self.prompt_len = len(prompt_ids)
         self.tokens = list(prompt_ids)  # prompt + committed generated tokens
         self.generated: list[int] = []
@@ -118,6 +122,7 @@ class Generator:
         if max_batch_size < 1 or max_chunk_tokens < 1:
             raise ValueError(f"max_batch_size and max_chunk_tokens must be >= 1, got {max_batch_size}, {max_chunk_tokens}")
         self.model = getattr(model, "model", model)  # a LoadedModel or its module tree
+        self._loaded = model if self.model is not model else None  # the LoadedModel, for trellm.multimodal.prepare_prompt
         self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         if cache is None:  # a model with recurrent layers knows how to build its hybrid cache
             make = getattr(self.model, "make_cache", None)
@@ -165,6 +170,8 @@ class Generator:
             return [self.enqueue(j) for j in job]
         if job.time_enqueued is not None:
             raise ValueError(f"{job!r} was already enqueued; make a new Job")
+        if job.images is not None and (job.images or not isinstance(job.images, list)):
+            job.multimodal = self._prepare_images(job)  # ImageError here, before any page is touched
         prompt_ids = self._prompt_ids(job)
         total = len(prompt_ids) + job.max_new_tokens
         if total > self.capacity_tokens:
@@ -251,8 +258,23 @@ class Generator:
             ids |= set(self.tokenizer.eos_token_ids)
         return ids
 
+    def _prepare_images(self, job: Job) -> Any:
+        """The job's MultimodalPrompt: its images decoded, checked and encoded, its markers expanded."""
+        from ..multimodal import ImageError, MultimodalPrompt, VisionLanguageModel, prepare_prompt
+
+        if isinstance(job.images, MultimodalPrompt):
+            return job.images
+        prompt = job.prompt_text if job.prompt_text is not None else job.prompt_ids
+        if self._loaded is not None:
+            return prepare_prompt(self._loaded, prompt, job.images)
+        if not isinstance(self.model, VisionLanguageModel):
+            raise ImageError(f"job {job.identifier!r}: {type(self.model).__name__} takes no image input")
+        return self.model.prepare(prompt, job.images, self.tokenizer)
+
     def _prompt_ids(self, job: Job) -> list[int]:
-        if job.prompt_ids is not None:
+        if job.multimodal is not None:
+            ids = job.multimodal.input_ids
+        elif job.prompt_ids is not None:
             ids = job.prompt_ids
         else:
             if self.tokenizer is None:
@@ -293,7 +315,8 @@ class Generator:
         reused: list[int] = []
         if self.prefix_caching:
             # The last prompt token is always computed (its logits start decoding), so reuse stops before its page.
-            names = page_hashes(prompt_ids[: len(prompt_ids) - 1], self.cache.page_size)
+            hash_ids = job.multimodal.hash_ids() if job.multimodal is not None else prompt_ids
+            names = page_hashes(hash_ids[: len(prompt_ids) - 1], self.cache.page_size)
             reused = prefix.lookup(names)
         if prefix.available(excluding=reused) < total_pages - len(reused):
             return False
@@ -354,9 +377,23 @@ class Generator:
             take = min(todo, budget if budget > 0 else (self.cache.page_size if i == 0 else 0))
             if take <= 0:
                 break
+            if r.mm is not None:
+                take = self._image_safe_take(r, take)
             plan.append((r, r.tokens[r.seq.length: r.seq.length + take], []))
             budget -= take
         return plan
+
+    @staticmethod
+    def _image_safe_take(r: _Running, take: int) -> int:
+        """Shorten a prefill chunk so it does not cut an image run (Gemma 3 attends within an image in
+        both directions, so each image must arrive whole); an image longer than the budget goes whole."""
+        start = r.seq.length
+        end = r.mm.safe_chunk_end(start, start + take)
+        for span in r.mm.spans:
+            first, stop = span.rows[0], span.rows[-1] + 1
+            if first < end < stop:
+                end = stop
+        return end - start
 
     def _step(self, results: list[Result]) -> None:
         plan = self._plan()
@@ -372,6 +409,8 @@ class Generator:
             if r.seq.length + len(feed) - len(draft) == len(r.tokens):
                 rows += list(range(cu[i + 1] - len(draft) - 1, cu[i + 1]))
         batch.logits_indices = torch.tensor(rows, dtype=torch.long, device=self.cache.device)
+        if any(r.mm is not None for r, _, _ in plan):  # image embeddings (prefill) and M-RoPE positions (every step)
+            attach_images(batch, [(r.mm, r.seq.length) for r, _, _ in plan])
         if self.state_layers:
             batch.state_slots = torch.tensor([r.state_slot for r, _, _ in plan], dtype=torch.long, device=self.cache.device)
         try:
@@ -491,7 +530,10 @@ class Generator:
         full = min(r.seq.length, len(r.tokens), final) // page_size
         while r.named_pages < full:
             i = r.named_pages
-            r.last_name = page_hashes(r.tokens[i * page_size:(i + 1) * page_size], page_size, r.last_name)[0]
+            page = r.tokens[i * page_size:(i + 1) * page_size]
+            if r.mm is not None and i * page_size < r.prompt_len:
+                page = (r.prompt_hash_ids + r.tokens[r.prompt_len:])[i * page_size:(i + 1) * page_size]
+            r.last_name = page_hashes(page, page_size, r.last_name)[0]
             self.cache.prefix_cache.insert(r.last_name, r.seq.pages[i], i)
             r.named_pages += 1
 

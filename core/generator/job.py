@@ -28,7 +28,9 @@ class Job:
     held back, and when one completes the job rewinds to where the held text began and bans the
     token it took there (needs the tokenizer). ``logprobs`` returns each sampled token's log-probability under the model
     (raw logits); ``top_logprobs=k`` also returns the k most likely tokens at each step.
-    ``identifier`` is any value; it is echoed in every result.
+    ``identifier`` is any value; it is echoed in every result. ``images`` (multimodal models): one
+    per image marker of the prompt, as paths, bytes, data URLs or PIL images, or a prepared
+    ``trellm.multimodal.MultimodalPrompt``; they are decoded and encoded at enqueue.
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class Job:
         top_logprobs: int = 0,
         identifier: Any = None,
         decode_special_tokens: bool = False,
+        images: Any = None,
     ):
         if isinstance(prompt, str):
             self.prompt_text: str | None = prompt
@@ -70,6 +73,8 @@ class Job:
         self.top_logprobs = int(top_logprobs)
         self.identifier = identifier
         self.decode_special_tokens = decode_special_tokens
+        self.images = images if images is None or not isinstance(images, (list, tuple)) else list(images)
+        self.multimodal = None  # the MultimodalPrompt, set at enqueue when the job has images
         self.job_id = next(_job_ids)
         self.time_enqueued: float | None = None
         self.finished = False
