@@ -91,12 +91,44 @@ def message_dicts(messages: Sequence[ChatMessage]) -> list[dict]:
     return out
 
 
-def chat_prompt(host: ModelHost, req: ChatCompletionRequest) -> list[int]:
-    """Render the messages with the request's template or the model's; 400 when there is none."""
+def has_image_parts(messages: Sequence[ChatMessage]) -> bool:
+    return any(isinstance(m.content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m.content)
+               for m in messages)
+
+
+def split_image_messages(messages: Sequence[ChatMessage]) -> tuple[list[dict], list[Any]]:
+    """Messages with ``image_url`` parts -> (template messages with {"type": "image"} parts, decoded images); 400 on bad ones."""
+    from trellm.multimodal import ImageError, split_openai_messages
+
+    try:
+        return split_openai_messages([m.model_dump(exclude_none=True) for m in messages])
+    except ImageError as exc:  # remote URL, bad base64, not an image, too large ...
+        raise bad_request(str(exc), param="messages", code="invalid_image") from None
+
+
+async def chat_request_prompt(host: ModelHost, req: ChatCompletionRequest) -> tuple[list[int], Any]:
+    """(prompt ids, MultimodalPrompt or None) of a chat request; images are decoded and encoded off the event loop."""
+    if not has_image_parts(req.messages):
+        return chat_prompt(host, req), None
+    from trellm.multimodal import ImageError, prepare_prompt
+
+    template_messages, images = split_image_messages(req.messages)
+    ids = chat_prompt(host, req, template_messages)
+    try:
+        mm = await asyncio.to_thread(prepare_prompt, host.lm, ids, images)
+    except ImageError as exc:  # a text-only model, a marker count that differs, a bad image
+        raise bad_request(str(exc), param="messages", code="invalid_image") from None
+    check_token_ids(host, mm.input_ids, "messages")
+    return mm.input_ids, mm
+
+
+def chat_prompt(host: ModelHost, req: ChatCompletionRequest, messages: list[dict] | None = None) -> list[int]:
+    """Render the messages (or ``messages``, already template-ready) with the request's template or the model's;
+    400 when there is none."""
     from trellm.tokenizer import render_chat_template
 
     tok = host.tokenizer
-    messages = message_dicts(req.messages)
+    messages = message_dicts(req.messages) if messages is None else messages
     extra = dict(req.chat_template_kwargs or {})
     try:
         if req.chat_template is not None:
@@ -172,8 +204,9 @@ def sampler_settings(host: ModelHost, req: SamplingFields) -> SamplerSettings:
 
 
 def make_jobs(host: ModelHost, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None, default_max: int,
-              logprobs: int | None, request_id: str) -> list[Job]:
-    """n jobs per prompt; choice index = prompt index * n + j (OpenAI's order)."""
+              logprobs: int | None, request_id: str, images: Any = None) -> list[Job]:
+    """n jobs per prompt; choice index = prompt index * n + j (OpenAI's order). ``images``: a
+    MultimodalPrompt (one prompt) whose ids are ``prompts[0]``."""
     n = req.n
     if n > host.config.max_n:
         raise bad_request(f"n={n} is more than this server allows ({host.config.max_n})", param="n")
@@ -206,7 +239,7 @@ def make_jobs(host: ModelHost, req: SamplingFields, prompts: list[list[int]], ma
                     ids, budget, min_new_tokens=min(req.min_tokens or 0, budget), stop=stops, stop_token_ids=stop_ids,
                     sampler=sampler, seed=seed, banned_strings=req.banned_strings or (), logprobs=logprobs is not None,
                     top_logprobs=logprobs or 0, identifier=(request_id, p * n + j),
-                    decode_special_tokens=not req.skip_special_tokens,
+                    decode_special_tokens=not req.skip_special_tokens, images=images,
                 ))
             except ValueError as exc:
                 raise bad_request(str(exc)) from None

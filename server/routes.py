@@ -12,8 +12,8 @@ from fastapi import APIRouter, Depends, Request
 from .engine import LoadSettings, ModelHost
 from .errors import APIError, AsciiJSONResponse, bad_request
 from .generation import (
-    JobGroup, JobStreamResponse, chat_prompt, check_token_ids, completion_prompts, encode_text, finish_reason, make_jobs,
-    check_finished, token_piece, token_text,
+    JobGroup, JobStreamResponse, chat_prompt, chat_request_prompt, check_finished, check_token_ids, completion_prompts,
+    encode_text, finish_reason, make_jobs, token_piece, token_text,
 )
 from .schemas import (
     ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList, ModelLoadRequest, TokenDecodeRequest,
@@ -81,14 +81,14 @@ def build_router(keys) -> APIRouter:
         host = ready_host(request, body.model)
         if body.response_format and body.response_format.get("type", "text") != "text":
             raise bad_request("response_format other than 'text' is not supported", param="response_format")
-        ids = chat_prompt(host, body)
+        ids, images = await chat_request_prompt(host, body)
         request_id = "chatcmpl-" + secrets.token_hex(12)
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = body.top_logprobs or 0
         if top and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
         jobs = make_jobs(host, body, [ids], max_tokens, host.config.default_max_tokens, top if body.logprobs else None,
-                         request_id)
+                         request_id, images=images)
         shaper = ChatShaper(host, body, request_id, len(jobs))
         group = JobGroup(host, jobs, request_id, "/v1/chat/completions")
         group.prompt_tokens = len(ids)
