@@ -58,8 +58,12 @@ class ForwardBatch:
         page_lists: Sequence[Sequence[int]],
         cache: Any,
         all_logits: bool = False,
+        state_slots: Sequence[int] | None = None,
     ) -> "ForwardBatch":
-        """New tokens of each sequence appended after ``cached_lens`` tokens already in ``cache``."""
+        """New tokens of each sequence appended after ``cached_lens`` tokens already in ``cache``.
+
+        ``state_slots``: each sequence's recurrent-state slot, for models with recurrent layers.
+        """
         device = cache.device
         page_size = cache.page_size
         lens = [len(s) for s in new_tokens]
@@ -88,6 +92,7 @@ class ForwardBatch:
             slots=torch.tensor(slots, dtype=torch.long, device=device),
             max_seq_len=max(ctx) if ctx else 0,
             cached_lens=torch.tensor(list(cached_lens), dtype=torch.int32, device=device),
+            state_slots=None if state_slots is None else torch.tensor(list(state_slots), dtype=torch.long, device=device),
         )
 
 

@@ -82,6 +82,8 @@ class LoadedModel:
         return out
 
     def new_cache(self, max_tokens: int = 8192, page_size: int = 256, **kwargs) -> KVCache:
+        if hasattr(self.model, "make_cache"):  # hybrid models add recurrent-state layers
+            return self.model.make_cache(max_tokens=max_tokens, page_size=page_size, **kwargs)
         return KVCache.for_model(self.model, max_tokens=max_tokens, page_size=page_size, **kwargs)
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
@@ -124,7 +126,7 @@ class LoadedModel:
             if runner is not None:
                 forward = runner.forward
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        seq = SequenceState(cache)
+        seq = SequenceState(cache, with_state_slot=True)
         try:
             pending = list(prompt_ids)
             for _ in range(max_new_tokens):
@@ -133,7 +135,8 @@ class LoadedModel:
                     size = len(pending) if mm is not None and seq.length == 0 else PREFILL_CHUNK
                     chunk, pending = pending[:size], pending[size:]
                     seq.reserve(seq.length + len(chunk))
-                    batch = ForwardBatch.with_cache([chunk], [seq.length], [seq.pages], cache)
+                    slots = None if seq.state_slot is None else [seq.state_slot]
+                    batch = ForwardBatch.with_cache([chunk], [seq.length], [seq.pages], cache, state_slots=slots)
                     if mm is not None:  # image rows (prefill) and family positions (every step)
                         attach_images(batch, [(mm, seq.length)])
                     logits = forward(batch)[-1]
@@ -155,7 +158,8 @@ class LoadedModel:
                 self._runner.close()
             floor = 8192 if self.device.type == "cuda" else 1024  # CPU: keep memory small, grow on demand
             self._cache = self.new_cache(max_tokens=max(floor, 2 * tokens) + 256)
-            self._runner = GraphRunner(self.model, self._cache, batch_sizes=(1,)) if self.device.type == "cuda" else None
+            capturable = self.device.type == "cuda" and not hasattr(self.model, "recurrent_layers")
+            self._runner = GraphRunner(self.model, self._cache, batch_sizes=(1,)) if capturable else None
         return self._cache, self._runner
 
     def default_stop_ids(self) -> set[int]:

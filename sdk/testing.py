@@ -196,7 +196,7 @@ def trellm_cached_logits(lm, prompts: Sequence[Sequence[int]], page_size: int = 
 
     prefill = prefill if prefill is not None else max(1, min(len(p) for p in prompts) // 2)
     cache = lm.new_cache(max_tokens=sum(len(p) + page_size for p in prompts), page_size=page_size)
-    states = [SequenceState(cache) for _ in prompts]
+    states = [SequenceState(cache, with_state_slot=True) for _ in prompts]
     outs: list[list[torch.Tensor]] = [[] for _ in prompts]
     try:
         while True:
@@ -209,8 +209,10 @@ def trellm_cached_logits(lm, prompts: Sequence[Sequence[int]], page_size: int = 
                 chunk = list(prompts[i][states[i].length : states[i].length + n])
                 states[i].reserve(states[i].length + len(chunk))
                 chunks.append(chunk)
+            slots = [states[i].state_slot for i in active]
             batch = ForwardBatch.with_cache(
-                chunks, [states[i].length for i in active], [states[i].pages for i in active], cache, all_logits=True
+                chunks, [states[i].length for i in active], [states[i].pages for i in active], cache, all_logits=True,
+                state_slots=None if slots[0] is None else slots,
             )
             with torch.inference_mode():
                 logits = lm.model.forward(batch).float().cpu()

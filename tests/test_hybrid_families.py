@@ -253,3 +253,15 @@ def test_nemotron_h_latent_moe_logits(tmp_path):
         ref = hf(torch.tensor([p])).logits[0]
     got = lm.logits([p])[0]
     assert (ref - got).abs().max() <= 1e-3 * (ref.max() - ref.min())
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2_moe", "nemotron_h"])
+def test_parity_kit_and_simple_generate_handle_recurrent_state(tmp_path, family):
+    """check_parity (LoadedModel.generate_ids + cached batched logits) allocates state slots itself."""
+    from trellm.sdk.testing import check_parity
+
+    arch, overrides = FAMILIES[family]
+    if not hasattr(transformers, arch):
+        pytest.skip(f"transformers has no {arch}")
+    report = check_parity(make_tiny_hf_model(arch, tmp_path, **overrides), max_new_tokens=12)
+    report.assert_ok()

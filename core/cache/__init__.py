@@ -161,10 +161,16 @@ def _layer_pages(layer) -> int:
 class SequenceState:
     """One sequence's place in the cache: its pages and how many tokens they hold."""
 
-    def __init__(self, cache: KVCache):
+    def __init__(self, cache: KVCache, with_state_slot: bool = False):
         self.cache = cache
         self.pages: list[int] = []
         self.length = 0
+        # hybrid models: one recurrent-state slot in every layer that keeps state (None otherwise)
+        self.state_slot: int | None = None
+        if with_state_slot and any(hasattr(layer, "alloc_slot") for layer in cache.layers):
+            from .recurrent import alloc_state_slot
+
+            self.state_slot = alloc_state_slot(cache)
 
     def reserve(self, total_tokens: int) -> None:
         """Make sure the pages can hold ``total_tokens`` tokens (raises CacheFullError)."""
@@ -176,3 +182,8 @@ class SequenceState:
         if self.pages:
             self.cache.allocator.decref(self.pages)
         self.pages, self.length = [], 0
+        if self.state_slot is not None:
+            from .recurrent import free_state_slot
+
+            free_state_slot(self.cache, self.state_slot)
+            self.state_slot = None
