@@ -46,13 +46,21 @@ def _sampling(args) -> dict:
     )
 
 
+def _user_message(text: str, images: list[str]) -> dict:
+    """A chat message; with images, one {"type": "image"} part per image (the template writes its marker) before the text."""
+    if not images:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]}
+
+
 def cmd_generate(args) -> int:
     lm = _load(args)
     prompt = args.prompt
     if args.chat:
-        text = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        text = lm.tokenizer.apply_chat_template([_user_message(prompt, args.image)], add_generation_prompt=True)
         prompt = lm.tokenizer.encode(text, add_special_tokens=False)
-    for piece in lm.stream(prompt, stop=args.stop, **_sampling(args)):
+    # without --chat the prompt itself must hold one image marker per --image
+    for piece in lm.stream(prompt, stop=args.stop, images=args.image or None, **_sampling(args)):
         print(piece, end="", flush=True)
     print()
     return 0
@@ -65,7 +73,10 @@ def cmd_chat(args) -> int:
         print(f"error: {lm.model_dir} has no chat template; use `trellm generate`", file=sys.stderr)
         return 2
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    print(f"Chatting with {lm.model_dir.name}. /reset clears the conversation, /exit (or Ctrl-D) quits.", file=sys.stderr)
+    images: list[str] = []  # every image of the conversation so far, in marker order
+    queued = list(args.image)  # images for the next user message
+    print(f"Chatting with {lm.model_dir.name}. /image PATH attaches an image to your next message, /reset clears the "
+          "conversation, /exit (or Ctrl-D) quits.", file=sys.stderr)
     while True:
         try:
             user = input(">>> ")
@@ -76,18 +87,33 @@ def cmd_chat(args) -> int:
             return 0
         if user.strip() == "/reset":
             messages = messages[:1] if args.system else []
+            images, queued = [], []
+            continue
+        if user.strip().startswith("/image"):
+            path = user.strip()[len("/image"):].strip()
+            if path:
+                queued.append(path)
+                print(f"(image {path} goes with your next message)", file=sys.stderr)
+            else:
+                print("usage: /image PATH", file=sys.stderr)
             continue
         if not user.strip():
             continue
-        messages.append({"role": "user", "content": user})
-        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+        turn = [*messages, _user_message(user, queued)]
+        ids = tok.encode(tok.apply_chat_template(turn, add_generation_prompt=True), add_special_tokens=False)
         reply = []
         try:
-            for piece in lm.stream(ids, **_sampling(args)):
+            for piece in lm.stream(ids, images=(images + queued) or None, **_sampling(args)):
                 reply.append(piece)
                 print(piece, end="", flush=True)
         except KeyboardInterrupt:
             pass
+        except TrellmError as e:  # a bad image: say so, keep the conversation as it was
+            print(f"error: {e}", file=sys.stderr)
+            queued = []
+            continue
+        messages = turn
+        images, queued = images + queued, []
         print()
         messages.append({"role": "assistant", "content": "".join(reply)})
 
@@ -172,11 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="image for a vision model (repeatable); without --chat the prompt needs one image marker per image")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="multi-turn chat with the model's chat template")
     _add_model_args(p)
     p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="image for the first message (repeatable; vision models); /image PATH adds more later")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("info", help="which plugin serves a model, its size and memory need")
