@@ -21,7 +21,8 @@ from trellm.modules.base import LoadContext, Module
 from trellm.modules.layers import GatedMLP, LayerNorm, RMSNorm
 from trellm.modules.linear import Linear
 from trellm.multimodal import ImageError, PixelSteps
-from trellm.plugins.vision.qwen_vl import CLIP_MEAN, CLIP_STD, QwenVisionBlock, QwenVLProcessor, patch_positions
+from trellm.plugins.vision.common import CLIP_MEAN, CLIP_STD, frame_lengths, rope_inv_freq
+from trellm.plugins.vision.qwen_vl import QwenVisionBlock, QwenVisionTower, QwenVLProcessor, patch_positions
 from trellm.spec import VisionTowerSpec
 
 
@@ -126,8 +127,7 @@ class Glm4vVisionTower(Module):
         self.merger_proj = Linear(f"{key}.merger.proj", out, out, False)
         self.merger_norm = LayerNorm(f"{key}.merger.post_projection_norm", out, 1e-5)
         self.merger_mlp = GatedMLP(f"{key}.merger", out, cfg.intermediate_size, cfg.hidden_act, False)
-        quarter = cfg.head_dim // 2
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter))
+        self.inv_freq = rope_inv_freq(cfg.head_dim // 2, cfg.rope_theta)
         self.side = cfg.image_size // cfg.patch_size
 
     def load(self, ctx: LoadContext) -> None:
@@ -145,6 +145,8 @@ class Glm4vVisionTower(Module):
         self.patch_weight = self.patch_bias = self.pos_table = self.downsample_weight = self.downsample_bias = None
         super().unload()
 
+    rope = QwenVisionTower.rope
+
     def positions(self, grids) -> torch.Tensor:
         """The learned table sampled bicubically (border padding) at every patch centre, patches in merge-block order."""
         rc = patch_positions(grids, self.cfg.spatial_merge_size).float()
@@ -159,10 +161,8 @@ class Glm4vVisionTower(Module):
         c, w = self.cfg, self.patch_weight
         x = patches.to(device=w.device, dtype=w.dtype) @ w.reshape(c.hidden_size, -1).T + self.patch_bias
         x = self.post_conv_layernorm.forward(x) + self.positions(grids)
-        pos = patch_positions(grids, c.spatial_merge_size).float()
-        freqs = torch.cat([pos[:, :1] * self.inv_freq, pos[:, 1:] * self.inv_freq], dim=-1).to(w.device)
-        cos, sin = freqs.cos(), freqs.sin()
-        images = [h * w_ for t, h, w_ in grids for _ in range(t)]
+        cos, sin = self.rope(grids)
+        images = frame_lengths(grids)
         for block in self.blocks:
             x = block.forward(x, cos, sin, images)
         x = self.post_layernorm.forward(x)

@@ -22,10 +22,9 @@ from trellm.modules.base import LoadContext, Module
 from trellm.modules.layers import GatedMLP, RMSNorm
 from trellm.modules.linear import Linear
 from trellm.multimodal import PixelSteps
+from trellm.plugins.vision.common import CLIP_MEAN, CLIP_STD, attention_within_segments, rope_2d, rope_inv_freq
 from trellm.spec import VisionTowerSpec
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @attrs.frozen
@@ -102,12 +101,7 @@ class PixtralLayer(Module):
         q = ops.rotary_embedding(heads(self.q_proj(h)), cos, sin)
         k = ops.rotary_embedding(heads(self.k_proj(h)), cos, sin)
         v = heads(self.v_proj(h))
-        out = torch.empty_like(q)
-        start = 0
-        for length in lengths:  # each image attends to itself only
-            sl = slice(start, start + length)
-            out[sl] = F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1)).transpose(0, 1)
-            start += length
+        out = attention_within_segments(q, k, v, lengths)  # each image attends to itself only
         x = x + self.o_proj(out.reshape(n, -1))
         return x + self.feed_forward.forward(self.ffn_norm.forward(x))
 
@@ -120,7 +114,7 @@ class PixtralVisionTower(Module):
         self.patch_weight = None
         self.ln_pre = RMSNorm(f"{key}.ln_pre", cfg.hidden_size, 1e-5)
         self.layers = [PixtralLayer(f"{key}.transformer.layers.{i}", cfg) for i in range(cfg.num_hidden_layers)]
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
         self.row_freq, self.col_freq = inv[0::2], inv[1::2]
 
     def load(self, ctx: LoadContext) -> None:
@@ -146,9 +140,8 @@ class PixtralVisionTower(Module):
             rows.append(torch.arange(gh).repeat_interleave(gw))
             cols.append(torch.arange(gw).repeat(gh))
         x = self.ln_pre.forward(torch.cat(patches))
-        r, c = torch.cat(rows).float(), torch.cat(cols).float()
-        freqs = torch.cat([r[:, None] * self.row_freq, c[:, None] * self.col_freq], dim=-1).to(w.device)
-        cos, sin = freqs.cos(), freqs.sin()
+        positions = torch.stack([torch.cat(rows), torch.cat(cols)], dim=-1)
+        cos, sin = rope_2d(positions, self.row_freq, self.col_freq, w.device)
         lengths = [gh * gw for gh, gw in grids]
         states = [x]
         for layer in self.layers:

@@ -24,10 +24,9 @@ from trellm.modules.base import LoadContext, Module
 from trellm.modules.layers import MLP, GatedMLP, LayerNorm, RMSNorm
 from trellm.modules.linear import Linear
 from trellm.multimodal import ImageError, PixelSteps
+from trellm.plugins.vision.common import CLIP_MEAN, CLIP_STD, attention_within_segments, frame_lengths, rope_2d, rope_inv_freq
 from trellm.spec import VisionTowerSpec
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 # ---- image processor --------------------------------------------------------------------------------
@@ -179,12 +178,7 @@ class QwenVisionBlock(Module):
         n = x.shape[0]
         q, k, v = self.qkv(self.norm1.forward(x)).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = ops.rotary_embedding(q, cos, sin), ops.rotary_embedding(k, cos, sin)
-        out = torch.empty_like(q)
-        start = 0
-        for length in segments:  # attention stays inside each window (or image)
-            sl = slice(start, start + length)
-            out[sl] = F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1)).transpose(0, 1)
-            start += length
+        out = attention_within_segments(q, k, v, segments)  # attention stays inside each window (or image)
         x = x + self.proj(out.reshape(n, -1))
         return x + self.mlp.forward(self.norm2.forward(x))
 
@@ -200,8 +194,7 @@ class QwenVisionTower(Module):
         self.merger_norm = RMSNorm(f"{key}.merger.ln_q", cfg.hidden_size, 1e-6)
         self.merger_fc1 = Linear(f"{key}.merger.mlp.0", unit, unit, True)
         self.merger_fc2 = Linear(f"{key}.merger.mlp.2", unit, cfg.out_hidden_size, True)
-        quarter = cfg.head_dim // 2
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter))
+        self.inv_freq = rope_inv_freq(cfg.head_dim // 2, cfg.rope_theta)
 
     def load(self, ctx: LoadContext) -> None:
         c = self.cfg
@@ -214,10 +207,9 @@ class QwenVisionTower(Module):
         super().unload()
 
     def rope(self, grids) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = patch_positions(grids, self.cfg.spatial_merge_size).float()
-        freqs = torch.cat([pos[:, :1] * self.inv_freq, pos[:, 1:] * self.inv_freq], dim=-1)
-        dev = self.patch_weight.device
-        return freqs.cos().to(dev), freqs.sin().to(dev)
+        """2D RoPE cos, sin of every patch, half the rotated dims per axis."""
+        pos = patch_positions(grids, self.cfg.spatial_merge_size)
+        return rope_2d(pos, self.inv_freq, self.inv_freq, self.patch_weight.device)
 
     def segments(self, grids) -> tuple[torch.Tensor, list[int], list[int]]:
         """Patch permutation into window order, window lengths and whole-image lengths (in patches)."""
@@ -226,8 +218,7 @@ class QwenVisionTower(Module):
         units_per_window = max(1, c.window_size // c.spatial_merge_size // c.patch_size)
         order, windows = window_order(grids, c.spatial_merge_size, units_per_window)
         perm = (order[:, None] * unit + torch.arange(unit)[None, :]).reshape(-1)
-        images = [h * w for t, h, w in grids for _ in range(t)]
-        return perm, [n * unit for n in windows], images
+        return perm, [n * unit for n in windows], frame_lengths(grids)
 
     def blocks_forward(self, x: torch.Tensor, grids) -> tuple[torch.Tensor, torch.Tensor]:
         """Patch embedding and all blocks, in window order; returns (hidden, permutation)."""
@@ -300,8 +291,7 @@ class Qwen3VisionTower(Module):
         self.blocks = [Qwen3VisionBlock(f"{key}.blocks.{i}", cfg) for i in range(cfg.depth)]
         self.merger = Qwen3Merger(f"{key}.merger", cfg, False)
         self.deepstack_mergers = [Qwen3Merger(f"{key}.deepstack_merger_list.{i}", cfg, True) for i in range(len(deepstack))]
-        quarter = cfg.head_dim // 2
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter))
+        self.inv_freq = rope_inv_freq(cfg.head_dim // 2, cfg.rope_theta)
 
     def load(self, ctx: LoadContext) -> None:
         c, get = self.cfg, ctx.store.get
@@ -333,7 +323,7 @@ class Qwen3VisionTower(Module):
         x = patches.to(device=w.device, dtype=w.dtype) @ w.reshape(self.cfg.hidden_size, -1).T + self.patch_bias
         x = x + self.positions(grids)
         cos, sin = self.rope(grids)
-        images = [h * w_ for t, h, w_ in grids for _ in range(t)]
+        images = frame_lengths(grids)
         taps = []
         for i, block in enumerate(self.blocks):
             x = block.forward(x, cos, sin, images)
