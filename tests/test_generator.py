@@ -481,3 +481,23 @@ def test_images_for_a_text_model_raise_at_enqueue(lm):
         gen.enqueue(Job([1, 2, 3], 4, images=[b"\x89PNG"]))
     assert gen.num_pending == 0
     assert gen.generate([1, 2, 3], 3, stop_token_ids=[], images=[]) == gen.generate([1, 2, 3], 3, stop_token_ids=[])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decode_matches_eager(lm):
+    cuda_lm = trellm.load(lm.model_dir, device="cuda", dtype="float32")
+    prompts = prompts_of([3, 17, 40, 9, 5], seed=13)
+    outputs = {}
+    for graphs in (False, True):
+        gen = Generator(cuda_lm, cache_tokens=1024, page_size=16, max_batch_size=6, cuda_graphs=graphs)
+        assert (gen.graph_runner is not None) == graphs
+        outputs[graphs] = [r.token_ids for r in gen.generate(prompts, 12, stop_token_ids=[], return_results=True)]
+        gen.verify_pages()
+        if graphs:
+            assert gen.graph_runner.graphs, "no decode step was captured"
+    assert outputs[True] == outputs[False]
+
+
+def test_no_cuda_graphs_on_cpu(lm):
+    assert Generator(lm, cache_tokens=512, page_size=16).graph_runner is None

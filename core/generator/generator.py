@@ -118,6 +118,7 @@ class Generator:
         num_draft_tokens: int = 4,
         prefix_caching: bool = True,
         max_overtake_steps: int = 16,
+        cuda_graphs: bool = True,
     ):
         if max_batch_size < 1 or max_chunk_tokens < 1:
             raise ValueError(f"max_batch_size and max_chunk_tokens must be >= 1, got {max_batch_size}, {max_chunk_tokens}")
@@ -140,6 +141,7 @@ class Generator:
         self.prefix_caching = prefix_caching and not self.state_layers
         if self.state_layers and proposer is not None:
             raise ValueError("speculative decoding needs rollback, which recurrent-state layers do not offer")
+        self.graph_runner = self._graph_runner() if cuda_graphs else None
         self.vocab_size = int(getattr(getattr(self.model, "config", None), "vocab_size", 0) or 0)
         self.default_stop_ids = self._default_stop_ids(model)
         self.pending: deque[tuple[Job, list[int]]] = deque()
@@ -151,7 +153,8 @@ class Generator:
     @property
     def capacity_tokens(self) -> int:
         """The most tokens (prompt + max_new_tokens) one job may ask for."""
-        return self.cache.capacity_tokens
+        reserved = self.cache.page_size if self.graph_runner is not None else 0  # the graphs' scratch page
+        return self.cache.capacity_tokens - reserved
 
     @property
     def num_pending(self) -> int:
@@ -242,13 +245,25 @@ class Generator:
         return results
 
     def verify_pages(self) -> None:
-        """Raise AssertionError when page refcounts differ from their holders (jobs + prefix cache)."""
-        self.cache.prefix_cache.verify([r.seq.pages for r in self.active])
+        """Raise AssertionError when page refcounts differ from their holders (jobs + prefix cache + graph scratch page)."""
+        scratch = getattr(self.graph_runner, "_scratch_page", None)
+        self.cache.prefix_cache.verify([r.seq.pages for r in self.active] + ([[scratch]] if scratch is not None else []))
 
     def clear_prefix_cache(self) -> None:
         self.cache.prefix_cache.clear()
 
     # ---- admission --------------------------------------------------------------------------------
+
+    def _graph_runner(self) -> Any:
+        """A GraphRunner replaying captured decode steps, on CUDA only. Models with recurrent layers run
+        eagerly (their state update is not known to be capturable); batches with images or draft tokens
+        (more than one token per sequence) run eagerly inside the runner anyway."""
+        if self.cache.device.type != "cuda" or self.state_layers:
+            return None
+        from ..graph import DEFAULT_BATCH_SIZES, GraphRunner
+
+        sizes = sorted({b for b in DEFAULT_BATCH_SIZES if b < self.max_batch_size} | {self.max_batch_size})
+        return GraphRunner(self.model, self.cache, batch_sizes=sizes, max_context=self.cache.capacity_tokens)
 
     def _default_stop_ids(self, model: Any) -> set[int]:
         if hasattr(model, "default_stop_ids"):
@@ -414,7 +429,8 @@ class Generator:
         if self.state_layers:
             batch.state_slots = torch.tensor([r.state_slot for r, _, _ in plan], dtype=torch.long, device=self.cache.device)
         try:
-            logits = self.model.forward(batch).float().cpu()
+            forward = self.graph_runner.forward if self.graph_runner is not None else self.model.forward
+            logits = forward(batch).float().cpu()
         except Exception as exc:  # keep serving: fail this batch's jobs, free their pages
             warnings.warn(f"trellm generator: forward failed ({exc!r}); failing {len(plan)} jobs")
             for r, _, _ in plan:
