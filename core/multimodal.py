@@ -143,6 +143,32 @@ def read_preprocessor_config(model_dir: str | Path) -> dict[str, Any] | None:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
 
 
+def read_vision_config(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """The ``vision_config`` object of a vision-language config.json (an error naming the architecture if absent)."""
+    vision = raw.get("vision_config")
+    if not isinstance(vision, dict):
+        raise ConfigError(f"config.json: {architecture} needs a 'vision_config' object")
+    return vision
+
+
+def vision_tower_spec(vision_config: dict[str, Any], default_model_type: str):
+    """The installed vision tower that serves ``vision_config.model_type`` (an error listing the installed ones if none)."""
+    from . import registry  # the registry loads the plugins, which import this module
+
+    model_type = vision_config.get("model_type", default_model_type)
+    towers = registry.vision_towers()
+    if model_type not in towers:
+        raise ConfigError(f"config.json: no installed vision tower serves vision_config.model_type {model_type!r}; "
+                          f"installed: {', '.join(sorted(towers)) or '(none)'}")
+    return towers[model_type]
+
+
+def load_image_processor(model_dir: str | Path, tower_spec, vision_config: dict[str, Any], *args: Any):
+    """The tower's image processor built from the model directory's preprocessor config; None when it has none."""
+    pre = read_preprocessor_config(model_dir)
+    return None if pre is None else tower_spec.processor(pre, vision_config, *args)
+
+
 @attrs.frozen
 class PixelSteps:
     """The rescale / normalise steps every HF image processor shares, as its preprocessor_config.json says."""
@@ -425,6 +451,12 @@ class VisionLanguageModel(Module):
         """Hook to read special token ids from the model's tokenizer (Mistral 3: [IMG_BREAK], [IMG_END])."""
 
     # -- shared -------------------------------------------------------------------------------------
+    def image_processor(self):
+        """``self.vision.processor``, which exists only when the model directory has a preprocessor config."""
+        if self.vision.processor is None:
+            raise ImageError("the model directory has no preprocessor_config.json, so images cannot be prepared")
+        return self.vision.processor
+
     @torch.inference_mode()
     def prepare(self, prompt: str | Sequence[int], images: Sequence[ImageSource], tokenizer=None) -> MultimodalPrompt:
         """Expand each image marker of ``prompt`` and encode the images (one marker per image, in order)."""

@@ -20,13 +20,20 @@ import attrs
 import torch
 
 import trellm
-from trellm import ops, registry
+from trellm import ops
 from trellm.config import DecoderConfig
 from trellm.errors import ConfigError
 from trellm.modules.base import LoadContext, Module
 from trellm.modules.decoder import build_decoder
 from trellm.modules.layers import Attention, RMSNorm
-from trellm.multimodal import ImageError, VisionInput, VisionLanguageModel, image_digest, read_preprocessor_config
+from trellm.multimodal import (
+    VisionInput,
+    VisionLanguageModel,
+    image_digest,
+    load_image_processor,
+    read_vision_config,
+    vision_tower_spec,
+)
 from trellm.ops.attention import gather_pages
 from trellm.plugins.architectures.gemma3 import OPTIONS as GEMMA3_OPTIONS
 from trellm.plugins.architectures.gemma3 import configure as configure_gemma3
@@ -64,9 +71,7 @@ class Gemma3VLConfig:
 
 
 def read_config(raw: dict) -> Gemma3VLConfig:
-    vision = raw.get("vision_config")
-    if not isinstance(vision, dict):
-        raise ConfigError("config.json: Gemma3ForConditionalGeneration needs a 'vision_config' object")
+    vision = read_vision_config(raw, "Gemma3ForConditionalGeneration")
 
     def token(*names: str, default: int) -> int:
         for n in names:
@@ -164,12 +169,7 @@ class Gemma3Vision(Module):
     def __init__(self, cfg: Gemma3VLConfig):
         self.key = "multi_modal_projector"
         v = cfg.vision
-        mt = v.get("model_type", "siglip_vision_model")
-        towers = registry.vision_towers()
-        if mt not in towers:
-            raise ConfigError(f"config.json: no installed vision tower serves vision_config.model_type {mt!r}; "
-                              f"installed: {', '.join(sorted(towers)) or '(none)'}")
-        self.tower_spec = towers[mt]
+        self.tower_spec = vision_tower_spec(v, "siglip_vision_model")
         self.tower = self.tower_spec.build(v, "vision_tower.vision_model")
         self.vision_hidden, self.text_hidden = int(v["hidden_size"]), cfg.hidden_size
         self.patches_per_side = int(v["image_size"]) // int(v["patch_size"])
@@ -183,8 +183,7 @@ class Gemma3Vision(Module):
     def load(self, ctx: LoadContext) -> None:
         self.projection = ctx.store.get("multi_modal_projector.mm_input_projection_weight",
                                         shape=(self.vision_hidden, self.text_hidden), dtype=ctx.dtype, device=ctx.device)
-        pre = read_preprocessor_config(ctx.store.model_dir)
-        self.processor = None if pre is None else self.tower_spec.processor(pre, self.vision_config)
+        self.processor = load_image_processor(ctx.store.model_dir, self.tower_spec, self.vision_config)
         super().load(ctx)
 
     def unload(self) -> None:
@@ -212,9 +211,7 @@ class Gemma3VisionLanguageModel(VisionLanguageModel):
         self.image_token_id, self.marker_id = cfg.image_token_id, cfg.boi_token_id
 
     def preprocess(self, image) -> VisionInput:
-        if self.vision.processor is None:
-            raise ImageError("the model directory has no preprocessor_config.json, so images cannot be prepared")
-        return VisionInput(self.vision.processor(image), self.vl_config.mm_tokens_per_image, image_digest(image))
+        return VisionInput(self.image_processor()(image), self.vl_config.mm_tokens_per_image, image_digest(image))
 
     def expansion_ids(self, item: VisionInput) -> list[int]:
         c = self.vl_config

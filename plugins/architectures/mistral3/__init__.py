@@ -14,14 +14,19 @@ import torch
 import torch.nn.functional as F
 
 import trellm
-from trellm import registry
 from trellm.config import DecoderConfig, sliding_on_every_layer
-from trellm.errors import ConfigError
 from trellm.modules.base import LoadContext, Module
 from trellm.modules.decoder import DecoderOptions, build_decoder
 from trellm.modules.layers import RMSNorm
 from trellm.modules.linear import Linear
-from trellm.multimodal import ImageError, VisionInput, VisionLanguageModel, image_digest, read_preprocessor_config
+from trellm.multimodal import (
+    VisionInput,
+    VisionLanguageModel,
+    image_digest,
+    load_image_processor,
+    read_vision_config,
+    vision_tower_spec,
+)
 from trellm.ops.dense import activation_fn
 from trellm.spec import ArchitectureSpec
 
@@ -57,9 +62,7 @@ class Mistral3Config:
 
 
 def read_config(raw: dict) -> Mistral3Config:
-    vision = raw.get("vision_config")
-    if not isinstance(vision, dict):
-        raise ConfigError("config.json: Mistral3ForConditionalGeneration needs a 'vision_config' object")
+    vision = read_vision_config(raw, "Mistral3ForConditionalGeneration")
     layers = raw.get("vision_feature_layer", -1)
     return Mistral3Config(
         text=sliding_on_every_layer(DecoderConfig.from_hf(raw)),
@@ -77,11 +80,7 @@ class Mistral3Vision(Module):
 
     def __init__(self, cfg: Mistral3Config):
         self.key = "multi_modal_projector"
-        mt = cfg.vision.get("model_type", "pixtral")
-        towers = registry.vision_towers()
-        if mt not in towers:
-            raise ConfigError(f"config.json: no installed vision tower serves vision_config.model_type {mt!r}")
-        self.spec, self.cfg = towers[mt], cfg
+        self.spec, self.cfg = vision_tower_spec(cfg.vision, "pixtral"), cfg
         self.tower = self.spec.build(cfg.vision, "vision_tower")
         d, m, text = int(cfg.vision["hidden_size"]), cfg.spatial_merge_size, cfg.hidden_size
         feat = d * len(cfg.feature_layers)
@@ -93,8 +92,7 @@ class Mistral3Vision(Module):
         self.processor = None
 
     def load(self, ctx: LoadContext) -> None:
-        pre = read_preprocessor_config(ctx.store.model_dir)
-        self.processor = None if pre is None else self.spec.processor(pre, self.cfg.vision, self.cfg.spatial_merge_size)
+        self.processor = load_image_processor(ctx.store.model_dir, self.spec, self.cfg.vision, self.cfg.spatial_merge_size)
         super().load(ctx)
 
     def forward(self, images: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -122,10 +120,9 @@ class Mistral3VisionLanguageModel(VisionLanguageModel):
                 setattr(self, attr, token)
 
     def preprocess(self, image) -> VisionInput:
-        if self.vision.processor is None:
-            raise ImageError("the model directory has no preprocessor_config.json, so images cannot be prepared")
-        pixels = self.vision.processor(image)
-        t = self.vision.processor.token_size
+        processor = self.image_processor()
+        pixels = processor(image)
+        t = processor.token_size
         rows, cols = pixels.shape[1] // t, pixels.shape[2] // t
         return VisionInput(pixels, rows * cols, image_digest(image), (rows, cols))
 

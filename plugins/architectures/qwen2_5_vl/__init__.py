@@ -17,12 +17,19 @@ import attrs
 import torch
 
 import trellm
-from trellm import registry
 from trellm.config import DecoderConfig
 from trellm.errors import ConfigError
 from trellm.modules.base import LoadContext, Module
 from trellm.modules.decoder import DecoderOptions, build_decoder
-from trellm.multimodal import ImageError, MultimodalPrompt, VisionInput, VisionLanguageModel, image_digest, read_preprocessor_config
+from trellm.multimodal import (
+    MultimodalPrompt,
+    VisionInput,
+    VisionLanguageModel,
+    image_digest,
+    load_image_processor,
+    read_vision_config,
+    vision_tower_spec,
+)
 from trellm.plugins.architectures.qwen2 import read_config as read_qwen2_text
 from trellm.spec import ArchitectureSpec
 
@@ -119,9 +126,7 @@ class QwenVLConfig:
 
 
 def read_config(raw: dict, read_text=read_qwen2_text) -> QwenVLConfig:
-    vision = raw.get("vision_config")
-    if not isinstance(vision, dict):
-        raise ConfigError(f"config.json: {raw.get('architectures', ['?'])[0]} needs a 'vision_config' object")
+    vision = read_vision_config(raw, raw.get("architectures", ["?"])[0])
     text = read_text(raw)
     tc = text.extra
     rope = tc.get("rope_parameters") or tc.get("rope_scaling") or {}
@@ -142,18 +147,12 @@ class QwenVision(Module):
 
     def __init__(self, cfg: QwenVLConfig, key: str):
         self.key = key
-        mt = cfg.vision.get("model_type", "qwen2_5_vl_vision")
-        towers = registry.vision_towers()
-        if mt not in towers:
-            raise ConfigError(f"config.json: no installed vision tower serves vision_config.model_type {mt!r}; "
-                              f"installed: {', '.join(sorted(towers)) or '(none)'}")
-        self.spec, self.vision_config = towers[mt], cfg.vision
+        self.spec, self.vision_config = vision_tower_spec(cfg.vision, "qwen2_5_vl_vision"), cfg.vision
         self.tower = self.spec.build(cfg.vision, key)
         self.processor = None
 
     def load(self, ctx: LoadContext) -> None:
-        pre = read_preprocessor_config(ctx.store.model_dir)
-        self.processor = None if pre is None else self.spec.processor(pre, self.vision_config)
+        self.processor = load_image_processor(ctx.store.model_dir, self.spec, self.vision_config)
         super().load(ctx)
 
 
@@ -182,9 +181,7 @@ class QwenVisionLanguageModel(VisionLanguageModel):
         return build_decoder(cfg.text, self.text_options)
 
     def preprocess(self, image) -> VisionInput:
-        if self.vision.processor is None:
-            raise ImageError("the model directory has no preprocessor_config.json, so images cannot be prepared")
-        patches, grid = self.vision.processor(image)
+        patches, grid = self.image_processor()(image)
         return VisionInput(patches, patches.shape[0] // self.merge**2, image_digest(image), grid)
 
     def expansion_ids(self, item: VisionInput) -> list[int]:
