@@ -17,8 +17,9 @@ from ..cache import KVCache
 from ..errors import WeightError
 from .base import LoadContext, Module
 from .decoder import CausalLM
-from .layers import Attention, RMSNorm
+from .layers import Attention, Embedding, RMSNorm
 from .linear import Linear
+from .moe import config_int
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -54,6 +55,17 @@ class GatedDeltaNet(Module):
     the conv stored as ``q_conv1d``/``k_conv1d``/``v_conv1d``, output ``o_norm`` + ``o_proj``.
     ``beta_scale`` 2 lets beta reach (0, 2) (negative eigenvalues, OLMo Hybrid).
     """
+
+    @classmethod
+    def from_config(cls, key: str, layer_idx: int, hidden_size: int, extra: dict, eps: float, projection: str,
+                    **options) -> "GatedDeltaNet":
+        """The layer sized by the ``linear_*`` keys of config.json (heads, head dims, conv kernel), as HF names them."""
+        return cls(
+            key, layer_idx, hidden_size,
+            num_k_heads=config_int(extra, "linear_num_key_heads"), num_v_heads=config_int(extra, "linear_num_value_heads"),
+            head_k_dim=config_int(extra, "linear_key_head_dim"), head_v_dim=config_int(extra, "linear_value_head_dim"),
+            conv_width=config_int(extra, "linear_conv_kernel_dim", default=4), eps=eps, projection=projection, **options,
+        )
 
     def __init__(
         self,
@@ -346,6 +358,18 @@ class GatedAttention(Attention):
 
 class HybridCausalLM(CausalLM):
     """A CausalLM whose layers mix attention and recurrent mixers; knows how to build its cache."""
+
+    @classmethod
+    def from_layers(cls, cfg, layers: list[Module], embed_key: str, norm_key: str, norm_unit_offset: bool = False) -> "HybridCausalLM":
+        """``layers`` between the token embedding and a final RMSNorm; a tied lm_head reads the embedding."""
+        hidden, vocab = cfg.hidden_size, cfg.vocab_size
+        return cls(
+            cfg,
+            Embedding(embed_key, vocab, hidden),
+            layers,
+            RMSNorm(norm_key, hidden, cfg.rms_norm_eps, unit_offset=norm_unit_offset),
+            Linear("lm_head", hidden, vocab, alt_key=embed_key if cfg.tie_word_embeddings else None),
+        )
 
     def recurrent_layers(self) -> list[Module | None]:
         """Per decoder layer, the mixer that keeps recurrent state (None for attention layers)."""

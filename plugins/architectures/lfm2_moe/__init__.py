@@ -7,7 +7,7 @@ from trellm.config import DecoderConfig
 from trellm.errors import ConfigError
 from trellm.modules.base import Module
 from trellm.modules.decoder import DecoderLayer
-from trellm.modules.layers import Attention, Embedding, RMSNorm, RotaryEmbedding
+from trellm.modules.layers import Attention, RMSNorm, RotaryEmbedding
 from trellm.modules.linear import Linear
 from trellm.modules.moe import ExpertMLP, Experts, MoE, Router, ScoreTopK, config_int
 from trellm.modules.recurrent import HybridCausalLM, ShortConv
@@ -56,13 +56,7 @@ def build(cfg: DecoderConfig) -> HybridCausalLM:
                 Experts(f"{f}.experts", num_experts, hidden, size, names=("w1", "w3", "w2")),
             )
         layers.append(DecoderLayer(key, RMSNorm(f"{key}.operator_norm", hidden, eps), mixer, RMSNorm(f"{key}.ffn_norm", hidden, eps), mlp))
-    return HybridCausalLM(
-        cfg,
-        Embedding("model.embed_tokens", cfg.vocab_size, hidden),
-        layers,
-        RMSNorm("model.embedding_norm", hidden, eps),
-        Linear("lm_head", hidden, cfg.vocab_size, alt_key="model.embed_tokens" if cfg.tie_word_embeddings else None),
-    )
+    return HybridCausalLM.from_layers(cfg, layers, "model.embed_tokens", "model.embedding_norm")
 
 
 SPEC = ArchitectureSpec(

@@ -9,7 +9,7 @@ from trellm.batch import ForwardBatch
 from trellm.config import DecoderConfig, text_config
 from trellm.errors import ConfigError
 from trellm.modules.base import Module
-from trellm.modules.layers import Attention, Embedding, RMSNorm
+from trellm.modules.layers import Attention, RMSNorm
 from trellm.modules.linear import Linear
 from trellm.modules.moe import Router, ScoreTopK, config_int, dispatch_experts
 from trellm.modules.recurrent import HybridCausalLM, Mamba2Mixer, ResidualBlock
@@ -106,13 +106,7 @@ def build(cfg: DecoderConfig) -> HybridCausalLM:
         else:
             mixer = NemotronMoE(m, cfg)
         layers.append(ResidualBlock(key, RMSNorm(f"{key}.norm", hidden, eps), mixer))
-    return HybridCausalLM(
-        cfg,
-        Embedding("backbone.embeddings", cfg.vocab_size, hidden),
-        layers,
-        RMSNorm("backbone.norm_f", hidden, eps),
-        Linear("lm_head", hidden, cfg.vocab_size, alt_key="backbone.embeddings" if cfg.tie_word_embeddings else None),
-    )
+    return HybridCausalLM.from_layers(cfg, layers, "backbone.embeddings", "backbone.norm_f")
 
 
 SPEC = ArchitectureSpec(

@@ -7,15 +7,7 @@ from trellm.config import DecoderConfig
 from trellm.errors import ConfigError
 from trellm.modules.base import Module
 from trellm.modules.decoder import DecoderLayer
-from trellm.modules.layers import (
-    Attention,
-    Embedding,
-    GatedMLP,
-    RMSNorm,
-    RotaryEmbedding,
-)
-from trellm.modules.linear import Linear
-from trellm.modules.moe import config_int
+from trellm.modules.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 from trellm.modules.recurrent import GatedDeltaNet, HybridCausalLM
 from trellm.spec import ArchitectureSpec
 
@@ -37,11 +29,8 @@ def build(cfg: DecoderConfig) -> HybridCausalLM:
 
         mlp = GatedMLP(f"{key}.mlp", hidden, cfg.intermediate_size, cfg.hidden_act)
         if kind == "linear_attention":
-            mixer = GatedDeltaNet(
-                f"{key}.linear_attn", i, hidden,
-                num_k_heads=config_int(x, "linear_num_key_heads"), num_v_heads=config_int(x, "linear_num_value_heads"),
-                head_k_dim=config_int(x, "linear_key_head_dim"), head_v_dim=config_int(x, "linear_value_head_dim"),
-                conv_width=config_int(x, "linear_conv_kernel_dim", default=4), eps=eps, projection="separate",
+            mixer = GatedDeltaNet.from_config(
+                f"{key}.linear_attn", i, hidden, x, eps, "separate",
                 beta_scale=2.0 if x.get("linear_allow_neg_eigval", True) else 1.0, norm_eps=1e-5,
             )
             layers.append(DecoderLayer(key, norm("attention_layer_norm"), mixer, norm("feedforward_layer_norm"), mlp))
@@ -50,13 +39,7 @@ def build(cfg: DecoderConfig) -> HybridCausalLM:
                              rope, cfg.attention_bias, cfg.attention_bias, eps, qk_norm="full")
             layers.append(DecoderLayer(key, None, attn, None, mlp, attn_out_norm=norm("feedforward_layer_norm"),
                                        mlp_out_norm=norm("post_feedforward_layernorm")))
-    return HybridCausalLM(
-        cfg,
-        Embedding("model.embed_tokens", cfg.vocab_size, hidden),
-        layers,
-        RMSNorm("model.norm", hidden, eps),
-        Linear("lm_head", hidden, cfg.vocab_size, alt_key="model.embed_tokens" if cfg.tie_word_embeddings else None),
-    )
+    return HybridCausalLM.from_layers(cfg, layers, "model.embed_tokens", "model.norm")
 
 
 SPEC = ArchitectureSpec(

@@ -11,7 +11,7 @@ from trellm.config import DecoderConfig
 from trellm.errors import ConfigError
 from trellm.modules.base import Module
 from trellm.modules.decoder import DecoderLayer
-from trellm.modules.layers import Embedding, GatedMLP, RMSNorm, RotaryEmbedding
+from trellm.modules.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from trellm.modules.linear import Linear
 from trellm.modules.moe import Experts, MoE, Router, SoftmaxTopK, config_int
 from trellm.modules.recurrent import GatedAttention, GatedDeltaNet, HybridCausalLM
@@ -50,12 +50,7 @@ def build_qwen_hybrid(cfg: DecoderConfig, prefix: str, projection: str, moe_laye
     for i, kind in enumerate(layer_types(cfg)):
         key = f"{prefix}.layers.{i}"
         if kind == "linear_attention":
-            mixer = GatedDeltaNet(
-                f"{key}.linear_attn", i, cfg.hidden_size,
-                num_k_heads=config_int(x, "linear_num_key_heads"), num_v_heads=config_int(x, "linear_num_value_heads"),
-                head_k_dim=config_int(x, "linear_key_head_dim"), head_v_dim=config_int(x, "linear_value_head_dim"),
-                conv_width=config_int(x, "linear_conv_kernel_dim", default=4), eps=eps, projection=projection,
-            )
+            mixer = GatedDeltaNet.from_config(f"{key}.linear_attn", i, cfg.hidden_size, x, eps, projection)
         else:
             mixer = GatedAttention(
                 f"{key}.self_attn", i, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
@@ -66,14 +61,7 @@ def build_qwen_hybrid(cfg: DecoderConfig, prefix: str, projection: str, moe_laye
             DecoderLayer(key, RMSNorm(f"{key}.input_layernorm", cfg.hidden_size, eps, unit_offset=True), mixer,
                          RMSNorm(f"{key}.post_attention_layernorm", cfg.hidden_size, eps, unit_offset=True), mlp)
         )
-    embed_key = f"{prefix}.embed_tokens"
-    return HybridCausalLM(
-        cfg,
-        Embedding(embed_key, cfg.vocab_size, cfg.hidden_size),
-        layers,
-        RMSNorm(f"{prefix}.norm", cfg.hidden_size, eps, unit_offset=True),
-        Linear("lm_head", cfg.hidden_size, cfg.vocab_size, alt_key=embed_key if cfg.tie_word_embeddings else None),
-    )
+    return HybridCausalLM.from_layers(cfg, layers, f"{prefix}.embed_tokens", f"{prefix}.norm", norm_unit_offset=True)
 
 
 def build(cfg: DecoderConfig) -> HybridCausalLM:
