@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 import torch
@@ -501,3 +502,25 @@ def test_cuda_graph_decode_matches_eager(lm):
 
 def test_no_cuda_graphs_on_cpu(lm):
     assert Generator(lm, cache_tokens=512, page_size=16).graph_runner is None
+
+
+def test_async_submit_does_not_wait_for_a_running_step(lm):
+    """submit() returns while the worker is inside a step (here: while its lock is held) and the job runs after."""
+    prompt = prompts_of([9], seed=14)[0]
+
+    async def main():
+        gen = Generator(lm, cache_tokens=512, page_size=16)
+        async with AsyncGenerator(gen) as agen:
+            with agen._lock:  # what the worker holds during a whole iterate()
+                t0 = time.perf_counter()
+                ajob = agen.submit(Job(prompt, 4, stop_token_ids=[]))
+                waited = time.perf_counter() - t0
+                with pytest.raises(JobTooLargeError):  # checked at once, on the caller's thread
+                    agen.submit(Job([1] * 2000, 4))
+                assert gen.num_pending == 0  # still in the inbox: the worker adds it before its next step
+            result = await ajob.result()
+        return gen, waited, result
+
+    gen, waited, result = asyncio.run(main())
+    assert waited < 0.5 and result.token_ids == solo(lm, prompt, 4)
+    gen.verify_pages()

@@ -4,10 +4,13 @@ The forward pass is blocking torch work, so it lives in one daemon thread that s
 :class:`Generator` while it has work and hands each result to its job's ``asyncio.Queue`` through
 ``loop.call_soon_threadsafe``. The event loop never blocks on the model; cancelling a job (or the
 task iterating it) only sets a flag the worker acts on at its next step, which frees the pages.
+Submitting never waits for a step either: the job is checked on the caller's thread and handed to
+the worker through a thread-safe inbox that the worker drains before each step.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 from typing import Any, Sequence
 
@@ -61,7 +64,8 @@ class AsyncGenerator:
     def __init__(self, generator: Generator, idle_wait_s: float = 0.05):
         self.generator = generator
         self.idle_wait_s = idle_wait_s
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by the worker for a whole step; submit() never takes it
+        self._inbox: collections.deque[tuple[Job, list[int]]] = collections.deque()  # append/popleft are thread-safe
         self._wake = threading.Event()
         self._jobs: dict[int, AsyncJob] = {}
         self._thread: threading.Thread | None = None
@@ -72,9 +76,9 @@ class AsyncGenerator:
         if self._closed:
             raise RuntimeError("the AsyncGenerator is closed")
         async_job = AsyncJob(self, job, asyncio.get_running_loop())
-        with self._lock:
-            self.generator.enqueue(job)
-            self._jobs[job.job_id] = async_job
+        prompt_ids = self.generator.prepare(job)  # raises JobTooLargeError / ImageError here, on the caller's thread
+        self._jobs[job.job_id] = async_job
+        self._inbox.append((job, prompt_ids))
         self._ensure_thread()
         self._wake.set()
         return async_job
@@ -95,7 +99,7 @@ class AsyncGenerator:
         self._wake.set()
         while True:
             with self._lock:
-                if not self.generator.has_work():
+                if not self._inbox and not self.generator.has_work():
                     break
             await asyncio.sleep(self.idle_wait_s)
         self._closed = True
@@ -114,9 +118,14 @@ class AsyncGenerator:
             self._thread = threading.Thread(target=self._run, name="trellm-generator", daemon=True)
             self._thread.start()
 
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            self.generator.add_prepared(*self._inbox.popleft())
+
     def _run(self) -> None:
         while not self._closed:
             with self._lock:
+                self._drain_inbox()
                 busy = self.generator.has_work()
                 if busy:
                     try:

@@ -171,6 +171,16 @@ class Generator:
         """Queue one job or several (raises JobTooLargeError for a job that can never fit)."""
         if not isinstance(job, Job):
             return [self.enqueue(j) for j in job]
+        return self.add_prepared(job, self.prepare(job))
+
+    def add_prepared(self, job: Job, prompt_ids: list[int]) -> Job:
+        """Queue a job that :meth:`prepare` accepted (``prompt_ids`` is what it returned)."""
+        self.pending.append((job, prompt_ids))
+        return job
+
+    def prepare(self, job: Job) -> list[int]:
+        """Check ``job`` and return its prompt ids (images decoded and encoded); raises for a job that can
+        never run. Touches no generator state, so another thread may call it while ``iterate()`` runs."""
         if job.time_enqueued is not None:
             raise ValueError(f"{job!r} was already enqueued; make a new Job")
         if job.images is not None and (job.images or not isinstance(job.images, list)):
@@ -183,8 +193,7 @@ class Generator:
                 f"{total} tokens, but the cache holds only {self.capacity_tokens}; shorten the prompt or lower max_new_tokens"
             )
         job.time_enqueued = time.time()
-        self.pending.append((job, prompt_ids))
-        return job
+        return prompt_ids
 
     def cancel(self, job: Job) -> None:
         """Stop ``job``; the next ``iterate()`` reports it finished with eos_reason "cancelled" and frees its pages."""
