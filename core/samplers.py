@@ -191,10 +191,13 @@ class DRY(SamplerStep):
 
     If the context ends with a run that already occurred earlier followed by token t, t's logit drops
     by ``multiplier * base ** (match_len - allowed_length)`` once ``match_len >= allowed_length``.
-    Matches do not extend across ``sequence_breakers`` tokens.
+    Matches do not extend across ``sequence_breakers`` tokens. The penalty is capped at
+    ``MAX_PENALTY`` (a long repeat would overflow a float); that still bans the token, and the
+    logits stay finite, so a context where every candidate repeats still samples.
     """
 
     name = "dry"
+    MAX_PENALTY = 1e9
 
     def __init__(self, multiplier: float = 0.0, base: float = 1.75, allowed_length: int = 2,
                  sequence_breakers: Sequence[int] = (), penalty_range: int = 0):
@@ -225,8 +228,14 @@ class DRY(SamplerStep):
         out = logits.clone()
         for token, length in longest.items():
             if length >= self.allowed_length and token < out.shape[-1]:
-                out[token] -= self.multiplier * self.base ** (length - self.allowed_length)
+                out[token] -= self.penalty(length)
         return out
+
+    def penalty(self, match_len: int) -> float:
+        try:
+            return min(self.multiplier * self.base ** (match_len - self.allowed_length), self.MAX_PENALTY)
+        except OverflowError:  # base ** exponent beyond the float range
+            return self.MAX_PENALTY
 
 
 class XTC(SamplerStep):
