@@ -426,3 +426,10 @@ def deepseek_moe(cfg, key: str, correction_bias: bool = True, shared_name: str =
     n_shared = config_int(x, "n_shared_experts", default=0)
     shared = GatedMLP(f"{key}.{shared_name}", cfg.hidden_size, size * n_shared, cfg.hidden_act) if n_shared else None
     return MoE(key, router, Experts(f"{key}.experts", num_experts, cfg.hidden_size, size, cfg.hidden_act), shared)
+
+
+def use_deepseek_moe_layers(model, cfg) -> None:
+    """DeepSeek-V3 layout: the first ``first_k_dense_replace`` layers keep their dense MLP, every later one
+    gets a :func:`deepseek_moe` block at ``{layer}.mlp``."""
+    first_moe = config_int(cfg.extra, "first_k_dense_replace", default=0)
+    replace_mlps(model, lambda i, key: deepseek_moe(cfg, f"{key}.mlp") if i >= first_moe else None)

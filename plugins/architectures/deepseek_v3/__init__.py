@@ -20,7 +20,7 @@ from trellm.modules.base import LoadContext
 from trellm.modules.decoder import build_decoder
 from trellm.modules.layers import Attention, RMSNorm, RotaryEmbedding
 from trellm.modules.linear import Linear
-from trellm.modules.moe import config_int, deepseek_moe
+from trellm.modules.moe import config_int, use_deepseek_moe_layers
 from trellm.spec import ArchitectureSpec
 
 
@@ -100,13 +100,11 @@ class LatentAttention(Attention):
 def build(cfg: DecoderConfig):
     model = build_decoder(cfg)
     x = cfg.extra
-    first_moe = config_int(x, "first_k_dense_replace", default=0)
     interleaved = bool(x.get("rope_interleave", True))
     rope = RotaryEmbedding(cfg.rope, config_int(x, "qk_rope_head_dim"), cfg.max_position_embeddings)
     for i, layer in enumerate(model.layers):
         layer.attn = LatentAttention(f"{layer.key}.self_attn", i, cfg, rope, interleaved)
-        if i >= first_moe:
-            layer.mlp = deepseek_moe(cfg, f"{layer.key}.mlp")
+    use_deepseek_moe_layers(model, cfg)
     return model
 
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 import trellm
 from trellm.config import DecoderConfig
 from trellm.modules.decoder import DecoderOptions, build_decoder
-from trellm.modules.moe import config_int, deepseek_moe, replace_mlps
+from trellm.modules.moe import use_deepseek_moe_layers
 from trellm.spec import ArchitectureSpec
 
 
 def build(cfg: DecoderConfig):
     model = build_decoder(cfg, DecoderOptions(qk_norm=bool(cfg.extra.get("use_qk_norm", False)), o_bias=False))
-    first_moe = config_int(cfg.extra, "first_k_dense_replace", default=0)
-    replace_mlps(model, lambda i, key: deepseek_moe(cfg, f"{key}.mlp") if i >= first_moe else None)
+    use_deepseek_moe_layers(model, cfg)
     return model
 
 
