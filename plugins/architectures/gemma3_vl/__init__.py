@@ -26,14 +26,8 @@ from trellm.errors import ConfigError
 from trellm.modules.base import LoadContext, Module
 from trellm.modules.decoder import build_decoder
 from trellm.modules.layers import Attention, RMSNorm
-from trellm.multimodal import (
-    VisionInput,
-    VisionLanguageModel,
-    image_digest,
-    load_image_processor,
-    read_vision_config,
-    vision_tower_spec,
-)
+from trellm.multimodal import VisionInput, VisionLanguageModel, image_digest
+from trellm.multimodal import load_image_processor, read_vision_config, vision_tower_spec
 from trellm.ops.attention import gather_pages
 from trellm.plugins.architectures.gemma3 import OPTIONS as GEMMA3_OPTIONS
 from trellm.plugins.architectures.gemma3 import configure as configure_gemma3

@@ -19,14 +19,8 @@ from trellm.modules.base import LoadContext, Module
 from trellm.modules.decoder import DecoderOptions, build_decoder
 from trellm.modules.layers import RMSNorm
 from trellm.modules.linear import Linear
-from trellm.multimodal import (
-    VisionInput,
-    VisionLanguageModel,
-    image_digest,
-    load_image_processor,
-    read_vision_config,
-    vision_tower_spec,
-)
+from trellm.multimodal import VisionInput, VisionLanguageModel, image_digest
+from trellm.multimodal import load_image_processor, read_vision_config, vision_tower_spec
 from trellm.ops.dense import activation_fn
 from trellm.spec import ArchitectureSpec
 

@@ -21,15 +21,8 @@ from trellm.config import DecoderConfig
 from trellm.errors import ConfigError
 from trellm.modules.base import LoadContext, Module
 from trellm.modules.decoder import DecoderOptions, build_decoder
-from trellm.multimodal import (
-    MultimodalPrompt,
-    VisionInput,
-    VisionLanguageModel,
-    image_digest,
-    load_image_processor,
-    read_vision_config,
-    vision_tower_spec,
-)
+from trellm.multimodal import MultimodalPrompt, VisionInput, VisionLanguageModel, image_digest
+from trellm.multimodal import load_image_processor, read_vision_config, vision_tower_spec
 from trellm.plugins.architectures.qwen2 import read_config as read_qwen2_text
 from trellm.spec import ArchitectureSpec
 
