@@ -11,6 +11,7 @@ pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
 
 from test_vision import PROMPT, encoded, gemma3, random_image  # noqa: E402,F401  (tests/ is on sys.path; gemma3 is a fixture)
+from test_vision_qwen import qwen  # noqa: E402,F401  (a fixture)
 from trellm.generator import Generator, Job, JobFinished, JobStarted  # noqa: E402
 from trellm.multimodal import ImageError, prepare_prompt  # noqa: E402
 
@@ -82,3 +83,15 @@ def test_bad_images_raise_at_enqueue_and_touch_nothing(gemma3):
     done, _ = run_jobs(gen, [Job(PROMPT, 3, stop_token_ids=[], images=[random_image(3)])])
     assert done[0].eos_reason == "max_new_tokens"
 
+
+
+def test_mrope_families_batched_like_alone(qwen):
+    """Qwen2.5-VL / Qwen3-VL / GLM 4.1V: M-RoPE positions (and their delta after the image) on every step."""
+    from test_vision_qwen import PROMPT as QWEN_PROMPT
+
+    _, _, lm = qwen
+    images = [Image.new("RGB", (61, 37), (255, 0, 0)), Image.new("RGB", (37, 61), (0, 40, 255))]  # other grids, deltas
+    alone = [list(lm.generate_ids(QWEN_PROMPT, max_new_tokens=5, stop_token_ids=[], images=[img])) for img in images]
+    gen = Generator(lm, cache_tokens=512, page_size=8, max_chunk_tokens=16)
+    done, _ = run_jobs(gen, [Job(QWEN_PROMPT, 5, stop_token_ids=[], images=[img]) for img in images])
+    assert [d.token_ids for d in done] == alone

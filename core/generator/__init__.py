@@ -22,7 +22,10 @@ Public API (stable; the OpenAI server builds on it)::
     job = Job(prompt_ids_or_text, max_new_tokens=256, min_new_tokens=0, stop=["\\n\\n"], stop_token_ids=None,
               sampler=SamplerSettings.preset("default"), seed=1, banned_strings=["As an AI"],
               logprobs=True, top_logprobs=5, identifier="req-17")
-    gen.enqueue(job)                      # raises JobTooLargeError if prompt+max_new_tokens > gen.capacity_tokens
+    Job(prompt_with_image_markers, images=["cat.png", png_bytes, "data:image/png;base64,...", pil_image])
+    Job(mm.input_ids, images=mm)          # mm = trellm.multimodal.prepare_prompt(lm, prompt, images), reused
+    gen.enqueue(job)                      # raises JobTooLargeError if prompt+max_new_tokens > gen.capacity_tokens,
+                                          # ImageError for a bad image (before any cache page is touched)
     while gen.has_work():
         for result in gen.iterate():      # one batched forward per call
             ...                           # result.identifier == job.identifier
@@ -50,11 +53,22 @@ Results (attrs classes, all with ``job`` and ``identifier``):
 Speculative decoding: ``Generator(lm, proposer=NgramProposer())`` or
 ``proposer=DraftModelProposer(draft_lm)``, ``num_draft_tokens=4``.
 
+Images (vision-language models, docs/multimodal.md): prefix-cache pages are named by the image's
+content digest, so two images never share pages and the same image reuses them; prefill chunks never
+cut an image run (an image longer than ``max_chunk_tokens`` goes in one chunk).
+
+CUDA graphs: ``Generator(lm, cuda_graphs=True)`` (the default) replays captured decode steps through
+``trellm.graph.GraphRunner`` on CUDA; batches with prefill, images or draft tokens run eagerly, and
+models with recurrent layers never use graphs. The runner keeps one scratch page, so
+``capacity_tokens`` is one page less than the cache.
+
 Housekeeping: ``gen.stats`` (prefilled / reused / decoded tokens, steps), ``gen.verify_pages()``
 (page refcounts vs holders), ``gen.clear_prefix_cache()``, ``gen.abort(error)`` (fail everything,
 free all pages), ``gen.num_active`` / ``gen.num_pending`` / ``gen.has_work()``.
-Thread safety: a Generator is single-threaded except ``cancel()``, which only sets a flag;
-AsyncGenerator serializes everything else behind one lock.
+Thread safety: a Generator is single-threaded except ``cancel()``, which only sets a flag, and
+``prepare(job)`` (checks a job and returns its prompt ids; ``add_prepared(job, ids)`` then queues it
+on the generator's thread). AsyncGenerator.submit() prepares on the caller's thread and hands the job
+to the worker through an inbox, so it never waits for a running step.
 """
 from ..samplers import SamplerSettings, SamplerStack
 from .async_generator import AsyncGenerator, AsyncJob
