@@ -110,8 +110,10 @@ async def chat_request_prompt(host: ModelHost, req: ChatCompletionRequest) -> tu
     """(prompt ids, MultimodalPrompt or None) of a chat request; images are decoded and encoded off the event loop."""
     if not has_image_parts(req.messages):
         return chat_prompt(host, req), None
-    from trellm.multimodal import ImageError, prepare_prompt
+    from trellm.multimodal import ImageError, VisionLanguageModel, prepare_prompt
 
+    if not isinstance(host.lm.model, VisionLanguageModel):
+        raise bad_request(f"model {host.model_name!r} takes no image input", param="messages", code="invalid_image")
     template_messages, images = split_image_messages(req.messages)
     ids = chat_prompt(host, req, template_messages)
     try:

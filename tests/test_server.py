@@ -260,3 +260,19 @@ def test_full_queue_answers_429_with_retry_after(server, client):
     wait_idle(server)
     assert client.completions.create(model=server.model, prompt=PROMPT, max_tokens=1, temperature=0).choices[0].text
     assert_pages_free(server)
+
+
+def test_image_parts_for_a_text_model_are_400(server, client):
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": url}}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=server.model, messages=messages, max_tokens=2)
+    assert e.value.body["param"] == "messages" and "takes no image input" in e.value.message
+    assert client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=2).choices[0].message.content
