@@ -137,7 +137,7 @@ def cmd_info(args) -> int:
     table = registry.architectures()
     plugin, spec = table.get(arch, (None, None))
     store = WeightStore(model_dir)
-    params = sum(_numel(store.info(n).shape) for n in store)
+    params = store.num_elements()
     weight_bytes = store.total_bytes()
     print(f"model:         {model_dir}")
     print(f"architecture:  {arch}")
@@ -158,12 +158,6 @@ def cmd_info(args) -> int:
         print(f"memory need:   ~{_fmt_bytes(weight_bytes + per_token * 4096)} (weights as stored + 4096-token fp16 cache)")
     return 0
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def cmd_plugins(args) -> int:

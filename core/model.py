@@ -212,14 +212,8 @@ class LoadedModel:
         return "".join(self.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, **kwargs))
 
     def num_parameters(self) -> int:
-        return sum(_numel(self.store.info(n).shape) for n in self.store)
+        return self.store.num_elements()
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def load(path: str | Path, device=None, dtype=None, progress: bool = False, tokenizer: bool = True) -> LoadedModel:

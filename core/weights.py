@@ -41,6 +41,13 @@ class TensorInfo:
     def nbytes(self) -> int:
         return self.end - self.start
 
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
 
 class SafetensorsFile:
     """One .safetensors file: header parsed and validated at open, data mmapped lazily."""
@@ -186,6 +193,10 @@ class WeightStore:
         if dtype is not None or device is not None:
             t = t.to(device=device, dtype=dtype)
         return t
+
+    def num_elements(self) -> int:
+        """Stored elements over all tensors (parameters, for a dense checkpoint)."""
+        return sum(i.numel for i in self._index.values())
 
     def total_bytes(self) -> int:
         return sum(i.nbytes for i in self._index.values())
