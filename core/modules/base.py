@@ -20,6 +20,19 @@ class LoadContext:
     device: torch.device
     dtype: torch.dtype
     quant_formats: list = attrs.field(factory=list)
+    # tensors already loaded, by (name, dtype): a tied LM head shares the embedding's memory
+    loaded: dict = attrs.field(factory=dict)
+
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """``name`` from the store in the model dtype on the model device, loaded once per model."""
+        key = (name, self.dtype)
+        t = self.loaded.get(key)
+        if t is None:
+            t = self.store.get(name, shape=shape, dtype=self.dtype, device=self.device)
+            self.loaded[key] = t
+        elif shape is not None and tuple(t.shape) != tuple(shape):
+            t = self.store.get(name, shape=shape)  # raises the store's shape error, naming the tensor
+        return t
 
 
 class Module:

@@ -131,6 +131,14 @@ class CausalLM(Module):
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
         self.final_logit_softcap, self.logit_scale = final_logit_softcap, logit_scale
 
+    def nbytes(self) -> int:
+        """Bytes held, counting a tied LM head that shares the embedding's tensor once."""
+        total = super().nbytes()
+        head_weight = getattr(self.lm_head.impl, "weight", None)
+        if head_weight is not None and self.embed.weight is not None and head_weight.data_ptr() == self.embed.weight.data_ptr():
+            total -= head_weight.numel() * head_weight.element_size()
+        return total
+
     def attention_layers(self) -> list[Attention | None]:
         """Per decoder layer, the attention module that owns KV cache layer ``i`` (None: no KV cache)."""
         return [getattr(layer, "attn", None) if isinstance(getattr(layer, "attn", None), Attention) else None for layer in self.layers]

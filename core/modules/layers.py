@@ -28,9 +28,7 @@ class Embedding(Module):
         self.weight: torch.Tensor | None = None
 
     def load(self, ctx: LoadContext) -> None:
-        self.weight = ctx.store.get(
-            f"{self.key}.weight", shape=(self.vocab_size, self.hidden_size), dtype=ctx.dtype, device=ctx.device
-        )
+        self.weight = ctx.tensor(f"{self.key}.weight", shape=(self.vocab_size, self.hidden_size))
 
     def unload(self) -> None:
         self.weight = None

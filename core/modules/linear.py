@@ -26,7 +26,7 @@ class DenseLinear:
 
 
 def load_dense_linear(ctx: LoadContext, key: str, in_features: int, out_features: int, bias: bool) -> DenseLinear:
-    w = ctx.store.get(f"{key}.weight", shape=(out_features, in_features), dtype=ctx.dtype, device=ctx.device)
+    w = ctx.tensor(f"{key}.weight", shape=(out_features, in_features))
     b = None
     if bias:
         b = ctx.store.get(f"{key}.bias", shape=(out_features,), dtype=ctx.dtype, device=ctx.device)
