@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 import trellm  # noqa: E402
 from trellm.cache.quantized import quantized_cache  # noqa: E402
+from trellm.cache.recurrent import RecurrentStateLayer  # noqa: E402
 from trellm.generator import (  # noqa: E402
     AsyncGenerator,
     DraftModelProposer,
@@ -323,25 +324,16 @@ def test_smollm2_generator_matches_simple_loop(smollm2_dir):
     assert texts == [lm.generate(p, max_new_tokens=8) for p in prompts]
 
 
-class CountingStateLayer:
-    """A recurrent-state cache layer in its simplest form: a pool of slot ids (the hybrid plugin's
-    real layer keeps tensors per slot behind the same alloc_slot/free_slot interface)."""
+class CountingStateLayer(RecurrentStateLayer):
+    """A recurrent-state cache layer no model module reads (tiny per-slot tensors) that counts allocations."""
 
     def __init__(self, num_slots: int):
-        self.free = list(range(num_slots - 1, -1, -1))
+        super().__init__(num_slots, conv_dim=1, conv_width=2, state_shape=(1,), dtype=torch.float32, device="cpu")
         self.allocs = 0
 
     def alloc_slot(self) -> int:
-        from trellm.cache import CacheFullError
-
-        if not self.free:
-            raise CacheFullError("no free state slot")
         self.allocs += 1
-        return self.free.pop()
-
-    def free_slot(self, slot: int) -> None:
-        assert slot not in self.free
-        self.free.append(slot)
+        return super().alloc_slot()
 
 
 def test_recurrent_state_slots_are_allocated_and_passed(lm):
@@ -351,7 +343,7 @@ def test_recurrent_state_slots_are_allocated_and_passed(lm):
     states = CountingStateLayer(num_slots=2)
     cache.layers.append(states)  # an extra layer no attention module reads
     gen = Generator(lm, cache=cache)
-    assert not gen.prefix_caching  # recurrent state cannot be rewound to a shared page boundary
+    assert gen.prefix_caching  # state checkpoints at page boundaries make prefix reuse safe
     seen = []
     forward = lm.model.forward
 
@@ -368,9 +360,12 @@ def test_recurrent_state_slots_are_allocated_and_passed(lm):
     assert [r.token_ids for r in results] == [solo(lm, p, 4) for p in prompts]
     assert all(len(set(slots)) == len(slots) and set(slots) <= {0, 1} for slots in seen)
     assert max(len(s) for s in seen) == 2  # only two slots: the third job waited
-    assert states.allocs == 3 and sorted(states.free) == [0, 1]
-    with pytest.raises(ValueError, match="speculative"):
-        Generator(lm, cache=cache, proposer=NgramProposer())
+    checkpoints = len(gen.cache.prefix_cache.checkpoint_of)  # the 14-token job filled a page while decoding
+    assert checkpoints == 1 and states.allocs == 3 + checkpoints
+    gen.verify_pages()
+    gen.clear_prefix_cache()  # hands the checkpoint slot back
+    assert sorted(states._free) == [0, 1]
+    Generator(lm, cache=cache, proposer=NgramProposer())  # speculative decoding rolls recurrent state back
 
 
 @pytest.mark.parametrize("overtake", [0, 3])

@@ -265,3 +265,117 @@ def test_parity_kit_and_simple_generate_handle_recurrent_state(tmp_path, family)
         pytest.skip(f"transformers has no {arch}")
     report = check_parity(make_tiny_hf_model(arch, tmp_path, **overrides), max_new_tokens=12)
     report.assert_ok()
+
+
+def _run_jobs(gen, jobs_prompts: list[list[int]], new_tokens: int, one_at_a_time: bool) -> tuple[list, list]:
+    """Greedy results (JobFinished) and JobStarted events, jobs run one after another or all together."""
+    from trellm.generator import Job, JobFinished, JobStarted
+
+    finished, started = [], []
+    groups = [[p] for p in jobs_prompts] if one_at_a_time else [jobs_prompts]
+    with torch.inference_mode():
+        for group in groups:
+            gen.enqueue([Job(list(p), new_tokens, stop_token_ids=[], identifier=len(finished) + i) for i, p in enumerate(group)])
+            while gen.has_work():
+                for r in gen.iterate():
+                    finished += [r] if isinstance(r, JobFinished) else []
+                    started += [r] if isinstance(r, JobStarted) else []
+    return sorted(finished, key=lambda r: r.identifier), sorted(started, key=lambda r: r.identifier)
+
+
+def test_generator_reuses_prefix_through_state_checkpoints(family):
+    """A job sharing a long prefix with a finished one starts from the recurrent-state checkpoint of the
+    deepest shared page: it prefills less and decodes exactly what a run without prefix caching decodes."""
+    from trellm.generator import Generator
+
+    _, lm = family
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(0, lm.config.vocab_size, (50,), generator=g).tolist()
+    ps = [base + torch.randint(0, lm.config.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 2)]
+
+    def make(prefix_caching: bool) -> Generator:
+        return Generator(lm, max_batch_size=2, max_chunk_tokens=24, cache_tokens=512, page_size=16, prefix_caching=prefix_caching)
+
+    gen = make(True)
+    done, started = _run_jobs(gen, ps, NEW_TOKENS, one_at_a_time=True)
+    want, _ = _run_jobs(make(False), ps, NEW_TOKENS, one_at_a_time=True)
+    assert [r.token_ids for r in done] == [r.token_ids for r in want]
+    assert [s.cached_tokens for s in started] == [0, 48, 48]  # three full 16-token pages of the shared 50
+    assert gen.stats["reused_tokens"] == 96
+    gen.verify_pages()  # pages and state slots: jobs (none left) + prefix entries and their checkpoints
+    assert gen.cache.prefix_cache.checkpoint_of
+    gen.clear_prefix_cache()
+    assert all(layer.free_slots == layer.max_slots for layer in state_layers(gen.cache))
+
+
+class ReplayProposer:
+    """Drafts the known greedy continuation of each prompt, every other time with its last draft token
+    wrong, so verification sees both full and partial acceptance (random tiny models rarely repeat
+    themselves, so the n-gram proposer alone seldom gets a draft accepted)."""
+
+    def __init__(self, full_sequences: list[list[int]], num_tokens: int = 4):
+        self.full_sequences, self.num_tokens, self.calls = full_sequences, num_tokens, 0
+
+    def propose(self, requests):
+        out = []
+        for req in requests:
+            self.calls += 1
+            seq = next((s for s in self.full_sequences if s[: len(req.tokens)] == list(req.tokens)), [])
+            draft = seq[len(req.tokens): len(req.tokens) + min(self.num_tokens, req.max_tokens)]
+            if draft and self.calls % 2:
+                draft[-1] = (draft[-1] + 1) % 256
+            out.append(draft)
+        return out
+
+    def release(self, key) -> None:
+        pass
+
+
+def test_generator_speculative_decoding_rolls_state_back(family):
+    """Drafts on a hybrid model: snapshot before verification, restore on rejection and re-feed the accepted
+    tokens. Tokens equal plain greedy decoding (n-gram and replayed drafts), drafts are accepted, and no state
+    slot leaks (prefix checkpoints are on as well)."""
+    from trellm.generator import Generator, NgramProposer
+
+    _, lm = family
+    g = torch.Generator().manual_seed(4)
+    motif = torch.randint(0, lm.config.vocab_size, (7,), generator=g).tolist()
+    ps = [motif * 6, (motif[::-1] * 5)[:33]]  # repetitive prompts give the n-gram proposer something to copy
+    make = lambda proposer: Generator(lm, max_batch_size=2, max_chunk_tokens=24, cache_tokens=512, page_size=16,  # noqa: E731
+                                      proposer=proposer)
+    want, _ = _run_jobs(make(None), ps, 24, one_at_a_time=False)
+    for proposer in (NgramProposer(4), ReplayProposer([p + r.token_ids for p, r in zip(ps, want)])):
+        gen = make(proposer)
+        done, _ = _run_jobs(gen, ps, 24, one_at_a_time=False)
+        assert [r.token_ids for r in done] == [r.token_ids for r in want]
+        gen.verify_pages()
+        gen.clear_prefix_cache()
+        assert all(layer.free_slots == layer.max_slots for layer in state_layers(gen.cache))
+    proposed, accepted = sum(r.draft_proposed for r in done), sum(r.draft_accepted for r in done)
+    assert 0 < accepted < proposed, (accepted, proposed)  # both full and partial acceptance happened
+    assert gen.stats["steps"] < 24  # accepted drafts saved decode steps despite the re-fed tokens
+
+
+def test_generator_banned_string_rewind_restarts_state(tmp_path):
+    """A banned-string rewind puts a hybrid job back at its last release point: its recurrent state restarts
+    from the deepest checkpoint of its own pages, so every token but the banned choice is plain greedy."""
+    from test_generator import byte_tokenizer  # tests/ is on sys.path
+
+    from trellm.generator import Generator
+
+    arch, cfg = FAMILIES["qwen3_5"]
+    lm = trellm.load(make_tiny_hf_model(arch, tmp_path, **cfg), device="cpu", dtype=torch.float32)
+    tok = byte_tokenizer()
+    prompt = torch.randint(33, 120, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        gen = Generator(lm, tokenizer=tok, cache_tokens=512, page_size=8, max_chunk_tokens=24)
+        text = gen.generate(prompt, 30, stop_token_ids=[], return_results=True).text
+        banned = text[20:23]
+        got = gen.generate(prompt, 30, stop_token_ids=[], banned_strings=[banned], return_results=True)
+        plain = Generator(lm, tokenizer=tok, cache_tokens=512, page_size=8, prefix_caching=False)
+        greedy = [plain.generate(prompt + got.token_ids[:j], 1, stop_token_ids=[], return_results=True).token_ids[0]
+                  for j in range(len(got.token_ids))]
+    assert banned not in got.text and len(got.token_ids) == 30
+    differs = [j for j, (a, b) in enumerate(zip(got.token_ids, greedy)) if a != b]
+    assert 1 <= len(differs) <= 2, differs  # only where the banned string was steered around
+    gen.verify_pages()

@@ -10,11 +10,15 @@ The index keeps one reference on every page it names, so pages of finished jobs 
 the free list runs dry, :meth:`PrefixCache.alloc` evicts cached pages nobody else holds: least
 recently used first and, among pages used at the same time, the deepest first, so the shared short
 prefixes (system prompts) outlive the long tails hanging off them.
+
+Hybrid models also need the recurrent state after a page's last token: the generator stores it in a
+state slot and names it here (:meth:`PrefixCache.set_checkpoint`); the slot is handed back through
+``free_checkpoint`` when its page is evicted or the checkpoint alone is dropped to make room.
 """
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -45,6 +49,8 @@ class PrefixCache:
         self.last_used: dict[int, int] = {}
         self._clock = 0
         self.evictions = 0  # pages dropped to make room, for statistics
+        self.checkpoint_of: dict[int, int] = {}  # page -> recurrent-state slot holding the state after it
+        self.free_checkpoint: Callable[[int], None] | None = None  # hands a checkpoint slot back
 
     def __len__(self) -> int:
         return len(self.page_of)
@@ -89,7 +95,30 @@ class PrefixCache:
             self.evictions += 1
         return min(n, len(candidates))
 
+    def set_checkpoint(self, page: int, slot: int) -> bool:
+        """Attach a state slot to a named page; False (the caller keeps the slot) when the page is not named or has one."""
+        if page not in self.name_of or page in self.checkpoint_of:
+            return False
+        self.checkpoint_of[page] = slot
+        return True
+
+    def drop_checkpoint(self, excluding: Iterable[int | None] = ()) -> bool:
+        """Hand back the slot of the least recently used checkpoint (its page stays cached); False when there is none."""
+        skip = set(excluding)
+        candidates = [p for p in self.checkpoint_of if p not in skip]
+        if not candidates:
+            return False
+        page = min(candidates, key=lambda p: (self.last_used[p], -self.depth[p]))
+        self._free_checkpoint(page)
+        return True
+
+    def _free_checkpoint(self, page: int) -> None:
+        slot = self.checkpoint_of.pop(page, None)
+        if slot is not None and self.free_checkpoint is not None:
+            self.free_checkpoint(slot)
+
     def _drop(self, page: int) -> None:
+        self._free_checkpoint(page)
         name = self.name_of.pop(page)
         del self.page_of[name], self.depth[page], self.last_used[page]
         self.allocator.decref([page])

@@ -96,7 +96,8 @@ def build_hybrid_cache(
 
 
 def state_layers(cache: KVCache) -> list[RecurrentStateLayer]:
-    return [l for l in cache.layers if isinstance(l, RecurrentStateLayer)]
+    """The layers keeping per-slot state (the same test as :meth:`KVCache.state_layers`, so both agree)."""
+    return cache.state_layers()
 
 
 def alloc_state_slot(cache: KVCache) -> int | None:
@@ -104,12 +105,25 @@ def alloc_state_slot(cache: KVCache) -> int | None:
     layers = state_layers(cache)
     if not layers:
         return None
+    if min(l.free_slots for l in layers) == 0:  # check first, so a full layer never strands a slot of another
+        raise CacheFullError(f"all {layers[0].max_slots} recurrent-state slots are in use")
     taken = [l.alloc_slot() for l in layers]
     if len(set(taken)) != 1:
         for l, s in zip(layers, taken):
             l.free_slot(s)
         raise RuntimeError(f"recurrent cache layers handed out different slots {taken}; allocate through alloc_state_slot")
     return taken[0]
+
+
+def slots_in_use(cache: KVCache) -> set[int]:
+    """Slots allocated in the recurrent layers (they allocate in step, so the first layer speaks for all)."""
+    layers = state_layers(cache)
+    if not layers:
+        return set()
+    used = [set(range(l.max_slots)) - set(l._free) for l in layers]
+    if any(u != used[0] for u in used):
+        raise AssertionError(f"recurrent cache layers disagree on allocated slots: {used}")
+    return used[0]
 
 
 def free_state_slot(cache: KVCache, slot: int | None) -> None:
@@ -131,5 +145,6 @@ __all__ = [
     "build_hybrid_cache",
     "copy_state_slot",
     "free_state_slot",
+    "slots_in_use",
     "state_layers",
 ]

@@ -53,6 +53,16 @@ Results (attrs classes, all with ``job`` and ``identifier``):
 Speculative decoding: ``Generator(lm, proposer=NgramProposer())`` or
 ``proposer=DraftModelProposer(draft_lm)``, ``num_draft_tokens=4``.
 
+Hybrid models (recurrent-state layers: Qwen3.5, Qwen3-Next, LFM2, NemotronH, OLMo Hybrid) hold one
+state slot per job. Prefix reuse works through state checkpoints: prefill chunks end at page
+boundaries and the state after a named page is copied into a slot the prefix cache owns (freed with
+the page, or given up to admit a job); a job reuses pages up to the deepest checkpoint. Speculative
+decoding snapshots the state before verifying drafts and, when some are rejected, restores it and
+re-feeds the accepted tokens next step, so output equals plain decoding. The default cache has
+``max_batch_size`` slots for jobs, as many again for snapshots with a proposer, and
+``state_checkpoints`` (default ``max_batch_size``) for checkpoints; with too few, checkpoints and
+drafts are skipped, never jobs. A banned-string rewind recomputes the job's state from its start.
+
 Images (vision-language models, docs/multimodal.md): prefix-cache pages are named by the image's
 content digest, so two images never share pages and the same image reuses them; prefill chunks never
 cut an image run (an image longer than ``max_chunk_tokens`` goes in one chunk).

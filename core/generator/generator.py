@@ -13,6 +13,12 @@ Each step (:meth:`Generator.iterate`):
 
 Prompts share cache pages through the prefix cache (``cache.prefix_cache``): full pages of a prompt
 that another job (running or finished) already computed are reused and not prefilled again.
+
+Hybrid models (recurrent-state layers) keep one state slot per job. Prefill chunks end at page
+boundaries, so when a page is named the job's state is the state after its last token; it is copied
+into a checkpoint slot the prefix cache owns, and a later job sharing those pages starts from a copy
+of the deepest checkpoint. Speculative decoding snapshots the state before verifying drafts; on
+partial acceptance it restores the snapshot and re-feeds only the accepted tokens next step.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import torch
 from ..batch import ForwardBatch
 from ..cache import CacheFullError, KVCache, SequenceState
 from ..cache.prefix import ROOT_HASH, page_hashes
+from ..cache.recurrent import alloc_state_slot, copy_state_slot, free_state_slot, slots_in_use
 from ..errors import TrellmError
 from ..multimodal import attach_images
 from ..samplers import SamplerSettings, SamplerStack, SamplingContext
@@ -65,7 +72,8 @@ class _Running:
         self.tokens = list(prompt_ids)  # prompt + committed generated tokens
         self.generated: list[int] = []
         self.seq = seq
-        self.state_slot: int | None = None
+        self.state_len = seq.length  # tokens the recurrent state has absorbed (hybrid models)
+        self.snapshot_slot: int | None = None  # state before a draft verification (hybrid + speculative)
         self.stop_ids = stop_ids
         stack = job.sampler.build() if isinstance(job.sampler, SamplerSettings) else job.sampler
         self.sampler: SamplerStack = stack
@@ -91,6 +99,10 @@ class _Running:
         self.time_first_token: float | None = None
         self.draft_proposed = 0
         self.draft_accepted = 0
+
+    @property
+    def state_slot(self) -> int | None:
+        return self.seq.state_slot
 
     @property
     def prefilling(self) -> bool:
@@ -119,6 +131,7 @@ class Generator:
         prefix_caching: bool = True,
         max_overtake_steps: int = 16,
         cuda_graphs: bool = True,
+        state_checkpoints: int | None = None,
     ):
         if max_batch_size < 1 or max_chunk_tokens < 1:
             raise ValueError(f"max_batch_size and max_chunk_tokens must be >= 1, got {max_batch_size}, {max_chunk_tokens}")
@@ -127,7 +140,10 @@ class Generator:
         self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         if cache is None:  # a model with recurrent layers knows how to build its hybrid cache
             make = getattr(self.model, "make_cache", None)
-            cache = (make(max_tokens=cache_tokens, page_size=page_size, max_slots=max_batch_size) if make is not None
+            # state slots: one per job, one draft snapshot per job, plus prefix checkpoints (max_batch_size by default)
+            checkpoints = (max_batch_size if state_checkpoints is None else state_checkpoints) if prefix_caching else 0
+            slots = max_batch_size * (2 if proposer is not None else 1) + checkpoints
+            cache = (make(max_tokens=cache_tokens, page_size=page_size, max_slots=slots) if make is not None
                      else KVCache.for_model(self.model, max_tokens=cache_tokens, page_size=page_size))
         self.cache = cache
         self.max_batch_size = max_batch_size
@@ -137,10 +153,9 @@ class Generator:
         self.proposer = proposer
         self.num_draft_tokens = num_draft_tokens
         self.state_layers = self.cache.state_layers()
-        # Recurrent state cannot be rewound to a page boundary (no checkpoints) nor rolled back after drafts.
-        self.prefix_caching = prefix_caching and not self.state_layers
-        if self.state_layers and proposer is not None:
-            raise ValueError("speculative decoding needs rollback, which recurrent-state layers do not offer")
+        self.prefix_caching = prefix_caching
+        if self.state_layers:  # evicting a page hands its state checkpoint back
+            self.cache.prefix_cache.free_checkpoint = lambda slot: free_state_slot(self.cache, slot)
         self.graph_runner = self._graph_runner() if cuda_graphs else None
         self.vocab_size = int(getattr(getattr(self.model, "config", None), "vocab_size", 0) or 0)
         self.default_stop_ids = self._default_stop_ids(model)
@@ -254,9 +269,14 @@ class Generator:
         return results
 
     def verify_pages(self) -> None:
-        """Raise AssertionError when page refcounts differ from their holders (jobs + prefix cache + graph scratch page)."""
+        """Raise AssertionError when page refcounts or recurrent-state slots differ from their holders (jobs, prefix cache, graph scratch page)."""
         scratch = getattr(self.graph_runner, "_scratch_page", None)
         self.cache.prefix_cache.verify([r.seq.pages for r in self.active] + ([[scratch]] if scratch is not None else []))
+        holders = [s for r in self.active for s in (r.state_slot, r.snapshot_slot) if s is not None]
+        holders += list(self.cache.prefix_cache.checkpoint_of.values())
+        used = slots_in_use(self.cache)
+        if len(set(holders)) != len(holders) or set(holders) != used:
+            raise AssertionError(f"recurrent-state slot accounting broken: allocated {sorted(used)}, holders {holders}")
 
     def clear_prefix_cache(self) -> None:
         self.cache.prefix_cache.clear()
@@ -342,19 +362,23 @@ class Generator:
             hash_ids = job.multimodal.hash_ids() if job.multimodal is not None else prompt_ids
             names = page_hashes(hash_ids[: len(prompt_ids) - 1], self.cache.page_size)
             reused = prefix.lookup(names)
+            if self.state_layers:  # a hybrid job can only start where a state checkpoint was taken
+                while reused and reused[-1] not in prefix.checkpoint_of:
+                    reused.pop()
         if prefix.available(excluding=reused) < total_pages - len(reused):
             return False
-        slot = self._alloc_state_slots()
-        if slot is False:
+        try:
+            seq = self._new_sequence(keep_checkpoint=reused[-1] if reused else None)
+        except CacheFullError:
             return False
-        seq = SequenceState(self.cache)
+        if self.state_layers and reused:
+            copy_state_slot(self.cache, prefix.checkpoint_of[reused[-1]], seq.state_slot)
         self.cache.allocator.incref(reused)
         seq.pages = reused + prefix.alloc(total_pages - len(reused))
         seq.length = len(reused) * self.cache.page_size
         stop_ids = job.stop_token_ids if job.stop_token_ids is not None else self.default_stop_ids
         run = _Running(job, prompt_ids, seq, self.tokenizer, stop_ids)
-        run.state_slot = slot
-        run.cached_tokens = seq.length
+        run.cached_tokens = run.state_len = seq.length
         run.named_pages = len(reused)
         run.last_name = names[len(reused) - 1] if reused else ROOT_HASH
         self.stats["reused_tokens"] += seq.length
@@ -362,23 +386,22 @@ class Generator:
         results.append(JobStarted(job=job, identifier=job.identifier, prompt_tokens=run.prompt_len, cached_tokens=run.cached_tokens))
         return True
 
-    def _alloc_state_slots(self) -> int | None | bool:
-        """One recurrent-state slot (same index in every state layer), None without state layers, False when none is free."""
-        if not self.state_layers:
+    def _new_sequence(self, keep_checkpoint: int | None) -> SequenceState:
+        """A SequenceState with its state slot (hybrid models); prefix checkpoints, least recently used
+        first, give their slots up to a job (never the one on page ``keep_checkpoint``)."""
+        prefix = self.cache.prefix_cache
+        while True:
+            try:
+                return SequenceState(self.cache, with_state_slot=True)
+            except CacheFullError:
+                if not prefix.drop_checkpoint(excluding=[keep_checkpoint]):
+                    raise
+
+    def _spare_slot(self, reserve: int = 0) -> int | None:
+        """A free state slot for a snapshot or checkpoint, or None when at most ``reserve`` are free (never fails)."""
+        if min(layer.free_slots for layer in self.state_layers) <= reserve:
             return None
-        taken = []
-        try:
-            for layer in self.state_layers:
-                taken.append(layer.alloc_slot())
-        except CacheFullError:
-            for layer, slot in zip(self.state_layers, taken):
-                layer.free_slot(slot)
-            return False
-        if len(set(taken)) != 1:
-            for layer, slot in zip(self.state_layers, taken):
-                layer.free_slot(slot)
-            raise RuntimeError(f"recurrent cache layers handed out different slots {taken}; they must allocate in step")
-        return taken[0]
+        return alloc_state_slot(self.cache)
 
     # ---- one step ---------------------------------------------------------------------------------
 
@@ -392,6 +415,8 @@ class Generator:
             per_job = min(self.num_draft_tokens, budget // len(decoding))
             requests = [DraftRequest(r.job.job_id, r.tokens, min(per_job, r.remaining - 1)) for r in decoding]
             drafts = [d[: q.max_tokens] for d, q in zip(self.proposer.propose(requests), requests)]
+            if self.state_layers:
+                drafts = [self._snapshot(r, d) for r, d in zip(decoding, drafts)]
         plan = []
         for r, d in zip(decoding, drafts):
             plan.append((r, [r.tokens[-1]] + d, d))
@@ -401,11 +426,37 @@ class Generator:
             take = min(todo, budget if budget > 0 else (self.cache.page_size if i == 0 else 0))
             if take <= 0:
                 break
+            if self.state_layers and self.prefix_caching:  # end at a page boundary: the state there is a checkpoint
+                boundary = (r.seq.length + take) // self.cache.page_size * self.cache.page_size
+                if boundary > r.seq.length:
+                    take = boundary - r.seq.length
             if r.mm is not None:
                 take = self._image_safe_take(r, take)
             plan.append((r, r.tokens[r.seq.length: r.seq.length + take], []))
             budget -= take
         return plan
+
+    def _snapshot(self, r: _Running, draft: list[int]) -> list[int]:
+        """Copy a hybrid job's state aside before its drafts are verified; no spare slot, no drafts."""
+        if not draft:
+            return draft
+        slot = self._spare_slot()
+        if slot is None:
+            return []
+        copy_state_slot(self.cache, r.state_slot, slot)
+        r.snapshot_slot = slot
+        return draft
+
+    def _settle_snapshot(self, r: _Running, length_before: int) -> None:
+        """After verification: when drafts were rejected the state ran past the accepted tokens, so restore
+        the snapshot and let the next step re-feed the accepted tokens (the job reads as prefilling)."""
+        if r.snapshot_slot is None:
+            return
+        if not r.job.finished and r.state_len != r.seq.length:
+            copy_state_slot(self.cache, r.snapshot_slot, r.state_slot)
+            r.seq.length = r.state_len = length_before
+        free_state_slot(self.cache, r.snapshot_slot)
+        r.snapshot_slot = None
 
     @staticmethod
     def _image_safe_take(r: _Running, take: int) -> int:
@@ -449,7 +500,9 @@ class Generator:
         self.stats["forward_tokens"] += batch.num_tokens
         for i, (r, feed, draft) in enumerate(plan):
             completes = r.seq.length + len(feed) - len(draft) == len(r.tokens)
+            length_before = r.seq.length
             r.seq.length += len(feed)
+            r.state_len = r.seq.length
             if not r.generated:  # still in the prompt
                 self.stats["prefilled_tokens"] += len(feed) - len(draft)
                 results.append(PrefillProgress(job=r.job, identifier=r.job.identifier,
@@ -462,6 +515,7 @@ class Generator:
                         r.seq.length = min(r.seq.length, len(r.tokens) - 1)
                         self._finish(r, EOS_ERROR, results, error=repr(exc))
                     continue
+            self._settle_snapshot(r, length_before)
             if not r.job.finished:
                 self._name_full_pages(r)
 
@@ -473,6 +527,7 @@ class Generator:
         string completes, the job rewinds to the last release point and bans the token taken there.
         """
         finish: tuple[str, dict] | None = None
+        rewound = False
         r.draft_proposed += len(draft)
         for pos in range(len(draft) + 1):
             token = self._sample(r, logits[pos])
@@ -497,6 +552,7 @@ class Generator:
             r.held_text += emitted
             if stopped and r.matcher.matched in r.banned:
                 self._rewind(r)
+                rewound = True
                 break
             if stopped:
                 finish = (EOS_STOP_STRING, {"stop_string": r.matcher.matched})
@@ -507,10 +563,24 @@ class Generator:
             if pos >= len(draft) or token != draft[pos]:
                 break
         r.seq.length = len(r.tokens) - 1  # drop cache entries of rejected draft tokens (and rewound ones)
+        if rewound and self.state_layers:
+            self._restart_state(r)
         if finish is not None or not r.banned or not r.matcher.pending:
             self._release(r, results)
         if finish is not None:
             self._finish(r, finish[0], results, **finish[1])
+
+    def _restart_state(self, r: _Running) -> None:
+        """After a rewind the recurrent state is ahead of the tokens: restart from the deepest checkpoint of
+        the job's own pages (the prefill recomputes the rest), or from the zero state."""
+        prefix, page_size = self.cache.prefix_cache, self.cache.page_size
+        for i in range(min((len(r.tokens) - 1) // page_size, len(r.seq.pages)) - 1, -1, -1):
+            slot = prefix.checkpoint_of.get(r.seq.pages[i])
+            if slot is not None:
+                copy_state_slot(self.cache, slot, r.state_slot)
+                r.seq.length = r.state_len = (i + 1) * page_size
+                return
+        r.seq.length = r.state_len = 0
 
     def _release(self, r: _Running, results: list[Result]) -> None:
         """Stream the held tokens and text (a release point: nothing before it is ever rewound)."""
@@ -561,6 +631,20 @@ class Generator:
             r.last_name = page_hashes(page, page_size, r.last_name)[0]
             self.cache.prefix_cache.insert(r.last_name, r.seq.pages[i], i)
             r.named_pages += 1
+            if self.state_layers and r.state_len == r.named_pages * page_size <= r.seq.length:
+                self._checkpoint(r)
+
+    def _checkpoint(self, r: _Running) -> None:
+        """Keep a copy of the job's state (it just absorbed a named page's last token) for later prompts."""
+        prefix = self.cache.prefix_cache
+        page = prefix.page_of.get(r.last_name)
+        if page is None or page in prefix.checkpoint_of:
+            return
+        # leave a slot free for each running job's draft snapshot
+        slot = self._spare_slot(reserve=len(self.active) if self.proposer is not None else 0)
+        if slot is not None:
+            copy_state_slot(self.cache, r.state_slot, slot)
+            prefix.set_checkpoint(page, slot)
 
     # ---- finishing --------------------------------------------------------------------------------
 
@@ -592,10 +676,10 @@ class Generator:
             results.append(TokenChunk(job=r.job, identifier=r.job.identifier, text=tail, token_ids=[]))
         if reason != EOS_ERROR:
             self._name_full_pages(r)  # finished jobs' pages stay cached for later prompts (multi-turn chat)
-        r.seq.release()
-        if r.state_slot is not None:
-            for layer in self.state_layers:
-                layer.free_slot(r.state_slot)
+        r.seq.release()  # pages and state slot
+        if r.snapshot_slot is not None:
+            free_state_slot(self.cache, r.snapshot_slot)
+            r.snapshot_slot = None
         if self.proposer is not None:
             self.proposer.release(r.job.job_id)
         self.active.remove(r)
