@@ -245,16 +245,20 @@ def test_gemma3_greedy_continuation_and_chunked_prefill(gemma3):
 
 
 def batched_greedy(lm, prompts, n: int, page_size: int = 4) -> list[list[int]]:
-    """Prefill every prompt in one batch, then decode all of them together through the paged cache."""
+    """Prefill every prompt in one batch, then decode all of them together through the paged cache
+    (hybrid models: each sequence also holds a recurrent-state slot)."""
     cache = lm.new_cache(max_tokens=sum(len(p.input_ids) + n + page_size for p in prompts), page_size=page_size)
-    states = [SequenceState(cache) for _ in prompts]
+    states = [SequenceState(cache, with_state_slot=True) for _ in prompts]
     feeds = [p.input_ids for p in prompts]
     outs: list[list[int]] = [[] for _ in prompts]
     try:
         for step in range(n):
             for s, f in zip(states, feeds):
                 s.reserve(s.length + len(f))
-            batch = ForwardBatch.with_cache(feeds, [s.length for s in states], [s.pages for s in states], cache)
+            slots = None if states[0].state_slot is None else [s.state_slot for s in states]
+            batch = ForwardBatch.with_cache(
+                feeds, [s.length for s in states], [s.pages for s in states], cache, state_slots=slots
+            )
             attach_images(batch, [(p, s.length) for p, s in zip(prompts, states)])
             with torch.inference_mode():
                 tokens = lm.model.forward(batch).argmax(-1).tolist()

@@ -13,11 +13,9 @@ pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
 
 import trellm  # noqa: E402
-from trellm.batch import ForwardBatch  # noqa: E402
-from trellm.cache import SequenceState  # noqa: E402
-from trellm.multimodal import attach_images, prepare_prompt  # noqa: E402
+from trellm.multimodal import prepare_prompt  # noqa: E402
 from trellm.sdk.testing import torch_threads  # noqa: E402
-from test_vision import check_on_cuda  # noqa: E402  (tests/ is on sys.path)
+from test_vision import batched_greedy, check_on_cuda  # noqa: E402  (tests/ is on sys.path)
 
 IMG, BREAK, END = 10, 12, 13
 PROMPT = [1, 5, 6, IMG, 7, 8, 9]
@@ -96,23 +94,7 @@ def test_mistral3_greedy_and_two_images_in_one_batch(mistral3):
     refs = [hf_greedy(hf, p.input_ids, *hf_inputs(proc, img), 6) for p, img in zip(prompts, images)]
     assert refs[0] != refs[1]
     assert list(lm.generate_ids(PROMPT, max_new_tokens=6, stop_token_ids=[], images=[images[0]])) == refs[0]
-    cache = lm.new_cache(max_tokens=256, page_size=8)
-    states = [SequenceState(cache) for _ in prompts]
-    feeds, outs = [p.input_ids for p in prompts], [[], []]
-    for _ in range(6):
-        for s, f in zip(states, feeds):
-            s.reserve(s.length + len(f))
-        batch = ForwardBatch.with_cache(feeds, [s.length for s in states], [s.pages for s in states], cache)
-        attach_images(batch, [(p, s.length) for p, s in zip(prompts, states)])
-        with torch.inference_mode():
-            tokens = lm.model.forward(batch).argmax(-1).tolist()
-        for i, s in enumerate(states):
-            s.length += len(feeds[i])
-            outs[i].append(tokens[i])
-        feeds = [[t] for t in tokens]
-    for s in states:
-        s.release()
-    assert outs == refs
+    assert batched_greedy(lm, prompts, 6, page_size=8) == refs
 
 
 @pytest.mark.cuda

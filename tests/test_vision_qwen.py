@@ -14,11 +14,9 @@ pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
 
 import trellm  # noqa: E402
-from trellm.batch import ForwardBatch  # noqa: E402
-from trellm.cache import SequenceState  # noqa: E402
-from trellm.multimodal import ImageError, attach_images, prepare_prompt  # noqa: E402
+from trellm.multimodal import ImageError, prepare_prompt  # noqa: E402
 from trellm.sdk.testing import torch_threads  # noqa: E402
-from test_vision import check_on_cuda  # noqa: E402  (tests/ is on sys.path)
+from test_vision import batched_greedy, check_on_cuda  # noqa: E402  (tests/ is on sys.path)
 
 IMAGE, START, END = 310, 308, 309
 PROMPT = [5, 6, START, IMAGE, END, 7, 8, 9]
@@ -130,23 +128,7 @@ def test_qwen_two_images_in_one_batch_no_cross_talk(qwen):
     prompts = [prepare_prompt(lm, PROMPT, [img]) for img in images]
     refs = [hf_greedy(hf, p.input_ids, *hf_inputs(proc, img), 6) for p, img in zip(prompts, images)]
     assert refs[0] != refs[1]
-    cache = lm.new_cache(max_tokens=256, page_size=8)
-    states = [SequenceState(cache) for _ in prompts]
-    feeds, outs = [p.input_ids for p in prompts], [[], []]
-    for _ in range(6):
-        for s, f in zip(states, feeds):
-            s.reserve(s.length + len(f))
-        batch = ForwardBatch.with_cache(feeds, [s.length for s in states], [s.pages for s in states], cache)
-        attach_images(batch, [(p, s.length) for p, s in zip(prompts, states)])
-        with torch.inference_mode():
-            tokens = lm.model.forward(batch).argmax(-1).tolist()
-        for i, s in enumerate(states):
-            s.length += len(feeds[i])
-            outs[i].append(tokens[i])
-        feeds = [[t] for t in tokens]
-    for s in states:
-        s.release()
-    assert outs == refs
+    assert batched_greedy(lm, prompts, 6, page_size=8) == refs
 
 
 def test_qwen_marker_count_error(qwen):
@@ -219,30 +201,9 @@ def test_qwen3_5_hybrid_with_vision(qwen3_5):
 
 def test_qwen3_5_two_images_in_one_batch(qwen3_5):
     """Hybrid model: paged KV + recurrent-state slots, two images decoded side by side (no cross-talk)."""
-    from trellm.cache.recurrent import alloc_state_slot, free_state_slot
-
     hf, proc, lm = qwen3_5
     images = [Image.new("RGB", (61, 37), (255, 0, 0)), Image.new("RGB", (37, 61), (0, 40, 255))]
     prompts = [prepare_prompt(lm, PROMPT, [img]) for img in images]
     refs = [hf_greedy(hf, p.input_ids, *hf_inputs(proc, img), 5) for p, img in zip(prompts, images)]
     assert refs[0] != refs[1]
-    cache = lm.model.make_cache(max_tokens=256, page_size=8, max_slots=3)
-    states = [SequenceState(cache) for _ in prompts]
-    slots = [alloc_state_slot(cache) for _ in prompts]
-    feeds, outs = [p.input_ids for p in prompts], [[], []]
-    for _ in range(5):
-        for s, f in zip(states, feeds):
-            s.reserve(s.length + len(f))
-        batch = ForwardBatch.with_cache(feeds, [s.length for s in states], [s.pages for s in states], cache)
-        batch.state_slots = torch.tensor(slots, dtype=torch.long)
-        attach_images(batch, [(p, s.length) for p, s in zip(prompts, states)])
-        with torch.inference_mode():
-            tokens = lm.model.forward(batch).argmax(-1).tolist()
-        for i, s in enumerate(states):
-            s.length += len(feeds[i])
-            outs[i].append(tokens[i])
-        feeds = [[t] for t in tokens]
-    for s, slot in zip(states, slots):
-        s.release()
-        free_state_slot(cache, slot)
-    assert outs == refs
+    assert batched_greedy(lm, prompts, 5, page_size=8) == refs
