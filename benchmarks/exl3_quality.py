@@ -52,6 +52,43 @@ def merge_ggufs(paths: list[str], out: Path) -> Path:
     return out
 
 
+def split_gguf(path: str, out_dir: Path, pieces: int = 2) -> list[Path]:
+    """The inverse of merge_ggufs: ``pieces`` GGUFs of about equal size, each with the full metadata."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    total = sum(int(t.n_bytes) for t in reader.tensors)
+    groups: list[list] = [[]]
+    size = 0
+    for t in reader.tensors:
+        if size >= total * len(groups) / pieces and len(groups) < pieces:
+            groups.append([])
+        groups[-1].append(t)
+        size += int(t.n_bytes)
+    arch = reader.fields["general.architecture"].contents()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, tensors in enumerate(groups):
+        out = out_dir / f"piece{i}.gguf"
+        writer = gguf.GGUFWriter(str(out), arch=arch, endianess=reader.endianess)
+        for field in reader.fields.values():
+            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+                continue
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+        for t in tensors:
+            writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in tensors:
+            writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+        writer.close()
+        paths.append(out)
+    return paths
+
+
 def one(args) -> int:
     """Child: convert at one bitrate and evaluate against the dense model; writes a JSON line."""
     import torch
@@ -89,8 +126,13 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=6)
     ap.add_argument("--deadline-s", type=float, default=1e9)
     ap.add_argument("--smoke", action="store_true", help="only: Viterbi throughput and one layer quantized on the device")
+    ap.add_argument("--split", type=int, metavar="N", help="only: split --gguf into N pieces under --out")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.split:
+        for piece in split_gguf(args.gguf[0], Path(args.out), args.split):
+            print(f"{piece} {piece.stat().st_size / 2**20:.1f} MiB")
+        return 0
     if args.one:
         return one(args)
     if args.smoke:
