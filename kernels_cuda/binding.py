@@ -402,3 +402,104 @@ def paged_attention(
     )
     _check(rc, "paged_attention")
     return out
+
+
+# ---- KV-cache quantization (kv_quant.cu; the format of trellm.ops.kv_quant) ----------------------
+
+KV_QUANT_GROUP = 32
+
+
+def _kv_bits(bits: int) -> int:
+    if not isinstance(bits, int) or not 2 <= bits <= 8:
+        raise KernelArgumentError(f"bits: KV cache bits must be an int in 2..8, got {bits!r}")
+    return bits
+
+
+def _kv_dim(t: torch.Tensor, name: str) -> int:
+    dim = t.shape[-1] if t.dim() else 0
+    if dim == 0 or dim % KV_QUANT_GROUP:
+        raise KernelArgumentError(f"{name}: last dim {dim} is not a positive multiple of {KV_QUANT_GROUP}")
+    return dim
+
+
+def kv_quantize_store(
+    x: torch.Tensor, bits: int, packed_rows: torch.Tensor, scale_rows: torch.Tensor, slots: torch.Tensor | None
+) -> None:
+    """Quantize x [T, D] into rows slots[t] (int64; negative = skipped) of packed_rows int32 [..., D/32*bits]
+    and scale_rows fp16 [..., D/32] (the leading dims are flattened into rows); row t when slots is None."""
+    bits = _kv_bits(bits)
+    expect(x, "x", dtype=_FLOATS, shape=(None, None))
+    tokens, dim = x.shape[0], _kv_dim(x, "x")
+    groups = dim // KV_QUANT_GROUP
+    expect(packed_rows, "packed_rows", dtype=torch.int32, device=x.device)
+    expect(scale_rows, "scale_rows", dtype=torch.float16, device=x.device)
+    if packed_rows.dim() < 1 or packed_rows.shape[-1] != groups * bits:
+        raise KernelArgumentError(
+            f"packed_rows: shape {list(packed_rows.shape)}, expected rows of {groups * bits} int32 words "
+            f"({dim} values at {bits} bits)"
+        )
+    rows = packed_rows.numel() // (groups * bits)
+    if scale_rows.dim() < 1 or scale_rows.shape[-1] != groups or scale_rows.numel() // groups != rows:
+        raise KernelArgumentError(f"scale_rows: shape {list(scale_rows.shape)}, expected {rows} rows of {groups} scales")
+    if slots is None:
+        if rows < tokens:
+            raise KernelArgumentError(f"packed_rows: {rows} rows for {tokens} tokens")
+    else:
+        expect(slots, "slots", dtype=torch.int64, shape=(tokens,), device=x.device)
+    rc = lib().trellm_kv_quantize(
+        _ptr(x), DTYPE_CODES[x.dtype], _ptr(packed_rows, "int32_t *"), _ptr(scale_rows), _ptr(slots, "int64_t *"),
+        tokens, dim, rows, bits, _stream(),
+    )
+    _check(rc, "kv_quantize")
+
+
+def kv_quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (packed int32 [T, D/32*bits], scales fp16 [T, D/32]), as trellm.ops.kv_quantize."""
+    bits = _kv_bits(bits)
+    expect(x, "x", dtype=_FLOATS, shape=(None, None))
+    groups = _kv_dim(x, "x") // KV_QUANT_GROUP
+    packed = torch.empty(x.shape[0], groups * bits, dtype=torch.int32, device=x.device)
+    scales = torch.empty(x.shape[0], groups, dtype=torch.float16, device=x.device)
+    kv_quantize_store(x, bits, packed, scales, None)
+    return packed, scales
+
+
+def _kv_dequantize(packed: torch.Tensor, scales: torch.Tensor, pages: torch.Tensor | None, page_size: int,
+                   rows: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    groups = scales.shape[-1]
+    src_rows = scales.numel() // groups
+    out = torch.empty(rows, groups * KV_QUANT_GROUP, dtype=dtype, device=packed.device)
+    rc = lib().trellm_kv_dequantize(
+        _ptr(packed, "int32_t *"), _ptr(scales), _ptr(pages, "int64_t *"), page_size, src_rows, _ptr(out),
+        _dtype_code(out, "dtype"), rows, groups * KV_QUANT_GROUP, bits, _stream(),
+    )
+    _check(rc, "kv_dequantize")
+    return out
+
+
+def kv_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """(packed int32 [T, D/32*bits], scales fp16 [T, D/32]) -> [T, D] in ``dtype``, as trellm.ops.kv_dequantize."""
+    bits = _kv_bits(bits)
+    expect(scales, "scales", dtype=torch.float16, shape=(None, None))
+    tokens, groups = scales.shape
+    if groups == 0:
+        raise KernelArgumentError("scales: no groups (shape [T, 0])")
+    expect(packed, "packed", dtype=torch.int32, shape=(tokens, groups * bits), device=scales.device)
+    return _kv_dequantize(packed, scales, None, 1, tokens, bits, dtype)
+
+
+def kv_dequantize_pages(packed_pages: torch.Tensor, scale_pages: torch.Tensor, pages: torch.Tensor, bits: int,
+                        dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Dequantize whole cache pages in one launch: packed_pages int32 [P, S, D/32*bits], scale_pages fp16
+    [P, S, D/32], pages int64 [n] -> [n, S, D] in ``dtype`` (the gather and the dequantization fused)."""
+    bits = _kv_bits(bits)
+    expect(scale_pages, "scale_pages", dtype=torch.float16, shape=(None, None, None))
+    num_pages, page_size, groups = scale_pages.shape
+    if groups == 0 or page_size == 0:
+        raise KernelArgumentError(f"scale_pages: shape {list(scale_pages.shape)} has no rows or no groups")
+    expect(packed_pages, "packed_pages", dtype=torch.int32, shape=(num_pages, page_size, groups * bits),
+           device=scale_pages.device)
+    expect(pages, "pages", dtype=torch.int64, shape=(None,), device=scale_pages.device)
+    n = pages.shape[0]
+    out = _kv_dequantize(packed_pages, scale_pages, pages, page_size, n * page_size, bits, dtype)
+    return out.view(n, page_size, groups * KV_QUANT_GROUP)

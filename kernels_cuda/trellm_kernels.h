@@ -103,6 +103,60 @@ int trellm_paged_attention(const void *q, const void *k_pages, const void *v_pag
                            float *workspace, int splits, int64_t tokens, int64_t batch, int64_t hq, int64_t hkv,
                            int64_t head_dim, int64_t page_size, int64_t max_blocks, float scale, int sliding_window,
                            float softcap, int dtype, cudaStream_t stream);
+
+/* ---- KV-cache quantization (kv_quant.cu; format of core/ops/kv_quant.py) ----
+ * Each 32-value group of a row is rotated by H32/sqrt(32), scaled by its fp16 absmax and coded at bits (2..8)
+ * in bit planes: a row of dim values is dim/32*bits int32 words plus dim/32 fp16 scales.
+ * Quantize x [tokens, dim] (dtype) into rows of packed int32 [out_rows, dim/32*bits] and scales fp16
+ * [out_rows, dim/32]: token t goes to row slots[t] (int64; negative or >= out_rows = skipped), or to row t
+ * when slots is NULL. */
+int trellm_kv_quantize(const void *x, int dtype, int32_t *packed, void *scales, const int64_t *slots,
+                       int64_t tokens, int64_t dim, int64_t out_rows, int bits, cudaStream_t stream);
+
+/* Dequantize into out [rows, dim] (dtype) from packed/scales of src_rows rows. pages int64 [rows/page_size]
+ * or NULL: output row r reads row pages[r / page_size] * page_size + r % page_size (a gather of whole pages,
+ * a source outside [0, src_rows) gives zeros), or row r when pages is NULL. */
+int trellm_kv_dequantize(const int32_t *packed, const void *scales, const int64_t *pages, int64_t page_size,
+                         int64_t src_rows, void *out, int dtype, int64_t rows, int64_t dim, int bits,
+                         cudaStream_t stream);
+/* ---- MoE decode and gated delta net decode (moe.cu, deltanet.cu) ---- */
+
+/* modes of trellm_moe_exl3_matmul */
+enum { TRELLM_MOE_PLAIN = 0, TRELLM_MOE_SILU_GATED = 1, TRELLM_MOE_COMBINE = 2 };
+
+/* Sync-free EXL3 expert matmuls of `pairs` (row, expert) pairs: pair p multiplies x row p / pairs_per_row
+ * by matrix m of expert expert_of[p] (int64, read on the device). table: uint64 [matrices, num_experts, 4]
+ * = {trellis, suh, svh, bias or 0} device pointers (int16 [k/16, n/16, 16*K], fp16 [k], fp16 [n], fp16 [n]).
+ * mode PLAIN: y [matrices, pairs, n]; SILU_GATED (matrices 2): y [pairs, n] = silu(W0 x) * (W1 x);
+ * COMBINE (matrices 1): y [pairs / top_k, n] = sum_j pair_weights[t*top_k + j] * y_{t*top_k + j}
+ * (pair_weights float32 [pairs]). workspace: float32 of trellm_moe_exl3_workspace(...) elements. */
+int64_t trellm_moe_exl3_workspace(int64_t pairs, int64_t matrices, int64_t k, int64_t n, int num_sms);
+int trellm_moe_exl3_matmul(const void *x, int x_dtype, const int64_t *expert_of, const uint64_t *table,
+                           float *workspace, const float *pair_weights, void *y, int y_dtype, int mode,
+                           int64_t pairs, int64_t pairs_per_row, int64_t top_k, int64_t matrices,
+                           int64_t num_experts, int64_t k, int64_t n, int K, int codebook, int num_sms,
+                           cudaStream_t stream);
+
+/* Dense expert GEMVs: y [pairs, n] = W_{expert_of[p]} x[p / pairs_per_row] (+ bias). weights: uint64 [num_experts]
+ * pointers to row-major [n, k] matrices (dtype, 16-byte aligned, k % 8 == 0; % 4 for float32); biases:
+ * uint64 [num_experts] pointers to [n] (0 = none) or NULL. */
+int trellm_moe_dense_matmul(const void *x, const int64_t *expert_of, const uint64_t *weights, const uint64_t *biases,
+                            void *y, int dtype, int64_t pairs, int64_t pairs_per_row, int64_t num_experts, int64_t k,
+                            int64_t n, cudaStream_t stream);
+
+/* Gated delta rule, one token per sequence: q/k [BH, dk], v [BH, dv] (own dtypes), g/beta float32 [BH],
+ * state float32 [BH, dk, dv] -> new_state float32 [BH, dk, dv], out [BH, dv] (v dtype). dk in {64, 128, 256},
+ * dv % 32 == 0. */
+int trellm_gated_delta_rule_step(const void *q, int q_dtype, const void *k, int k_dtype, const void *v, int v_dtype,
+                                 const float *g, const float *beta, const float *state, float *new_state, void *out,
+                                 int64_t batch_heads, int64_t dk, int64_t dv, float scale, cudaStream_t stream);
+
+/* Causal depthwise conv1d, one token per sequence: x [B, C], weight [C, width] (width <= 8), bias [C] or NULL,
+ * states [B, C, width-1] -> out [B, C] (x dtype), new_states [B, C, width-1] (states dtype); silu 0/1. */
+int trellm_causal_conv1d_step(const void *x, int x_dtype, const void *weight, int w_dtype, const void *bias,
+                              int b_dtype, const void *states, int s_dtype, void *out, void *new_states, int64_t batch,
+                              int64_t channels, int64_t width, int silu, cudaStream_t stream);
+/* ---- end MoE / gated delta net ---- */
 /* ABI END */
 
 #ifdef __cplusplus
