@@ -188,4 +188,69 @@ def paged_attention(
     )
 
 
+
+# ---- KV-cache quantization (kv_quant.cu) ------------------------------------------------------------
+from trellm.ops import kv_quant as _kv_quant  # noqa: E402
+
+
+def _kv_bits_ok(bits) -> bool:
+    return isinstance(bits, int) and 2 <= bits <= 8
+
+
+@_kv_quant.kv_quantize.register("cuda")
+def kv_quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() != 2 or x.dtype not in _FLOATS or x.shape[1] == 0 or x.shape[1] % _kv_quant.GROUP or not _kv_bits_ok(bits):
+        return _kv_quant.kv_quantize.reference(x, bits)  # raises the reference's error for bad input
+    return binding.kv_quantize(x.contiguous(), bits)
+
+
+@_kv_quant.kv_dequantize.register("cuda")
+def kv_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    if (
+        not _kv_bits_ok(bits)
+        or scales.dim() != 2
+        or scales.shape[1] == 0
+        or scales.dtype != torch.float16
+        or packed.dtype != torch.int32
+        or tuple(packed.shape) != (scales.shape[0], scales.shape[1] * bits)
+        or dtype not in _FLOATS
+    ):
+        return _kv_quant.kv_dequantize.reference(packed, scales, bits, dtype)
+    return binding.kv_dequantize(packed.contiguous(), scales.contiguous(), bits, dtype)
+
+
+# Fused cache paths, registered when trellm.ops.kv_quant declares them (kv_quantize_store: quantize
+# straight into the cache rows at slots; kv_dequantize_pages: gather + dequantize whole pages in one launch).
+if hasattr(_kv_quant, "kv_quantize_store"):
+
+    @_kv_quant.kv_quantize_store.register("cuda")
+    def kv_quantize_store(x: torch.Tensor, bits: int, packed_pages: torch.Tensor, scale_pages: torch.Tensor,
+                          slots: torch.Tensor) -> None:
+        if (
+            x.dim() != 2 or x.dtype not in _FLOATS or x.shape[1] == 0 or x.shape[1] % _kv_quant.GROUP
+            or not _kv_bits_ok(bits) or packed_pages.dtype != torch.int32 or scale_pages.dtype != torch.float16
+            or not (packed_pages.is_contiguous() and scale_pages.is_contiguous())
+        ):
+            return _kv_quant.kv_quantize_store.reference(x, bits, packed_pages, scale_pages, slots)
+        binding.kv_quantize_store(x.contiguous(), bits, packed_pages, scale_pages,
+                                  slots.to(device=x.device, dtype=torch.int64).contiguous())
+
+
+if hasattr(_kv_quant, "kv_dequantize_pages"):
+
+    @_kv_quant.kv_dequantize_pages.register("cuda")
+    def kv_dequantize_pages(packed_pages: torch.Tensor, scale_pages: torch.Tensor, pages: torch.Tensor, bits: int,
+                            dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        if (
+            not _kv_bits_ok(bits) or dtype not in _FLOATS or packed_pages.dtype != torch.int32
+            or scale_pages.dtype != torch.float16 or scale_pages.dim() != 3
+            or not (packed_pages.is_contiguous() and scale_pages.is_contiguous())
+        ):
+            return _kv_quant.kv_dequantize_pages.reference(packed_pages, scale_pages, pages, bits, dtype)
+        return binding.kv_dequantize_pages(packed_pages, scale_pages,
+                                           pages.to(device=packed_pages.device, dtype=torch.int64).contiguous(),
+                                           bits, dtype)
+# ---- end KV-cache quantization ------------------------------------------------------------------------
+
+
 REGISTERED = sorted(name for name, o in _ops._OPS.items() if "cuda" in o.impls)
