@@ -503,3 +503,146 @@ def kv_dequantize_pages(packed_pages: torch.Tensor, scale_pages: torch.Tensor, p
     n = pages.shape[0]
     out = _kv_dequantize(packed_pages, scale_pages, pages, page_size, n * page_size, bits, dtype)
     return out.view(n, page_size, groups * KV_QUANT_GROUP)
+
+
+# ---- MoE decode and gated delta net decode (moe.cu, deltanet.cu) ------------------------------------
+
+MOE_MODES = {"plain": 0, "silu_gated": 1, "combine": 2}
+
+
+def moe_exl3_matmul(
+    x: torch.Tensor,
+    expert_of: torch.Tensor,
+    table: torch.Tensor,
+    k: int,
+    n: int,
+    K: int,
+    codebook: str,
+    pairs_per_row: int = 1,
+    mode: str = "plain",
+    pair_weights: torch.Tensor | None = None,
+    top_k: int = 1,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """EXL3 matmuls of (row, expert) pairs with the expert ids read on the device (no host sync).
+
+    ``table`` int64 [matrices, experts, 4] = {trellis, suh, svh, bias or 0} pointers of tensors that
+    stay alive as long as the table. Returns [matrices, pairs, n] ("plain"), [pairs, n]
+    ("silu_gated": silu(matrix 0) * matrix 1) or [pairs / top_k, n] ("combine": routing-weighted sum).
+    """
+    if k % 128 or n % 128 or k <= 0 or n <= 0:
+        raise KernelArgumentError(f"expert weights: k={k}, n={n} must be positive multiples of 128")
+    expect(x, "x", dtype=_FLOATS, shape=(None, k))
+    expect(table, "table", dtype=torch.int64, shape=(None, None, 4), device=x.device)
+    matrices, num_experts = table.shape[0], table.shape[1]
+    expect(expert_of, "expert_of", dtype=torch.int64, shape=(None,), device=x.device)
+    pairs = expert_of.shape[0]
+    if mode not in MOE_MODES:
+        raise KernelArgumentError(f"mode {mode!r} unknown; expected one of {sorted(MOE_MODES)}")
+    if pairs == 0 or pairs_per_row < 1 or (pairs + pairs_per_row - 1) // pairs_per_row > x.shape[0]:
+        raise KernelArgumentError(f"expert_of: {pairs} pairs at {pairs_per_row} per row do not fit x's {x.shape[0]} rows")
+    dtype = out_dtype or x.dtype
+    if mode == "plain":
+        y = torch.empty(matrices, pairs, n, dtype=dtype, device=x.device)
+    elif mode == "silu_gated":
+        if matrices != 2:
+            raise KernelArgumentError(f"table: silu_gated needs 2 matrices (gate, up), got {matrices}")
+        y = torch.empty(pairs, n, dtype=dtype, device=x.device)
+    else:
+        if matrices != 1 or top_k < 1 or pairs % top_k:
+            raise KernelArgumentError(f"combine needs 1 matrix and pairs ({pairs}) a multiple of top_k ({top_k})")
+        expect(pair_weights, "pair_weights", dtype=torch.float32, shape=(pairs,), device=x.device)
+        y = torch.empty(pairs // top_k, n, dtype=dtype, device=x.device)
+    sms = _num_sms(x.device)
+    workspace = torch.empty(lib().trellm_moe_exl3_workspace(pairs, matrices, k, n, sms), dtype=torch.float32,
+                            device=x.device)
+    rc = lib().trellm_moe_exl3_matmul(
+        _ptr(x), DTYPE_CODES[x.dtype], _ptr(expert_of, "int64_t *"), _ptr(table, "uint64_t *"),
+        _ptr(workspace, "float *"), _ptr(pair_weights, "float *"), _ptr(y), _dtype_code(y, "out_dtype"),
+        MOE_MODES[mode], pairs, pairs_per_row, top_k, matrices, num_experts, k, n, K, _codebook_code(codebook), sms,
+        _stream(),
+    )
+    _check(rc, "moe_exl3_matmul")
+    return y
+
+
+def moe_dense_matmul(
+    x: torch.Tensor,
+    expert_of: torch.Tensor,
+    weight_table: torch.Tensor,
+    n: int,
+    bias_table: torch.Tensor | None = None,
+    pairs_per_row: int = 1,
+) -> torch.Tensor:
+    """y [pairs, n] = W_{expert_of[p]} x[p // pairs_per_row] (+ bias) for dense [n, k] expert weights.
+
+    ``weight_table`` / ``bias_table`` int64 [experts] device pointers (bias 0 = none) in x's dtype.
+    """
+    expect(x, "x", dtype=_FLOATS, shape=(None, None))
+    k = x.shape[1]
+    if k % (4 if x.dtype == torch.float32 else 8) or x.data_ptr() % 16:
+        raise KernelArgumentError(f"x: k={k} must be a multiple of 16 bytes and x 16-byte aligned")
+    expect(expert_of, "expert_of", dtype=torch.int64, shape=(None,), device=x.device)
+    expect(weight_table, "weight_table", dtype=torch.int64, shape=(None,), device=x.device)
+    expect(bias_table, "bias_table", dtype=torch.int64, shape=tuple(weight_table.shape), device=x.device, optional=True)
+    pairs = expert_of.shape[0]
+    if pairs == 0 or pairs_per_row < 1 or (pairs + pairs_per_row - 1) // pairs_per_row > x.shape[0]:
+        raise KernelArgumentError(f"expert_of: {pairs} pairs at {pairs_per_row} per row do not fit x's {x.shape[0]} rows")
+    y = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
+    rc = lib().trellm_moe_dense_matmul(
+        _ptr(x), _ptr(expert_of, "int64_t *"), _ptr(weight_table, "uint64_t *"), _ptr(bias_table, "uint64_t *"),
+        _ptr(y), DTYPE_CODES[x.dtype], pairs, pairs_per_row, weight_table.shape[0], k, n, _stream(),
+    )
+    _check(rc, "moe_dense_matmul")
+    return y
+
+
+DELTA_RULE_KEY_DIMS = (64, 128, 256)
+
+
+def gated_delta_rule_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One recurrent step: q/k [B, H, Dk], v [B, H, Dv], g/beta float32 [B, H], state float32 [B, H, Dk, Dv]."""
+    expect(v, "v", dtype=_FLOATS, shape=(None, None, None))
+    b, h, dv = v.shape
+    expect(q, "q", dtype=_FLOATS, shape=(b, h, None), device=v.device)
+    dk = q.shape[2]
+    expect(k, "k", dtype=_FLOATS, shape=(b, h, dk), device=v.device)
+    expect(g, "g", dtype=torch.float32, shape=(b, h), device=v.device)
+    expect(beta, "beta", dtype=torch.float32, shape=(b, h), device=v.device)
+    expect(state, "state", dtype=torch.float32, shape=(b, h, dk, dv), device=v.device)
+    if dk not in DELTA_RULE_KEY_DIMS or dv % 32:
+        raise KernelArgumentError(f"q/v: key dim {dk} (supported {DELTA_RULE_KEY_DIMS}), value dim {dv} (multiple of 32)")
+    out = torch.empty_like(v)
+    new_state = torch.empty_like(state)
+    rc = lib().trellm_gated_delta_rule_step(
+        _ptr(q), DTYPE_CODES[q.dtype], _ptr(k), DTYPE_CODES[k.dtype], _ptr(v), DTYPE_CODES[v.dtype],
+        _ptr(g, "float *"), _ptr(beta, "float *"), _ptr(state, "float *"), _ptr(new_state, "float *"), _ptr(out),
+        b * h, dk, dv, float(dk**-0.5), _stream(),
+    )
+    _check(rc, "gated_delta_rule_step")
+    return out, new_state
+
+
+def causal_conv1d_step(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor, silu: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One conv step: x [B, C], weight [C, W] (W <= 8), bias [C] or None, states [B, C, W-1]."""
+    expect(x, "x", dtype=_FLOATS, shape=(None, None))
+    b, c = x.shape
+    expect(weight, "weight", dtype=_FLOATS, shape=(c, None), device=x.device)
+    width = weight.shape[1]
+    if not 1 <= width <= 8:
+        raise KernelArgumentError(f"weight: conv width {width} unsupported (1..8)")
+    expect(bias, "bias", dtype=_FLOATS, shape=(c,), device=x.device, optional=True)
+    expect(states, "states", dtype=_FLOATS, shape=(b, c, width - 1), device=x.device)
+    out = torch.empty_like(x)
+    new_states = torch.empty_like(states)
+    rc = lib().trellm_causal_conv1d_step(
+        _ptr(x), DTYPE_CODES[x.dtype], _ptr(weight), DTYPE_CODES[weight.dtype], _ptr(bias),
+        DTYPE_CODES[bias.dtype] if bias is not None else 0, _ptr(states), DTYPE_CODES[states.dtype], _ptr(out),
+        _ptr(new_states), b, c, width, int(bool(silu)), _stream(),
+    )
+    _check(rc, "causal_conv1d_step")
+    return out, new_states
