@@ -17,7 +17,8 @@ from ..batch import ForwardBatch
 from ..config import DecoderConfig
 from ..spec import ArchitectureSpec
 from .base import Module
-from .layers import MLP, Attention, Embedding, GatedMLP, RotaryEmbedding, make_norm
+from .. import ops
+from .layers import MLP, Attention, Embedding, GatedMLP, RMSNorm, RotaryEmbedding, make_norm
 from .linear import Linear
 
 
@@ -112,6 +113,34 @@ class DecoderLayer(Module):
         m = self._norm(self.mlp_out_norm, self.mlp.forward(self._norm(self.post_attn_norm, h), batch))
         return h + (m * self.residual_multiplier if self.residual_multiplier != 1.0 else m)
 
+    def forward_residual(
+        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` on the hidden state ``x + residual`` (``x`` alone when ``residual`` is None),
+        returned unsummed as ``(out, residual)``: each residual add then runs inside the next RMSNorm
+        (one ``add_rms_norm`` launch instead of an add and a norm). Same numbers as ``forward``.
+        """
+        if self.parallel or type(self).forward is not DecoderLayer.forward:
+            return self.forward(x if residual is None else x + residual, batch), None
+        normed, residual = add_norm(self.input_norm, x, residual)
+        a = self._norm(self.attn_out_norm, self.attn.forward(normed, batch))
+        if self.residual_multiplier != 1.0:
+            a = a * self.residual_multiplier
+        normed, residual = add_norm(self.post_attn_norm, a, residual)
+        m = self._norm(self.mlp_out_norm, self.mlp.forward(normed, batch))
+        return (m * self.residual_multiplier if self.residual_multiplier != 1.0 else m), residual
+
+
+def add_norm(norm: Module | None, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` (``x`` when residual is None) and ``norm(h)``, as ``(norm(h), h)``; one fused op
+    for an RMSNorm."""
+    if residual is None:
+        return (x if norm is None else norm.forward(x)), x
+    if isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward:
+        return ops.add_rms_norm(x, residual, norm.weight, norm.eps, norm.unit_offset)
+    h = x + residual
+    return (h if norm is None else norm.forward(h)), h
+
 
 class CausalLM(Module):
     """Embedding, decoder layers, final norm and LM head; ``forward(batch)`` returns float32 logits."""
@@ -150,16 +179,32 @@ class CausalLM(Module):
             x = emb if batch.embed_mask is None else torch.where(batch.embed_mask[:, None], emb, x)
         return x
 
-    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch)
+    def residual_stream(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last layer's hidden state as ``(out, residual)`` whose sum it is (residual None: ``out`` is it).
+
+        Layers with ``forward_residual`` hand the residual on unsummed, so every add fuses into a norm.
+        """
+        x, residual = self.embed_tokens(batch), None
         for layer in self.layers:
-            x = layer.forward(x, batch)
-        return x
+            if hasattr(layer, "forward_residual"):
+                x, residual = layer.forward_residual(x, residual, batch)
+            else:
+                x = layer.forward(x if residual is None else x + residual, batch)
+                residual = None
+        return x, residual
+
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        x, residual = self.residual_stream(batch)
+        return x if residual is None else x + residual
 
     def logits_from_hidden(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
-        logits = self.lm_head.forward(self.norm.forward(x)).float()
+        return self.logits_from_normed(self.norm.forward(x))
+
+    def logits_from_normed(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final-normed hidden rows: LM head, logit scale, softcap."""
+        logits = self.lm_head.forward(x).float()
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale
         if self.final_logit_softcap > 0:
@@ -167,7 +212,13 @@ class CausalLM(Module):
         return logits
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.logits_from_hidden(self.hidden_states(batch), batch)
+        if type(self).hidden_states is not CausalLM.hidden_states or type(self).logits_from_hidden is not CausalLM.logits_from_hidden:
+            return self.logits_from_hidden(self.hidden_states(batch), batch)  # a family that overrides either
+        x, residual = self.residual_stream(batch)
+        if residual is None:
+            return self.logits_from_hidden(x, batch)
+        normed, _ = add_norm(self.norm, x, residual)  # all rows: one launch, where picking rows first takes two
+        return self.logits_from_normed(normed if batch.logits_indices is None else normed[batch.logits_indices])
 
 
 def layer_ropes(cfg: DecoderConfig, opts: DecoderOptions) -> list[RotaryEmbedding | None]:

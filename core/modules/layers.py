@@ -8,8 +8,10 @@ import torch
 
 from .. import ops
 from ..batch import ForwardBatch
+from ..cache import KVCacheLayer
 from ..config import RopeConfig
 from ..errors import WeightError
+from ..ops.attention import rotary_qk, rotary_qk_write_kv
 from ..ops.dense import activation_fn, xielu
 from .base import LoadContext, Module
 from .linear import DenseLinear, Linear
@@ -187,8 +189,13 @@ class RotaryEmbedding:
         return seq_len > omax  # longrope: long or short factors
 
     def cos_sin(self, positions: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self._table(max_seq_len, max_seq_len, positions.device)
+        cos, sin = self.tables(max_seq_len, positions.device)
         return cos[positions], sin[positions]
+
+    def tables(self, max_seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole float32 cos/sin tables [>= max_seq_len, rotary_dim/2] for a batch whose longest sequence
+        is ``max_seq_len``: fused RoPE ops look rows up by position themselves (no gather per layer)."""
+        return self._table(max_seq_len, max_seq_len, device)
 
 
 QK_NORM_KINDS = ("head", "full", "layer_head")
@@ -258,8 +265,11 @@ class Attention(Module):
     def kv_shape(self) -> tuple[int, int, int]:
         return self.num_kv_heads, self.head_dim, self.head_dim
 
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k and v [T, Hkv, D]: projected, QK-normed, not yet rotated."""
+    def project_qkv(self, x: torch.Tensor, head_norm: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, Hkv, D]: projected, QK-normed, not yet rotated.
+
+        ``head_norm=False`` leaves a per-head QK-norm to the caller (the fused RoPE op applies it).
+        """
         t = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.clip_qkv is not None:
@@ -269,7 +279,7 @@ class Attention(Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.qk_norm != "full":
+        if head_norm and self.q_norm is not None and self.qk_norm != "full":
             q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         return q, k, v
 
@@ -285,9 +295,49 @@ class Attention(Module):
         layer.store(k, v, batch.slots)
         return layer.attend(q, batch, self.scale, self.sliding_window, self.softcap)
 
+    def _fused_rope(self, batch: ForwardBatch) -> bool:
+        """Whether q/k can be (head-normed,) rotated and stored in one op: a plain RoPE table, token
+        positions, and no QK-norm or a per-head RMSNorm with weights."""
+        if not isinstance(self.rope, RotaryEmbedding) or batch.positions.dim() != 1:
+            return False
+        if self.q_norm is None:
+            return True
+        return (
+            self.qk_norm == "head"
+            and isinstance(self.q_norm, RMSNorm)
+            and isinstance(self.k_norm, RMSNorm)
+            and self.q_norm.weight is not None
+            and self.k_norm.weight is not None
+            and self.q_norm.eps == self.k_norm.eps
+        )
+
+    def attend_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """:meth:`attend` for q/k not yet head-normed, with QK-norm, RoPE and the KV-page write in one op."""
+        cos_table, sin_table = self.rope.tables(batch.max_seq_len, q.device)
+        norm = {}
+        if self.q_norm is not None:
+            norm = dict(
+                q_norm=self.q_norm.weight, k_norm=self.k_norm.weight, norm_eps=self.q_norm.eps,
+                norm_unit_offset=self.q_norm.unit_offset,
+            )
+        layer = batch.cache.layers[self.layer_idx] if batch.cache is not None else None
+        if type(layer) is KVCacheLayer:
+            q, k = rotary_qk_write_kv(
+                q, k, v, cos_table, sin_table, batch.positions, layer.k_pages, layer.v_pages, batch.slots,
+                self.rope.interleaved, **norm,
+            )
+            return layer.attend(q, batch, self.scale, self.sliding_window, self.softcap)
+        q, k = rotary_qk(q, k, cos_table, sin_table, batch.positions, self.rope.interleaved, **norm)
+        if layer is None:
+            return ops.attention_varlen(q, k, v, batch.cu_seqlens, self.scale, self.sliding_window, self.softcap)
+        layer.store(k, v, batch.slots)
+        return layer.attend(q, batch, self.scale, self.sliding_window, self.softcap)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.project_qkv(x)
-        o = self.attend(q, k, v, batch)
+        if self._fused_rope(batch):
+            o = self.attend_fused(*self.project_qkv(x, head_norm=False), batch)
+        else:
+            o = self.attend(*self.project_qkv(x), batch)
         return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 

@@ -114,3 +114,66 @@ def paged_attention(
         v = gather_pages(v_pages, block_table[b], ctx[b])
         out[s0:s1] = _attend(q[s0:s1], k, v, scale, ctx[b] - (s1 - s0), sliding_window, softcap, sinks)
     return out
+
+
+def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, unit_offset: bool) -> torch.Tensor:
+    if weight is None:
+        return x
+    from .dense import rms_norm
+
+    return rms_norm.reference(x, weight, eps, unit_offset)
+
+
+@op
+def rotary_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+    interleaved: bool = False,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    norm_unit_offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE of q [T, Hq, D] and k [T, Hkv, D] in one op, each head optionally RMS-normed first.
+
+    ``cos_table``/``sin_table`` are the whole float32 tables [max_pos, rotary_dim/2]; each token's row
+    is looked up at ``positions`` [T] inside the op, so a decode step needs no per-layer gather.
+    ``q_norm``/``k_norm`` [D] are per-head RMSNorm weights (Qwen3 / Gemma 3 QK-norm), applied and
+    rounded to the dtype before the rotation, as separate ops would.
+    """
+    from .dense import rotary_embedding
+
+    cos, sin = cos_table[positions], sin_table[positions]
+    q = _head_rms_norm(q, q_norm, norm_eps, norm_unit_offset)
+    k = _head_rms_norm(k, k_norm, norm_eps, norm_unit_offset)
+    return rotary_embedding.reference(q, cos, sin, interleaved), rotary_embedding.reference(k, cos, sin, interleaved)
+
+
+@op
+def rotary_qk_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    slots: torch.Tensor,
+    interleaved: bool = False,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    norm_unit_offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotary_qk`, then the rotated keys and ``v`` stored at ``slots`` (as :func:`write_kv_pages`).
+
+    One launch instead of four on the GPU (rotate q, rotate k, gather cos/sin, write the pages).
+    Returns the rotated (q, k).
+    """
+    q, k = rotary_qk.reference(q, k, cos_table, sin_table, positions, interleaved, q_norm, k_norm, norm_eps, norm_unit_offset)
+    write_kv_pages.reference(k, v, k_pages, v_pages, slots)
+    return q, k
