@@ -157,6 +157,17 @@ int trellm_causal_conv1d_step(const void *x, int x_dtype, const void *weight, in
                               int b_dtype, const void *states, int s_dtype, void *out, void *new_states, int64_t batch,
                               int64_t channels, int64_t width, int silu, cudaStream_t stream);
 /* ---- end MoE / gated delta net ---- */
+/* --- fused RoPE (decode-step fusion) --- */
+/* q [tokens, hq, d], k [tokens, hkv, d] -> q_out, k_out (same shapes, dtype of q): each head row optionally
+ * RMS-normed with q_norm / k_norm [d] (dtype of q; both or neither; rounded to the dtype), then rotated with
+ * row positions[t] (int64) of the float32 tables cos/sin [table_len, rot_half] (positions clamped into the
+ * table). With k_pages != NULL, also stores the rotated k and v [tokens, hkv, d] at slots[t] (int64, negative
+ * = skip) of k_pages/v_pages [num_pages, page_size, hkv, d] (dtype of q). d <= 1024. */
+int trellm_rotary_qk(const void *q, const void *k, void *q_out, void *k_out, const int64_t *positions,
+                     const float *cos, const float *sin, int64_t table_len, const void *q_norm, const void *k_norm,
+                     float norm_eps, int norm_unit_offset, const void *v, void *k_pages, void *v_pages,
+                     const int64_t *slots, int64_t tokens, int64_t hq, int64_t hkv, int64_t head_dim, int64_t rot_half,
+                     int interleaved, int dtype, cudaStream_t stream);
 /* ABI END */
 
 #ifdef __cplusplus
