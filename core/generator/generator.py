@@ -152,11 +152,13 @@ class Generator:
         self._head_waited = 0
         self.proposer = proposer
         self.num_draft_tokens = num_draft_tokens
+        # a proposer that drafts from the target's hidden states (MTP) gets them after every step
+        self.hidden_sink = proposer.observe_hidden if getattr(proposer, "wants_hidden_states", False) else None
         self.state_layers = self.cache.state_layers()
         self.prefix_caching = prefix_caching
         if self.state_layers:  # evicting a page hands its state checkpoint back
             self.cache.prefix_cache.free_checkpoint = lambda slot: free_state_slot(self.cache, slot)
-        self.graph_runner = self._graph_runner() if cuda_graphs else None
+        self.graph_runner = self._graph_runner() if cuda_graphs and self.hidden_sink is None else None
         self.vocab_size = int(getattr(getattr(self.model, "config", None), "vocab_size", 0) or 0)
         self.default_stop_ids = self._default_stop_ids(model)
         self.pending: deque[tuple[Job, list[int]]] = deque()
@@ -488,9 +490,14 @@ class Generator:
             attach_images(batch, [(r.mm, r.seq.length) for r, _, _ in plan])
         if self.state_layers:
             batch.state_slots = torch.tensor([r.state_slot for r, _, _ in plan], dtype=torch.long, device=self.cache.device)
+        hidden = None
         try:
-            forward = self.graph_runner.forward if self.graph_runner is not None else self.model.forward
-            logits = forward(batch).float().cpu()
+            if self.hidden_sink is not None:  # the same forward, split where the proposer reads the hidden states
+                hidden = self.model.hidden_states(batch)
+                logits = self.model.logits_from_hidden(hidden, batch).float().cpu()
+            else:
+                forward = self.graph_runner.forward if self.graph_runner is not None else self.model.forward
+                logits = forward(batch).float().cpu()
         except Exception as exc:  # keep serving: fail this batch's jobs, free their pages
             warnings.warn(f"trellm generator: forward failed ({exc!r}); failing {len(plan)} jobs")
             for r, _, _ in plan:
@@ -518,6 +525,17 @@ class Generator:
             self._settle_snapshot(r, length_before)
             if not r.job.finished:
                 self._name_full_pages(r)
+                if hidden is not None:
+                    self._hand_hidden(r, feed, length_before, hidden[cu[i]: cu[i + 1]])
+
+    def _hand_hidden(self, r: _Running, feed: list[int], start: int, hidden: torch.Tensor) -> None:
+        """Give the proposer the hidden states of the fed positions that hold committed tokens (the leading
+        run of ``feed`` the job kept: rejected draft tokens and rewound ones are left out)."""
+        kept = 0
+        while kept < len(feed) and start + kept < len(r.tokens) and feed[kept] == r.tokens[start + kept]:
+            kept += 1
+        if kept:
+            self.hidden_sink(r.job.job_id, start, hidden[:kept], r.tokens)
 
     def _accept(self, r: _Running, logits: torch.Tensor, draft: list[int], results: list[Result]) -> None:
         """Sample at each fed position; keep draft tokens while the target agrees, then roll the cache back.

@@ -1,11 +1,14 @@
 """Qwen3.5 (dense): the text path of Qwen3_5ForConditionalGeneration (and Qwen3_5ForCausalLM).
 
 The Qwen hybrid decoder (gated delta net + gated attention, 1 + w norms) with dense SwiGLU MLPs.
+The multi-token-prediction head (``mtp.*``) loads as ``model.mtp`` when the checkpoint has it
+(``trellm.generator.mtp``: a speculative draft).
 """
 from __future__ import annotations
 
 import trellm
 from trellm.config import DecoderConfig
+from trellm.generator.mtp import build_qwen_mtp_head
 from trellm.plugins.architectures.qwen3_next import build_qwen_hybrid
 from trellm.spec import ArchitectureSpec
 
@@ -14,7 +17,9 @@ MULTIMODAL = "Qwen3_5ForConditionalGeneration"
 
 def build(cfg: DecoderConfig):
     prefix = "model.language_model" if cfg.architecture == MULTIMODAL else "model"
-    return build_qwen_hybrid(cfg, prefix, "split", lambda i, key: None)
+    model = build_qwen_hybrid(cfg, prefix, "split", lambda i, key: None)
+    model.mtp = build_qwen_mtp_head(cfg)  # loads only if the checkpoint has mtp.* tensors
+    return model
 
 
 SPEC = ArchitectureSpec(

@@ -1,13 +1,15 @@
 """Qwen3.5 MoE: the text path of Qwen3_5MoeForConditionalGeneration (and Qwen3_5MoeForCausalLM).
 
 The Qwen hybrid decoder (gated delta net + gated attention, 1 + w norms) with a normalised softmax
-top-k MoE and a sigmoid-gated shared expert in every layer. The vision tower's tensors are ignored;
-MTP tensors (``mtp.*``) are not loaded.
+top-k MoE and a sigmoid-gated shared expert in every layer. The vision tower's tensors are ignored.
+The multi-token-prediction head (``mtp.*``, MoE MLP too) loads as ``model.mtp`` when the checkpoint
+has it (``trellm.generator.mtp``: a speculative draft).
 """
 from __future__ import annotations
 
 import trellm
 from trellm.config import DecoderConfig
+from trellm.generator.mtp import build_qwen_mtp_head
 from trellm.plugins.architectures.qwen3_next import build_qwen_hybrid, qwen_moe_mlp
 from trellm.spec import ArchitectureSpec
 
@@ -16,7 +18,9 @@ MULTIMODAL = "Qwen3_5MoeForConditionalGeneration"
 
 def build(cfg: DecoderConfig):
     prefix = "model.language_model" if cfg.architecture == MULTIMODAL else "model"
-    return build_qwen_hybrid(cfg, prefix, "split", lambda i, key: qwen_moe_mlp(cfg, key, normalize=True))
+    model = build_qwen_hybrid(cfg, prefix, "split", lambda i, key: qwen_moe_mlp(cfg, key, normalize=True))
+    model.mtp = build_qwen_mtp_head(cfg, qwen_moe_mlp(cfg, "mtp.layers.0.mlp", normalize=True))  # only if mtp.* exist
+    return model
 
 
 SPEC = ArchitectureSpec(

@@ -1,0 +1,272 @@
+"""Multi-token prediction (MTP) heads of Qwen3-Next / Qwen3.5 checkpoints, run as a speculative draft.
+
+These checkpoints carry one extra decoder layer under ``mtp.*`` that was trained to predict the token
+after next. transformers ignores it; here it loads as ``model.mtp`` (an :class:`MTPHead`, present
+only when the checkpoint has ``mtp.*`` tensors) and :class:`MTPProposer` runs it as the draft model.
+
+The math (the layout vLLM's ``qwen3_next_mtp`` / ``qwen3_5_mtp`` and SGLang load), for position ``i``
+of a sequence with tokens ``t`` and target hidden states ``h``::
+
+    h_i    = the target's last hidden state at position i, AFTER its final norm (what the LM head reads)
+    x_i    = fc( concat( pre_fc_norm_embedding(embed(t_{i+1})), pre_fc_norm_hidden(h_i) ) )   # [emb | hid]
+    y_i    = norm( layers.0(x_i) )      # one full (gated) attention decoder layer, causal over x_0..x_i,
+                                        # RoPE position i, its own KV cache; MoE MLP in the MoE variant
+    logits = lm_head(y_i)               # predicts t_{i+2}; embed and lm_head are the target's
+
+Drafting ``k`` tokens after the committed ``t_0..t_{n-1}`` (the target has computed ``h_0..h_{n-2}``):
+the first MTP step consumes the pairs ``(h_i, t_{i+1})`` not yet in its cache up to ``i = n - 2`` and
+its last row gives draft ``d_1``; step ``j > 1`` feeds ``(y, d_{j-1})`` at the next position, ``y``
+being the MTP's own previous output (post-norm, as in vLLM's MTP loop). Entries built from real
+hidden states stay in the MTP cache; the draft steps' entries are dropped after each proposal.
+
+Norms are Qwen's ``1 + w`` RMSNorms. Only ``mtp.layers.0`` is used (every released checkpoint has
+``mtp_num_hidden_layers: 1``).
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from ..batch import ForwardBatch
+from ..cache import CacheFullError, KVCache, KVCacheLayer, SequenceState
+from ..errors import TrellmError
+from ..modules.base import LoadContext, Module
+from ..modules.decoder import DecoderLayer
+from ..modules.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from ..modules.linear import Linear
+from .speculative import DraftRequest
+
+MAX_PENDING_ROWS = 1024  # target hidden states held per job before they are absorbed into the MTP cache
+
+
+class MTPHead(Module):
+    """``mtp.*``: the two input norms, ``fc`` (2 * hidden -> hidden), one decoder layer and the output norm.
+
+    Optional: :meth:`load` loads nothing when the checkpoint has no ``mtp.*`` tensors (``present`` stays
+    False), so a checkpoint without them loads exactly as before.
+    """
+
+    def __init__(self, key: str, hidden_size: int, eps: float, layer: DecoderLayer):
+        self.key, self.hidden_size = key, hidden_size
+        self.pre_fc_norm_embedding = RMSNorm(f"{key}.pre_fc_norm_embedding", hidden_size, eps, unit_offset=True)
+        self.pre_fc_norm_hidden = RMSNorm(f"{key}.pre_fc_norm_hidden", hidden_size, eps, unit_offset=True)
+        self.fc = Linear(f"{key}.fc", 2 * hidden_size, hidden_size)
+        self.layer = layer
+        self.norm = RMSNorm(f"{key}.norm", hidden_size, eps, unit_offset=True)
+        self.present = False
+
+    def load(self, ctx: LoadContext) -> None:
+        prefix = f"{self.key}."
+        if not any(name.startswith(prefix) for name in ctx.store):
+            return
+        super().load(ctx)  # a partial mtp.* set fails here, naming the missing tensor
+        self.present = True
+
+    def unload(self) -> None:
+        super().unload()
+        self.present = False
+
+    def forward(self, token_embeds: torch.Tensor, target_hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """[T, hidden] embeddings of ``t_{i+1}`` and hidden states ``h_i`` (post final norm) -> ``y_i`` (post mtp.norm)."""
+        both = torch.cat([self.pre_fc_norm_embedding.forward(token_embeds), self.pre_fc_norm_hidden.forward(target_hidden)], dim=-1)
+        return self.norm.forward(self.layer.forward(self.fc(both), batch))
+
+
+def build_qwen_mtp_head(cfg: Any, mlp: Module | None = None, key: str = "mtp") -> MTPHead:
+    """The MTP head of a Qwen3-Next / Qwen3.5 config: its decoder layer is a gated full-attention layer
+    like the model's own, with ``mlp`` (the family's MoE) or a dense SwiGLU MLP.
+
+    The attention layer reads KV cache layer 0: the MTP keeps its own one-layer cache (see MTPProposer).
+    """
+    from ..modules.recurrent import GatedAttention
+
+    eps = cfg.rms_norm_eps
+    layer_key = f"{key}.layers.0"
+    rope = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+    attn = GatedAttention(f"{layer_key}.self_attn", 0, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                          cfg.head_dim, rope, eps, norm_unit_offset=True, bias=cfg.attention_bias)
+    mlp = mlp or GatedMLP(f"{layer_key}.mlp", cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+    layer = DecoderLayer(layer_key, RMSNorm(f"{layer_key}.input_layernorm", cfg.hidden_size, eps, unit_offset=True), attn,
+                         RMSNorm(f"{layer_key}.post_attention_layernorm", cfg.hidden_size, eps, unit_offset=True), mlp)
+    return MTPHead(key, cfg.hidden_size, eps, layer)
+
+
+def mtp_head_of(model: Any) -> MTPHead | None:
+    """The loaded MTP head of a LoadedModel or module tree, or None."""
+    head = getattr(getattr(model, "model", model), "mtp", None)
+    return head if isinstance(head, MTPHead) and head.present else None
+
+
+class MTPError(TrellmError, ValueError):
+    """The model has no (loaded) MTP head."""
+
+
+class _JobState:
+    """One job's MTP cache: entries for absolute positions ``base .. base + seq.length - 1`` (pairs
+    ``(h_i, t_{i+1})``), target hidden states waiting for their next token (``pending``, the positions
+    right after), and the tokens all of it was computed from."""
+
+    def __init__(self, cache: KVCache):
+        self.seq = SequenceState(cache)
+        self.base: int | None = None  # first position with an entry (later than 0 after prefix-cache reuse)
+        self.pending: torch.Tensor | None = None
+        self.tokens: list[int] = []
+
+    @property
+    def num_pending(self) -> int:
+        return 0 if self.pending is None else self.pending.shape[0]
+
+    @property
+    def end(self) -> int:
+        """The next position whose target hidden state is still missing."""
+        return (self.base or 0) + self.seq.length + self.num_pending
+
+    def reset(self, base: int | None) -> None:
+        self.base, self.seq.length, self.pending = base, 0, None
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Keep only what was computed from tokens that ``tokens`` still has (a rewind changes the tail)."""
+        common = _common_prefix(self.tokens, tokens)
+        self.tokens = list(tokens)
+        if self.base is None:
+            return
+        entries = max(0, min(self.seq.length, common - 1 - self.base))  # entry i needs t_{i+1}
+        if entries < self.seq.length:  # the hidden states after the cut went into dropped entries
+            self.seq.length, self.pending = entries, None
+        elif self.pending is not None:  # h_i needs t_0..t_i
+            keep = max(0, min(self.num_pending, common - self.base - self.seq.length))
+            self.pending = self.pending[:keep] if keep else None
+        if self.seq.length == 0 and self.pending is None:
+            self.base = None
+
+
+class MTPProposer:
+    """Drafts with the target's own MTP head; see the module docstring for the math.
+
+    ``Generator(lm, proposer=MTPProposer(lm), num_draft_tokens=k)``. The generator hands it the
+    target's hidden states of every verified position (:meth:`observe_hidden`); the MTP keeps its own
+    small paged KV cache (``cache_tokens`` tokens, one attention layer) per job. Drafts are greedy.
+    """
+
+    wants_hidden_states = True
+
+    def __init__(self, model: Any, num_tokens: int = 3, cache_tokens: int = 8192, page_size: int = 256):
+        self.target = getattr(model, "model", model)
+        head = mtp_head_of(self.target)
+        if head is None:
+            name = getattr(model, "model_dir", None)
+            raise MTPError(f"{name or type(self.target).__name__}: the checkpoint has no MTP weights (mtp.* tensors); "
+                           "MTP drafting needs a Qwen3-Next / Qwen3.5 checkpoint that ships them")
+        self.head = head
+        self.num_tokens = num_tokens
+        weight = self.target.embed.weight
+        heads, dim, vdim = head.layer.attn.kv_shape()
+        num_pages = max(1, -(-cache_tokens // page_size))
+        self.cache = KVCache([KVCacheLayer(num_pages, page_size, heads, dim, vdim, weight.dtype, weight.device)], page_size, weight.device)
+        self._jobs: dict[Hashable, _JobState] = {}
+        self.stats = {"mtp_forwards": 0, "mtp_tokens": 0}
+
+    # ---- the generator's hooks --------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def observe_hidden(self, key: Hashable, start: int, hidden: torch.Tensor, tokens: Sequence[int]) -> None:
+        """The target computed ``hidden`` (rows for positions ``start, start + 1, ...``, as the decoder layers
+        leave them, before the final norm) from ``tokens``, the job's committed tokens now."""
+        state = self._jobs.get(key)
+        if state is None:
+            state = self._jobs[key] = _JobState(self.cache)
+        state.sync(tokens)
+        if state.base is None or start > state.end:  # nothing usable before ``start`` (prefix reuse, rewind)
+            state.reset(start)
+        skip = state.end - start  # rows the MTP already holds (a hybrid job re-feeds accepted tokens)
+        if skip >= hidden.shape[0]:
+            return
+        rows = self.target.norm.forward(hidden[skip:])  # the LM head's input: what the MTP was trained on
+        state.pending = rows if state.pending is None else torch.cat([state.pending, rows])
+        if state.num_pending > MAX_PENDING_ROWS:  # a long prompt: absorb now rather than hold its hidden states
+            try:  # keep h_{n-2} pending: the first draft step starts from it
+                self._absorb([(state, len(tokens) - 2)])
+            except CacheFullError:
+                state.reset(None)
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in requests]
+        live = []  # (index in requests, state, k)
+        for i, r in enumerate(requests):
+            k = min(r.max_tokens, self.num_tokens)
+            state = self._jobs.get(r.key)
+            if k <= 0 or state is None:
+                continue
+            state.sync(r.tokens)
+            last = len(r.tokens) - 2  # the last position whose pair (h, next token) is known
+            if state.base is None or state.end <= last or state.seq.length + state.base > last:
+                continue  # h_{n-2} missing, or already absorbed (no row left to draft from): skip this step
+            try:
+                state.seq.reserve(len(r.tokens) - state.base + k)
+            except CacheFullError:
+                continue
+            live.append((i, state, k))
+        if not live:
+            return out
+        y, tokens = self._absorb([(state, len(requests[i].tokens) - 1) for i, state, _ in live])
+        committed = [state.seq.length for _, state, _ in live]
+        rows = list(range(len(live)))  # live jobs still drafting; y and tokens follow this order
+        while True:
+            for row, token in zip(rows, tokens):
+                out[live[row][0]].append(token)
+            keep = [j for j, row in enumerate(rows) if len(out[live[row][0]]) < live[row][2]]
+            if not keep:
+                break
+            rows = [rows[j] for j in keep]
+            y, tokens = self._run([live[row][1] for row in rows], [[out[live[row][0]][-1]] for row in rows], y[keep])
+        for (_, state, _), length in zip(live, committed):
+            state.seq.length = length  # drop the draft steps' entries
+        return out
+
+    def release(self, key: Hashable) -> None:
+        state = self._jobs.pop(key, None)
+        if state is not None:
+            state.seq.release()
+
+    # ---- MTP forwards -----------------------------------------------------------------------------
+
+    def _absorb(self, work: list[tuple[_JobState, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Turn pending hidden states into cache entries for every job, up to (excluding) position ``stop``
+        where ``t_stop`` is the job's last known token; returns each job's last output row and greedy token."""
+        feeds, hiddens, states = [], [], []
+        for state, stop in work:
+            first = state.base + state.seq.length
+            count = min(state.num_pending, stop - first)
+            state.seq.reserve(first - state.base + count)
+            feeds.append(state.tokens[first + 1: first + 1 + count])
+            hiddens.append(state.pending[:count])
+            state.pending = state.pending[count:] if count < state.num_pending else None
+            states.append(state)
+        return self._run(states, feeds, torch.cat(hiddens))
+
+    def _run(self, states: list[_JobState], feeds: list[list[int]], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP forward: ``feeds[j]`` next tokens paired with ``hidden`` rows, appended to each job's entries."""
+        batch = ForwardBatch.with_cache(feeds, [s.seq.length for s in states], [s.seq.pages for s in states], self.cache)
+        bases = torch.tensor([s.base for s in states], dtype=torch.long, device=batch.positions.device)
+        lens = torch.tensor([len(f) for f in feeds], device=batch.positions.device)
+        batch.positions = batch.positions + torch.repeat_interleave(bases, lens)  # absolute positions for RoPE
+        batch.max_seq_len = max(s.base + s.seq.length + len(f) for s, f in zip(states, feeds))
+        y = self.head.forward(self.target.embed.forward(batch.input_ids), hidden.to(self.target.embed.weight.dtype), batch)
+        for s, f in zip(states, feeds):
+            s.seq.length += len(f)
+        last = (batch.cu_seqlens[1:] - 1).long()
+        y_last = y[last]
+        tokens = self.target.lm_head.forward(y_last).float().argmax(dim=-1).tolist()
+        self.stats["mtp_forwards"] += 1
+        self.stats["mtp_tokens"] += batch.num_tokens
+        return y_last, tokens
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
