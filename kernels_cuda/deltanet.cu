@@ -1,0 +1,166 @@
+// Decode-step kernels of the gated delta net: the gated delta rule for one token per sequence and the
+// causal depthwise conv1d step. Each replaces a dozen small torch kernels with one launch.
+//
+// Gated delta rule, per (sequence, value head) with state S [Dk, Dv] (float32):
+//     S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T (q / sqrt(Dk))
+// Every column j of S evolves on its own given the two dot products over Dk, so a block owns 32
+// columns: lane = column, warp w holds rows [w*Dk/4, (w+1)*Dk/4) of them in registers; the two column
+// sums go through shared memory. One read and one write of the state, coalesced along Dv.
+#include "common.cuh"
+
+namespace {
+
+__device__ __forceinline__ float dn_load(const void *p, int dtype, size_t i) {
+    if (dtype == TRELLM_F16) return __half2float(static_cast<const half *>(p)[i]);
+    if (dtype == TRELLM_BF16) return __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i]);
+    return static_cast<const float *>(p)[i];
+}
+
+__device__ __forceinline__ void dn_store(void *p, int dtype, size_t i, float v) {
+    if (dtype == TRELLM_F16) static_cast<half *>(p)[i] = __float2half_rn(v);
+    else if (dtype == TRELLM_BF16) static_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(v);
+    else static_cast<float *>(p)[i] = v;
+}
+
+// v rounded to dtype and back (the reference's .to(dtype) round trips).
+__device__ __forceinline__ float dn_round(float v, int dtype) {
+    if (dtype == TRELLM_F16) return __half2float(__float2half_rn(v));
+    if (dtype == TRELLM_BF16) return __bfloat162float(__float2bfloat16_rn(v));
+    return v;
+}
+
+constexpr int DN_WARPS = 4;
+
+struct DeltaArgs {
+    const void *q, *k, *v;
+    const float *g, *beta, *state;
+    float *new_state;
+    void *out;
+    int q_dtype, k_dtype, v_dtype, dv;
+    float scale;
+};
+
+// grid (Dv / 32, batch * heads), DN_WARPS warps.
+template <int DK>
+__global__ void __launch_bounds__(DN_WARPS * 32) gated_delta_step_kernel(const DeltaArgs a) {
+    constexpr int R = DK / DN_WARPS;
+    __shared__ float qs[DK], ks[DK];
+    __shared__ float red[DN_WARPS][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const size_t bh = blockIdx.y;
+    const int col = blockIdx.x * 32 + lane;
+    for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+        qs[i] = dn_load(a.q, a.q_dtype, bh * DK + i) * a.scale;
+        ks[i] = dn_load(a.k, a.k_dtype, bh * DK + i);
+    }
+    __syncthreads();
+    const float decay = __expf(a.g[bh]);
+    const float beta = a.beta[bh];
+    const float *S = a.state + bh * DK * a.dv + col;
+    float *NS = a.new_state + bh * DK * a.dv + col;
+    const int r0 = warp * R;
+
+    float s[R];
+    float predicted = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        s[r] = S[(size_t)(r0 + r) * a.dv] * decay;
+        predicted += s[r] * ks[r0 + r];
+    }
+    red[warp][lane] = predicted;
+    __syncthreads();
+    predicted = 0.f;
+#pragma unroll
+    for (int w = 0; w < DN_WARPS; ++w) predicted += red[w][lane];
+    const float u = beta * (dn_load(a.v, a.v_dtype, bh * a.dv + col) - predicted);
+    __syncthreads();  // everyone has read red before it is reused
+
+    float o = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        s[r] += ks[r0 + r] * u;
+        o += s[r] * qs[r0 + r];
+        NS[(size_t)(r0 + r) * a.dv] = s[r];
+    }
+    red[warp][lane] = o;
+    __syncthreads();
+    if (warp == 0) {
+        o = 0.f;
+#pragma unroll
+        for (int w = 0; w < DN_WARPS; ++w) o += red[w][lane];
+        dn_store(a.out, a.v_dtype, bh * a.dv + col, o);
+    }
+}
+
+constexpr int CONV_MAX_WIDTH = 8;
+
+struct ConvArgs {
+    const void *x, *weight, *bias, *states;
+    void *out, *new_states;
+    int x_dtype, w_dtype, b_dtype, s_dtype, batch, channels, width, silu;
+};
+
+// One thread per (sequence, channel): window = [states | x] (in the weight dtype), y = window . w + bias.
+__global__ void conv1d_step_kernel(const ConvArgs a) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)a.batch * a.channels) return;
+    const int c = (int)(i % a.channels);
+    const int hist = a.width - 1;
+    float window[CONV_MAX_WIDTH];
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_WIDTH - 1; ++j)
+        if (j < hist) window[j] = dn_round(dn_load(a.states, a.s_dtype, (size_t)i * hist + j), a.w_dtype);
+    window[hist < CONV_MAX_WIDTH ? hist : CONV_MAX_WIDTH - 1] = dn_round(dn_load(a.x, a.x_dtype, (size_t)i), a.w_dtype);
+    float y = 0.f;
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_WIDTH; ++j)
+        if (j < a.width) y += window[j] * dn_load(a.weight, a.w_dtype, (size_t)c * a.width + j);
+    if (a.bias) y += dn_load(a.bias, a.b_dtype, c);
+    if (a.silu) y = y / (1.f + __expf(-y));
+    dn_store(a.out, a.x_dtype, (size_t)i, y);
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_WIDTH - 1; ++j)
+        if (j < hist) dn_store(a.new_states, a.s_dtype, (size_t)i * hist + j, window[j + 1]);
+}
+
+bool valid_dtype(int d) { return d >= TRELLM_F16 && d <= TRELLM_F32; }
+
+}  // namespace
+
+extern "C" int trellm_gated_delta_rule_step(const void *q, int q_dtype, const void *k, int k_dtype, const void *v,
+                                            int v_dtype, const float *g, const float *beta, const float *state,
+                                            float *new_state, void *out, int64_t batch_heads, int64_t dk, int64_t dv,
+                                            float scale, cudaStream_t stream) {
+    if (batch_heads <= 0 || dv <= 0 || dv % 32 || batch_heads > 65535) return TRELLM_E_BAD_SHAPE;
+    if (!valid_dtype(q_dtype) || !valid_dtype(k_dtype) || !valid_dtype(v_dtype)) return TRELLM_E_BAD_DTYPE;
+    DeltaArgs a;
+    a.q = q; a.k = k; a.v = v; a.g = g; a.beta = beta; a.state = state; a.new_state = new_state; a.out = out;
+    a.q_dtype = q_dtype; a.k_dtype = k_dtype; a.v_dtype = v_dtype; a.dv = (int)dv; a.scale = scale;
+    dim3 grid((unsigned)(dv / 32), (unsigned)batch_heads);
+    switch (dk) {
+        case 64: gated_delta_step_kernel<64><<<grid, DN_WARPS * 32, 0, stream>>>(a); break;
+        case 128: gated_delta_step_kernel<128><<<grid, DN_WARPS * 32, 0, stream>>>(a); break;
+        case 256: gated_delta_step_kernel<256><<<grid, DN_WARPS * 32, 0, stream>>>(a); break;
+        default: return TRELLM_E_UNSUPPORTED;
+    }
+    TRELLM_LAUNCH_CHECK();
+    return TRELLM_OK;
+}
+
+extern "C" int trellm_causal_conv1d_step(const void *x, int x_dtype, const void *weight, int w_dtype, const void *bias,
+                                         int b_dtype, const void *states, int s_dtype, void *out, void *new_states,
+                                         int64_t batch, int64_t channels, int64_t width, int silu,
+                                         cudaStream_t stream) {
+    if (batch <= 0 || channels <= 0 || width < 1 || width > CONV_MAX_WIDTH) return TRELLM_E_BAD_SHAPE;
+    if (batch * channels > INT32_MAX) return TRELLM_E_BAD_SHAPE;
+    if (!valid_dtype(x_dtype) || !valid_dtype(w_dtype) || !valid_dtype(s_dtype) || (bias && !valid_dtype(b_dtype)))
+        return TRELLM_E_BAD_DTYPE;
+    ConvArgs a;
+    a.x = x; a.weight = weight; a.bias = bias; a.states = states; a.out = out; a.new_states = new_states;
+    a.x_dtype = x_dtype; a.w_dtype = w_dtype; a.b_dtype = b_dtype; a.s_dtype = s_dtype;
+    a.batch = (int)batch; a.channels = (int)channels; a.width = (int)width; a.silu = silu;
+    const int64_t total = batch * channels;
+    conv1d_step_kernel<<<(unsigned)((total + 255) / 256), 256, 0, stream>>>(a);
+    TRELLM_LAUNCH_CHECK();
+    return TRELLM_OK;
+}
