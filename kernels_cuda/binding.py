@@ -646,3 +646,59 @@ def causal_conv1d_step(
     )
     _check(rc, "causal_conv1d_step")
     return out, new_states
+
+
+# ---- fused RoPE (decode-step fusion) ------------------------------------------------------------------
+ROPE_MAX_HEAD_DIM = 1024
+
+
+def rotary_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+    interleaved: bool = False,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    norm_unit_offset: bool = False,
+    v: torch.Tensor | None = None,
+    k_pages: torch.Tensor | None = None,
+    v_pages: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, k) head-RMS-normed (optional) and rotated by position in one launch; with ``k_pages`` the rotated
+    k and ``v`` are also stored at ``slots`` of the paged cache."""
+    expect(q, "q", dtype=_FLOATS, shape=(None, None, None))
+    tokens, hq, d = q.shape
+    if d > ROPE_MAX_HEAD_DIM:
+        raise KernelArgumentError(f"q: head_dim {d} exceeds the kernel's {ROPE_MAX_HEAD_DIM}")
+    expect(k, "k", dtype=q.dtype, shape=(tokens, None, d), device=q.device)
+    hkv = k.shape[1]
+    expect(cos_table, "cos_table", dtype=torch.float32, shape=(None, None), device=q.device)
+    table_len, half = cos_table.shape
+    expect(sin_table, "sin_table", dtype=torch.float32, shape=(table_len, half), device=q.device)
+    if 2 * half > d or table_len == 0:
+        raise KernelArgumentError(f"cos_table: shape {list(cos_table.shape)} does not fit head_dim {d}")
+    expect(positions, "positions", dtype=torch.int64, shape=(tokens,), device=q.device)
+    if (q_norm is None) != (k_norm is None):
+        raise KernelArgumentError("q_norm / k_norm: give both or neither")
+    expect(q_norm, "q_norm", dtype=q.dtype, shape=(d,), device=q.device, optional=True)
+    expect(k_norm, "k_norm", dtype=q.dtype, shape=(d,), device=q.device, optional=True)
+    if k_pages is not None:
+        expect(k_pages, "k_pages", dtype=q.dtype, shape=(None, None, hkv, d), device=q.device)
+        expect(v_pages, "v_pages", dtype=q.dtype, shape=tuple(k_pages.shape), device=q.device)
+        expect(v, "v", dtype=q.dtype, shape=(tokens, hkv, d), device=q.device)
+        expect(slots, "slots", dtype=torch.int64, shape=(tokens,), device=q.device)
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    rc = lib().trellm_rotary_qk(
+        _ptr(q), _ptr(k), _ptr(q_out), _ptr(k_out), _ptr(positions, "int64_t *"), _ptr(cos_table, "float *"),
+        _ptr(sin_table, "float *"), table_len, _ptr(q_norm), _ptr(k_norm), float(norm_eps), int(bool(norm_unit_offset)),
+        _ptr(v if k_pages is not None else None), _ptr(k_pages), _ptr(v_pages if k_pages is not None else None),
+        _ptr(slots if k_pages is not None else None, "int64_t *"), tokens, hq, hkv, d, half, int(bool(interleaved)),
+        DTYPE_CODES[q.dtype], _stream(),
+    )
+    _check(rc, "rotary_qk")
+    return q_out, k_out
+# ---- end fused RoPE -----------------------------------------------------------------------------------

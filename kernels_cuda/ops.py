@@ -253,4 +253,60 @@ if hasattr(_kv_quant, "kv_dequantize_pages"):
 # ---- end KV-cache quantization ------------------------------------------------------------------------
 
 
+# ---- fused RoPE (decode-step fusion) ------------------------------------------------------------------
+def _rotary_qk_cuda_ok(q, k, cos_table, sin_table, positions, q_norm, k_norm, pages=()) -> bool:
+    """Whether the fused RoPE kernel covers these arguments (else the op's reference runs)."""
+    if q.dim() != 3 or k.dim() != 3 or q.dtype not in _FLOATS or k.dtype != q.dtype or k.shape[0] != q.shape[0]:
+        return False
+    if k.shape[2] != q.shape[2] or q.shape[2] > binding.ROPE_MAX_HEAD_DIM or positions.dim() != 1:
+        return False
+    if cos_table.dim() != 2 or sin_table.shape != cos_table.shape or cos_table.shape[0] == 0:
+        return False
+    if 2 * cos_table.shape[1] > q.shape[2] or (q_norm is None) != (k_norm is None):
+        return False
+    if q_norm is not None and (q_norm.dtype != q.dtype or k_norm.dtype != q.dtype or q_norm.numel() != q.shape[2]
+                               or k_norm.numel() != q.shape[2]):
+        return False
+    return all(p.dtype == q.dtype and p.is_contiguous() for p in pages)
+
+
+def _rope_tables(q, cos_table, sin_table, positions):
+    dev = q.device
+    return (cos_table.to(device=dev, dtype=torch.float32).contiguous(),
+            sin_table.to(device=dev, dtype=torch.float32).contiguous(),
+            positions.to(device=dev, dtype=torch.int64).contiguous())
+
+
+def _norm_weight(w):
+    return w.reshape(-1).contiguous() if w is not None else None
+
+
+@_attention.rotary_qk.register("cuda")
+def rotary_qk(q, k, cos_table, sin_table, positions, interleaved=False, q_norm=None, k_norm=None, norm_eps=1e-6,
+              norm_unit_offset=False):
+    if not _rotary_qk_cuda_ok(q, k, cos_table, sin_table, positions, q_norm, k_norm):
+        return _attention.rotary_qk.reference(q, k, cos_table, sin_table, positions, interleaved, q_norm, k_norm,
+                                              norm_eps, norm_unit_offset)
+    c, s, p = _rope_tables(q, cos_table, sin_table, positions)
+    return binding.rotary_qk(q.contiguous(), k.contiguous(), c, s, p, interleaved, _norm_weight(q_norm),
+                             _norm_weight(k_norm), norm_eps, norm_unit_offset)
+
+
+@_attention.rotary_qk_write_kv.register("cuda")
+def rotary_qk_write_kv(q, k, v, cos_table, sin_table, positions, k_pages, v_pages, slots, interleaved=False,
+                       q_norm=None, k_norm=None, norm_eps=1e-6, norm_unit_offset=False):
+    if (
+        not _rotary_qk_cuda_ok(q, k, cos_table, sin_table, positions, q_norm, k_norm, (k_pages, v_pages))
+        or v.dtype != q.dtype or v.shape != k.shape or k_pages.dim() != 4 or v_pages.shape != k_pages.shape
+        or tuple(k_pages.shape[2:]) != tuple(k.shape[1:])
+    ):
+        return _attention.rotary_qk_write_kv.reference(q, k, v, cos_table, sin_table, positions, k_pages, v_pages,
+                                                       slots, interleaved, q_norm, k_norm, norm_eps, norm_unit_offset)
+    c, s, p = _rope_tables(q, cos_table, sin_table, positions)
+    return binding.rotary_qk(q.contiguous(), k.contiguous(), c, s, p, interleaved, _norm_weight(q_norm),
+                             _norm_weight(k_norm), norm_eps, norm_unit_offset, v=v.contiguous(), k_pages=k_pages,
+                             v_pages=v_pages, slots=slots.to(device=q.device, dtype=torch.int64).contiguous())
+# ---- end fused RoPE -----------------------------------------------------------------------------------
+
+
 REGISTERED = sorted(name for name, o in _ops._OPS.items() if "cuda" in o.impls)
