@@ -1,0 +1,268 @@
+"""The decode-step fusion kernels against their torch references (GPU only; skipped without CUDA).
+
+Fused RoPE (QK-norm + RoPE of q and k by position + the KV-page write), the 16-byte vector paths
+of rms_norm / add_rms_norm / hadamard_128 / rotary_embedding next to their scalar fallbacks, graph
+capture of the fused op, and a tiny Llama / Qwen3 decoded with the kernels vs the references.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+TOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    pytest.importorskip("cffi")
+    from trellm import ops as core_ops
+    from trellm.kernels_cuda import binding
+    from trellm.kernels_cuda import ops as cuda_ops  # noqa: F401  (registers the implementations)
+
+    binding.lib()
+    return core_ops
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def cuda_impl(op):
+    impl = op.impls.get("cuda")
+    assert impl is not None, f"{op.name} has no CUDA implementation registered"
+    return impl
+
+
+def rope_tables(length: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(half, device="cuda").float() / half))
+    ang = torch.arange(length, device="cuda").float()[:, None] * inv
+    return ang.cos().contiguous(), ang.sin().contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused RoPE
+
+
+@pytest.mark.parametrize("norm", [None, "plain", "unit_offset"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rot_frac", [1.0, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_rotary_qk(ops, dtype, rot_frac, interleaved, norm):
+    from trellm.ops.attention import rotary_qk
+
+    torch.manual_seed(0)
+    tokens, hq, hkv, d = 7, 8, 2, 128
+    half = int(d * rot_frac) // 2
+    q = torch.randn(tokens, hq, d, device="cuda", dtype=dtype) * 2
+    k = torch.randn(tokens, hkv, d, device="cuda", dtype=dtype) * 2
+    cos, sin = rope_tables(300, half)
+    positions = torch.tensor([5, 0, 299, 17, 17, 128, 3], device="cuda")
+    kw = {}
+    if norm is not None:
+        kw = dict(q_norm=torch.randn(d, device="cuda", dtype=dtype), k_norm=torch.randn(d, device="cuda", dtype=dtype),
+                  norm_eps=1e-6, norm_unit_offset=norm == "unit_offset")
+    q_out, k_out = cuda_impl(rotary_qk)(q, k, cos, sin, positions, interleaved, **kw)
+    q_ref, k_ref = rotary_qk.reference(q, k, cos, sin, positions, interleaved, **kw)
+    tol = TOL[dtype] * (3 if norm else 1)
+    assert q_out.shape == q_ref.shape and k_out.shape == k_ref.shape
+    assert rel_err(q_out, q_ref) < tol
+    assert rel_err(k_out, k_ref) < tol
+
+
+@pytest.mark.parametrize("head_dim", [128, 64, 100])  # 100: rows not a whole number of 16-byte vectors
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rotary_qk_write_kv(ops, dtype, head_dim):
+    from trellm.ops.attention import rotary_qk_write_kv
+
+    torch.manual_seed(1)
+    tokens, hq, hkv, d, page_size, pages = 5, 8, 4, head_dim, 16, 6
+    q = torch.randn(tokens, hq, d, device="cuda", dtype=dtype)
+    k = torch.randn(tokens, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(tokens, hkv, d, device="cuda", dtype=dtype)
+    cos, sin = rope_tables(128, d // 2)
+    positions = torch.tensor([0, 1, 2, 40, 90], device="cuda")
+    slots = torch.tensor([3, 20, 21, 77, 95], device="cuda")
+    norms = dict(q_norm=torch.randn(d, device="cuda", dtype=dtype), k_norm=torch.randn(d, device="cuda", dtype=dtype))
+    k_pages = torch.randn(pages, page_size, hkv, d, device="cuda", dtype=dtype)
+    v_pages = torch.randn_like(k_pages)
+    k_pages_ref, v_pages_ref = k_pages.clone(), v_pages.clone()
+    q_out, k_out = cuda_impl(rotary_qk_write_kv)(q, k, v, cos, sin, positions, k_pages, v_pages, slots, False, **norms)
+    q_ref, k_ref = rotary_qk_write_kv.reference(q, k, v, cos, sin, positions, k_pages_ref, v_pages_ref, slots, False,
+                                                **norms)
+    assert rel_err(q_out, q_ref) < 3 * TOL[dtype]
+    assert rel_err(k_out, k_ref) < 3 * TOL[dtype]
+    flat_k, flat_v = k_pages.view(-1, hkv, d), v_pages.view(-1, hkv, d)
+    assert torch.equal(flat_k[slots], k_out), "the cache holds exactly the rotated keys returned"
+    assert torch.equal(flat_v[slots], v), "values are copied unchanged"
+    untouched = torch.ones(pages * page_size, dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert torch.equal(flat_k[untouched], k_pages_ref.view(-1, hkv, d)[untouched])
+    assert torch.equal(flat_v[untouched], v_pages_ref.view(-1, hkv, d)[untouched])
+
+
+def test_rotary_qk_write_kv_skips_negative_slots(ops):
+    from trellm.kernels_cuda import binding
+
+    q = torch.randn(2, 4, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(2, 2, 64, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    cos, sin = rope_tables(8, 32)
+    k_pages = torch.zeros(2, 4, 2, 64, device="cuda", dtype=torch.float16)
+    v_pages = torch.zeros_like(k_pages)
+    binding.rotary_qk(q, k, cos, sin, torch.tensor([1, 2], device="cuda"), v=v, k_pages=k_pages, v_pages=v_pages,
+                      slots=torch.tensor([-1, 5], device="cuda"))
+    assert torch.equal(v_pages.view(-1, 2, 64)[5], v[1])
+    assert int((v_pages != 0).sum()) == v[1].numel()
+
+
+def test_rotary_qk_argument_errors(ops):
+    from trellm.kernels_cuda import binding
+
+    q = torch.randn(2, 4, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(2, 2, 64, device="cuda", dtype=torch.float16)
+    cos, sin = rope_tables(8, 32)
+    with pytest.raises(binding.KernelArgumentError, match="positions"):
+        binding.rotary_qk(q, k, cos, sin, torch.tensor([1, 2], device="cuda", dtype=torch.int32))
+    with pytest.raises(binding.KernelArgumentError, match="both or neither"):
+        binding.rotary_qk(q, k, cos, sin, torch.tensor([1, 2], device="cuda"), q_norm=torch.ones(64, device="cuda",
+                                                                                             dtype=torch.float16))
+    with pytest.raises(binding.KernelArgumentError, match="cos_table"):
+        binding.rotary_qk(q, k, *rope_tables(8, 40), torch.tensor([1, 2], device="cuda"))
+
+
+def test_rotary_qk_write_kv_in_cuda_graph(ops):
+    """Capturable (no host syncs): replays read the positions / slots written into the static inputs."""
+    from trellm.ops.attention import rotary_qk_write_kv
+
+    torch.manual_seed(2)
+    q = torch.randn(1, 8, 128, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, 2, 128, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    cos, sin = rope_tables(64, 64)
+    positions = torch.tensor([3], device="cuda")
+    slots = torch.tensor([3], device="cuda")
+    k_pages = torch.zeros(4, 16, 2, 128, device="cuda", dtype=torch.float16)
+    v_pages = torch.zeros_like(k_pages)
+    impl = cuda_impl(rotary_qk_write_kv)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        impl(q, k, v, cos, sin, positions, k_pages, v_pages, slots)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            q_out, k_out = impl(q, k, v, cos, sin, positions, k_pages, v_pages, slots)
+    torch.cuda.current_stream().wait_stream(s)
+    positions.fill_(50)
+    slots.fill_(40)
+    g.replay()
+    torch.cuda.synchronize()
+    q_ref, _ = rotary_qk_write_kv.reference(q, k, v, cos, sin, positions, k_pages.clone(), v_pages.clone(), slots)
+    assert rel_err(q_out, q_ref) < 1e-3
+    assert torch.equal(v_pages.view(-1, 2, 128)[40], v[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Vector paths next to their scalar fallbacks
+
+
+def unaligned(shape, dtype, scale=1.0) -> torch.Tensor:
+    """A random tensor whose data starts 2 bytes past a 16-byte boundary (forces the scalar path)."""
+    n = 1
+    for s in shape:
+        n *= s
+    base = torch.randn(n + 8, device="cuda").to(dtype) * scale
+    return base[1 : n + 1].view(shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dim", [8, 128, 1000, 999, 12288])
+def test_rms_norm_vector_and_scalar(ops, dtype, dim):
+    x = torch.randn(5, dim, device="cuda", dtype=dtype) * 3
+    r = torch.randn_like(x)
+    w = torch.randn(dim, device="cuda", dtype=dtype)
+    for xx, rr in ((x, r), (unaligned((5, dim), dtype, 3.0), unaligned((5, dim), dtype))):
+        out = cuda_impl(ops.rms_norm)(xx, w, 1e-6, True)
+        assert rel_err(out, ops.rms_norm.reference(xx, w, 1e-6, True)) < TOL[dtype]
+        y, h = cuda_impl(ops.add_rms_norm)(xx, rr, w, 1e-6)
+        y_ref, h_ref = ops.add_rms_norm.reference(xx, rr, w, 1e-6)
+        assert torch.equal(h, h_ref)
+        assert rel_err(y, y_ref) < TOL[dtype]
+    w32 = torch.randn(dim, device="cuda")  # weight wider than x: two 16-byte loads per vector
+    out = cuda_impl(ops.rms_norm)(x, w32, 1e-6)
+    assert rel_err(out, ops.rms_norm.reference(x, w32, 1e-6)) < TOL[dtype] * 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_hadamard_128_vector_and_scalar(ops, dtype):
+    from trellm.kernels_cuda import binding
+
+    dim = 512
+    pre, post, bias = (torch.randn(dim, device="cuda", dtype=torch.float16) for _ in range(3))
+    for x in (torch.randn(6, dim, device="cuda", dtype=dtype), unaligned((6, dim), dtype)):
+        out = binding.hadamard_128(x, pre=pre, post=post, bias=bias, out_dtype=torch.float32)
+        ref = ops.exl3.hadamard_128.reference(x.float() * pre.float()) * post.float() + bias.float()
+        assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("head_dim", [128, 100])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rotary_embedding_vector_and_scalar(ops, dtype, head_dim):
+    half = head_dim // 2
+    pos = torch.arange(9, device="cuda").float()[:, None] * 13
+    inv = 1.0 / (10000 ** (torch.arange(half, device="cuda").float() / half))
+    cos, sin = torch.cos(pos * inv), torch.sin(pos * inv)
+    for x in (torch.randn(9, 4, head_dim, device="cuda", dtype=dtype), unaligned((9, 4, head_dim), dtype)):
+        out = cuda_impl(ops.rotary_embedding)(x, cos, sin, False)
+        assert rel_err(out, ops.rotary_embedding.reference(x, cos, sin, False)) < TOL[dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole model: the fused decoder path on the GPU vs the references
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_tiny_model_decode_kernels_vs_reference(ops, arch, tmp_path, monkeypatch):
+    import trellm
+    from trellm.batch import ForwardBatch
+    from trellm.cache import KVCache
+    from trellm.graph import GraphRunner
+    from trellm.sdk.testing import make_tiny_hf_model
+
+    model_dir = make_tiny_hf_model(arch, tmp_path, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
+                                   hidden_size=128, intermediate_size=256)
+    lm = trellm.load(model_dir, device="cuda", dtype=torch.float16, tokenizer=False)
+    model = lm.model
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
+
+    def run() -> list[torch.Tensor]:
+        cache = KVCache.for_model(model, max_tokens=64, page_size=16)
+        pages = cache.allocator.alloc(4)
+        out = [model.forward(ForwardBatch.with_cache([prompt], [0], [pages], cache))]
+        for i, tok in enumerate((7, 11, 13)):
+            out.append(model.forward(ForwardBatch.with_cache([[tok]], [len(prompt) + i], [pages], cache)))
+        return [o.float() for o in out]
+
+    with torch.no_grad():
+        fused = run()
+        monkeypatch.setenv("TRELLM_OPS", "reference")
+        ref = run()
+        monkeypatch.delenv("TRELLM_OPS")
+        for a, b in zip(fused, ref):
+            assert rel_err(a, b) < 1e-2
+
+        # The same decode steps replayed from a CUDA graph.
+        cache = KVCache.for_model(model, max_tokens=128, page_size=16)  # 4 pages + the runner's scratch page
+        pages = cache.allocator.alloc(4)
+        runner = GraphRunner(model, cache, batch_sizes=(1,), max_context=64)
+        model.forward(ForwardBatch.with_cache([prompt], [0], [pages], cache))
+        for i, tok in enumerate((7, 11, 13)):
+            logits = runner.forward(ForwardBatch.with_cache([[tok]], [len(prompt) + i], [pages], cache))
+            assert runner.graphs, "the decode step was captured"
+            assert rel_err(logits.float(), ref[i + 1]) < 1e-2
