@@ -310,3 +310,113 @@ def rotary_qk_write_kv(q, k, v, cos_table, sin_table, positions, k_pages, v_page
 
 
 REGISTERED = sorted(name for name, o in _ops._OPS.items() if "cuda" in o.impls)
+
+
+# ---- MoE decode (sync-free expert pairs) and the gated-delta-net decode step ----------------------------
+
+from trellm.modules import moe as _moe  # noqa: E402
+from trellm.ops import deltanet as _deltanet  # noqa: E402
+
+_DENSE_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _stacked_table(t: torch.Tensor) -> torch.Tensor:
+    """int64 [E] device pointers of t[e] for a contiguous stacked tensor (cached: a function of ptr, shape, dtype)."""
+    key = (t.data_ptr(), tuple(t.shape), t.dtype, t.device)
+    table = _DENSE_TABLES.get(key)
+    if table is None:
+        stride = t[0].numel() * t.element_size()
+        table = torch.arange(t.shape[0], dtype=torch.int64, device=t.device) * stride + t.data_ptr()
+        _DENSE_TABLES[key] = table
+    return table
+
+
+@_moe.dense_experts_matmul.register("cuda")
+def dense_experts_matmul(
+    x: torch.Tensor, expert_of: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pairs_per_row: int
+) -> torch.Tensor:
+    k = x.shape[-1]
+    if (
+        x.dim() != 2
+        or weight.dim() != 3
+        or weight.dtype not in _FLOATS
+        or x.dtype != weight.dtype
+        or weight.shape[2] != k
+        or not weight.is_contiguous()
+        or weight.data_ptr() % 16
+        or weight[0].numel() * weight.element_size() % 16
+        or k % (4 if x.dtype == torch.float32 else 8)
+        or expert_of.numel() == 0
+        or (bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()))
+    ):
+        return _moe.dense_experts_matmul.reference(x, expert_of, weight, bias, pairs_per_row)
+    return binding.moe_dense_matmul(
+        x.contiguous(), expert_of.to(torch.int64).contiguous(), _stacked_table(weight), weight.shape[1],
+        _stacked_table(bias) if bias is not None else None, pairs_per_row,
+    )
+
+
+def _exl3_set_ok(x: torch.Tensor, experts) -> bool:
+    return x.dim() == 2 and x.dtype in _FLOATS and experts.gate_up_table.device == x.device
+
+
+@_moe.exl3_experts_gate_up.register("cuda")
+def exl3_experts_gate_up(x: torch.Tensor, expert_of: torch.Tensor, experts, pairs_per_row: int, activation: str = "silu"):
+    k, n, bits, codebook = experts.dims(experts.gate)
+    if not _exl3_set_ok(x, experts) or x.shape[1] != k or expert_of.numel() == 0:
+        return _moe.exl3_experts_gate_up.reference(x, expert_of, experts, pairs_per_row, activation)
+    ids = expert_of.to(torch.int64).contiguous()
+    if activation in ("silu", "swish"):
+        return binding.moe_exl3_matmul(x.contiguous(), ids, experts.gate_up_table, k, n, bits, codebook,
+                                       pairs_per_row=pairs_per_row, mode="silu_gated")
+    gate, up = binding.moe_exl3_matmul(x.contiguous(), ids, experts.gate_up_table, k, n, bits, codebook,
+                                       pairs_per_row=pairs_per_row, mode="plain")
+    return _ops.gated_activation(gate, up, activation)
+
+
+@_moe.exl3_experts_down.register("cuda")
+def exl3_experts_down(h: torch.Tensor, expert_of: torch.Tensor, experts, weights: torch.Tensor) -> torch.Tensor:
+    k, n, bits, codebook = experts.dims(experts.down)
+    if not _exl3_set_ok(h, experts) or h.shape[1] != k or expert_of.numel() == 0 or weights.numel() != expert_of.numel():
+        return _moe.exl3_experts_down.reference(h, expert_of, experts, weights)
+    return binding.moe_exl3_matmul(
+        h.contiguous(), expert_of.to(torch.int64).contiguous(), experts.down_table, k, n, bits, codebook,
+        mode="combine", pair_weights=weights.reshape(-1).to(torch.float32).contiguous(), top_k=weights.shape[1],
+    )
+
+
+@_deltanet.gated_delta_rule_step.register("cuda")
+def gated_delta_rule_step(q, k, v, g, beta, state):
+    if (
+        v.dim() != 3
+        or q.shape[-1] not in binding.DELTA_RULE_KEY_DIMS
+        or v.shape[-1] % 32
+        or q.shape != k.shape
+        or q.shape[:2] != v.shape[:2]
+        or any(t.dtype not in _FLOATS for t in (q, k, v))
+    ):
+        return _deltanet.gated_delta_rule_step.reference(q, k, v, g, beta, state)
+    return binding.gated_delta_rule_step(
+        q.contiguous(), k.contiguous(), v.contiguous(), g.to(torch.float32).contiguous(),
+        beta.to(torch.float32).contiguous(), state.to(torch.float32).contiguous(),
+    )
+
+
+@_deltanet.causal_conv1d_step.register("cuda")
+def causal_conv1d_step(x, weight, bias, states, activation="silu"):
+    if (
+        activation not in (None, "silu")
+        or x.dim() != 2
+        or weight.dim() != 2
+        or not 1 <= weight.shape[1] <= 8
+        or any(t.dtype not in _FLOATS for t in (x, weight, states))
+        or (bias is not None and bias.dtype not in _FLOATS)
+    ):
+        return _deltanet.causal_conv1d_step.reference(x, weight, bias, states, activation)
+    return binding.causal_conv1d_step(
+        x.contiguous(), weight.contiguous(), bias.contiguous() if bias is not None else None, states.contiguous(),
+        activation == "silu",
+    )
+
+
+REGISTERED = sorted(name for name, o in _ops._OPS.items() if "cuda" in o.impls)

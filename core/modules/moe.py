@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..batch import ForwardBatch
+from ..ops import op
 from ..errors import WeightError
 from .base import LoadContext, Module
 from .layers import GatedMLP
@@ -188,10 +189,29 @@ class ExpertList(Module):
     def __init__(self, key: str, num_experts: int, hidden_size: int, intermediate_size: int, **expert_kwargs):
         self.key = key
         self.num_experts = num_experts
+        self.activation = expert_kwargs.get("activation", "silu")  # a name, or a callable (no fused path)
+        self.exl3_set: EXL3ExpertSet | None = None
         self.experts = [ExpertMLP(f"{key}.{i}", hidden_size, intermediate_size, **expert_kwargs) for i in range(num_experts)]
 
     def run_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return self.experts[e].forward(x)
+
+    def load(self, ctx: LoadContext) -> None:
+        super().load(ctx)
+        self.exl3_set = EXL3ExpertSet.from_experts(self.experts, ctx.device)
+
+    def unload(self) -> None:
+        super().unload()
+        self.exl3_set = None
+
+    def run_pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        """The sync-free path when every expert is EXL3 of one shape and format (else None)."""
+        bank = getattr(self, "exl3_set", None)
+        if bank is None or not isinstance(self.activation, str):
+            return None
+        expert_of = ids.reshape(-1)
+        hidden = exl3_experts_gate_up(x, expert_of, bank, ids.shape[1], self.activation)
+        return exl3_experts_down(hidden, expert_of, bank, weights)
 
 
 class StackedExperts(Module):
@@ -273,6 +293,15 @@ class StackedExperts(Module):
             y = y + d_bias[ids][:, None]
         return y.reshape(-1, y.shape[-1])[torch.tensor(take, device=dev)]
 
+    def run_pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Sync-free: one GEMV per (token, expert) pair with the expert read on the device, then the weighted sum."""
+        gate_up, gu_bias, down, d_bias = self.stacked
+        tokens, top_k = ids.shape
+        expert_of = ids.reshape(-1)
+        gate, up = dense_experts_matmul(x, expert_of, gate_up, gu_bias, top_k).chunk(2, dim=-1)
+        y = dense_experts_matmul(self.act(gate, up).contiguous(), expert_of, down, d_bias, 1)
+        return combine_pairs(y, weights, x.dtype)
+
     def nbytes(self) -> int:
         return sum(l.nbytes() for l in self.gate_up + self.down)
 
@@ -286,8 +315,23 @@ def _check_experts(experts: Module) -> None:
         raise TypeError(f"{experts!r} is not an expert collection (needs num_experts and run_expert)")
 
 
+def dispatch_experts_sync_free(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+    """:func:`dispatch_experts` without a host sync (fixed shapes, expert ids stay on the device), or None
+    when the expert collection has no such path (per-expert dense Linears, mixed EXL3 formats)."""
+    run_pairs = getattr(experts, "run_pairs", None)
+    return run_pairs(x, weights, ids) if run_pairs is not None else None
+
+
 def dispatch_experts(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t, grouped by expert."""
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t, grouped by expert.
+
+    On CUDA, up to SYNC_FREE_MAX_PAIRS (token, expert) pairs (decode) take the sync-free pair path, so
+    the step can be captured in a CUDA graph; larger batches (prefill) group tokens by expert.
+    """
+    if x.device.type == "cuda" and 0 < ids.numel() <= SYNC_FREE_MAX_PAIRS:
+        out = dispatch_experts_sync_free(experts, x, weights, ids)
+        if out is not None:
+            return out
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -306,6 +350,108 @@ def dispatch_experts(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch
             start += n
     ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, ys)
+
+
+# ---- sync-free expert pairs (decode) ---------------------------------------------------------------
+#
+# A decode step has few (token, expert) pairs. Grouping them by expert needs the per-expert counts on
+# the host: one sync per MoE layer, and no CUDA graph. The pair path instead runs one GEMV per pair
+# with the expert id read on the device (expert weights reached through pointer tables built at load),
+# so every shape depends only on the number of pairs. It reads an expert once per pair that routes to
+# it, so it stops paying off when many pairs share experts: prefill keeps the grouped path.
+
+SYNC_FREE_MAX_PAIRS = 512
+
+
+def combine_pairs(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum_j weights[t, j] * y[t * top_k + j] for pairs ordered token-major: [T * top_k, H] -> [T, H]."""
+    tokens, top_k = weights.shape
+    return (y.view(tokens, top_k, -1).float() * weights.float()[..., None]).sum(1).to(dtype)
+
+
+@attrs.define(eq=False)
+class EXL3ExpertSet:
+    """The EXL3 gate, up and down Linears of all experts, plus device pointer tables for the pair kernels.
+
+    ``gate_up_table`` int64 [2, E, 4] and ``down_table`` [1, E, 4] hold {trellis, suh, svh, bias or 0}
+    pointers; they stay valid while the Linears hold their tensors (the set is rebuilt at every load).
+    """
+
+    gate: list
+    up: list
+    down: list
+    gate_up_table: torch.Tensor
+    down_table: torch.Tensor
+
+    @staticmethod
+    def _uniform(layers: list) -> bool:
+        first = layers[0]
+        return all(
+            type(l).__name__ == "EXL3Linear"
+            and l.in_features == l.padded_in and l.out_features == l.padded_out  # no padding to undo per pair
+            and l.trellis.shape == first.trellis.shape and l.codebook == first.codebook
+            for l in layers
+        )
+
+    @classmethod
+    def from_experts(cls, experts: list, device) -> "EXL3ExpertSet | None":
+        """The set when every expert's three projections are EXL3 with one shape and format per projection
+        (gate and up alike), else None."""
+        gate, up, down = ([getattr(e, name).impl for e in experts] for name in ("gate_proj", "up_proj", "down_proj"))
+        if not experts or not all(cls._uniform(layers) for layers in (gate, up, down)):
+            return None
+        if gate[0].trellis.shape != up[0].trellis.shape or gate[0].codebook != up[0].codebook:
+            return None
+
+        def table(*projections: list) -> torch.Tensor:
+            rows = [[[l.trellis.data_ptr(), l.suh.data_ptr(), l.svh.data_ptr(), l.bias.data_ptr() if l.bias is not None else 0]
+                     for l in layers] for layers in projections]
+            return torch.tensor(rows, dtype=torch.int64, device=device)
+
+        return cls(gate, up, down, table(gate, up), table(down))
+
+    @staticmethod
+    def dims(layers: list) -> tuple[int, int, int, str]:
+        """(k, n, bits, codebook) of one projection."""
+        l = layers[0]
+        return l.padded_in, l.padded_out, l.bits, l.codebook
+
+
+def _exl3_pairs_reference(x: torch.Tensor, expert_of: torch.Tensor, layers: list, pairs_per_row: int) -> torch.Tensor:
+    """[P, n]: pair p through expert expert_of[p]'s Linear on x row p // pairs_per_row (one call per pair)."""
+    rows = [layers[e].forward(x[p // pairs_per_row][None])[0] for p, e in enumerate(expert_of.tolist())]
+    return torch.stack(rows)
+
+
+@op
+def exl3_experts_gate_up(
+    x: torch.Tensor, expert_of: torch.Tensor, experts: EXL3ExpertSet, pairs_per_row: int, activation: str = "silu"
+) -> torch.Tensor:
+    """act(gate_e(x_t)) * up_e(x_t) for every pair p (e = expert_of[p], t = p // pairs_per_row): [P, I]."""
+    gate = _exl3_pairs_reference(x, expert_of, experts.gate, pairs_per_row)
+    up = _exl3_pairs_reference(x, expert_of, experts.up, pairs_per_row)
+    return ops.gated_activation(gate, up, activation)
+
+
+@op
+def exl3_experts_down(h: torch.Tensor, expert_of: torch.Tensor, experts: EXL3ExpertSet, weights: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * down_{e}(h[t * top_k + j]) with e = expert_of[t * top_k + j]: [T, H]."""
+    return combine_pairs(_exl3_pairs_reference(h, expert_of, experts.down, 1), weights, h.dtype)
+
+
+@op
+def dense_experts_matmul(
+    x: torch.Tensor, expert_of: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pairs_per_row: int
+) -> torch.Tensor:
+    """y[p] = weight[expert_of[p]] @ x[p // pairs_per_row] (+ bias[expert_of[p]]) for stacked weight [E, n, k]: [P, n].
+
+    The reference gathers each pair's weight (a copy of P matrices): sync-free, but only fit for small P.
+    """
+    rows = torch.arange(expert_of.shape[0], device=x.device) // pairs_per_row
+    y = torch.bmm(weight[expert_of], x[rows].to(weight.dtype)[:, :, None])[:, :, 0]
+    if bias is not None:
+        y = y + bias[expert_of]
+    return y.to(x.dtype)
 
 
 class MoE(Module):
@@ -373,6 +519,9 @@ class Experts(Module):
 
     def run_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return self.active.run_expert(e, x)
+
+    def run_pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        return self.active.run_pairs(x, weights, ids)
 
     @property
     def run_grouped(self):
