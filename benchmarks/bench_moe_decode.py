@@ -52,6 +52,9 @@ class RandomWeights:
         self.std, self.stacked_experts = std, stacked_experts
         torch.manual_seed(seed)
 
+    def __iter__(self):
+        return iter(())  # no listing: optional tensors (MTP heads) count as absent
+
     def __contains__(self, name: str) -> bool:
         if name.endswith("experts.gate_up_proj"):
             return self.stacked_experts  # [E, 2I, H] tensors rather than one Linear per expert
@@ -101,20 +104,73 @@ def linear_bytes(model) -> tuple[int, int, int]:
     return model.nbytes() - routed_bytes - embed, expert_bytes, len(routed)
 
 
-def run(model, cfg, batch_size: int, prompt_len: int, steps: int, device) -> float:
-    """Decode tokens/s of ``batch_size`` sequences decoding together."""
+def _decode_graph(model, cache, seqs, slot_t, first_ids: list[int], page: int):
+    """A self-advancing decode step captured in a CUDA graph: each replay runs the model on the static
+    batch, writes the argmax tokens back as the next inputs and advances positions, context lengths and
+    cache slots on the device, so replays need no host work. Returns (graph, step) or raises when the
+    step is not capturable (a host sync on the path)."""
+    device = cache.device
+    width = max(len(s.pages) for s in seqs)
+    table = torch.zeros(len(seqs), width, dtype=torch.int32)
+    for i, s in enumerate(seqs):
+        table[i, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
+    table = table.to(device)
+    lengths = torch.tensor([s.length for s in seqs], dtype=torch.long, device=device)
+    n = len(seqs)
+    batch = ForwardBatch(
+        input_ids=torch.tensor(first_ids, dtype=torch.long, device=device),
+        positions=lengths.clone(),
+        cu_seqlens=torch.arange(n + 1, dtype=torch.int32, device=device),
+        logits_indices=torch.arange(n, dtype=torch.long, device=device),
+        cache=cache,
+        block_table=table,
+        context_lens=(lengths + 1).to(torch.int32),
+        slots=torch.zeros(n, dtype=torch.long, device=device),
+        max_seq_len=width * page,
+        state_slots=slot_t,
+        cached_lens=None,  # decode rows are never fresh: no zero-state test (a host sync) in the recurrent layers
+    )
+
+    def set_slots() -> None:
+        pos = batch.positions
+        batch.slots.copy_(table.gather(1, (pos // page)[:, None])[:, 0].long() * page + pos % page)
+
+    def step() -> None:
+        logits = model.forward(batch)
+        batch.input_ids.copy_(logits.argmax(-1))
+        batch.positions.add_(1)
+        batch.context_lens.add_(1)
+        set_slots()
+
+    set_slots()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up: lazy tables, kernel library, RoPE tables
+            step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return graph
+
+
+def run(model, cfg, batch_size: int, prompt_len: int, steps: int, device, use_graph: bool) -> dict[str, float | str]:
+    """Decode tokens/s of ``batch_size`` sequences decoding together: eagerly (one host round trip per
+    step) and, when ``use_graph`` and the step is capturable, as CUDA-graph replays."""
     page = 64
-    pages_each = -(-(prompt_len + steps + 8) // page)
-    cache = model.make_cache(max_tokens=batch_size * pages_each * page, page_size=page, max_slots=batch_size)
+    total = prompt_len + 2 * (steps + 4) + 8
+    cache = model.make_cache(max_tokens=batch_size * (-(-total // page) + 1) * page, page_size=page, max_slots=batch_size)
     seqs, slots = [], []
     for _ in range(batch_size):
         s = SequenceState(cache)
-        s.reserve(prompt_len + steps + 4)
+        s.reserve(total)
         seqs.append(s)
         slots.append(alloc_state_slot(cache))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(batch_size)]
     slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def forward(tokens: list[list[int]]) -> torch.Tensor:
         batch = ForwardBatch.with_cache(tokens, [s.length for s in seqs], [s.pages for s in seqs], cache)
@@ -124,21 +180,35 @@ def run(model, cfg, batch_size: int, prompt_len: int, steps: int, device) -> flo
             s.length += len(t)
         return out
 
+    result: dict[str, float | str] = {}
     with torch.inference_mode():
         nxt = forward(prompts).argmax(-1).tolist()
         for _ in range(2):  # warm-up steps
             nxt = forward([[t] for t in nxt]).argmax(-1).tolist()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for _ in range(steps):
             nxt = forward([[t] for t in nxt]).argmax(-1).tolist()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
+        sync()
+        result["eager"] = batch_size * steps / (time.perf_counter() - t0)
+        if use_graph and device.type == "cuda":
+            try:
+                graph = _decode_graph(model, cache, seqs, slot_t, nxt, page)
+            except Exception as e:  # a host sync on the path: report eager only
+                result["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                torch.cuda.synchronize()
+            else:
+                graph.replay()
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    graph.replay()
+                sync()
+                result["graph"] = batch_size * steps / (time.perf_counter() - t0)
+                del graph
     for s in seqs:
         s.release()
-    return batch_size * steps / elapsed
+    return result
 
 
 def main() -> None:
@@ -153,6 +223,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--no-graph", action="store_true", help="time eager decode only (no CUDA-graph capture)")
     ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s for the ideal (default: measured on CUDA, 50e9 on CPU)")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -180,18 +251,31 @@ def main() -> None:
         bandwidth = copy_bandwidth()
     else:
         bandwidth = 50e9
-    dense_bytes, expert_bytes, moe_layers = linear_bytes(model)
+    dense_bytes, expert_bytes, moe_layers_count = linear_bytes(model)
     experts, top_k = cfg.extra["num_experts"], cfg.extra["num_experts_per_tok"]
     steps = args.steps or (4 if args.tiny else 16)
     print(f"bandwidth for the ideal: {bandwidth / 1e9:.0f} GB/s; non-expert weights {dense_bytes / 1e9:.3f} GB, "
-          f"one expert {expert_bytes / 1e6:.2f} MB x {experts} x {moe_layers} layers")
-    print(f"{'batch':>5} {'tokens/s':>10} {'ms/step':>9} {'ideal tok/s':>12} {'of ideal':>9} {'GB read/step':>13}")
+          f"one expert {expert_bytes / 1e6:.2f} MB x {experts} x {moe_layers_count} layers")
+    moe_layers = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "experts")]
+    experts0 = moe_layers[0].experts if moe_layers else None
+    sync_free = experts0 is not None and (experts0.layout == "stacked" or getattr(experts0.active, "exl3_set", None) is not None)
+    state_bytes = sum(l.nbytes() for l in model.make_cache(max_tokens=64, page_size=64, max_slots=1).state_layers())
+    print(f"MoE dispatch at decode: {'sync-free pair kernels (graph-capturable)' if sync_free else 'grouped by expert (host sync per layer)'}; "
+          f"recurrent state per sequence {state_bytes / 1e6:.1f} MB (read + written each step, not in the ideal)")
+    print(f"{'batch':>5} {'mode':>6} {'tokens/s':>10} {'ms/step':>9} {'ideal tok/s':>12} {'of ideal':>9} {'GB read/step':>13}")
     for b in args.batch:
         touched = experts * (1 - (1 - top_k / experts) ** b)
-        step_bytes = dense_bytes + touched * expert_bytes * moe_layers
+        step_bytes = dense_bytes + touched * expert_bytes * moe_layers_count
         ideal = b * bandwidth / step_bytes
-        tps = run(model, cfg, b, args.prompt, steps, device)
-        print(f"{b:>5} {tps:>10.1f} {1e3 * b / tps:>9.1f} {ideal:>12.0f} {tps / ideal:>8.1%} {step_bytes / 1e9:>13.3f}")
+        res = run(model, cfg, b, args.prompt, steps, device, not args.no_graph)
+        for mode in ("eager", "graph"):
+            if mode in res:
+                tps = res[mode]
+                print(f"{b:>5} {mode:>6} {tps:>10.1f} {1e3 * b / tps:>9.2f} {ideal:>12.0f} {tps / ideal:>8.1%} {step_bytes / 1e9:>13.3f}")
+        if "graph" in res and "eager" in res:
+            print(f"{'':>5} graph / eager: {res['graph'] / res['eager']:.2f}x")
+        if "graph_error" in res:
+            print(f"{'':>5} graph capture failed, eager only: {res['graph_error']}")
 
 
 if __name__ == "__main__":
