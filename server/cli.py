@@ -30,7 +30,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--cache-size", type=int, help="KV cache size in tokens (default 8192)")
     p.add_argument("--page-size", type=int, help="KV cache page size in tokens (default 256)")
     p.add_argument("--cache-bits", help="quantized KV cache: 'K,V' bits, e.g. 4,4 or 8,6 (default: fp16)")
-    p.add_argument("--draft-model", help="HF directory of a draft model for speculative decoding")
+    p.add_argument("--draft-model", help="HF directory of a draft model for speculative decoding, or 'mtp': the model's "
+                                         "own multi-token-prediction head (Qwen3.5 checkpoints with mtp.* weights)")
     p.add_argument("--num-draft-tokens", type=int, help="draft tokens per step (default 4)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", help="float32, float16 or bfloat16")

@@ -156,6 +156,9 @@ class ModelHost:
         self.in_flight = max(0, self.in_flight - count)
 
 
+MTP_DRAFT = "mtp"  # draft_model value: draft with the model's multi-token-prediction head (trellm.generator.mtp)
+
+
 def _build(settings: LoadSettings) -> tuple[Any, Generator]:
     """Blocking: load the model (and draft model) and build the cache and generator."""
     import trellm
@@ -177,7 +180,12 @@ def _build(settings: LoadSettings) -> tuple[Any, Generator]:
         cache = quantized_cache(lm.model, k_bits=k_bits, v_bits=v_bits, max_tokens=settings.cache_size,
                                 page_size=settings.page_size)
     proposer = None
-    if settings.draft_model is not None:
+    if settings.draft_model is not None and str(settings.draft_model) == MTP_DRAFT:  # the model's own MTP head
+        from trellm.generator.mtp import MTPProposer
+
+        proposer = MTPProposer(lm, num_tokens=settings.num_draft_tokens, cache_tokens=settings.cache_size,
+                               page_size=settings.page_size)
+    elif settings.draft_model is not None:
         draft = trellm.load(settings.draft_model, device=settings.device, dtype=settings.dtype, tokenizer=False)
         proposer = DraftModelProposer(draft, num_tokens=settings.num_draft_tokens, cache_tokens=settings.cache_size,
                                       page_size=settings.page_size)

@@ -12,6 +12,7 @@ with and without the MTP draft, batched, with prefix reuse, and with drafts the 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,3 +277,14 @@ def test_generator_mtp_drafts_follow_accepted_tokens(family, capsys):
     gen.verify_pages()
     with capsys.disabled():
         print(f"\n[{lm.spec.name}] MTP drafts with prefix reuse: {acceptance(done)}")
+
+
+def test_server_draft_model_mtp(family):
+    """``trellm serve --draft-model mtp``: the server's generator drafts with the model's MTP head."""
+    engine = pytest.importorskip("trellm.server.engine")
+    lm = family["lm"]
+    settings = engine.LoadSettings(model_dir=Path(lm.model_dir), model_name="tiny", cache_size=512, page_size=16,
+                                   cache_bits=None, draft_model=Path("mtp"), num_draft_tokens=2, max_batch_size=2,
+                                   max_chunk_tokens=64, device="cpu", dtype="float32")
+    _, gen = engine._build(settings)
+    assert isinstance(gen.proposer, MTPProposer) and gen.proposer.num_tokens == 2 and gen.hidden_sink is not None
