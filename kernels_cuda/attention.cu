@@ -4,10 +4,13 @@
 // queries share every K/V row read. Inside a block each warp takes tiles of 32 keys, one key per
 // lane for the scores (no shuffles per key), then accumulates P.V with each lane owning D/32
 // contiguous output dims. Warps merge through shared memory; with several key splits
-// (flash-decoding, for short batches over long contexts) a second kernel merges the splits.
+// (flash-decoding, for short batches over long contexts) the last split block of each group to finish
+// merges them (arrival counters), or a second kernel does when no counters are available.
 // Prefill chunks run through the same kernel (each query token is its own block): correct, but
 // K/V are re-read per token; a tiled prefill kernel is the follow-up.
 #include "common.cuh"
+
+#include <mutex>
 
 namespace {
 
@@ -20,9 +23,32 @@ struct AttnArgs {
     const float *sinks;
     void *out;
     float *ws_m, *ws_l, *ws_acc;  // [tokens, hq, splits] (+ [.., D]) when splits > 1
+    int32_t *counters;            // zeroed [tokens * hkv * head chunks] or NULL: the last split merges
     int batch, hq, hkv, page_size, max_blocks, sliding_window, splits, split_keys;
     float scale, softcap;
 };
+
+// Merge the key splits of one (token, head) for dims d0, d0 + step, ...: softmax-weighted partial sums
+// (and the sink). The workspace is read through L2 (__ldcg): other blocks of this launch wrote it.
+template <typename T>
+__device__ __forceinline__ void merge_splits(const AttnArgs &a, int token, int head, int head_dim, int d0, int step) {
+    const size_t base = ((size_t)token * a.hq + head) * a.splits;
+    float m_all = a.sinks ? a.sinks[head] : -INFINITY;
+    for (int s = 0; s < a.splits; ++s) m_all = fmaxf(m_all, __ldcg(a.ws_m + base + s));
+    float l_all = a.sinks ? __expf(a.sinks[head] - m_all) : 0.f;
+    for (int s = 0; s < a.splits; ++s) {
+        const float m = __ldcg(a.ws_m + base + s);
+        if (m != -INFINITY) l_all += __ldcg(a.ws_l + base + s) * __expf(m - m_all);
+    }
+    for (int d = d0; d < head_dim; d += step) {
+        float o = 0.f;
+        for (int s = 0; s < a.splits; ++s) {
+            const float m = __ldcg(a.ws_m + base + s);
+            if (m != -INFINITY) o += __ldcg(a.ws_acc + (base + s) * head_dim + d) * __expf(m - m_all);
+        }
+        static_cast<T *>(a.out)[((size_t)token * a.hq + head) * head_dim + d] = from_f32<T>(l_all > 0.f ? o / l_all : 0.f);
+    }
+}
 
 template <typename T, int DPL>
 __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const AttnArgs a) {
@@ -163,24 +189,27 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
             if (d == 0) { a.ws_m[slot] = m_all; a.ws_l[slot] = l_all; }
         }
     }
+    if (a.splits == 1 || !a.counters) return;
+    // Flash-decoding merge without a second launch: the last split of this (token, kv head, chunk) to
+    // finish merges all splits and resets the counter to zero for the next call.
+    __shared__ bool last_split;
+    __threadfence();
+    __syncthreads();
+    int32_t *counter = a.counters + ((size_t)token * a.hkv + kvh) * head_chunks + chunk;
+    if (threadIdx.x == 0) {
+        last_split = atomicAdd(counter, 1) == a.splits - 1;
+        if (last_split) *counter = 0;
+    }
+    __syncthreads();
+    if (!last_split) return;
+    __threadfence();
+    for (int g = warp; g < gn; g += ATT_WARPS) merge_splits<T>(a, token, kvh * group + g0 + g, D, lane, 32);
 }
 
-// Merge the key splits of one (token, head).
+// Merge the key splits of one (token, head) (when no counters are available).
 template <typename T>
 __global__ void attention_merge_kernel(const AttnArgs a, int head_dim) {
-    const int token = blockIdx.x, head = blockIdx.y;
-    const size_t base = ((size_t)token * a.hq + head) * a.splits;
-    float m_all = a.sinks ? a.sinks[head] : -INFINITY;
-    for (int s = 0; s < a.splits; ++s) m_all = fmaxf(m_all, a.ws_m[base + s]);
-    float l_all = a.sinks ? __expf(a.sinks[head] - m_all) : 0.f;
-    for (int s = 0; s < a.splits; ++s)
-        if (a.ws_m[base + s] != -INFINITY) l_all += a.ws_l[base + s] * __expf(a.ws_m[base + s] - m_all);
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float o = 0.f;
-        for (int s = 0; s < a.splits; ++s)
-            if (a.ws_m[base + s] != -INFINITY) o += a.ws_acc[(base + s) * head_dim + d] * __expf(a.ws_m[base + s] - m_all);
-        static_cast<T *>(a.out)[((size_t)token * a.hq + head) * head_dim + d] = from_f32<T>(l_all > 0.f ? o / l_all : 0.f);
-    }
+    merge_splits<T>(a, blockIdx.x, blockIdx.y, head_dim, threadIdx.x, blockDim.x);
 }
 
 template <typename T>
@@ -195,11 +224,48 @@ int launch_attention(const AttnArgs &a, int64_t tokens, int64_t d, cudaStream_t 
     }
 #undef ATT_CASE
     TRELLM_LAUNCH_CHECK();
-    if (a.splits > 1) {
+    if (a.splits > 1 && !a.counters) {
         attention_merge_kernel<T><<<dim3((unsigned)tokens, (unsigned)a.hq), 128, 0, stream>>>(a, (int)d);
         TRELLM_LAUNCH_CHECK();
     }
     return TRELLM_OK;
+}
+
+// Arrival counters of the in-kernel split merge, one zeroed buffer per device, made on the first call
+// outside a graph capture (splits > 1 only when there are fewer than 4 * SMs / 2 blocks, so a few
+// thousand groups always suffice). Without it (capture first, allocation failed) the merge kernel runs.
+// Like the EXL3 matmul's counters: calls must not run concurrently on two streams of one device.
+constexpr int64_t MERGE_COUNTERS = 4096;
+constexpr int MAX_DEVICES = 64;
+std::mutex merge_counters_mutex;
+int32_t *merge_counters_by_device[MAX_DEVICES] = {};
+
+int32_t *merge_counters(int64_t groups, cudaStream_t stream) {
+    if (groups > MERGE_COUNTERS) return nullptr;
+    int dev = -1;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= MAX_DEVICES) {
+        cudaGetLastError();
+        return nullptr;
+    }
+    std::lock_guard<std::mutex> lock(merge_counters_mutex);
+    if (merge_counters_by_device[dev]) return merge_counters_by_device[dev];
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+        cudaGetLastError();
+        return nullptr;
+    }
+    int32_t *p = nullptr;
+    if (cudaMalloc(&p, MERGE_COUNTERS * sizeof(int32_t)) != cudaSuccess) {
+        cudaGetLastError();
+        return nullptr;
+    }
+    if (cudaMemsetAsync(p, 0, MERGE_COUNTERS * sizeof(int32_t), stream) != cudaSuccess) {  // ordered before the kernel
+        cudaGetLastError();
+        cudaFree(p);
+        return nullptr;
+    }
+    merge_counters_by_device[dev] = p;
+    return p;
 }
 
 }  // namespace
@@ -242,6 +308,7 @@ extern "C" int trellm_paged_attention(const void *q, const void *k_pages, const 
     const int64_t capacity = page_size * max_blocks;
     a.split_keys = (int)((capacity + splits - 1) / splits);
     a.scale = scale; a.softcap = softcap;
+    a.counters = splits > 1 ? merge_counters(tokens * hkv * ((hq / hkv + GMAX - 1) / GMAX), stream) : nullptr;
     TRELLM_DISPATCH_DTYPE(dtype, T, return launch_attention<T>(a, tokens, head_dim, stream));
     return TRELLM_OK;
 }

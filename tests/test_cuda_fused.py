@@ -1,6 +1,7 @@
 """The decode-step fusion kernels against their torch references (GPU only; skipped without CUDA).
 
-Fused RoPE (QK-norm + RoPE of q and k by position + the KV-page write), the 16-byte vector paths
+Fused RoPE (QK-norm + RoPE of q and k by position + the KV-page write), paged attention with its key
+splits merged inside the kernel, the 16-byte vector paths
 of rms_norm / add_rms_norm / hadamard_128 / rotary_embedding next to their scalar fallbacks, graph
 capture of the fused op, and a tiny Llama / Qwen3 decoded with the kernels vs the references.
 """
@@ -166,6 +167,50 @@ def test_rotary_qk_write_kv_in_cuda_graph(ops):
     q_ref, _ = rotary_qk_write_kv.reference(q, k, v, cos, sin, positions, k_pages.clone(), v_pages.clone(), slots)
     assert rel_err(q_out, q_ref) < 1e-3
     assert torch.equal(v_pages.view(-1, 2, 128)[40], v[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged attention: the key splits merged inside the kernel (arrival counters)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_paged_attention_in_kernel_split_merge(ops, sinks):
+    """Decode over a long context uses key splits; repeated calls and graph replays must each merge
+    correctly (the counters reset themselves)."""
+    from trellm.kernels_cuda import binding
+
+    torch.manual_seed(3)
+    hq, hkv, d, page_size, ctx = 32, 8, 128, 16, 3000
+    pages = (ctx + page_size - 1) // page_size
+    k_pages = torch.randn(pages + 2, page_size, hkv, d, device="cuda", dtype=torch.float16)
+    v_pages = torch.randn_like(k_pages)
+    table = torch.randperm(pages + 2, device="cuda")[:pages].to(torch.int32).view(1, pages)
+    cu = torch.tensor([0, 1], device="cuda", dtype=torch.int32)
+    lens = torch.tensor([ctx], device="cuda", dtype=torch.int32)
+    sink = torch.randn(hq, device="cuda") if sinks else None
+    assert binding.lib().trellm_paged_attention_splits(1, hq, hkv, page_size, pages, 132) > 1
+    impl = cuda_impl(ops.paged_attention)
+    scale = d**-0.5
+
+    def ref(q):
+        return ops.paged_attention.reference(q, k_pages, v_pages, table, cu, lens, scale, 0, 0.0, sink)
+
+    for _ in range(3):
+        q = torch.randn(1, hq, d, device="cuda", dtype=torch.float16)
+        assert rel_err(impl(q, k_pages, v_pages, table, cu, lens, scale, 0, 0.0, sink), ref(q)) < 2e-3
+    q = torch.randn(1, hq, d, device="cuda", dtype=torch.float16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            out = impl(q, k_pages, v_pages, table, cu, lens, scale, 0, 0.0, sink)
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(3):
+        q.copy_(torch.randn_like(q))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref(q)) < 2e-3
 
 
 # ---------------------------------------------------------------------------------------------
