@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+import traceback
 
 import torch
 from trellm.batch import ForwardBatch
@@ -194,8 +195,10 @@ def run(model, cfg, batch_size: int, prompt_len: int, steps: int, device, use_gr
         if use_graph and device.type == "cuda":
             try:
                 graph = _decode_graph(model, cache, seqs, slot_t, nxt, page)
-            except Exception as e:  # a host sync on the path: report eager only
-                result["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            except Exception as e:  # a host sync on the path: report eager only, naming the innermost trellm line
+                frames = [f for f in traceback.extract_tb(e.__traceback__) if "/trellm/" in f.filename or "/core/" in f.filename]
+                where = f" at {frames[-1].filename.split('/')[-1]}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+                result["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}{where}"
                 torch.cuda.synchronize()
             else:
                 graph.replay()
