@@ -25,6 +25,7 @@ struct AttnArgs {
     float *ws_m, *ws_l, *ws_acc;  // [tokens, hq, splits] (+ [.., D]) when splits > 1
     int32_t *counters;            // zeroed [tokens * hkv * head chunks] or NULL: the last split merges
     int batch, hq, hkv, page_size, max_blocks, sliding_window, splits, split_keys;
+    bool vec16;  // K/V pages 16-byte aligned: rows are read with vector loads
     float scale, softcap;
 };
 
@@ -48,6 +49,35 @@ __device__ __forceinline__ void merge_splits(const AttnArgs &a, int token, int h
         }
         static_cast<T *>(a.out)[((size_t)token * a.hq + head) * head_dim + d] = from_f32<T>(l_all > 0.f ? o / l_all : 0.f);
     }
+}
+
+// A lane's DPL contiguous dims of a V row: one 16- or 8-byte load when they fill one (and rows are aligned).
+template <typename T, int DPL>
+__device__ __forceinline__ void load_lane_dims(const T *__restrict__ p, float (&out)[DPL], bool vec) {
+    constexpr int BYTES = DPL * (int)sizeof(T);
+    if constexpr (BYTES % 16 == 0) {
+        if (vec) {
+            constexpr int PER = 16 / (int)sizeof(T);
+#pragma unroll
+            for (int c = 0; c < BYTES / 16; ++c) {
+                const uint4 u = reinterpret_cast<const uint4 *>(p)[c];
+                const T *e = reinterpret_cast<const T *>(&u);
+#pragma unroll
+                for (int i = 0; i < PER; ++i) out[c * PER + i] = to_f32(e[i]);
+            }
+            return;
+        }
+    } else if constexpr (BYTES == 8) {
+        if (vec) {
+            const uint2 u = *reinterpret_cast<const uint2 *>(p);
+            const T *e = reinterpret_cast<const T *>(&u);
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) out[i] = to_f32(e[i]);
+            return;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) out[i] = to_f32(p[i]);
 }
 
 template <typename T, int DPL>
@@ -111,11 +141,26 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
         if (valid) {
             const T *krow = k_pages + ((size_t)table[j / a.page_size] * a.page_size + j % a.page_size) * row_stride +
                             (size_t)kvh * D;
-#pragma unroll 4
-            for (int d = 0; d < D; ++d) {
-                const float kv = to_f32(krow[d]);
+            if (a.vec16) {  // 16-byte loads of the lane's key row (same summation order as below)
+                constexpr int KV = 16 / (int)sizeof(T);
+#pragma unroll 2
+                for (int d0 = 0; d0 < D; d0 += KV) {
+                    const uint4 u = *reinterpret_cast<const uint4 *>(krow + d0);
+                    const T *e = reinterpret_cast<const T *>(&u);
 #pragma unroll
-                for (int g = 0; g < GMAX; ++g) s[g] += q_s[g][d] * kv;
+                    for (int t = 0; t < KV; ++t) {
+                        const float kv = to_f32(e[t]);
+#pragma unroll
+                        for (int g = 0; g < GMAX; ++g) s[g] += q_s[g][d0 + t] * kv;
+                    }
+                }
+            } else {
+#pragma unroll 4
+                for (int d = 0; d < D; ++d) {
+                    const float kv = to_f32(krow[d]);
+#pragma unroll
+                    for (int g = 0; g < GMAX; ++g) s[g] += q_s[g][d] * kv;
+                }
             }
         }
         // Online softmax over the tile, per head.
@@ -142,8 +187,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
             const T *vrow = v_pages + ((size_t)table[jk / a.page_size] * a.page_size + jk % a.page_size) * row_stride +
                             (size_t)kvh * D + lane * DPL;
             float vv[DPL];
-#pragma unroll
-            for (int i = 0; i < DPL; ++i) vv[i] = to_f32(vrow[i]);
+            load_lane_dims<T, DPL>(vrow, vv, a.vec16);
 #pragma unroll
             for (int g = 0; g < GMAX; ++g) {
                 if (g >= gn) break;
@@ -308,6 +352,7 @@ extern "C" int trellm_paged_attention(const void *q, const void *k_pages, const 
     const int64_t capacity = page_size * max_blocks;
     a.split_keys = (int)((capacity + splits - 1) / splits);
     a.scale = scale; a.softcap = softcap;
+    a.vec16 = (((uintptr_t)k_pages | (uintptr_t)v_pages) & 15) == 0;  // row offsets are multiples of 64 bytes
     a.counters = splits > 1 ? merge_counters(tokens * hkv * ((hq / hkv + GMAX - 1) / GMAX), stream) : nullptr;
     TRELLM_DISPATCH_DTYPE(dtype, T, return launch_attention<T>(a, tokens, head_dim, stream));
     return TRELLM_OK;

@@ -213,6 +213,28 @@ def test_paged_attention_in_kernel_split_merge(ops, sinks):
         assert rel_err(out, ref(q)) < 2e-3
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_paged_attention_vector_and_scalar_rows(ops, dtype, d):
+    """K/V rows read with 16-byte loads (aligned pages) and element by element (pages 2 bytes off)."""
+    torch.manual_seed(4)
+    hq, hkv, page_size, ctx = 8, 2, 16, 200
+    pages = (ctx + page_size - 1) // page_size
+    shape = (pages, page_size, hkv, d)
+    table = torch.arange(pages, device="cuda", dtype=torch.int32).flip(0).view(1, pages)
+    cu = torch.tensor([0, 3], device="cuda", dtype=torch.int32)
+    lens = torch.tensor([ctx], device="cuda", dtype=torch.int32)
+    q = torch.randn(3, hq, d, device="cuda", dtype=dtype)
+    impl = cuda_impl(ops.paged_attention)
+    for k_pages, v_pages in (
+        (torch.randn(shape, device="cuda", dtype=dtype), torch.randn(shape, device="cuda", dtype=dtype)),
+        (unaligned(shape, dtype), unaligned(shape, dtype)),
+    ):
+        out = impl(q, k_pages, v_pages, table, cu, lens, d**-0.5)
+        ref = ops.paged_attention.reference(q, k_pages, v_pages, table, cu, lens, d**-0.5)
+        assert rel_err(out, ref) < (2e-3 if dtype == torch.float16 else 1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # Vector paths next to their scalar fallbacks
 

@@ -298,7 +298,9 @@ class Attention(Module):
     def _fused_rope(self, batch: ForwardBatch) -> bool:
         """Whether q/k can be (head-normed,) rotated and stored in one op: a plain RoPE table, token
         positions, and no QK-norm or a per-head RMSNorm with weights."""
-        if not isinstance(self.rope, RotaryEmbedding) or batch.positions.dim() != 1:
+        if not isinstance(self.rope, RotaryEmbedding) or type(self.rope).cos_sin is not RotaryEmbedding.cos_sin:
+            return False  # no RoPE, or one whose angles are not the plain table's
+        if batch.positions.dim() != 1:
             return False
         if self.q_norm is None:
             return True
