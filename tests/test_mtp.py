@@ -138,6 +138,12 @@ def test_loading_with_and_without_mtp(family):
     assert torch.equal(lm.logits([tokens]), plain.logits([tokens]))  # the main model is untouched
 
 
+def test_family_without_mtp_head(tmp_path):
+    llama = trellm.load(make_tiny_hf_model("LlamaForCausalLM", tmp_path), device="cpu", dtype=torch.float32, tokenizer=False)
+    with pytest.raises(MTPError, match="no MTP head"):
+        MTPProposer(llama)
+
+
 def test_mtp_head_matches_reference(family):
     lm, ref = family["lm"], family["ref"]
     tokens = random_tokens(lm.config.vocab_size, 30, 1)
@@ -154,9 +160,12 @@ def test_mtp_head_matches_reference(family):
     torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
 
 
-def test_proposer_drafts_match_reference_chain(family):
+@pytest.mark.parametrize("pending_limit", [1024, 5])
+def test_proposer_drafts_match_reference_chain(family, pending_limit, monkeypatch):
     """Hidden states arrive in chunks (a prefill split in two, then decode rows); two jobs draft in one
-    batch; the second proposal reuses the cache entries of the first and drops its draft entries."""
+    batch; the second proposal reuses the cache entries of the first and drops its draft entries.
+    ``pending_limit`` 5: hidden states are absorbed into the MTP cache as they arrive (long prompts)."""
+    monkeypatch.setattr("trellm.generator.mtp.MAX_PENDING_ROWS", pending_limit)
     lm, ref = family["lm"], family["ref"]
     proposer = MTPProposer(lm, num_tokens=3, cache_tokens=256, page_size=16)
     vocab = lm.config.vocab_size

@@ -155,9 +155,11 @@ class MTPProposer:
         self.target = getattr(model, "model", model)
         head = mtp_head_of(self.target)
         if head is None:
-            name = getattr(model, "model_dir", None)
-            raise MTPError(f"{name or type(self.target).__name__}: the checkpoint has no MTP weights (mtp.* tensors); "
-                           "MTP drafting needs a Qwen3-Next / Qwen3.5 checkpoint that ships them")
+            name = getattr(model, "model_dir", None) or type(self.target).__name__
+            if getattr(self.target, "mtp", None) is None:
+                raise MTPError(f"{name}: this model family has no MTP head (Qwen3.5 and Qwen3.5 MoE have one)")
+            raise MTPError(f"{name}: the checkpoint has no MTP weights (mtp.* tensors); MTP drafting needs a checkpoint "
+                           "that ships them")
         self.head = head
         self.num_tokens = num_tokens
         weight = self.target.embed.weight
@@ -184,14 +186,16 @@ class MTPProposer:
             return
         rows = self.target.norm.forward(hidden[skip:])  # the LM head's input: what the MTP was trained on
         state.pending = rows if state.pending is None else torch.cat([state.pending, rows])
-        if state.num_pending > MAX_PENDING_ROWS:  # a long prompt: absorb now rather than hold its hidden states
-            try:  # keep h_{n-2} pending: the first draft step starts from it
-                self._absorb([(state, len(tokens) - 2)])
+        stop = len(tokens) - 2  # keep h_{n-2} pending: the first draft step starts from it
+        if state.num_pending > MAX_PENDING_ROWS and stop > state.base + state.seq.length:
+            try:  # a long prompt: absorb now rather than hold all its hidden states
+                self._absorb([(state, stop)])
             except CacheFullError:
                 state.reset(None)
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        """Greedy MTP drafts for every job whose last hidden state has arrived; [] for the others."""
         out: list[list[int]] = [[] for _ in requests]
         live = []  # (index in requests, state, k)
         for i, r in enumerate(requests):
@@ -232,9 +236,9 @@ class MTPProposer:
 
     # ---- MTP forwards -----------------------------------------------------------------------------
 
-    def _absorb(self, work: list[tuple[_JobState, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Turn pending hidden states into cache entries for every job, up to (excluding) position ``stop``
-        where ``t_stop`` is the job's last known token; returns each job's last output row and greedy token."""
+    def _absorb(self, work: list[tuple[_JobState, int]]) -> tuple[torch.Tensor, list[int]]:
+        """Turn pending hidden states into cache entries, for each (job, ``stop``) the positions before ``stop``
+        (at least one); returns each job's last output row and its greedy token."""
         feeds, hiddens, states = [], [], []
         for state, stop in work:
             first = state.base + state.seq.length
@@ -246,7 +250,7 @@ class MTPProposer:
             states.append(state)
         return self._run(states, feeds, torch.cat(hiddens))
 
-    def _run(self, states: list[_JobState], feeds: list[list[int]], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, states: list[_JobState], feeds: list[list[int]], hidden: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """One MTP forward: ``feeds[j]`` next tokens paired with ``hidden`` rows, appended to each job's entries."""
         batch = ForwardBatch.with_cache(feeds, [s.seq.length for s in states], [s.seq.pages for s in states], self.cache)
         bases = torch.tensor([s.base for s in states], dtype=torch.long, device=batch.positions.device)
