@@ -158,9 +158,44 @@ template <int B, int NN> __device__ __forceinline__ uint32_t field16(const uint3
 }
 
 // The eight states of lane positions 8t..8t+7 from its raw words.
+// Bits [lo_bit, lo_bit + 16) of the 64-bit value (hi:lo), as a state.
+template <int SHIFT> __device__ __forceinline__ uint32_t bits16(uint32_t hi, uint32_t lo) {
+    if constexpr (SHIFT == 0) return lo & 0xFFFFu;
+    else if constexpr (SHIFT == 8) return __byte_perm(lo, 0u, 0x4421);   // bytes 1-2 of lo, zero above
+    else if constexpr (SHIFT == 16) return lo >> 16;
+    else if constexpr (SHIFT < 16) return (lo >> SHIFT) & 0xFFFFu;
+    else return __funnelshift_r(lo, hi, SHIFT) & 0xFFFFu;
+}
+
 template <int K> __device__ __forceinline__ void lane_states(const uint32_t (&raw)[TileGeom<K>::NW], int r,
                                                             uint32_t (&st)[8]) {
     using G = TileGeom<K>;
+    if constexpr (K == 4) {
+        // The lane's 44 bits end at the last bit of raw[1]: state e is (raw[0]:raw[1]) >> (28 - 4e).
+        // Byte-aligned states take one byte_perm/shift; the others come from raw[1:0] >> 4.
+        const uint32_t lo = raw[1], hi = raw[0];
+        const uint32_t lo4 = __funnelshift_r(lo, hi, 4);
+        st[7] = bits16<0>(hi, lo);
+        st[6] = lo4 & 0xFFFFu;
+        st[5] = bits16<8>(hi, lo);
+        st[4] = __byte_perm(lo4, 0u, 0x4421);
+        st[3] = bits16<16>(hi, lo);
+        st[2] = lo4 >> 16;
+        st[1] = bits16<24>(hi, lo);
+        st[0] = bits16<28>(hi, lo);
+        return;
+    } else if constexpr (K == 8) {
+        // 72 bits ending at the last bit of raw[2]: state e is (raw[0]:raw[1]:raw[2]) >> (56 - 8e).
+        st[0] = bits16<24>(raw[0], raw[1]);
+        st[1] = bits16<16>(raw[0], raw[1]);
+        st[2] = bits16<8>(raw[0], raw[1]);
+        st[3] = bits16<0>(raw[0], raw[1]);
+        st[4] = bits16<24>(raw[1], raw[2]);
+        st[5] = bits16<16>(raw[1], raw[2]);
+        st[6] = bits16<8>(raw[1], raw[2]);
+        st[7] = bits16<0>(raw[1], raw[2]);
+        return;
+    }
     uint32_t n[G::NN];
 #pragma unroll
     for (int q = 0; q < G::NN; ++q) {

@@ -45,6 +45,26 @@ template <int K, int CB> __device__ __forceinline__ void tile_fragment(const uin
     a[3] = *reinterpret_cast<uint32_t *>(&p67);
 }
 
+// Split-halves A fragments for the 3INST and MCG codebooks. Their weight is the sum of the two fp16
+// halves of one 32-bit word; instead of adding the halves (two byte_perms and an hadd2 per pair), the
+// raw word goes into the mma as two k positions that both multiply the same x value: one mma takes the
+// even k of the tile ({e0, e4, e2, e6}), one the odd k ({e1, e5, e3, e7}), against duplicated x.
+template <int K, int CB> __device__ __forceinline__ void tile_fragments_split(const uint32_t (&raw)[TileGeom<K>::NW],
+                                                                             int r, uint32_t (&even)[4],
+                                                                             uint32_t (&odd)[4]) {
+    uint32_t st[8];
+    lane_states<K>(raw, r, st);
+    const uint32_t mask = 0x8FFF8FFFu, flip = 0x3B603B60u;
+    even[0] = lop3_and_xor(cb_hash<CB>(st[0]), mask, flip);
+    even[1] = lop3_and_xor(cb_hash<CB>(st[4]), mask, flip);
+    even[2] = lop3_and_xor(cb_hash<CB>(st[2]), mask, flip);
+    even[3] = lop3_and_xor(cb_hash<CB>(st[6]), mask, flip);
+    odd[0] = lop3_and_xor(cb_hash<CB>(st[1]), mask, flip);
+    odd[1] = lop3_and_xor(cb_hash<CB>(st[5]), mask, flip);
+    odd[2] = lop3_and_xor(cb_hash<CB>(st[3]), mask, flip);
+    odd[3] = lop3_and_xor(cb_hash<CB>(st[7]), mask, flip);
+}
+
 // Row-major fp16 x values of the block's k-slice, after x * suh and the 128-point Hadamard.
 __device__ __forceinline__ float load_as_f32(const void *p, int dtype, size_t i) {
     if (dtype == TRELLM_F16) return __half2float(static_cast<const half *>(p)[i]);
@@ -128,7 +148,11 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, KT == 4 ? 3 : 2) exl3_matmul_
     __syncthreads();
 
     // x fragments (B operand: k x batch rows), one pair of registers per (k tile, group of 8 rows).
+    // SPLIT (one row group, codebooks with split halves): xf holds x at the even k of the lane's
+    // pairs, duplicated into both halves, and xo the odd k (see tile_fragments_split).
+    constexpr bool SPLIT = CB != TRELLM_CB_MUL1 && MT == 1;
     uint32_t xf[KT][MT][2];
+    uint32_t xo[SPLIT ? KT : 1][2];
 #pragma unroll
     for (int t = 0; t < KT; ++t) {
         const int i = i_begin + t;
@@ -142,8 +166,15 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, KT == 4 ? 3 : 2) exl3_matmul_
                 b0 = p[0];
                 b1 = p[4];
             }
-            xf[t][g][0] = b0;
-            xf[t][g][1] = b1;
+            if constexpr (SPLIT) {
+                xf[t][g][0] = __byte_perm(b0, b0, 0x1010);
+                xf[t][g][1] = __byte_perm(b1, b1, 0x1010);
+                xo[t][0] = __byte_perm(b0, b0, 0x3232);
+                xo[t][1] = __byte_perm(b1, b1, 0x3232);
+            } else {
+                xf[t][g][0] = b0;
+                xf[t][g][1] = b1;
+            }
         }
     }
 
@@ -151,12 +182,25 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, KT == 4 ? 3 : 2) exl3_matmul_
         float c[MT][4];
 #pragma unroll
         for (int g = 0; g < MT; ++g) c[g][0] = c[g][1] = c[g][2] = c[g][3] = 0.f;
+        if constexpr (SPLIT) {
+            float c_odd[4] = {0.f, 0.f, 0.f, 0.f};  // a second chain: half the mma dependency depth
 #pragma unroll
-        for (int t = 0; t < KT; ++t) {
-            uint32_t a[4];
-            tile_fragment<K, CB>(src[t], r, a);
+            for (int t = 0; t < KT; ++t) {
+                uint32_t even[4], odd[4];
+                tile_fragments_split<K, CB>(src[t], r, even, odd);
+                mma_16816(c[0], even, xf[t][0][0], xf[t][0][1]);
+                mma_16816(c_odd, odd, xo[t][0], xo[t][1]);
+            }
 #pragma unroll
-            for (int g = 0; g < MT; ++g) mma_16816(c[g], a, xf[t][g][0], xf[t][g][1]);
+            for (int q = 0; q < 4; ++q) c[0][q] += c_odd[q];
+        } else {
+#pragma unroll
+            for (int t = 0; t < KT; ++t) {
+                uint32_t a[4];
+                tile_fragment<K, CB>(src[t], r, a);
+#pragma unroll
+                for (int g = 0; g < MT; ++g) mma_16816(c[g], a, xf[t][g][0], xf[t][g][1]);
+            }
         }
         // c[g]: (n = lane/4, rows 2(lane%4)+{0,1}) and (n = lane/4 + 8, same rows)
         float *dst = acc + (size_t)(j - j_begin) * 16 * acc_stride;
