@@ -331,3 +331,32 @@ def test_mtp_draft_on_cuda(name, tmp_path):
     gen.verify_pages()
     assert proposer.cache.allocator.free_pages == proposer.cache.num_pages
     print(f"[{name}] cuda MTP draft on random weights: {acceptance(done)}")
+
+
+def test_generator_sampling_and_banned_strings_with_mtp_draft(family):
+    """Seeded sampling (one draw per committed token) and banned-string rewinds (the MTP drops what the
+    rewound tokens fed it) give the same tokens with and without the MTP draft."""
+    from test_generator import byte_tokenizer  # tests/ is on sys.path
+
+    from trellm.generator import SamplerSettings
+
+    lm = family["lm"]
+    tok = byte_tokenizer()
+    prompt = torch.randint(33, 120, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    settings = SamplerSettings(temperature=0.8, top_k=20)
+
+    def generate(proposer, **kw):
+        gen = Generator(lm, tokenizer=tok, cache_tokens=512, page_size=8, max_chunk_tokens=24, proposer=proposer, num_draft_tokens=3)
+        with torch.inference_mode():
+            out = gen.generate(prompt, 24, stop_token_ids=[], return_results=True, **kw)
+        gen.verify_pages()
+        return out
+
+    mtp = lambda: MTPProposer(lm, num_tokens=3, cache_tokens=512, page_size=8)  # noqa: E731
+    sampled = generate(None, sampler=settings, seed=7)
+    assert generate(mtp(), sampler=settings, seed=7).token_ids == sampled.token_ids
+    plain = generate(None)
+    banned = plain.text[10:13]
+    want = generate(None, banned_strings=[banned])
+    got = generate(mtp(), banned_strings=[banned])
+    assert banned not in got.text and got.token_ids == want.token_ids and got.draft_proposed > 0
