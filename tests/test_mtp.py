@@ -33,7 +33,11 @@ LINEAR = {
 }
 EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
 FAMILIES = {"qwen3_5": ("Qwen3_5ForCausalLM", LINEAR), "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", {**LINEAR, **EXPERTS})}
-ATTENTION_LAYER = 1  # the full-attention layer whose tensor shapes the MTP layer copies
+
+
+def attention_layer(tensors: dict[str, torch.Tensor]) -> int:
+    """The first full-attention layer of a checkpoint (the MTP layer has its tensor names and shapes)."""
+    return min(int(name.split(".")[2]) for name in tensors if name.endswith("self_attn.q_proj.weight"))
 
 
 def add_mtp_tensors(model_dir, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -43,8 +47,8 @@ def add_mtp_tensors(model_dir, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     hidden = tensors["model.norm.weight"].shape[0]
     mtp = {}
+    prefix = f"model.layers.{attention_layer(tensors)}."
     for name, t in tensors.items():
-        prefix = f"model.layers.{ATTENTION_LAYER}."
         if name.startswith(prefix):
             scale = 0.1 if t.dim() == 1 else float(t.std())  # 1-D: norm weights w of 1 + w
             mtp["mtp.layers.0." + name[len(prefix):]] = torch.randn(t.shape, generator=g) * scale
@@ -64,12 +68,13 @@ class Reference:
         ref_dir = tmp / "hf_mtp_layer"
         shutil.copytree(plain_dir, ref_dir)
         tensors = load_file(ref_dir / "model.safetensors")
+        index = attention_layer(tensors)
         for name, t in mtp.items():
             if name.startswith("mtp.layers.0."):
-                tensors[f"model.layers.{ATTENTION_LAYER}." + name[len("mtp.layers.0."):]] = t
+                tensors[f"model.layers.{index}." + name[len("mtp.layers.0."):]] = t
         save_file(tensors, ref_dir / "model.safetensors", metadata={"format": "pt"})
         holder = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
-        self.layer, self.rotary = holder.model.layers[ATTENTION_LAYER], holder.model.rotary_emb
+        self.layer, self.rotary = holder.model.layers[index], holder.model.rotary_emb
         self.w, self.eps = mtp, self.hf.config.rms_norm_eps
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:

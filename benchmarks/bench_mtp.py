@@ -1,0 +1,140 @@
+"""MTP drafting on a random-weight Qwen3.5 shape: what the draft costs and what full acceptance would give.
+
+    python benchmarks/bench_mtp.py                          # cuda, bfloat16, batch sizes 1 and 8
+    python benchmarks/bench_mtp.py --device cpu --dtype float32 --small --batch-sizes 1 --new-tokens 16
+
+Random weights make the MTP's own drafts almost never accepted, so per batch size and draft length
+three runs are timed with the same prompts (prefill excluded: decode steps only):
+
+- plain: no draft;
+- mtp:   the MTP drafts (acceptance ~0: the figure is the draft's cost);
+- ceiling: the MTP still runs every step, but its drafts are swapped for the true greedy continuation
+  (all accepted): the most an MTP draft of that length can give on this shape.
+
+Printed: decode tokens/s, ratio to plain, acceptance, decode steps, and the share of decode time spent
+inside the MTP proposer. Output equality with the plain run is checked (greedy).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import trellm
+from trellm.generator import Generator, Job, JobFinished, PrefillProgress
+from trellm.generator.mtp import MTPProposer
+from trellm.sdk.testing import make_tiny_hf_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from test_mtp import add_mtp_tensors  # noqa: E402  (writes random mtp.* tensors into a checkpoint)
+
+SHAPE = dict(  # a small Qwen3.5: 3 gated-delta-net layers per full-attention layer
+    vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=128,
+    linear_value_head_dim=128, max_position_embeddings=4096,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 3,
+)
+SMALL = dict(SHAPE, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+             head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+             layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
+
+
+class TimedMTP:
+    """The MTP proposer with its time measured; ``ceiling`` swaps its drafts for the known continuation."""
+
+    wants_hidden_states = True
+
+    def __init__(self, mtp: MTPProposer, sync, continuations: list[list[int]] | None = None):
+        self.mtp, self.sync, self.continuations, self.seconds = mtp, sync, continuations, 0.0
+
+    def _timed(self, fn, *args):
+        self.sync()
+        t = time.perf_counter()
+        out = fn(*args)
+        self.sync()
+        self.seconds += time.perf_counter() - t
+        return out
+
+    def observe_hidden(self, *args) -> None:
+        self._timed(self.mtp.observe_hidden, *args)
+
+    def propose(self, requests):
+        drafts = self._timed(self.mtp.propose, requests)
+        if self.continuations is None:
+            return drafts
+        out = []
+        for r, d in zip(requests, drafts):
+            seq = next(s for s in self.continuations if s[: len(r.tokens)] == list(r.tokens))
+            out.append(seq[len(r.tokens): len(r.tokens) + len(d)])
+        return out
+
+    def release(self, key) -> None:
+        self.mtp.release(key)
+
+
+def decode_run(lm, prompts, new_tokens, proposer, k, sync, cache_tokens):
+    """Greedy run; returns (results, decode seconds, decode steps, seconds of those inside the proposer),
+    steps that prefilled left out."""
+    gen = Generator(lm, max_batch_size=len(prompts), max_chunk_tokens=4096, cache_tokens=cache_tokens, page_size=64,
+                    proposer=proposer, num_draft_tokens=k)
+    gen.enqueue([Job(list(p), new_tokens, stop_token_ids=[], identifier=i) for i, p in enumerate(prompts)])
+    done, seconds, steps, in_proposer = [], 0.0, 0, 0.0
+    with torch.inference_mode():
+        while gen.has_work():
+            sync()
+            t, before = time.perf_counter(), getattr(proposer, "seconds", 0.0)
+            results = gen.iterate()
+            sync()
+            if not any(isinstance(r, PrefillProgress) for r in results):  # decode-only step
+                seconds += time.perf_counter() - t
+                in_proposer += getattr(proposer, "seconds", 0.0) - before
+                steps += 1
+            done += [r for r in results if isinstance(r, JobFinished)]
+    return sorted(done, key=lambda r: r.identifier), seconds, steps, in_proposer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--draft-tokens", default="1,3")
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--small", action="store_true", help="a tiny shape (CPU smoke run)")
+    args = ap.parse_args()
+    shape = SMALL if args.small else SHAPE
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_hf_model("Qwen3_5ForCausalLM", Path(tmp) / "qwen3_5_mtp", **shape)
+        add_mtp_tensors(model_dir)
+        lm = trellm.load(model_dir, device=args.device, dtype=args.dtype, tokenizer=False)
+    g = torch.Generator().manual_seed(0)
+    print(f"random Qwen3.5 shape: hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, vocab "
+          f"{shape['vocab_size']}; {args.device} {args.dtype}; prompt {args.prompt_tokens}, {args.new_tokens} new tokens")
+    print(f"{'batch':>5} {'k':>2} {'run':<8} {'tok/s':>9} {'x plain':>8} {'accepted':>9} {'steps':>6} {'in MTP':>7}  same")
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        prompts = [torch.randint(0, shape["vocab_size"], (args.prompt_tokens,), generator=g).tolist() for _ in range(batch)]
+        cache_tokens = batch * (args.prompt_tokens + args.new_tokens + 64) + 256
+        decode_run(lm, prompts, 8, None, 1, sync, cache_tokens)  # warm-up
+        plain, plain_s, plain_steps, _ = decode_run(lm, prompts, args.new_tokens, None, 1, sync, cache_tokens)
+        tokens = sum(len(r.token_ids) for r in plain) - batch  # the first token of each job comes from prefill
+        plain_tps = tokens / plain_s
+        print(f"{batch:>5} {'-':>2} {'plain':<8} {plain_tps:>9.1f} {1.0:>8.2f} {'-':>9} {plain_steps:>6} {'-':>7}")
+        continuations = [p + r.token_ids for p, r in zip(prompts, plain)]
+        for k in [int(x) for x in args.draft_tokens.split(",")]:
+            for name, cont in (("mtp", None), ("ceiling", continuations)):
+                timed = TimedMTP(MTPProposer(lm, num_tokens=k, cache_tokens=cache_tokens, page_size=64), sync, cont)
+                done, seconds, steps, in_mtp = decode_run(lm, prompts, args.new_tokens, timed, k, sync, cache_tokens)
+                proposed, accepted = sum(r.draft_proposed for r in done), sum(r.draft_accepted for r in done)
+                same = [r.token_ids for r in done] == [r.token_ids for r in plain]
+                print(f"{batch:>5} {k:>2} {name:<8} {tokens / seconds:>9.1f} {tokens / seconds / plain_tps:>8.2f} "
+                      f"{accepted / max(proposed, 1):>9.0%} {steps:>6} {in_mtp / max(seconds, 1e-9):>7.0%}  {same}")
+
+
+if __name__ == "__main__":
+    main()
