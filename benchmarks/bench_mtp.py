@@ -23,14 +23,13 @@ import time
 from pathlib import Path
 
 import torch
-
 import trellm
 from trellm.generator import Generator, Job, JobFinished, PrefillProgress
 from trellm.generator.mtp import MTPProposer
 from trellm.sdk.testing import make_tiny_hf_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_mtp import add_mtp_tensors  # noqa: E402  (writes random mtp.* tensors into a checkpoint)
+from test_mtp import add_mtp_tensors
 
 SHAPE = dict(  # a small Qwen3.5: 3 gated-delta-net layers per full-attention layer
     vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=8,

@@ -18,14 +18,14 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file, save_file  # noqa: E402
 
-import trellm  # noqa: E402
-from trellm.batch import ForwardBatch  # noqa: E402
-from trellm.cache.recurrent import state_layers  # noqa: E402
-from trellm.generator import DraftRequest, Generator, Job, JobFinished  # noqa: E402
-from trellm.generator.mtp import MTPError, MTPProposer, mtp_head_of  # noqa: E402
-from trellm.sdk.testing import make_tiny_hf_model  # noqa: E402
+import trellm
+from safetensors.torch import load_file, save_file
+from trellm.batch import ForwardBatch
+from trellm.cache.recurrent import state_layers
+from trellm.generator import DraftRequest, Generator, Job, JobFinished
+from trellm.generator.mtp import MTPError, MTPProposer, mtp_head_of
+from trellm.sdk.testing import make_tiny_hf_model
 
 LINEAR = {
     "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
@@ -247,7 +247,7 @@ def test_generator_greedy_output_identical_with_mtp_draft(family, capsys):
     lm = family["lm"]
     vocab = lm.config.vocab_size
     prompts = [random_tokens(vocab, n, 10 + n) for n in (40, 9, 23)]
-    make = lambda proposer: Generator(lm, max_batch_size=2, max_chunk_tokens=16, cache_tokens=512, page_size=16,  # noqa: E731
+    make = lambda proposer: Generator(lm, max_batch_size=2, max_chunk_tokens=16, cache_tokens=512, page_size=16,
                                       proposer=proposer, num_draft_tokens=3)
     want = run(make(None), prompts, 20)
     proposer = MTPProposer(lm, num_tokens=3, cache_tokens=512, page_size=16)
@@ -269,7 +269,7 @@ def test_generator_mtp_drafts_follow_accepted_tokens(family, capsys):
     lm, ref = family["lm"], family["ref"]
     vocab = lm.config.vocab_size
     prompts = [random_tokens(vocab, 37, 20), random_tokens(vocab, 14, 21)]
-    make = lambda proposer, prefix=False: Generator(lm, max_batch_size=2, max_chunk_tokens=16, cache_tokens=512,  # noqa: E731
+    make = lambda proposer, prefix=False: Generator(lm, max_batch_size=2, max_chunk_tokens=16, cache_tokens=512,
                                                     page_size=16, proposer=proposer, num_draft_tokens=3, prefix_caching=prefix)
     want = run(make(None), prompts, 16)
     mix = OracleMix(MTPProposer(lm, num_tokens=3, cache_tokens=512, page_size=16), [p + r.token_ids for p, r in zip(prompts, want)])
@@ -325,7 +325,7 @@ def test_mtp_draft_on_cuda(name, tmp_path):
             outs.append(mtp_head_of(model).forward(model.model.embed.forward(batch.input_ids), hidden[:-1], batch).cpu())
     torch.testing.assert_close(outs[1], outs[0], atol=1e-3, rtol=1e-3)
     prompts = [random_tokens(vocab, n, 30 + n) for n in (70, 9, 23, 40)]
-    make = lambda proposer: Generator(lm, max_batch_size=3, max_chunk_tokens=32, cache_tokens=1024, page_size=16,  # noqa: E731
+    make = lambda proposer: Generator(lm, max_batch_size=3, max_chunk_tokens=32, cache_tokens=1024, page_size=16,
                                       proposer=proposer, num_draft_tokens=3)
     want = run(make(None), prompts, 24)
     proposer = MTPProposer(lm, num_tokens=3, cache_tokens=1024, page_size=16)
@@ -342,7 +342,6 @@ def test_generator_sampling_and_banned_strings_with_mtp_draft(family):
     """Seeded sampling (one draw per committed token) and banned-string rewinds (the MTP drops what the
     rewound tokens fed it) give the same tokens with and without the MTP draft."""
     from test_generator import byte_tokenizer  # tests/ is on sys.path
-
     from trellm.generator import SamplerSettings
 
     lm = family["lm"]
@@ -357,7 +356,7 @@ def test_generator_sampling_and_banned_strings_with_mtp_draft(family):
         gen.verify_pages()
         return out
 
-    mtp = lambda: MTPProposer(lm, num_tokens=3, cache_tokens=512, page_size=8)  # noqa: E731
+    mtp = lambda: MTPProposer(lm, num_tokens=3, cache_tokens=512, page_size=8)
     sampled = generate(None, sampler=settings, seed=7)
     assert generate(mtp(), sampler=settings, seed=7).token_ids == sampled.token_ids
     plain = generate(None)

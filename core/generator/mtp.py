@@ -24,7 +24,8 @@ Norms are Qwen's ``1 + w`` RMSNorms. Only ``mtp.layers.0`` is used (every releas
 """
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 
