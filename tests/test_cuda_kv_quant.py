@@ -358,3 +358,30 @@ def test_kv_quant_cu_compiles_for_sm90(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert Path(tmp_path / "kv_quant.o").stat().st_size > 0
+
+
+@gpu
+@pytest.mark.parametrize("bits", (2, 5, 8))
+def test_fused_cache_ops_when_declared(kb, bits):
+    """kv_quantize_store / kv_dequantize_pages (once core/ops/kv_quant.py declares them) against their references."""
+    from trellm.ops import kv_quant as kvq
+
+    if not (hasattr(kvq, "kv_quantize_store") and hasattr(kvq, "kv_dequantize_pages")):
+        pytest.skip("core/ops/kv_quant.py does not declare the fused cache ops")
+    num_pages, page_size, dim = 5, 16, 256
+    x = kv_rows(21, 2, dim // 2, torch.bfloat16, seed=bits)
+    slots = torch.randperm(num_pages * page_size, device="cuda")[:21]
+    packed = torch.zeros(num_pages, page_size, dim // GROUP * bits, dtype=torch.int32, device="cuda")
+    scales = torch.zeros(num_pages, page_size, dim // GROUP, dtype=torch.float16, device="cuda")
+    kvq.kv_quantize_store.impls["cuda"](x, bits, packed, scales, slots)
+    expect_packed, expect_scales = torch.zeros_like(packed), torch.zeros_like(scales)
+    ref_packed, ref_scales = kv_quantize.reference(x, bits)
+    expect_packed.view(-1, expect_packed.shape[-1])[slots] = ref_packed
+    expect_scales.view(-1, expect_scales.shape[-1])[slots] = ref_scales
+    assert_same_codes(packed, expect_packed, bits)
+    assert_same_scales(scales, expect_scales)
+    pages = torch.tensor([4, 1, 1, 0], device="cuda")
+    out = kvq.kv_dequantize_pages.impls["cuda"](expect_packed, expect_scales, pages, bits, torch.bfloat16)
+    ref = kv_dequantize.reference(expect_packed[pages].view(-1, ref_packed.shape[1]),
+                                  expect_scales[pages].view(-1, ref_scales.shape[1]), bits, torch.bfloat16)
+    assert_close_dequant(out.view(-1, dim), ref)
