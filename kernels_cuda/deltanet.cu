@@ -36,7 +36,9 @@ struct DeltaArgs {
     const float *g, *beta, *state;
     float *new_state;
     void *out;
-    int q_dtype, k_dtype, v_dtype, dv;
+    const int64_t *slots;   // NULL: row b of state; else state row slots[b] (in place when new_state == state)
+    const uint8_t *fresh;   // NULL, or [batch]: 1 = start from the zero state
+    int q_dtype, k_dtype, v_dtype, heads, dv;
     float scale;
 };
 
@@ -56,15 +58,18 @@ __global__ void __launch_bounds__(DN_WARPS * 32) gated_delta_step_kernel(const D
     __syncthreads();
     const float decay = __expf(a.g[bh]);
     const float beta = a.beta[bh];
-    const float *S = a.state + bh * DK * a.dv + col;
-    float *NS = a.new_state + bh * DK * a.dv + col;
+    const size_t b = bh / a.heads;
+    const size_t row = a.slots ? (size_t)a.slots[b] * a.heads + bh % a.heads : bh;
+    const bool zero = a.fresh && a.fresh[b];
+    const float *S = a.state + row * DK * a.dv + col;
+    float *NS = a.new_state + row * DK * a.dv + col;
     const int r0 = warp * R;
 
     float s[R];
     float predicted = 0.f;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        s[r] = S[(size_t)(r0 + r) * a.dv] * decay;
+        s[r] = zero ? 0.f : S[(size_t)(r0 + r) * a.dv] * decay;
         predicted += s[r] * ks[r0 + r];
     }
     red[warp][lane] = predicted;
@@ -97,6 +102,8 @@ constexpr int CONV_MAX_WIDTH = 8;
 struct ConvArgs {
     const void *x, *weight, *bias, *states;
     void *out, *new_states;
+    const int64_t *slots;   // NULL: state row b; else row slots[b] (in place when new_states == states)
+    const uint8_t *fresh;   // NULL, or [batch]: 1 = zero history
     int x_dtype, w_dtype, b_dtype, s_dtype, batch, channels, width, silu;
 };
 
@@ -105,11 +112,14 @@ __global__ void conv1d_step_kernel(const ConvArgs a) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)a.batch * a.channels) return;
     const int c = (int)(i % a.channels);
+    const int64_t b = i / a.channels;
+    const size_t srow = a.slots ? (size_t)a.slots[b] * a.channels + c : (size_t)i;
+    const bool zero = a.fresh && a.fresh[b];
     const int hist = a.width - 1;
     float window[CONV_MAX_WIDTH];
 #pragma unroll
     for (int j = 0; j < CONV_MAX_WIDTH - 1; ++j)
-        if (j < hist) window[j] = dn_round(dn_load(a.states, a.s_dtype, (size_t)i * hist + j), a.w_dtype);
+        if (j < hist) window[j] = zero ? 0.f : dn_round(dn_load(a.states, a.s_dtype, srow * hist + j), a.w_dtype);
     window[hist < CONV_MAX_WIDTH ? hist : CONV_MAX_WIDTH - 1] = dn_round(dn_load(a.x, a.x_dtype, (size_t)i), a.w_dtype);
     float y = 0.f;
 #pragma unroll
@@ -120,23 +130,21 @@ __global__ void conv1d_step_kernel(const ConvArgs a) {
     dn_store(a.out, a.x_dtype, (size_t)i, y);
 #pragma unroll
     for (int j = 0; j < CONV_MAX_WIDTH - 1; ++j)
-        if (j < hist) dn_store(a.new_states, a.s_dtype, (size_t)i * hist + j, window[j + 1]);
+        if (j < hist) dn_store(a.new_states, a.s_dtype, srow * hist + j, window[j + 1]);
 }
 
 bool valid_dtype(int d) { return d >= TRELLM_F16 && d <= TRELLM_F32; }
 
 }  // namespace
 
-extern "C" int trellm_gated_delta_rule_step(const void *q, int q_dtype, const void *k, int k_dtype, const void *v,
-                                            int v_dtype, const float *g, const float *beta, const float *state,
-                                            float *new_state, void *out, int64_t batch_heads, int64_t dk, int64_t dv,
-                                            float scale, cudaStream_t stream) {
-    if (batch_heads <= 0 || dv <= 0 || dv % 32 || batch_heads > 65535) return TRELLM_E_BAD_SHAPE;
-    if (!valid_dtype(q_dtype) || !valid_dtype(k_dtype) || !valid_dtype(v_dtype)) return TRELLM_E_BAD_DTYPE;
-    DeltaArgs a;
-    a.q = q; a.k = k; a.v = v; a.g = g; a.beta = beta; a.state = state; a.new_state = new_state; a.out = out;
-    a.q_dtype = q_dtype; a.k_dtype = k_dtype; a.v_dtype = v_dtype; a.dv = (int)dv; a.scale = scale;
-    dim3 grid((unsigned)(dv / 32), (unsigned)batch_heads);
+namespace {
+
+int launch_delta_step(DeltaArgs a, int64_t batch, int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream) {
+    if (batch <= 0 || heads <= 0 || dv <= 0 || dv % 32 || batch * heads > 65535) return TRELLM_E_BAD_SHAPE;
+    if (!valid_dtype(a.q_dtype) || !valid_dtype(a.k_dtype) || !valid_dtype(a.v_dtype)) return TRELLM_E_BAD_DTYPE;
+    a.heads = (int)heads;
+    a.dv = (int)dv;
+    dim3 grid((unsigned)(dv / 32), (unsigned)(batch * heads));
     switch (dk) {
         case 64: gated_delta_step_kernel<64><<<grid, DN_WARPS * 32, 0, stream>>>(a); break;
         case 128: gated_delta_step_kernel<128><<<grid, DN_WARPS * 32, 0, stream>>>(a); break;
@@ -147,20 +155,75 @@ extern "C" int trellm_gated_delta_rule_step(const void *q, int q_dtype, const vo
     return TRELLM_OK;
 }
 
-extern "C" int trellm_causal_conv1d_step(const void *x, int x_dtype, const void *weight, int w_dtype, const void *bias,
-                                         int b_dtype, const void *states, int s_dtype, void *out, void *new_states,
-                                         int64_t batch, int64_t channels, int64_t width, int silu,
-                                         cudaStream_t stream) {
+int launch_conv_step(ConvArgs a, int64_t batch, int64_t channels, int64_t width, cudaStream_t stream) {
     if (batch <= 0 || channels <= 0 || width < 1 || width > CONV_MAX_WIDTH) return TRELLM_E_BAD_SHAPE;
     if (batch * channels > INT32_MAX) return TRELLM_E_BAD_SHAPE;
-    if (!valid_dtype(x_dtype) || !valid_dtype(w_dtype) || !valid_dtype(s_dtype) || (bias && !valid_dtype(b_dtype)))
+    if (!valid_dtype(a.x_dtype) || !valid_dtype(a.w_dtype) || !valid_dtype(a.s_dtype) || (a.bias && !valid_dtype(a.b_dtype)))
         return TRELLM_E_BAD_DTYPE;
-    ConvArgs a;
-    a.x = x; a.weight = weight; a.bias = bias; a.states = states; a.out = out; a.new_states = new_states;
-    a.x_dtype = x_dtype; a.w_dtype = w_dtype; a.b_dtype = b_dtype; a.s_dtype = s_dtype;
-    a.batch = (int)batch; a.channels = (int)channels; a.width = (int)width; a.silu = silu;
+    a.batch = (int)batch;
+    a.channels = (int)channels;
+    a.width = (int)width;
     const int64_t total = batch * channels;
     conv1d_step_kernel<<<(unsigned)((total + 255) / 256), 256, 0, stream>>>(a);
     TRELLM_LAUNCH_CHECK();
     return TRELLM_OK;
+}
+
+DeltaArgs delta_args(const void *q, int q_dtype, const void *k, int k_dtype, const void *v, int v_dtype, const float *g,
+                     const float *beta, const float *state, float *new_state, void *out, const int64_t *slots,
+                     const uint8_t *fresh, float scale) {
+    DeltaArgs a;
+    a.q = q; a.k = k; a.v = v; a.g = g; a.beta = beta; a.state = state; a.new_state = new_state; a.out = out;
+    a.slots = slots; a.fresh = fresh;
+    a.q_dtype = q_dtype; a.k_dtype = k_dtype; a.v_dtype = v_dtype; a.heads = 1; a.dv = 0; a.scale = scale;
+    return a;
+}
+
+ConvArgs conv_args(const void *x, int x_dtype, const void *weight, int w_dtype, const void *bias, int b_dtype,
+                   const void *states, int s_dtype, void *out, void *new_states, const int64_t *slots,
+                   const uint8_t *fresh, int silu) {
+    ConvArgs a;
+    a.x = x; a.weight = weight; a.bias = bias; a.states = states; a.out = out; a.new_states = new_states;
+    a.slots = slots; a.fresh = fresh;
+    a.x_dtype = x_dtype; a.w_dtype = w_dtype; a.b_dtype = b_dtype; a.s_dtype = s_dtype;
+    a.batch = a.channels = a.width = 0; a.silu = silu;
+    return a;
+}
+
+}  // namespace
+
+extern "C" int trellm_gated_delta_rule_step(const void *q, int q_dtype, const void *k, int k_dtype, const void *v,
+                                            int v_dtype, const float *g, const float *beta, const float *state,
+                                            float *new_state, void *out, int64_t batch_heads, int64_t dk, int64_t dv,
+                                            float scale, cudaStream_t stream) {
+    DeltaArgs a = delta_args(q, q_dtype, k, k_dtype, v, v_dtype, g, beta, state, new_state, out, nullptr, nullptr, scale);
+    return launch_delta_step(a, batch_heads, 1, dk, dv, stream);
+}
+
+extern "C" int trellm_gated_delta_rule_step_slots(const void *q, int q_dtype, const void *k, int k_dtype, const void *v,
+                                                  int v_dtype, const float *g, const float *beta, float *states,
+                                                  const int64_t *slots, const uint8_t *fresh, void *out, int64_t batch,
+                                                  int64_t heads, int64_t dk, int64_t dv, float scale,
+                                                  cudaStream_t stream) {
+    if (!slots) return TRELLM_E_BAD_ARG;
+    DeltaArgs a = delta_args(q, q_dtype, k, k_dtype, v, v_dtype, g, beta, states, states, out, slots, fresh, scale);
+    return launch_delta_step(a, batch, heads, dk, dv, stream);
+}
+
+extern "C" int trellm_causal_conv1d_step(const void *x, int x_dtype, const void *weight, int w_dtype, const void *bias,
+                                         int b_dtype, const void *states, int s_dtype, void *out, void *new_states,
+                                         int64_t batch, int64_t channels, int64_t width, int silu,
+                                         cudaStream_t stream) {
+    ConvArgs a = conv_args(x, x_dtype, weight, w_dtype, bias, b_dtype, states, s_dtype, out, new_states, nullptr, nullptr,
+                           silu);
+    return launch_conv_step(a, batch, channels, width, stream);
+}
+
+extern "C" int trellm_causal_conv1d_step_slots(const void *x, int x_dtype, const void *weight, int w_dtype,
+                                               const void *bias, int b_dtype, void *states, int s_dtype,
+                                               const int64_t *slots, const uint8_t *fresh, void *out, int64_t batch,
+                                               int64_t channels, int64_t width, int silu, cudaStream_t stream) {
+    if (!slots) return TRELLM_E_BAD_ARG;
+    ConvArgs a = conv_args(x, x_dtype, weight, w_dtype, bias, b_dtype, states, s_dtype, out, states, slots, fresh, silu);
+    return launch_conv_step(a, batch, channels, width, stream);
 }

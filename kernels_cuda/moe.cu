@@ -215,38 +215,44 @@ __device__ __forceinline__ void finished_values(const FinishArgs &a, int m, int 
     }
 }
 
-// One warp per job. Modes: TRELLM_MOE_PLAIN y [matrices, pairs, n]; TRELLM_MOE_SILU_GATED y [pairs, n] =
-// silu(matrix 0) * matrix 1; TRELLM_MOE_COMBINE y [pairs / top_k, n] = sum_j w[t*top_k + j] * y_{t*top_k + j}.
-__global__ void moe_exl3_finish_kernel(const FinishArgs a, int jobs) {
-    const int job = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
-    if (job >= jobs) return;
-    const int lane = threadIdx.x & 31;
+// One block per (item, 128-column group); warp w finishes one (matrix, pair) of the item, in parallel.
+// TRELLM_MOE_PLAIN: item = pair, warp w = matrix w, y [matrices, pairs, n].
+// TRELLM_MOE_SILU_GATED: item = pair, warps 0/1 = gate/up, y [pairs, n] = silu(gate) * up.
+// TRELLM_MOE_COMBINE: item = token, warp j = pair t*top_k + j, y [pairs / top_k, n] = sum_j w_j * y_j.
+constexpr int FINISH_MAX_WARPS = 32;
+
+__global__ void moe_exl3_finish_kernel(const FinishArgs a, int warps_used) {
+    __shared__ float vals[FINISH_MAX_WARPS][MOE_GROUP];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int groups = a.n / MOE_GROUP;
-    const int group = job % groups, item = job / groups;
+    const int group = blockIdx.x % groups, item = blockIdx.x / groups;
     const int col = group * MOE_GROUP + lane * 4;
-    float v[4];
-    if (a.mode == TRELLM_MOE_PLAIN) {
-        const int m = item / a.pairs, p = item % a.pairs;
+    if (warp < warps_used) {
+        const bool combine = a.mode == TRELLM_MOE_COMBINE;
+        const int m = combine ? 0 : warp;
+        const int p = combine ? item * a.top_k + warp : item;
+        float v[4];
         finished_values(a, m, p, group, v);
+        if (a.mode == TRELLM_MOE_PLAIN) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) moe_store(a.y, a.y_dtype, ((size_t)m * a.pairs + p) * a.n + col + i, v[i]);
-    } else if (a.mode == TRELLM_MOE_SILU_GATED) {
-        float u[4];
-        finished_values(a, 0, item, group, v);
-        finished_values(a, 1, item, group, u);
+            for (int i = 0; i < 4; ++i) moe_store(a.y, a.y_dtype, ((size_t)m * a.pairs + p) * a.n + col + i, v[i]);
+        } else {
+            const float scale = combine ? a.pair_weights[p] : 1.f;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) moe_store(a.y, a.y_dtype, (size_t)item * a.n + col + i, silu_f(v[i]) * u[i]);
-    } else {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int j = 0; j < a.top_k; ++j) {
-            const int p = item * a.top_k + j;
-            const float wgt = a.pair_weights[p];
-            finished_values(a, 0, p, group, v);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[i] += wgt * v[i];
+            for (int i = 0; i < 4; ++i) vals[warp][lane * 4 + i] = scale * v[i];
         }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) moe_store(a.y, a.y_dtype, (size_t)item * a.n + col + i, acc[i]);
+    }
+    if (a.mode == TRELLM_MOE_PLAIN) return;
+    __syncthreads();
+    for (int c = threadIdx.x; c < MOE_GROUP; c += blockDim.x) {
+        float out;
+        if (a.mode == TRELLM_MOE_SILU_GATED) {
+            out = silu_f(vals[0][c]) * vals[1][c];
+        } else {
+            out = 0.f;
+            for (int j = 0; j < warps_used; ++j) out += vals[j][c];
+        }
+        moe_store(a.y, a.y_dtype, (size_t)item * a.n + group * MOE_GROUP + c, out);
     }
 }
 
@@ -350,8 +356,11 @@ extern "C" int trellm_moe_exl3_matmul(const void *x, int x_dtype, const int64_t 
     if (x_dtype < TRELLM_F16 || x_dtype > TRELLM_F32 || y_dtype < TRELLM_F16 || y_dtype > TRELLM_F32)
         return TRELLM_E_BAD_DTYPE;
     if (mode == TRELLM_MOE_SILU_GATED && matrices != 2) return TRELLM_E_BAD_ARG;
-    if (mode == TRELLM_MOE_COMBINE && (matrices != 1 || top_k <= 0 || pairs % top_k || !pair_weights))
+    if (mode == TRELLM_MOE_COMBINE && (matrices != 1 || top_k <= 0 || top_k > FINISH_MAX_WARPS || pairs % top_k ||
+                                       !pair_weights))
         return TRELLM_E_BAD_ARG;
+    if (mode == TRELLM_MOE_PLAIN && matrices > FINISH_MAX_WARPS) return TRELLM_E_BAD_ARG;
+    if ((int64_t)pairs * (n / MOE_GROUP) > INT32_MAX) return TRELLM_E_BAD_SHAPE;
     if (mode < TRELLM_MOE_PLAIN || mode > TRELLM_MOE_COMBINE) return TRELLM_E_BAD_ARG;
 
     PartialArgs pa;
@@ -391,12 +400,12 @@ extern "C" int trellm_moe_exl3_matmul(const void *x, int x_dtype, const int64_t 
     fa.slices = slices;
     fa.top_k = (int)top_k;
     const int groups = (int)(n / MOE_GROUP);
-    int jobs;
-    if (mode == TRELLM_MOE_PLAIN) jobs = (int)(matrices * pairs) * groups;
-    else if (mode == TRELLM_MOE_SILU_GATED) jobs = (int)pairs * groups;
-    else jobs = (int)(pairs / top_k) * groups;
-    const int warps_per_block = 4;
-    moe_exl3_finish_kernel<<<(jobs + warps_per_block - 1) / warps_per_block, warps_per_block * 32, 0, stream>>>(fa, jobs);
+    int items, warps_used;
+    if (mode == TRELLM_MOE_PLAIN) { items = (int)pairs; warps_used = (int)matrices; }
+    else if (mode == TRELLM_MOE_SILU_GATED) { items = (int)pairs; warps_used = 2; }
+    else { items = (int)(pairs / top_k); warps_used = (int)top_k; }
+    const int threads = 32 * max(warps_used, 4);  // at least 128 threads for the column loop
+    moe_exl3_finish_kernel<<<items * groups, threads, 0, stream>>>(fa, warps_used);
     TRELLM_LAUNCH_CHECK();
     return TRELLM_OK;
 }

@@ -168,6 +168,19 @@ int trellm_rotary_qk(const void *q, const void *k, void *q_out, void *k_out, con
                      float norm_eps, int norm_unit_offset, const void *v, void *k_pages, void *v_pages,
                      const int64_t *slots, int64_t tokens, int64_t hq, int64_t hkv, int64_t head_dim, int64_t rot_half,
                      int interleaved, int dtype, cudaStream_t stream);
+/* ---- gated delta net decode on the cache's slots, in place (deltanet.cu) ----
+ * As trellm_gated_delta_rule_step / trellm_causal_conv1d_step, but sequence b reads and updates row slots[b]
+ * (int64) of the slot storage in place: states float32 [slots, heads, dk, dv], conv states [slots, C, width-1].
+ * fresh: uint8 [batch] or NULL; 1 = the sequence starts from the zero state (its old slot contents ignored). */
+int trellm_gated_delta_rule_step_slots(const void *q, int q_dtype, const void *k, int k_dtype, const void *v,
+                                       int v_dtype, const float *g, const float *beta, float *states,
+                                       const int64_t *slots, const uint8_t *fresh, void *out, int64_t batch,
+                                       int64_t heads, int64_t dk, int64_t dv, float scale, cudaStream_t stream);
+int trellm_causal_conv1d_step_slots(const void *x, int x_dtype, const void *weight, int w_dtype, const void *bias,
+                                    int b_dtype, void *states, int s_dtype, const int64_t *slots, const uint8_t *fresh,
+                                    void *out, int64_t batch, int64_t channels, int64_t width, int silu,
+                                    cudaStream_t stream);
+/* ---- end gated delta net slots ---- */
 /* ABI END */
 
 #ifdef __cplusplus
