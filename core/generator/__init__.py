@@ -50,8 +50,9 @@ Results (attrs classes, all with ``job`` and ``identifier``):
   ``eos_reason`` is one of stop_token, stop_string, max_new_tokens, cancelled, error. ``text`` and
   ``token_ids`` are the whole completion, without the stop token / stop string.
 
-Speculative decoding: ``Generator(lm, proposer=NgramProposer())`` or
-``proposer=DraftModelProposer(draft_lm)``, ``num_draft_tokens=4``.
+Speculative decoding: ``Generator(lm, proposer=NgramProposer())``,
+``proposer=DraftModelProposer(draft_lm)`` or ``proposer=MTPProposer(lm)`` (the model's own MTP head,
+Qwen3.5; docs/speculative.md), ``num_draft_tokens=4``.
 
 Hybrid models (recurrent-state layers: Qwen3.5, Qwen3-Next, LFM2, NemotronH, OLMo Hybrid) hold one
 state slot per job. Prefix reuse works through state checkpoints: prefill chunks end at page
@@ -85,9 +86,10 @@ from .async_generator import AsyncGenerator, AsyncJob
 from .generator import Generator, JobTooLargeError
 from .job import Job, JobFinished, JobStarted, PrefillProgress, Result, TokenChunk
 from .speculative import DraftModelProposer, DraftRequest, NgramProposer, Proposer
+from .mtp import MTPProposer
 
 __all__ = [
     "AsyncGenerator", "AsyncJob", "DraftModelProposer", "DraftRequest", "Generator", "Job", "JobFinished",
-    "JobStarted", "JobTooLargeError", "NgramProposer", "PrefillProgress", "Proposer", "Result",
+    "JobStarted", "JobTooLargeError", "MTPProposer", "NgramProposer", "PrefillProgress", "Proposer", "Result",
     "SamplerSettings", "SamplerStack", "TokenChunk",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import trellm
 from trellm.config import DecoderConfig
 from trellm.errors import ConfigError
+from trellm.generator.mtp import build_qwen_mtp_head
 from trellm.modules.base import Module
 from trellm.modules.decoder import DecoderLayer
 from trellm.modules.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -76,7 +77,10 @@ def build(cfg: DecoderConfig) -> HybridCausalLM:
             return qwen_moe_mlp(cfg, key, norm)
         return None
 
-    return build_qwen_hybrid(cfg, "model", "fused", moe_layer)
+    model = build_qwen_hybrid(cfg, "model", "fused", moe_layer)
+    mtp_mlp = qwen_moe_mlp(cfg, "mtp.layers.0.mlp", norm) if has_experts else None
+    model.mtp = build_qwen_mtp_head(cfg, mtp_mlp)  # loads only if the checkpoint has mtp.* tensors
+    return model
 
 
 SPEC = ArchitectureSpec(
