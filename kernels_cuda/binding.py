@@ -702,3 +702,58 @@ def rotary_qk(
     _check(rc, "rotary_qk")
     return q_out, k_out
 # ---- end fused RoPE -----------------------------------------------------------------------------------
+
+
+def _fresh_mask(fresh: torch.Tensor | None, batch: int, device: torch.device):
+    expect(fresh, "fresh", dtype=torch.bool, shape=(batch,), device=device, optional=True)
+    return _ptr(fresh.view(torch.uint8) if fresh is not None else None, "uint8_t *")
+
+
+def gated_delta_rule_step_slots(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: torch.Tensor,
+    slots: torch.Tensor, fresh: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One recurrent step updating states[slots] (float32 [S, H, Dk, Dv]) in place; returns out [B, H, Dv]."""
+    expect(v, "v", dtype=_FLOATS, shape=(None, None, None))
+    b, h, dv = v.shape
+    expect(states, "states", dtype=torch.float32, shape=(None, h, None, dv), device=v.device)
+    dk = states.shape[2]
+    for t, name in ((q, "q"), (k, "k")):
+        expect(t, name, dtype=_FLOATS, shape=(b, h, dk), device=v.device)
+    expect(g, "g", dtype=torch.float32, shape=(b, h), device=v.device)
+    expect(beta, "beta", dtype=torch.float32, shape=(b, h), device=v.device)
+    expect(slots, "slots", dtype=torch.int64, shape=(b,), device=v.device)
+    if dk not in DELTA_RULE_KEY_DIMS or dv % 32:
+        raise KernelArgumentError(f"states: key dim {dk} (supported {DELTA_RULE_KEY_DIMS}), value dim {dv} (multiple of 32)")
+    out = torch.empty_like(v)
+    rc = lib().trellm_gated_delta_rule_step_slots(
+        _ptr(q), DTYPE_CODES[q.dtype], _ptr(k), DTYPE_CODES[k.dtype], _ptr(v), DTYPE_CODES[v.dtype],
+        _ptr(g, "float *"), _ptr(beta, "float *"), _ptr(states, "float *"), _ptr(slots, "int64_t *"),
+        _fresh_mask(fresh, b, v.device), _ptr(out), b, h, dk, dv, float(dk**-0.5), _stream(),
+    )
+    _check(rc, "gated_delta_rule_step_slots")
+    return out
+
+
+def causal_conv1d_step_slots(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor, slots: torch.Tensor,
+    fresh: torch.Tensor | None, silu: bool,
+) -> torch.Tensor:
+    """One conv step updating states[slots] ([S, C, W-1]) in place; returns out [B, C]."""
+    expect(x, "x", dtype=_FLOATS, shape=(None, None))
+    b, c = x.shape
+    expect(weight, "weight", dtype=_FLOATS, shape=(c, None), device=x.device)
+    width = weight.shape[1]
+    if not 1 <= width <= 8:
+        raise KernelArgumentError(f"weight: conv width {width} unsupported (1..8)")
+    expect(bias, "bias", dtype=_FLOATS, shape=(c,), device=x.device, optional=True)
+    expect(states, "states", dtype=_FLOATS, shape=(None, c, width - 1), device=x.device)
+    expect(slots, "slots", dtype=torch.int64, shape=(b,), device=x.device)
+    out = torch.empty_like(x)
+    rc = lib().trellm_causal_conv1d_step_slots(
+        _ptr(x), DTYPE_CODES[x.dtype], _ptr(weight), DTYPE_CODES[weight.dtype], _ptr(bias),
+        DTYPE_CODES[bias.dtype] if bias is not None else 0, _ptr(states), DTYPE_CODES[states.dtype],
+        _ptr(slots, "int64_t *"), _fresh_mask(fresh, b, x.device), _ptr(out), b, c, width, int(bool(silu)), _stream(),
+    )
+    _check(rc, "causal_conv1d_step_slots")
+    return out

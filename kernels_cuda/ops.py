@@ -377,7 +377,13 @@ def exl3_experts_gate_up(x: torch.Tensor, expert_of: torch.Tensor, experts, pair
 @_moe.exl3_experts_down.register("cuda")
 def exl3_experts_down(h: torch.Tensor, expert_of: torch.Tensor, experts, weights: torch.Tensor) -> torch.Tensor:
     k, n, bits, codebook = experts.dims(experts.down)
-    if not _exl3_set_ok(h, experts) or h.shape[1] != k or expert_of.numel() == 0 or weights.numel() != expert_of.numel():
+    if (
+        not _exl3_set_ok(h, experts)
+        or h.shape[1] != k
+        or expert_of.numel() == 0
+        or weights.numel() != expert_of.numel()
+        or weights.shape[1] > 32  # one warp per pair of a token in the finishing kernel
+    ):
         return _moe.exl3_experts_down.reference(h, expert_of, experts, weights)
     return binding.moe_exl3_matmul(
         h.contiguous(), expert_of.to(torch.int64).contiguous(), experts.down_table, k, n, bits, codebook,
@@ -415,6 +421,44 @@ def causal_conv1d_step(x, weight, bias, states, activation="silu"):
         return _deltanet.causal_conv1d_step.reference(x, weight, bias, states, activation)
     return binding.causal_conv1d_step(
         x.contiguous(), weight.contiguous(), bias.contiguous() if bias is not None else None, states.contiguous(),
+        activation == "silu",
+    )
+
+
+@_deltanet.gated_delta_rule_step_slots.register("cuda")
+def gated_delta_rule_step_slots(q, k, v, g, beta, states, slots, fresh=None):
+    if (
+        v.dim() != 3
+        or states.dim() != 4
+        or states.dtype != torch.float32
+        or not states.is_contiguous()
+        or states.shape[2] not in binding.DELTA_RULE_KEY_DIMS
+        or v.shape[-1] % 32
+        or any(t.dtype not in _FLOATS for t in (q, k, v))
+    ):
+        return _deltanet.gated_delta_rule_step_slots.reference(q, k, v, g, beta, states, slots, fresh)
+    return binding.gated_delta_rule_step_slots(
+        q.contiguous(), k.contiguous(), v.contiguous(), g.to(torch.float32).contiguous(),
+        beta.to(torch.float32).contiguous(), states, slots.to(torch.int64).contiguous(),
+        fresh.to(torch.bool).contiguous() if fresh is not None else None,
+    )
+
+
+@_deltanet.causal_conv1d_step_slots.register("cuda")
+def causal_conv1d_step_slots(x, weight, bias, states, slots, fresh=None, activation="silu"):
+    if (
+        activation not in (None, "silu")
+        or x.dim() != 2
+        or weight.dim() != 2
+        or not 1 <= weight.shape[1] <= 8
+        or not states.is_contiguous()
+        or any(t.dtype not in _FLOATS for t in (x, weight, states))
+        or (bias is not None and bias.dtype not in _FLOATS)
+    ):
+        return _deltanet.causal_conv1d_step_slots.reference(x, weight, bias, states, slots, fresh, activation)
+    return binding.causal_conv1d_step_slots(
+        x.contiguous(), weight.contiguous(), bias.contiguous() if bias is not None else None, states,
+        slots.to(torch.int64).contiguous(), fresh.to(torch.bool).contiguous() if fresh is not None else None,
         activation == "silu",
     )
 

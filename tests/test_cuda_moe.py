@@ -275,3 +275,59 @@ def test_causal_conv1d_step_cuda(dtype, bias, activation):
     assert out.dtype == dtype and new_states.dtype == dtype
     assert torch.equal(new_states.float(), ref_states)  # a shift: exact
     assert rel_err(out, ref_out) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+# ---- gated delta net decode on the cache's slots (in place) ----------------------------------------------
+
+
+def slot_inputs(device, v_dtype=torch.bfloat16, b=3, h=4, dk=64, dv=64, slots_total=6, conv_c=96, width=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g)
+    q = torch.nn.functional.normalize(r(b, h, dk), dim=-1)
+    k = torch.nn.functional.normalize(r(b, h, dk), dim=-1)
+    t = dict(
+        q=q, k=k, v=r(b, h, dv).to(v_dtype), g=-torch.rand(b, h, generator=g), beta=torch.rand(b, h, generator=g),
+        states=r(slots_total, h, dk, dv) * 0.3, x=r(b, conv_c).to(v_dtype), w=r(conv_c, width).to(v_dtype),
+        conv_states=r(slots_total, conv_c, width - 1).to(v_dtype),
+        slots=torch.tensor([4, 1, 3]), fresh=torch.tensor([False, True, False]),
+    )
+    return {n: x.to(device) for n, x in t.items()}
+
+
+def test_slot_step_references_update_only_their_slots():
+    from trellm.ops.deltanet import causal_conv1d_step, causal_conv1d_step_slots, gated_delta_rule_step, gated_delta_rule_step_slots
+
+    t = slot_inputs("cpu", torch.float32)
+    states, conv = t["states"].clone(), t["conv_states"].clone()
+    out = gated_delta_rule_step_slots(t["q"], t["k"], t["v"], t["g"], t["beta"], states, t["slots"], t["fresh"])
+    start = t["states"][t["slots"]] * (~t["fresh"]).float().view(-1, 1, 1, 1)
+    ref_out, ref_state = gated_delta_rule_step(t["q"], t["k"], t["v"], t["g"], t["beta"], start)
+    assert torch.allclose(out, ref_out) and torch.allclose(states[t["slots"]], ref_state)
+    untouched = [0, 2, 5]
+    assert torch.equal(states[untouched], t["states"][untouched])
+    y = causal_conv1d_step_slots(t["x"], t["w"], None, conv, t["slots"], t["fresh"])
+    window = t["conv_states"][t["slots"]] * (~t["fresh"]).float().view(-1, 1, 1)
+    ref_y, ref_conv = causal_conv1d_step(t["x"], t["w"], None, window)
+    assert torch.allclose(y, ref_y) and torch.equal(conv[t["slots"]], ref_conv)
+    assert torch.equal(conv[untouched], t["conv_states"][untouched])
+
+
+@pytest.mark.parametrize("with_fresh", [False, True])
+@pytest.mark.parametrize("dk", [64, 128])
+@on_cuda
+def test_slot_steps_cuda(with_fresh, dk):
+    from trellm.ops.deltanet import causal_conv1d_step_slots, gated_delta_rule_step_slots
+
+    t = slot_inputs("cuda", dk=dk, dv=96)
+    fresh = t["fresh"] if with_fresh else None
+    states, ref_states = t["states"].clone(), t["states"].clone()
+    out = cuda_impl(gated_delta_rule_step_slots)(t["q"], t["k"], t["v"], t["g"], t["beta"], states, t["slots"], fresh)
+    ref = gated_delta_rule_step_slots.reference(t["q"], t["k"], t["v"].float(), t["g"], t["beta"], ref_states, t["slots"], fresh)
+    assert rel_err(states, ref_states) < 1e-5
+    assert rel_err(out, ref) < 1e-2
+    conv, ref_conv = t["conv_states"].clone(), t["conv_states"].clone()
+    bias = torch.randn(t["x"].shape[1], device="cuda").to(t["x"].dtype)
+    y = cuda_impl(causal_conv1d_step_slots)(t["x"], t["w"], bias, conv, t["slots"], fresh)
+    ref_y = causal_conv1d_step_slots.reference(t["x"].float(), t["w"].float(), bias.float(), ref_conv, t["slots"], fresh)
+    assert torch.equal(conv, ref_conv)  # a shift of bf16 values: exact
+    assert rel_err(y, ref_y) < 1e-2

@@ -87,6 +87,52 @@ def gated_delta_rule_step(
     return out.to(v.dtype), s
 
 
+@op
+def causal_conv1d_step_slots(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """:func:`causal_conv1d_step` on the cache's slot storage, in place: sequence b reads and updates
+    ``states[slots[b]]`` ([S, C, K-1]); rows where ``fresh`` [B] is True start from zeros. Returns out [B, C].
+
+    Saves the gather and scatter of the states around the step (two passes over them, and two launches).
+    """
+    window = states[slots]
+    if fresh is not None:
+        window = window * (~fresh).view(-1, 1, 1).to(window.dtype)
+    out, new = causal_conv1d_step.reference(x, weight, bias, window, activation)
+    states[slots] = new.to(states.dtype)
+    return out
+
+
+@op
+def gated_delta_rule_step_slots(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`gated_delta_rule_step` on the cache's slot storage, in place: sequence b reads and updates
+    ``states[slots[b]]`` (float32 [S, H, Dk, Dv]); rows where ``fresh`` [B] is True start from the zero state.
+    Returns out [B, H, Dv] in v's dtype. One read and one write of each state instead of three of each.
+    """
+    state = states[slots]
+    if fresh is not None:
+        state = state * (~fresh).view(-1, 1, 1, 1).to(state.dtype)
+    out, new = gated_delta_rule_step.reference(q, k, v, g, beta, state)
+    states[slots] = new.to(states.dtype)
+    return out
+
+
 def _chunked_one(q, k, v, g, beta, state, chunk: int):
     """One sequence, heads first: q/k [H, L, Dk], v [H, L, Dv], g/beta [H, L], state [H, Dk, Dv] (all float32)."""
     h, length = k.shape[:2]
