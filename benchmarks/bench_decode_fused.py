@@ -4,13 +4,15 @@ The original layer launches rms/add_rms_norm, RoPE of q, RoPE of k, the KV-page 
 and the gated activation around its 7 matmuls (and gathers cos/sin once per step); the fused one
 runs ``rotary_qk_write_kv`` (RoPE of q and k by position + the page write in one launch) instead of
 the three. Same random EXL3 weights, same graph-replay timing; prints ms/token, tokens/s and the
-speedup, then checks that both steps give the same logits.
+speedup, then checks that both steps give the same logits. ``--split-keys`` times the fused step again
+with other minimum key counts per attention split (the TRELLM_ATTN_SPLIT_KEYS knob).
 
-    python benchmarks/bench_decode_fused.py [--bits 4] [--layers 32] [--context 512]
+    python benchmarks/bench_decode_fused.py [--bits 4] [--layers 32] [--context 512] [--split-keys 256 64]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -56,6 +58,9 @@ def main() -> int:
     ap.add_argument("--bits", type=int, nargs="*", default=[4])
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--context", type=int, default=512, help="cached tokens before the decode step")
+    ap.add_argument("--cache-tokens", type=int, default=2048, help="cache size (bench_decode.py: its --prompt)")
+    ap.add_argument("--split-keys", type=int, nargs="*", default=[256, 128, 64],
+                    help="also time the fused step with these minimum keys per attention split (256: the default)")
     args = ap.parse_args()
 
     from trellm.kernels_cuda import ops as _cuda_ops  # noqa: F401  (registers the CUDA implementations)
@@ -63,7 +68,7 @@ def main() -> int:
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; {args.layers} layers, 8B shapes")
     for K in args.bits:
-        model = FusedModel(args.layers, K, 6, args.context + 1)
+        model = FusedModel(args.layers, K, 6, max(args.context + 1, args.cache_tokens))
         tok = torch.tensor([123], device="cuda")
         pos = torch.tensor([args.context], device="cuda")
         cu = torch.tensor([0, 1], device="cuda", dtype=torch.int32)
@@ -73,6 +78,11 @@ def main() -> int:
         for name, t in (("original", t_orig), ("fused", t_fused)):
             print(f"decode K={K} {name}: {t * 1e3:.3f} ms/token = {1 / t:.0f} tokens/s", flush=True)
         print(f"decode K={K}: fused saves {(t_orig - t_fused) * 1e3:.3f} ms/token ({t_orig / t_fused:.3f}x)")
+        for keys in args.split_keys:  # the split count is fixed when the graph is captured
+            os.environ["TRELLM_ATTN_SPLIT_KEYS"] = str(keys)
+            t = time_graph(lambda: model.forward_fused(tok, pos, cu, ctx), reps=20)
+            os.environ.pop("TRELLM_ATTN_SPLIT_KEYS")
+            print(f"decode K={K} fused, >= {keys} keys per attention split: {t * 1e3:.3f} ms/token = {1 / t:.0f} tokens/s")
         y_orig = model.forward(tok, pos, cu, ctx).float()
         y_fused = model.forward_fused(tok, pos, cu, ctx).float()
         if not torch.isfinite(y_orig).all():

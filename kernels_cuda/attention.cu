@@ -11,6 +11,7 @@
 #include "common.cuh"
 
 #include <mutex>
+#include <stdlib.h>
 
 namespace {
 
@@ -322,7 +323,13 @@ extern "C" int trellm_paged_attention_splits(int64_t tokens, int64_t hq, int64_t
     const int64_t target = 4 * (int64_t)(num_sms > 0 ? num_sms : 132);
     const int64_t capacity = page_size * max_blocks;
     int64_t splits = target / blocks;
-    const int64_t max_splits = (capacity + 255) / 256;  // at least 256 keys per split
+    // At least 256 keys per split; TRELLM_ATTN_SPLIT_KEYS (16..4096) overrides it, for tuning runs.
+    int64_t min_keys = 256;
+    if (const char *env = getenv("TRELLM_ATTN_SPLIT_KEYS")) {
+        const long v = strtol(env, nullptr, 10);
+        if (v >= 16 && v <= 4096) min_keys = v;
+    }
+    const int64_t max_splits = (capacity + min_keys - 1) / min_keys;
     if (splits > max_splits) splits = max_splits;
     if (splits > 64) splits = 64;
     return splits < 1 ? 1 : (int)splits;

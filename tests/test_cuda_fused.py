@@ -173,11 +173,16 @@ def test_rotary_qk_write_kv_in_cuda_graph(ops):
 # Paged attention: the key splits merged inside the kernel (arrival counters)
 
 
+@pytest.mark.parametrize("split_keys", [None, "16"])  # default (256 keys per split) and 64 splits
 @pytest.mark.parametrize("sinks", [False, True])
-def test_paged_attention_in_kernel_split_merge(ops, sinks):
+def test_paged_attention_in_kernel_split_merge(ops, sinks, split_keys, monkeypatch):
     """Decode over a long context uses key splits; repeated calls and graph replays must each merge
     correctly (the counters reset themselves)."""
     from trellm.kernels_cuda import binding
+
+    if split_keys is not None:
+        monkeypatch.setenv("TRELLM_ATTN_SPLIT_KEYS", split_keys)
+        assert binding.lib().trellm_paged_attention_splits(1, 32, 8, 16, 188, 132) == 64
 
     torch.manual_seed(3)
     hq, hkv, d, page_size, ctx = 32, 8, 128, 16, 3000
