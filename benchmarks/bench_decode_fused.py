@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_decode as base  # noqa: E402
-from common import copy_bandwidth, time_graph  # noqa: E402
+import bench_decode as base
+from common import copy_bandwidth, time_graph
 
 
 class FusedModel(base.Model):
@@ -53,6 +53,33 @@ class FusedModel(base.Model):
         return mm(x[-1:], *self.head, "mcg")
 
 
+def measure(K: int, args: argparse.Namespace) -> None:
+    """Time the original and the fused decode step of one random model at K bits per weight."""
+    model = FusedModel(args.layers, K, 6, max(args.context + 1, args.cache_tokens))
+    tok = torch.tensor([123], device="cuda")
+    pos = torch.tensor([args.context], device="cuda")
+    cu = torch.tensor([0, 1], device="cuda", dtype=torch.int32)
+    ctx = torch.tensor([args.context + 1], device="cuda", dtype=torch.int32)
+    t_orig = time_graph(lambda: model.forward(tok, pos, cu, ctx), reps=20)
+    t_fused = time_graph(lambda: model.forward_fused(tok, pos, cu, ctx), reps=20)
+    for name, t in (("original", t_orig), ("fused", t_fused)):
+        print(f"decode K={K} {name}: {t * 1e3:.3f} ms/token = {1 / t:.0f} tokens/s", flush=True)
+    print(f"decode K={K}: fused saves {(t_orig - t_fused) * 1e3:.3f} ms/token ({t_orig / t_fused:.3f}x)")
+    for keys in args.split_keys:  # the split count is fixed when the graph is captured
+        os.environ["TRELLM_ATTN_SPLIT_KEYS"] = str(keys)
+        t = time_graph(lambda: model.forward_fused(tok, pos, cu, ctx), reps=20)
+        os.environ.pop("TRELLM_ATTN_SPLIT_KEYS")
+        print(f"decode K={K} fused, >= {keys} keys per attention split: {t * 1e3:.3f} ms/token = {1 / t:.0f} tokens/s")
+    y_orig = model.forward(tok, pos, cu, ctx).float()
+    y_fused = model.forward_fused(tok, pos, cu, ctx).float()
+    if not torch.isfinite(y_orig).all():
+        print(f"decode K={K}: random-weight logits not finite; fused vs original not compared")
+    else:
+        err = ((y_orig - y_fused).norm() / y_orig.norm().clamp_min(1e-30)).item()
+        verdict = "ok" if err < 2e-2 else "MISMATCH"
+        print(f"decode K={K}: logits relative difference fused vs original {err:.2e} ({verdict})")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bits", type=int, nargs="*", default=[4])
@@ -68,30 +95,7 @@ def main() -> int:
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; {args.layers} layers, 8B shapes")
     for K in args.bits:
-        model = FusedModel(args.layers, K, 6, max(args.context + 1, args.cache_tokens))
-        tok = torch.tensor([123], device="cuda")
-        pos = torch.tensor([args.context], device="cuda")
-        cu = torch.tensor([0, 1], device="cuda", dtype=torch.int32)
-        ctx = torch.tensor([args.context + 1], device="cuda", dtype=torch.int32)
-        t_orig = time_graph(lambda: model.forward(tok, pos, cu, ctx), reps=20)
-        t_fused = time_graph(lambda: model.forward_fused(tok, pos, cu, ctx), reps=20)
-        for name, t in (("original", t_orig), ("fused", t_fused)):
-            print(f"decode K={K} {name}: {t * 1e3:.3f} ms/token = {1 / t:.0f} tokens/s", flush=True)
-        print(f"decode K={K}: fused saves {(t_orig - t_fused) * 1e3:.3f} ms/token ({t_orig / t_fused:.3f}x)")
-        for keys in args.split_keys:  # the split count is fixed when the graph is captured
-            os.environ["TRELLM_ATTN_SPLIT_KEYS"] = str(keys)
-            t = time_graph(lambda: model.forward_fused(tok, pos, cu, ctx), reps=20)
-            os.environ.pop("TRELLM_ATTN_SPLIT_KEYS")
-            print(f"decode K={K} fused, >= {keys} keys per attention split: {t * 1e3:.3f} ms/token = {1 / t:.0f} tokens/s")
-        y_orig = model.forward(tok, pos, cu, ctx).float()
-        y_fused = model.forward_fused(tok, pos, cu, ctx).float()
-        if not torch.isfinite(y_orig).all():
-            print(f"decode K={K}: random-weight logits not finite; fused vs original not compared")
-        else:
-            err = ((y_orig - y_fused).norm() / y_orig.norm().clamp_min(1e-30)).item()
-            verdict = "ok" if err < 2e-2 else "MISMATCH"
-            print(f"decode K={K}: logits relative difference fused vs original {err:.2e} ({verdict})")
-        del model
+        measure(K, args)
         torch.cuda.empty_cache()
     return 0
 

@@ -67,8 +67,8 @@ def test_rotary_qk(ops, dtype, rot_frac, interleaved, norm):
     positions = torch.tensor([5, 0, 299, 17, 17, 128, 3], device="cuda")
     kw = {}
     if norm is not None:
-        kw = dict(q_norm=torch.randn(d, device="cuda", dtype=dtype), k_norm=torch.randn(d, device="cuda", dtype=dtype),
-                  norm_eps=1e-6, norm_unit_offset=norm == "unit_offset")
+        kw = {"q_norm": torch.randn(d, device="cuda", dtype=dtype), "k_norm": torch.randn(d, device="cuda", dtype=dtype),
+              "norm_eps": 1e-6, "norm_unit_offset": norm == "unit_offset"}
     q_out, k_out = cuda_impl(rotary_qk)(q, k, cos, sin, positions, interleaved, **kw)
     q_ref, k_ref = rotary_qk.reference(q, k, cos, sin, positions, interleaved, **kw)
     tol = TOL[dtype] * (3 if norm else 1)
@@ -90,7 +90,7 @@ def test_rotary_qk_write_kv(ops, dtype, head_dim):
     cos, sin = rope_tables(128, d // 2)
     positions = torch.tensor([0, 1, 2, 40, 90], device="cuda")
     slots = torch.tensor([3, 20, 21, 77, 95], device="cuda")
-    norms = dict(q_norm=torch.randn(d, device="cuda", dtype=dtype), k_norm=torch.randn(d, device="cuda", dtype=dtype))
+    norms = {"q_norm": torch.randn(d, device="cuda", dtype=dtype), "k_norm": torch.randn(d, device="cuda", dtype=dtype)}
     k_pages = torch.randn(pages, page_size, hkv, d, device="cuda", dtype=dtype)
     v_pages = torch.randn_like(k_pages)
     k_pages_ref, v_pages_ref = k_pages.clone(), v_pages.clone()
@@ -158,7 +158,7 @@ def test_rotary_qk_write_kv_in_cuda_graph(ops):
         impl(q, k, v, cos, sin, positions, k_pages, v_pages, slots)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=s):
-            q_out, k_out = impl(q, k, v, cos, sin, positions, k_pages, v_pages, slots)
+            q_out, _ = impl(q, k, v, cos, sin, positions, k_pages, v_pages, slots)
     torch.cuda.current_stream().wait_stream(s)
     positions.fill_(50)
     slots.fill_(40)

@@ -13,12 +13,20 @@ from typing import Any
 import attrs
 import torch
 
+from .. import ops
 from ..batch import ForwardBatch
 from ..config import DecoderConfig
 from ..spec import ArchitectureSpec
 from .base import Module
-from .. import ops
-from .layers import MLP, Attention, Embedding, GatedMLP, RMSNorm, RotaryEmbedding, make_norm
+from .layers import (
+    MLP,
+    Attention,
+    Embedding,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    make_norm,
+)
 from .linear import Linear
 
 

@@ -318,10 +318,10 @@ class Attention(Module):
         cos_table, sin_table = self.rope.tables(batch.max_seq_len, q.device)
         norm = {}
         if self.q_norm is not None:
-            norm = dict(
-                q_norm=self.q_norm.weight, k_norm=self.k_norm.weight, norm_eps=self.q_norm.eps,
-                norm_unit_offset=self.q_norm.unit_offset,
-            )
+            norm = {
+                "q_norm": self.q_norm.weight, "k_norm": self.k_norm.weight, "norm_eps": self.q_norm.eps,
+                "norm_unit_offset": self.q_norm.unit_offset,
+            }
         layer = batch.cache.layers[self.layer_idx] if batch.cache is not None else None
         if type(layer) is KVCacheLayer:
             q, k = rotary_qk_write_kv(
