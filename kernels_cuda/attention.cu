@@ -81,24 +81,25 @@ __device__ __forceinline__ void load_lane_dims(const T *__restrict__ p, float (&
     for (int i = 0; i < DPL; ++i) out[i] = to_f32(p[i]);
 }
 
-template <typename T, int DPL>
+// G: query heads per block (the chunk), 4 for groups up to 4 (Llama 3: 32 q / 8 kv heads), else G.
+template <typename T, int DPL, int G>
 __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const AttnArgs a) {
     constexpr int D = DPL * 32;
     const T *q = static_cast<const T *>(a.q);
     const T *k_pages = static_cast<const T *>(a.k_pages);
     const T *v_pages = static_cast<const T *>(a.v_pages);
     const int token = blockIdx.x, kvh = blockIdx.y;
-    const int head_chunks = (a.hq / a.hkv + GMAX - 1) / GMAX;
+    const int head_chunks = (a.hq / a.hkv + G - 1) / G;
     const int chunk = blockIdx.z % head_chunks, split = blockIdx.z / head_chunks;
     const int group = a.hq / a.hkv;
-    const int g0 = chunk * GMAX;
-    const int gn = min(GMAX, group - g0);
+    const int g0 = chunk * G;
+    const int gn = min(G, group - g0);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-    __shared__ float q_s[GMAX][D];
-    __shared__ float p_s[ATT_WARPS][GMAX][32];
-    __shared__ float sm_m[ATT_WARPS][GMAX], sm_l[ATT_WARPS][GMAX];
-    __shared__ float sm_acc[ATT_WARPS][GMAX][D];
+    __shared__ float q_s[G][D];
+    __shared__ float p_s[ATT_WARPS][G][32];
+    __shared__ float sm_m[ATT_WARPS][G], sm_l[ATT_WARPS][G];
+    __shared__ float sm_acc[ATT_WARPS][G][D];
 
     // Which sequence holds this token: the last b with cu_seqlens[b] <= token.
     int lo = 0, hi = a.batch - 1;
@@ -115,15 +116,15 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
     k_begin = max(k_begin, split * a.split_keys);
     k_end = min(k_end, (split + 1) * a.split_keys);
 
-    for (int idx = threadIdx.x; idx < GMAX * D; idx += blockDim.x) {
+    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
         const int g = idx / D, d = idx % D;
         q_s[g][d] = g < gn ? to_f32(q[((size_t)token * a.hq + kvh * group + g0 + g) * D + d]) * a.scale : 0.f;
     }
     __syncthreads();
 
-    float m_run[GMAX], l_run[GMAX], acc[GMAX][DPL];
+    float m_run[G], l_run[G], acc[G][DPL];
 #pragma unroll
-    for (int g = 0; g < GMAX; ++g) {
+    for (int g = 0; g < G; ++g) {
         m_run[g] = -INFINITY;
         l_run[g] = 0.f;
 #pragma unroll
@@ -136,9 +137,9 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
         // Scores: lane = key.
         const int j = tile0 + lane;
         const bool valid = j < k_end;
-        float s[GMAX];
+        float s[G];
 #pragma unroll
-        for (int g = 0; g < GMAX; ++g) s[g] = 0.f;
+        for (int g = 0; g < G; ++g) s[g] = 0.f;
         if (valid) {
             const T *krow = k_pages + ((size_t)table[j / a.page_size] * a.page_size + j % a.page_size) * row_stride +
                             (size_t)kvh * D;
@@ -152,7 +153,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
                     for (int t = 0; t < KV; ++t) {
                         const float kv = to_f32(e[t]);
 #pragma unroll
-                        for (int g = 0; g < GMAX; ++g) s[g] += q_s[g][d0 + t] * kv;
+                        for (int g = 0; g < G; ++g) s[g] += q_s[g][d0 + t] * kv;
                     }
                 }
             } else {
@@ -160,13 +161,13 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
                 for (int d = 0; d < D; ++d) {
                     const float kv = to_f32(krow[d]);
 #pragma unroll
-                    for (int g = 0; g < GMAX; ++g) s[g] += q_s[g][d] * kv;
+                    for (int g = 0; g < G; ++g) s[g] += q_s[g][d] * kv;
                 }
             }
         }
         // Online softmax over the tile, per head.
 #pragma unroll
-        for (int g = 0; g < GMAX; ++g) {
+        for (int g = 0; g < G; ++g) {
             if (g >= gn) break;
             float sv = s[g];
             if (a.softcap > 0.f) sv = tanhf(sv / a.softcap) * a.softcap;
@@ -190,7 +191,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
             float vv[DPL];
             load_lane_dims<T, DPL>(vrow, vv, a.vec16);
 #pragma unroll
-            for (int g = 0; g < GMAX; ++g) {
+            for (int g = 0; g < G; ++g) {
                 if (g >= gn) break;
                 const float p = p_s[warp][g][jj];
 #pragma unroll
@@ -201,7 +202,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
     }
 
 #pragma unroll
-    for (int g = 0; g < GMAX; ++g) {
+    for (int g = 0; g < G; ++g) {
         if (lane == 0) { sm_m[warp][g] = m_run[g]; sm_l[warp][g] = l_run[g]; }
 #pragma unroll
         for (int i = 0; i < DPL; ++i) sm_acc[warp][g][lane * DPL + i] = acc[g][i];
@@ -261,8 +262,12 @@ template <typename T>
 int launch_attention(const AttnArgs &a, int64_t tokens, int64_t d, cudaStream_t stream) {
     const int head_chunks = (a.hq / a.hkv + GMAX - 1) / GMAX;
     dim3 grid((unsigned)tokens, (unsigned)a.hkv, (unsigned)(head_chunks * a.splits));
+    const bool small_group = a.hq / a.hkv <= 4;  // one chunk either way: the grid is the same
 #define ATT_CASE(DPL)                                                                             \
-    case DPL: paged_attention_kernel<T, DPL><<<grid, ATT_WARPS * 32, 0, stream>>>(a); break;
+    case DPL:                                                                                     \
+        if (small_group) paged_attention_kernel<T, DPL, 4><<<grid, ATT_WARPS * 32, 0, stream>>>(a); \
+        else paged_attention_kernel<T, DPL, GMAX><<<grid, ATT_WARPS * 32, 0, stream>>>(a);          \
+        break;
     switch (d / 32) {
         ATT_CASE(2) ATT_CASE(3) ATT_CASE(4) ATT_CASE(5) ATT_CASE(6) ATT_CASE(8)
         default: return TRELLM_E_UNSUPPORTED;
