@@ -73,11 +73,11 @@ class Model:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, ctx: torch.Tensor):
         from trellm import ops
         from trellm.ops import exl3
+        from trellm.ops.attention import rotary_qk_write_kv
 
         mm = exl3.exl3_matmul
         t = tokens.shape[0]
         h = self.embed[tokens]
-        cos, sin = self.cos[positions], self.sin[positions]
         slots = positions.to(torch.int64)  # one sequence, pages in order
         residual = None
         for i, L in enumerate(self.layers):
@@ -89,9 +89,7 @@ class Model:
             q = mm(x, *L["q"], "mcg").view(t, HEADS, HEAD_DIM)
             k = mm(x, *L["k"], "mcg").view(t, KV_HEADS, HEAD_DIM)
             v = mm(x, *L["v"], "mcg").view(t, KV_HEADS, HEAD_DIM)
-            q = ops.rotary_embedding(q, cos, sin)
-            k = ops.rotary_embedding(k, cos, sin)
-            ops.write_kv_pages(k, v, self.k_pages[i], self.v_pages[i], slots)
+            q, _ = rotary_qk_write_kv(q, k, v, self.cos, self.sin, positions, self.k_pages[i], self.v_pages[i], slots)
             a = ops.paged_attention(q, self.k_pages[i], self.v_pages[i], self.block_table, cu, ctx)
             h = mm(a.view(t, HIDDEN), *L["o"], "mcg")
             x, residual = ops.add_rms_norm(h, residual, L["norm2"], 1e-5)
