@@ -757,3 +757,22 @@ def causal_conv1d_step_slots(
     )
     _check(rc, "causal_conv1d_step_slots")
     return out
+
+
+ROUTER_MAX_EXPERTS = 1024
+
+
+def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, k], ids int64 [T, k]): softmax over the experts, the top k, optionally renormalised."""
+    expect(logits, "logits", dtype=_FLOATS, shape=(None, None))
+    tokens, experts = logits.shape
+    if not 1 <= experts <= ROUTER_MAX_EXPERTS or not 1 <= k <= experts:
+        raise KernelArgumentError(f"logits: {experts} experts, top {k} (the kernel takes 1..{ROUTER_MAX_EXPERTS}, k <= experts)")
+    weights = torch.empty(tokens, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, k, dtype=torch.int64, device=logits.device)
+    rc = lib().trellm_softmax_topk(
+        _ptr(logits), DTYPE_CODES[logits.dtype], _ptr(weights, "float *"), _ptr(ids, "int64_t *"), tokens, experts, k,
+        int(bool(normalize)), _stream(),
+    )
+    _check(rc, "softmax_topk")
+    return weights, ids

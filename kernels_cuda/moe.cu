@@ -428,3 +428,104 @@ extern "C" int trellm_moe_dense_matmul(const void *x, const int64_t *expert_of, 
     TRELLM_LAUNCH_CHECK();
     return TRELLM_OK;
 }
+
+// ---- router: softmax over the experts, top k, optional renormalisation, in one launch -----------------
+
+namespace {
+
+constexpr int ROUTER_THREADS = 256;
+constexpr int ROUTER_PER_THREAD = 4;  // experts per thread: up to 1024 experts
+
+// Block-wide argmax of (value, index); ties go to the lower index. Every thread gets the result.
+__device__ __forceinline__ void block_argmax(float &v, int &i, float *sv, int *si) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();  // sv/si free from the previous round
+    if (lane == 0) { sv[warp] = v; si[warp] = i; }
+    __syncthreads();
+    v = sv[0];
+    i = si[0];
+    for (int w = 1; w < ROUTER_THREADS / 32; ++w)
+        if (sv[w] > v || (sv[w] == v && si[w] < i)) { v = sv[w]; i = si[w]; }
+}
+
+__device__ __forceinline__ float block_sum(float v, float *sv) {
+    v = warp_sum(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) sv[warp] = v;
+    __syncthreads();
+    float s = 0.f;
+    for (int w = 0; w < ROUTER_THREADS / 32; ++w) s += sv[w];
+    return s;
+}
+
+// grid (tokens); weights float32 [tokens, k], ids int64 [tokens, k] (descending weight).
+__global__ void __launch_bounds__(ROUTER_THREADS) softmax_topk_kernel(const void *logits, int dtype, float *weights,
+                                                                      int64_t *ids, int experts, int k, int normalize) {
+    __shared__ float sv[ROUTER_THREADS / 32];
+    __shared__ int si[ROUTER_THREADS / 32];
+    const size_t row = blockIdx.x;
+    float p[ROUTER_PER_THREAD];
+    float local_max = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < ROUTER_PER_THREAD; ++j) {
+        const int e = threadIdx.x + j * ROUTER_THREADS;
+        p[j] = e < experts ? moe_load(logits, dtype, row * experts + e) : -INFINITY;
+        local_max = fmaxf(local_max, p[j]);
+    }
+    int unused = 0;
+    block_argmax(local_max, unused, sv, si);
+    float local_sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < ROUTER_PER_THREAD; ++j) {
+        const int e = threadIdx.x + j * ROUTER_THREADS;
+        p[j] = e < experts ? __expf(p[j] - local_max) : -1.f;  // taken / absent experts are -1 (probs are >= 0)
+        if (e < experts) local_sum += p[j];
+    }
+    const float inv_total = 1.f / block_sum(local_sum, sv);
+    float chosen_sum = 0.f;
+    for (int r = 0; r < k; ++r) {
+        float v = -2.f;
+        int i = INT32_MAX;
+#pragma unroll
+        for (int j = 0; j < ROUTER_PER_THREAD; ++j) {
+            const int e = threadIdx.x + j * ROUTER_THREADS;
+            if (p[j] > v) { v = p[j]; i = e; }  // e rises with j: the first maximum is the lowest index
+        }
+        block_argmax(v, i, sv, si);
+#pragma unroll
+        for (int j = 0; j < ROUTER_PER_THREAD; ++j)
+            if (threadIdx.x + j * ROUTER_THREADS == i) p[j] = -1.f;
+        const float prob = v * inv_total;
+        chosen_sum += prob;
+        if (threadIdx.x == 0) {
+            weights[row * k + r] = prob;
+            ids[row * k + r] = i;
+        }
+    }
+    if (normalize && threadIdx.x == 0) {
+        const float inv = 1.f / chosen_sum;
+        for (int r = 0; r < k; ++r) weights[row * k + r] *= inv;
+    }
+}
+
+}  // namespace
+
+extern "C" int trellm_softmax_topk(const void *logits, int dtype, float *weights, int64_t *ids, int64_t tokens,
+                                   int64_t experts, int64_t k, int normalize, cudaStream_t stream) {
+    if (tokens < 0 || experts < 1 || experts > ROUTER_THREADS * ROUTER_PER_THREAD || k < 1 || k > experts)
+        return TRELLM_E_BAD_SHAPE;
+    if (dtype < TRELLM_F16 || dtype > TRELLM_F32) return TRELLM_E_BAD_DTYPE;
+    if (tokens == 0) return TRELLM_OK;
+    if (tokens > INT32_MAX) return TRELLM_E_BAD_SHAPE;
+    softmax_topk_kernel<<<(unsigned)tokens, ROUTER_THREADS, 0, stream>>>(logits, dtype, weights, ids, (int)experts,
+                                                                         (int)k, normalize);
+    TRELLM_LAUNCH_CHECK();
+    return TRELLM_OK;
+}

@@ -463,4 +463,11 @@ def causal_conv1d_step_slots(x, weight, bias, states, slots, fresh=None, activat
     )
 
 
+@_moe.softmax_topk.register("cuda")
+def softmax_topk(logits: torch.Tensor, k: int, normalize: bool = True):
+    if logits.dim() != 2 or logits.dtype not in _FLOATS or not 1 <= k <= logits.shape[1] <= binding.ROUTER_MAX_EXPERTS:
+        return _moe.softmax_topk.reference(logits, k, normalize)
+    return binding.softmax_topk(logits.contiguous(), k, normalize)
+
+
 REGISTERED = sorted(name for name, o in _ops._OPS.items() if "cuda" in o.impls)

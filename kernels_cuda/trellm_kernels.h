@@ -181,6 +181,13 @@ int trellm_causal_conv1d_step_slots(const void *x, int x_dtype, const void *weig
                                     void *out, int64_t batch, int64_t channels, int64_t width, int silu,
                                     cudaStream_t stream);
 /* ---- end gated delta net slots ---- */
+/* ---- MoE router (moe.cu) ----
+ * Per row of logits [tokens, experts] (dtype, experts <= 1024): softmax in float32, the k largest probabilities
+ * (descending, ties to the lower expert) -> weights float32 [tokens, k], ids int64 [tokens, k]; normalize 1:
+ * weights divided by their sum. */
+int trellm_softmax_topk(const void *logits, int dtype, float *weights, int64_t *ids, int64_t tokens, int64_t experts,
+                        int64_t k, int normalize, cudaStream_t stream);
+/* ---- end MoE router ---- */
 /* ABI END */
 
 #ifdef __cplusplus

@@ -331,3 +331,24 @@ def test_slot_steps_cuda(with_fresh, dk):
     ref_y = causal_conv1d_step_slots.reference(t["x"].float(), t["w"].float(), bias.float(), ref_conv, t["slots"], fresh)
     assert torch.equal(conv, ref_conv)  # a shift of bf16 values: exact
     assert rel_err(y, ref_y) < 1e-2
+
+
+# ---- router -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("experts,k,normalize,dtype", [(256, 8, True, torch.bfloat16), (60, 4, False, torch.float32),
+                                                       (1024, 2, True, torch.float16), (8, 8, True, torch.float32)])
+@on_cuda
+def test_softmax_topk_cuda(experts, k, normalize, dtype):
+    from trellm.modules.moe import softmax_topk
+
+    logits = (torch.randn(37, experts, device="cuda") * 3).to(dtype)
+    weights, ids = cuda_impl(softmax_topk)(logits, k, normalize)
+    ref_w, ref_ids = softmax_topk.reference(logits, k, normalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    assert all(len(set(row)) == k for row in ids.tolist())
+    chosen = torch.softmax(logits.float(), -1).gather(1, ids)  # tie order may differ from torch.topk's
+    if normalize:
+        chosen = chosen / chosen.sum(-1, keepdim=True)
+    assert rel_err(chosen, ref_w) < 1e-5
+    assert rel_err(weights, ref_w) < 1e-5

@@ -35,11 +35,19 @@ class SoftmaxTopK:
     scaling: float = 1.0
 
     def __call__(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights * self.scaling, ids
+        weights, ids = softmax_topk(logits, self.top_k, self.normalize)
+        return (weights * self.scaling if self.scaling != 1.0 else weights), ids
+
+
+@op
+def softmax_topk(logits: torch.Tensor, k: int, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, k], ids int64 [T, k]): softmax over the experts, the k most probable, renormalised
+    to sum 1 when ``normalize``. One op so that a backend can do it in one launch (decode runs it every layer)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
 
 
 @attrs.frozen
