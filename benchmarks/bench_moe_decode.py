@@ -7,7 +7,10 @@
 
 The model is built from trellm's modules (the qwen3_5_moe plugin) and filled with random tensors
 straight on the device, no checkpoint written. Each batch row is one sequence with its own paged
-KV pages and recurrent-state slot; after a short prefill, ``--steps`` decode steps are timed.
+KV pages and recurrent-state slot; after a short prefill, ``--steps`` decode steps are timed twice:
+eagerly (one host round trip per step, as the generator runs today) and, on CUDA, as replays of the
+step captured in a CUDA graph (the step feeds its argmax back and advances positions on the device;
+``--no-graph`` skips it). A capture that fails names the line with the host sync.
 The ideal is the bytes one decode step must read (weights of the layers' non-expert parts, the
 experts the batch routes to, the LM head) divided by the measured copy bandwidth (CUDA) or a
 nominal one; at batch > 1 the expected number of distinct experts per layer under uniform

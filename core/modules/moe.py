@@ -214,7 +214,7 @@ class ExpertList(Module):
 
     def run_pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         """The sync-free path when every expert is EXL3 of one shape and format (else None)."""
-        bank = getattr(self, "exl3_set", None)
+        bank = self.exl3_set
         if bank is None or not isinstance(self.activation, str):
             return None
         expert_of = ids.reshape(-1)
