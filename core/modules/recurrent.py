@@ -163,18 +163,21 @@ class GatedDeltaNet(Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
-        layer = None
+        layer = fresh = None
         conv_state = rec_state = None
         if batch.cache is not None:
             if batch.state_slots is None:
                 raise ValueError(f"{self.key}: a cached forward pass of a recurrent layer needs batch.state_slots")
             layer = batch.cache.layers[self.layer_idx]
             fresh = batch.cached_lens == 0 if batch.cached_lens is not None else None
-            conv_state, rec_state = layer.read(batch.state_slots, fresh)
         decode = layer is not None and t == batch.num_seqs  # one new token per sequence
-        if decode:
-            mixed, conv_state = ops.causal_conv1d_step(mixed, self.conv_weight, self.conv_bias_t, conv_state)
+        if decode:  # in place on the cache's slots: no gather/scatter of the states, no host sync
+            mixed = ops.causal_conv1d_step_slots(
+                mixed, self.conv_weight, self.conv_bias_t, layer.conv_states, batch.state_slots, fresh
+            )
         else:
+            if layer is not None:
+                conv_state, rec_state = layer.read(batch.state_slots, fresh)
             mixed, conv_state = ops.causal_conv1d(mixed, self.conv_weight, self.conv_bias_t, batch.cu_seqlens, conv_state)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         groups = self.num_v_heads // self.num_k_heads
@@ -186,11 +189,11 @@ class GatedDeltaNet(Module):
             beta = beta * self.beta_scale
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
         if decode:
-            o, rec_state = ops.gated_delta_rule_step(q, k, v, g, beta, rec_state)
+            o = ops.gated_delta_rule_step_slots(q, k, v, g, beta, layer.states, batch.state_slots, fresh)
         else:
             o, rec_state = ops.gated_delta_rule_chunked(q, k, v, g, beta, batch.cu_seqlens, rec_state, self.chunk_size)
-        if layer is not None:
-            layer.write(batch.state_slots, conv_state, rec_state)
+            if layer is not None:
+                layer.write(batch.state_slots, conv_state, rec_state)
         o = self.norm.forward(o.to(x.dtype), z)
         return self.out_proj(o.reshape(t, self.value_dim))
 

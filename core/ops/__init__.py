@@ -107,5 +107,14 @@ from .dense import (  # noqa: E402,F401
 )
 from .attention import attention_varlen, paged_attention, write_kv_pages  # noqa: E402,F401
 from . import exl3  # noqa: E402,F401
-from .deltanet import causal_conv1d, causal_conv1d_step, gated_delta_rule_chunked, gated_delta_rule_step, ssd_chunked, ssd_step  # noqa: E402,F401,E501
+from .deltanet import (  # noqa: E402,F401
+    causal_conv1d,
+    causal_conv1d_step,
+    causal_conv1d_step_slots,
+    gated_delta_rule_chunked,
+    gated_delta_rule_step,
+    gated_delta_rule_step_slots,
+    ssd_chunked,
+    ssd_step,
+)
 from .kv_quant import kv_dequantize, kv_quantize  # noqa: E402,F401
