@@ -27,6 +27,19 @@ template <> __device__ __forceinline__ half from_f32<half>(float v) { return __f
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
 
+// Element i of a run-time-typed buffer (TRELLM_F16 / TRELLM_BF16 / TRELLM_F32) as float, and back.
+__device__ __forceinline__ float load_as_f32(const void *p, int dtype, size_t i) {
+    if (dtype == TRELLM_F16) return __half2float(static_cast<const half *>(p)[i]);
+    if (dtype == TRELLM_BF16) return __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i]);
+    return static_cast<const float *>(p)[i];
+}
+
+__device__ __forceinline__ void store_from_f32(void *p, int dtype, size_t i, float v) {
+    if (dtype == TRELLM_F16) static_cast<half *>(p)[i] = __float2half_rn(v);
+    else if (dtype == TRELLM_BF16) static_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(v);
+    else static_cast<float *>(p)[i] = v;
+}
+
 // Calls F.template operator()<T>() with T the C type of a dtype code; returns TRELLM_E_BAD_DTYPE otherwise.
 #define TRELLM_DISPATCH_DTYPE(code, T, ...)                              \
     switch (code) {                                                      \

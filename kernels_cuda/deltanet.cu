@@ -10,18 +10,6 @@
 
 namespace {
 
-__device__ __forceinline__ float dn_load(const void *p, int dtype, size_t i) {
-    if (dtype == TRELLM_F16) return __half2float(static_cast<const half *>(p)[i]);
-    if (dtype == TRELLM_BF16) return __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i]);
-    return static_cast<const float *>(p)[i];
-}
-
-__device__ __forceinline__ void dn_store(void *p, int dtype, size_t i, float v) {
-    if (dtype == TRELLM_F16) static_cast<half *>(p)[i] = __float2half_rn(v);
-    else if (dtype == TRELLM_BF16) static_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(v);
-    else static_cast<float *>(p)[i] = v;
-}
-
 // v rounded to dtype and back (the reference's .to(dtype) round trips).
 __device__ __forceinline__ float dn_round(float v, int dtype) {
     if (dtype == TRELLM_F16) return __half2float(__float2half_rn(v));
@@ -52,8 +40,8 @@ __global__ void __launch_bounds__(DN_WARPS * 32) gated_delta_step_kernel(const D
     const size_t bh = blockIdx.y;
     const int col = blockIdx.x * 32 + lane;
     for (int i = threadIdx.x; i < DK; i += blockDim.x) {
-        qs[i] = dn_load(a.q, a.q_dtype, bh * DK + i) * a.scale;
-        ks[i] = dn_load(a.k, a.k_dtype, bh * DK + i);
+        qs[i] = load_as_f32(a.q, a.q_dtype, bh * DK + i) * a.scale;
+        ks[i] = load_as_f32(a.k, a.k_dtype, bh * DK + i);
     }
     __syncthreads();
     const float decay = __expf(a.g[bh]);
@@ -77,7 +65,7 @@ __global__ void __launch_bounds__(DN_WARPS * 32) gated_delta_step_kernel(const D
     predicted = 0.f;
 #pragma unroll
     for (int w = 0; w < DN_WARPS; ++w) predicted += red[w][lane];
-    const float u = beta * (dn_load(a.v, a.v_dtype, bh * a.dv + col) - predicted);
+    const float u = beta * (load_as_f32(a.v, a.v_dtype, bh * a.dv + col) - predicted);
     __syncthreads();  // everyone has read red before it is reused
 
     float o = 0.f;
@@ -93,7 +81,7 @@ __global__ void __launch_bounds__(DN_WARPS * 32) gated_delta_step_kernel(const D
         o = 0.f;
 #pragma unroll
         for (int w = 0; w < DN_WARPS; ++w) o += red[w][lane];
-        dn_store(a.out, a.v_dtype, bh * a.dv + col, o);
+        store_from_f32(a.out, a.v_dtype, bh * a.dv + col, o);
     }
 }
 
@@ -119,18 +107,18 @@ __global__ void conv1d_step_kernel(const ConvArgs a) {
     float window[CONV_MAX_WIDTH];
 #pragma unroll
     for (int j = 0; j < CONV_MAX_WIDTH - 1; ++j)
-        if (j < hist) window[j] = zero ? 0.f : dn_round(dn_load(a.states, a.s_dtype, srow * hist + j), a.w_dtype);
-    window[hist < CONV_MAX_WIDTH ? hist : CONV_MAX_WIDTH - 1] = dn_round(dn_load(a.x, a.x_dtype, (size_t)i), a.w_dtype);
+        if (j < hist) window[j] = zero ? 0.f : dn_round(load_as_f32(a.states, a.s_dtype, srow * hist + j), a.w_dtype);
+    window[hist < CONV_MAX_WIDTH ? hist : CONV_MAX_WIDTH - 1] = dn_round(load_as_f32(a.x, a.x_dtype, (size_t)i), a.w_dtype);
     float y = 0.f;
 #pragma unroll
     for (int j = 0; j < CONV_MAX_WIDTH; ++j)
-        if (j < a.width) y += window[j] * dn_load(a.weight, a.w_dtype, (size_t)c * a.width + j);
-    if (a.bias) y += dn_load(a.bias, a.b_dtype, c);
+        if (j < a.width) y += window[j] * load_as_f32(a.weight, a.w_dtype, (size_t)c * a.width + j);
+    if (a.bias) y += load_as_f32(a.bias, a.b_dtype, c);
     if (a.silu) y = y / (1.f + __expf(-y));
-    dn_store(a.out, a.x_dtype, (size_t)i, y);
+    store_from_f32(a.out, a.x_dtype, (size_t)i, y);
 #pragma unroll
     for (int j = 0; j < CONV_MAX_WIDTH - 1; ++j)
-        if (j < hist) dn_store(a.new_states, a.s_dtype, srow * hist + j, window[j + 1]);
+        if (j < hist) store_from_f32(a.new_states, a.s_dtype, srow * hist + j, window[j + 1]);
 }
 
 bool valid_dtype(int d) { return d >= TRELLM_F16 && d <= TRELLM_F32; }

@@ -65,19 +65,6 @@ template <int K, int CB> __device__ __forceinline__ void tile_fragments_split(co
     odd[3] = lop3_and_xor(cb_hash<CB>(st[7]), mask, flip);
 }
 
-// Row-major fp16 x values of the block's k-slice, after x * suh and the 128-point Hadamard.
-__device__ __forceinline__ float load_as_f32(const void *p, int dtype, size_t i) {
-    if (dtype == TRELLM_F16) return __half2float(static_cast<const half *>(p)[i]);
-    if (dtype == TRELLM_BF16) return __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i]);
-    return static_cast<const float *>(p)[i];
-}
-
-__device__ __forceinline__ void store_from_f32(void *p, int dtype, size_t i, float v) {
-    if (dtype == TRELLM_F16) static_cast<half *>(p)[i] = __float2half_rn(v);
-    else if (dtype == TRELLM_BF16) static_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(v);
-    else static_cast<float *>(p)[i] = v;
-}
-
 struct MatmulArgs {
     const void *x;          // [m, k], x_dtype
     const half *suh;        // [k]

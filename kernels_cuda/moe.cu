@@ -43,18 +43,6 @@ __device__ __forceinline__ void moe_tile_fragment(const uint32_t (&raw)[TileGeom
     a[3] = *reinterpret_cast<uint32_t *>(&p67);
 }
 
-__device__ __forceinline__ float moe_load(const void *p, int dtype, size_t i) {
-    if (dtype == TRELLM_F16) return __half2float(static_cast<const half *>(p)[i]);
-    if (dtype == TRELLM_BF16) return __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i]);
-    return static_cast<const float *>(p)[i];
-}
-
-__device__ __forceinline__ void moe_store(void *p, int dtype, size_t i, float v) {
-    if (dtype == TRELLM_F16) static_cast<half *>(p)[i] = __float2half_rn(v);
-    else if (dtype == TRELLM_BF16) static_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(v);
-    else static_cast<float *>(p)[i] = v;
-}
-
 // Pointer table row of expert e of matrix m: {trellis, suh, svh, bias (0 = none)}.
 struct ExpertTensors {
     const uint32_t *trellis;
@@ -112,7 +100,7 @@ __global__ void __launch_bounds__(MOE_WARPS * 32, 2) moe_exl3_partial_kernel(con
         float v[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-            v[i] = moe_load(a.x, a.x_dtype, (size_t)row * a.k + col + i) * __half2float(w.suh[col + i]);
+            v[i] = load_as_f32(a.x, a.x_dtype, (size_t)row * a.k + col + i) * __half2float(w.suh[col + i]);
         warp_hadamard_128(v);
         half2 *dst = reinterpret_cast<half2 *>(xs + c * 128 + lane * 4);
         dst[0] = __floats2half2_rn(v[0], v[1]);
@@ -235,7 +223,7 @@ __global__ void moe_exl3_finish_kernel(const FinishArgs a, int warps_used) {
         finished_values(a, m, p, group, v);
         if (a.mode == TRELLM_MOE_PLAIN) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) moe_store(a.y, a.y_dtype, ((size_t)m * a.pairs + p) * a.n + col + i, v[i]);
+            for (int i = 0; i < 4; ++i) store_from_f32(a.y, a.y_dtype, ((size_t)m * a.pairs + p) * a.n + col + i, v[i]);
         } else {
             const float scale = combine ? a.pair_weights[p] : 1.f;
 #pragma unroll
@@ -252,7 +240,7 @@ __global__ void moe_exl3_finish_kernel(const FinishArgs a, int warps_used) {
             out = 0.f;
             for (int j = 0; j < warps_used; ++j) out += vals[j][c];
         }
-        moe_store(a.y, a.y_dtype, (size_t)item * a.n + group * MOE_GROUP + c, out);
+        store_from_f32(a.y, a.y_dtype, (size_t)item * a.n + group * MOE_GROUP + c, out);
     }
 }
 
@@ -476,7 +464,7 @@ __global__ void __launch_bounds__(ROUTER_THREADS) softmax_topk_kernel(const void
 #pragma unroll
     for (int j = 0; j < ROUTER_PER_THREAD; ++j) {
         const int e = threadIdx.x + j * ROUTER_THREADS;
-        p[j] = e < experts ? moe_load(logits, dtype, row * experts + e) : -INFINITY;
+        p[j] = e < experts ? load_as_f32(logits, dtype, row * experts + e) : -INFINITY;
         local_max = fmaxf(local_max, p[j]);
     }
     int unused = 0;
