@@ -19,6 +19,30 @@ import time
 from pathlib import Path
 
 
+def _write_gguf(out: Path, meta, tensors: list) -> Path:
+    """A GGUF at ``out`` with every metadata field of the reader ``meta`` and ``tensors``
+    (``(reader, tensor)`` pairs, written in order)."""
+    import gguf
+
+    arch = meta.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), arch=arch, endianess=meta.endianess)
+    for field in meta.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    for _, t in tensors:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for r, t in tensors:
+        writer.write_tensor_data(t.data, tensor_endianess=r.endianess)
+    writer.close()
+    return out
+
+
 def merge_ggufs(paths: list[str], out: Path) -> Path:
     """One GGUF from several: metadata of the last file, each tensor from the first file that has it.
 
@@ -28,28 +52,11 @@ def merge_ggufs(paths: list[str], out: Path) -> Path:
     import gguf
 
     readers = [gguf.GGUFReader(p) for p in paths]
-    meta = readers[-1]
-    arch = meta.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(str(out), arch=arch, endianess=meta.endianess)
-    for field in meta.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
-    tensors = {}
+    tensors: dict = {}
     for r in readers:
         for t in r.tensors:
             tensors.setdefault(t.name, (r, t))
-    for name, (r, t) in tensors.items():
-        writer.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for name, (r, t) in tensors.items():
-        writer.write_tensor_data(t.data, tensor_endianess=r.endianess)
-    writer.close()
-    return out
+    return _write_gguf(out, readers[-1], list(tensors.values()))
 
 
 def split_gguf(path: str, out_dir: Path, pieces: int = 2) -> list[Path]:
@@ -65,28 +72,8 @@ def split_gguf(path: str, out_dir: Path, pieces: int = 2) -> list[Path]:
             groups.append([])
         groups[-1].append(t)
         size += int(t.n_bytes)
-    arch = reader.fields["general.architecture"].contents()
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i, tensors in enumerate(groups):
-        out = out_dir / f"piece{i}.gguf"
-        writer = gguf.GGUFWriter(str(out), arch=arch, endianess=reader.endianess)
-        for field in reader.fields.values():
-            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-                continue
-            vtype = field.types[0]
-            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
-        for t in tensors:
-            writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for t in tensors:
-            writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
-        writer.close()
-        paths.append(out)
-    return paths
+    return [_write_gguf(out_dir / f"piece{i}.gguf", reader, [(reader, t) for t in group]) for i, group in enumerate(groups)]
 
 
 def one(args) -> int:
