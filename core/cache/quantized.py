@@ -11,7 +11,7 @@ import functools
 import torch
 
 from .. import ops
-from ..ops.kv_quant import GROUP, kv_dequantize, kv_quantize
+from ..ops.kv_quant import GROUP, kv_dequantize_pages, kv_quantize_store
 from . import DEFAULT_PAGE_SIZE, KVCache
 
 
@@ -36,17 +36,14 @@ class QuantizedKVCacheLayer:
         self.sv = torch.zeros(num_pages, page_size, v_dim // GROUP, dtype=torch.float16, device=device)
 
     def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        qk, sk = kv_quantize(k.reshape(k.shape[0], -1), self.k_bits)
-        qv, sv = kv_quantize(v.reshape(v.shape[0], -1), self.v_bits)
-        for pages, new in ((self.qk, qk), (self.sk, sk), (self.qv, qv), (self.sv, sv)):
-            pages.view(-1, pages.shape[-1])[slots] = new
+        kv_quantize_store(k.reshape(k.shape[0], -1), self.k_bits, self.qk, self.sk, slots)
+        kv_quantize_store(v.reshape(v.shape[0], -1), self.v_bits, self.qv, self.sv, slots)
 
     def _staged(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K/V of ``pages`` as [n, page_size, heads, dim] in the model dtype."""
         n = pages.shape[0]
-        rows = n * self.page_size
-        k = kv_dequantize(self.qk[pages].view(rows, -1), self.sk[pages].view(rows, -1), self.k_bits, self.dtype)
-        v = kv_dequantize(self.qv[pages].view(rows, -1), self.sv[pages].view(rows, -1), self.v_bits, self.dtype)
+        k = kv_dequantize_pages(self.qk, self.sk, pages, self.k_bits, self.dtype)
+        v = kv_dequantize_pages(self.qv, self.sv, pages, self.v_bits, self.dtype)
         return (k.view(n, self.page_size, self.num_kv_heads, self.head_dim),
                 v.view(n, self.page_size, self.num_kv_heads, self.v_head_dim))
 

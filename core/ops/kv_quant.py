@@ -96,3 +96,23 @@ def kv_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, dtype: 
     half = 1 << (bits - 1)
     groups = (codes - (half - 0.5)) * (scales.float().reshape(-1, 1) / (math.sqrt(GROUP) * half))
     return (groups @ _hadamard32(str(packed.device))).reshape(t, n_groups * GROUP).to(dtype)
+
+
+@op
+def kv_quantize_store(x: torch.Tensor, bits: int, packed_pages: torch.Tensor, scale_pages: torch.Tensor,
+                      slots: torch.Tensor) -> None:
+    """:func:`kv_quantize` of x [T, D] written in place to the flat cache rows ``slots`` (page * page_size +
+    offset) of packed_pages [P, S, D/32*bits] and scale_pages [P, S, D/32]."""
+    packed, scales = kv_quantize(x, bits)
+    packed_pages.view(-1, packed_pages.shape[-1])[slots] = packed
+    scale_pages.view(-1, scale_pages.shape[-1])[slots] = scales
+
+
+@op
+def kv_dequantize_pages(packed_pages: torch.Tensor, scale_pages: torch.Tensor, pages: torch.Tensor, bits: int,
+                        dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """The rows of cache pages ``pages`` (int [n]) dequantized: [n, page_size, D] in ``dtype``."""
+    n, page_size = pages.shape[0], packed_pages.shape[1]
+    rows = n * page_size
+    out = kv_dequantize(packed_pages[pages].view(rows, -1), scale_pages[pages].view(rows, -1), bits, dtype)
+    return out.view(n, page_size, -1)
