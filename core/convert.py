@@ -20,7 +20,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -28,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from .errors import ConfigError, TrellmError
 from .modules.linear import Linear
 from .quant.exl3.format import MARKER_VALUES, EXL3Linear
-from .quant.exl3.quantize import QuantizedTensors, padded, quantize_group
+from .quant.exl3.quantize import quantize_group
 
 CODEBOOK = "mul1"
 NOT_COPIED = {".safetensors", ".bin", ".ckpt", ".pth", ".pt"}
