@@ -170,8 +170,7 @@ template <int B, int NN> __device__ __forceinline__ uint32_t field16(const uint3
     }
 }
 
-// The eight states of lane positions 8t..8t+7 from its raw words.
-// Bits [lo_bit, lo_bit + 16) of the 64-bit value (hi:lo), as a state.
+// Bits [SHIFT, SHIFT + 16) of the 64-bit value (hi:lo), as a state.
 template <int SHIFT> __device__ __forceinline__ uint32_t bits16(uint32_t hi, uint32_t lo) {
     if constexpr (SHIFT == 0) return lo & 0xFFFFu;
     else if constexpr (SHIFT == 8) return __byte_perm(lo, 0u, 0x4421);   // bytes 1-2 of lo, zero above
@@ -180,6 +179,7 @@ template <int SHIFT> __device__ __forceinline__ uint32_t bits16(uint32_t hi, uin
     else return __funnelshift_r(lo, hi, SHIFT) & 0xFFFFu;
 }
 
+// The eight states of lane positions 8t..8t+7 from its raw words.
 template <int K> __device__ __forceinline__ void lane_states(const uint32_t (&raw)[TileGeom<K>::NW], int r,
                                                             uint32_t (&st)[8]) {
     using G = TileGeom<K>;
@@ -196,7 +196,6 @@ template <int K> __device__ __forceinline__ void lane_states(const uint32_t (&ra
         st[2] = lo4 >> 16;
         st[1] = bits16<24>(hi, lo);
         st[0] = bits16<28>(hi, lo);
-        return;
     } else if constexpr (K == 8) {
         // 72 bits ending at the last bit of raw[2]: state e is (raw[0]:raw[1]:raw[2]) >> (56 - 8e).
         st[0] = bits16<24>(raw[0], raw[1]);
@@ -207,22 +206,49 @@ template <int K> __device__ __forceinline__ void lane_states(const uint32_t (&ra
         st[5] = bits16<16>(raw[1], raw[2]);
         st[6] = bits16<8>(raw[1], raw[2]);
         st[7] = bits16<0>(raw[1], raw[2]);
-        return;
-    }
-    uint32_t n[G::NN];
+    } else {
+        uint32_t n[G::NN];
 #pragma unroll
-    for (int q = 0; q < G::NN; ++q) {
-        uint32_t hi = raw[q];
-        uint32_t lo = (q + 1 < G::NW) ? raw[q + 1] : 0u;
-        if constexpr (G::R_CONST) n[q] = G::R_FIXED ? ((hi << G::R_FIXED) | (lo >> (32 - G::R_FIXED))) : hi;
-        else n[q] = __funnelshift_l(lo, hi, r);
+        for (int q = 0; q < G::NN; ++q) {
+            uint32_t hi = raw[q];
+            uint32_t lo = (q + 1 < G::NW) ? raw[q + 1] : 0u;
+            if constexpr (G::R_CONST) n[q] = G::R_FIXED ? ((hi << G::R_FIXED) | (lo >> (32 - G::R_FIXED))) : hi;
+            else n[q] = __funnelshift_l(lo, hi, r);
+        }
+        st[0] = field16<0 * K, G::NN>(n);
+        st[1] = field16<1 * K, G::NN>(n);
+        st[2] = field16<2 * K, G::NN>(n);
+        st[3] = field16<3 * K, G::NN>(n);
+        st[4] = field16<4 * K, G::NN>(n);
+        st[5] = field16<5 * K, G::NN>(n);
+        st[6] = field16<6 * K, G::NN>(n);
+        st[7] = field16<7 * K, G::NN>(n);
     }
-    st[0] = field16<0 * K, G::NN>(n);
-    st[1] = field16<1 * K, G::NN>(n);
-    st[2] = field16<2 * K, G::NN>(n);
-    st[3] = field16<3 * K, G::NN>(n);
-    st[4] = field16<4 * K, G::NN>(n);
-    st[5] = field16<5 * K, G::NN>(n);
-    st[6] = field16<6 * K, G::NN>(n);
-    st[7] = field16<7 * K, G::NN>(n);
+}
+
+// ---------------------------------------------------------------------------------------------
+// One tensor-core mma (f16 inputs, f32 accumulators) and the lane's decoded A fragment of a tile
+// (shared by the EXL3 GEMV and the MoE pair kernels).
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Decoded A fragment of the transposed tile: {e0e1, e4e5, e2e3, e6e7}.
+template <int K, int CB> __device__ __forceinline__ void tile_fragment(const uint32_t (&raw)[TileGeom<K>::NW], int r,
+                                                                      uint32_t (&a)[4]) {
+    uint32_t st[8];
+    lane_states<K>(raw, r, st);
+    half2 p01 = decode_pair<CB>(st[0], st[1]);
+    half2 p45 = decode_pair<CB>(st[4], st[5]);
+    half2 p23 = decode_pair<CB>(st[2], st[3]);
+    half2 p67 = decode_pair<CB>(st[6], st[7]);
+    a[0] = *reinterpret_cast<uint32_t *>(&p01);
+    a[1] = *reinterpret_cast<uint32_t *>(&p45);
+    a[2] = *reinterpret_cast<uint32_t *>(&p23);
+    a[3] = *reinterpret_cast<uint32_t *>(&p67);
 }

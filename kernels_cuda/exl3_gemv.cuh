@@ -22,29 +22,6 @@ constexpr int GEMV_WARPS = 8;
 // k tiles per warp (KT): 8 (two blocks per SM), or 4 with a register cap for three (TRELLM_EXL3_KT=4).
 // A block's k-slice is GEMV_WARPS * KT tiles.
 
-__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Decoded A fragment of the transposed tile: {e0e1, e4e5, e2e3, e6e7}.
-template <int K, int CB> __device__ __forceinline__ void tile_fragment(const uint32_t (&raw)[TileGeom<K>::NW], int r,
-                                                                      uint32_t (&a)[4]) {
-    uint32_t st[8];
-    lane_states<K>(raw, r, st);
-    half2 p01 = decode_pair<CB>(st[0], st[1]);
-    half2 p45 = decode_pair<CB>(st[4], st[5]);
-    half2 p23 = decode_pair<CB>(st[2], st[3]);
-    half2 p67 = decode_pair<CB>(st[6], st[7]);
-    a[0] = *reinterpret_cast<uint32_t *>(&p01);
-    a[1] = *reinterpret_cast<uint32_t *>(&p45);
-    a[2] = *reinterpret_cast<uint32_t *>(&p23);
-    a[3] = *reinterpret_cast<uint32_t *>(&p67);
-}
-
 // Split-halves A fragments for the 3INST and MCG codebooks. Their weight is the sum of the two fp16
 // halves of one 32-bit word; instead of adding the halves (two byte_perms and an hadd2 per pair), the
 // raw word goes into the mma as two k positions that both multiply the same x value: one mma takes the

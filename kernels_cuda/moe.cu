@@ -20,29 +20,6 @@ namespace {
 constexpr int MOE_WARPS = 8;
 constexpr int MOE_GROUP = 128;  // output columns of one block: the Hadamard's width
 
-__device__ __forceinline__ void moe_mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// The lane's eight decoded weights as the A fragment {e0e1, e4e5, e2e3, e6e7} of the transposed tile.
-template <int K, int CB>
-__device__ __forceinline__ void moe_tile_fragment(const uint32_t (&raw)[TileGeom<K>::NW], int r, uint32_t (&a)[4]) {
-    uint32_t st[8];
-    lane_states<K>(raw, r, st);
-    half2 p01 = decode_pair<CB>(st[0], st[1]);
-    half2 p45 = decode_pair<CB>(st[4], st[5]);
-    half2 p23 = decode_pair<CB>(st[2], st[3]);
-    half2 p67 = decode_pair<CB>(st[6], st[7]);
-    a[0] = *reinterpret_cast<uint32_t *>(&p01);
-    a[1] = *reinterpret_cast<uint32_t *>(&p45);
-    a[2] = *reinterpret_cast<uint32_t *>(&p23);
-    a[3] = *reinterpret_cast<uint32_t *>(&p67);
-}
-
 // Pointer table row of expert e of matrix m: {trellis, suh, svh, bias (0 = none)}.
 struct ExpertTensors {
     const uint32_t *trellis;
@@ -137,8 +114,8 @@ __global__ void __launch_bounds__(MOE_WARPS * 32, 2) moe_exl3_partial_kernel(con
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             uint32_t frag[4];
-            moe_tile_fragment<K, CB>(src[j], r, frag);
-            moe_mma_16816(c[j], frag, b0, b1);
+            tile_fragment<K, CB>(src[j], r, frag);
+            mma_16816(c[j], frag, b0, b1);
         }
     };
     if (my_tiles > 0) load(raw[0], first_tile);
