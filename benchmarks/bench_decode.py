@@ -70,7 +70,8 @@ class Model:
             total += sum(nbytes(L[n]) for n in ("q", "k", "v", "o", "gate", "up", "down")) + 4 * HIDDEN
         return total
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, ctx: torch.Tensor):
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, ctx: torch.Tensor, group: bool = True):
+        """One step; ``group``: q/k/v and gate/up each in one ``exl3_matmul_group`` launch (as the model does)."""
         from trellm import ops
         from trellm.ops import exl3
         from trellm.ops.attention import rotary_qk_write_kv
@@ -86,15 +87,19 @@ class Model:
                 x = ops.rms_norm(h, L["norm1"], 1e-5)
             else:
                 x, residual = ops.add_rms_norm(h, residual, L["norm1"], 1e-5)
-            q = mm(x, *L["q"], "mcg").view(t, HEADS, HEAD_DIM)
-            k = mm(x, *L["k"], "mcg").view(t, KV_HEADS, HEAD_DIM)
-            v = mm(x, *L["v"], "mcg").view(t, KV_HEADS, HEAD_DIM)
+            if group:
+                q, k, v = exl3.exl3_matmul_group(x, [(*L[p], None) for p in ("q", "k", "v")], "mcg")
+            else:
+                q, k, v = (mm(x, *L[p], "mcg") for p in ("q", "k", "v"))
+            q, k, v = q.view(t, HEADS, HEAD_DIM), k.view(t, KV_HEADS, HEAD_DIM), v.view(t, KV_HEADS, HEAD_DIM)
             q, _ = rotary_qk_write_kv(q, k, v, self.cos, self.sin, positions, self.k_pages[i], self.v_pages[i], slots)
             a = ops.paged_attention(q, self.k_pages[i], self.v_pages[i], self.block_table, cu, ctx)
             h = mm(a.view(t, HIDDEN), *L["o"], "mcg")
             x, residual = ops.add_rms_norm(h, residual, L["norm2"], 1e-5)
-            g = mm(x, *L["gate"], "mcg")
-            u = mm(x, *L["up"], "mcg")
+            if group:
+                g, u = exl3.exl3_matmul_group(x, [(*L[p], None) for p in ("gate", "up")], "mcg")
+            else:
+                g, u = mm(x, *L["gate"], "mcg"), mm(x, *L["up"], "mcg")
             h = mm(ops.gated_activation(g, u, "silu"), *L["down"], "mcg")
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, 1e-5)
         return mm(x[-1:], *self.head, "mcg")
@@ -120,8 +125,11 @@ def main() -> int:
         pos = torch.tensor([args.context], device="cuda")
         cu = torch.tensor([0, 1], device="cuda", dtype=torch.int32)
         ctx = torch.tensor([args.context + 1], device="cuda", dtype=torch.int32)
+        t_sep = time_graph(lambda: model.forward(tok, pos, cu, ctx, group=False), reps=20)
         t_step = time_graph(lambda: model.forward(tok, pos, cu, ctx), reps=20)
         ideal = wb / bw
+        print(f"decode K={K}, one launch per projection: {t_sep * 1e3:.3f} ms/token = {1 / t_sep:.0f} tokens/s "
+              f"(grouped q/k/v and gate/up launches below: {t_sep / t_step:.2f}x)", flush=True)
         print(
             f"decode K={K} (head 6 bpw): {t_step * 1e3:.3f} ms/token = {1 / t_step:.0f} tokens/s; "
             f"weights {wb / 1e9:.2f} GB, bandwidth ideal {ideal * 1e3:.3f} ms = {1 / ideal:.0f} tokens/s "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -215,6 +216,26 @@ def _counters(device: torch.device, groups: int) -> torch.Tensor:
 EXL3_SMALL_MAX_ROWS = 16
 
 
+def _check_exl3_part(x: torch.Tensor, trellis: torch.Tensor, suh, svh, bias, name: str = "") -> tuple[int, int]:
+    """Validate one (trellis, suh, svh, bias) against x [m, k]; returns (n, K)."""
+    k, n, K = _trellis_dims(trellis)
+    if k % 128 or n % 128:
+        raise KernelArgumentError(f"{name}trellis: k={k}, n={n} must be multiples of 128")
+    expect(x, "x", dtype=_FLOATS, shape=(None, k), device=trellis.device)
+    m = x.shape[0]
+    if not 1 <= m <= EXL3_SMALL_MAX_ROWS:
+        raise KernelArgumentError(f"x: {m} rows; the fused small-batch path takes 1..{EXL3_SMALL_MAX_ROWS}")
+    expect(suh, f"{name}suh", dtype=torch.float16, shape=(k,), device=x.device)
+    expect(svh, f"{name}svh", dtype=torch.float16, shape=(n,), device=x.device)
+    expect(bias, f"{name}bias", dtype=torch.float16, shape=(n,), device=x.device, optional=True)
+    return n, K
+
+
+def _aligned(trellis: torch.Tensor) -> torch.Tensor:
+    # The kernel streams 16-byte chunks (cp.async); a fresh allocation is aligned.
+    return trellis.clone() if trellis.data_ptr() % 16 else trellis
+
+
 def exl3_matmul_small(
     x: torch.Tensor,
     trellis: torch.Tensor,
@@ -225,16 +246,9 @@ def exl3_matmul_small(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """y [m, n] = H128(H128(x * suh) @ W_hat) * svh (+ bias) in one launch, for 1..16 rows of x [m, k]."""
-    k, n, K = _trellis_dims(trellis)
-    if k % 128 or n % 128:
-        raise KernelArgumentError(f"trellis: k={k}, n={n} must be multiples of 128")
-    expect(x, "x", dtype=_FLOATS, shape=(None, k), device=trellis.device)
-    m = x.shape[0]
-    if not 1 <= m <= EXL3_SMALL_MAX_ROWS:
-        raise KernelArgumentError(f"x: {m} rows; the fused small-batch path takes 1..{EXL3_SMALL_MAX_ROWS}")
-    expect(suh, "suh", dtype=torch.float16, shape=(k,), device=x.device)
-    expect(svh, "svh", dtype=torch.float16, shape=(n,), device=x.device)
-    expect(bias, "bias", dtype=torch.float16, shape=(n,), device=x.device, optional=True)
+    n, K = _check_exl3_part(x, trellis, suh, svh, bias)
+    trellis = _aligned(trellis)
+    m, k = x.shape
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     workspace = torch.empty(lib().trellm_exl3_matmul_small_workspace(m, k, n), dtype=torch.float32, device=x.device)
     counters = _counters(x.device, n // 128)
@@ -245,6 +259,49 @@ def exl3_matmul_small(
     )
     _check(rc, "exl3_matmul_small")
     return y
+
+
+EXL3_MAX_PARTS = 4
+
+
+def exl3_matmul_small_multi(
+    x: torch.Tensor,
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    codebook: str,
+    out_dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
+    """``exl3_matmul_small`` of one x by 1..4 (trellis, suh, svh, bias) parts of the same K in ONE launch
+    (q/k/v, gate/up): one kernel instead of several small ones, and one wave of blocks across all parts."""
+    if not 1 <= len(parts) <= EXL3_MAX_PARTS:
+        raise KernelArgumentError(f"parts: {len(parts)} given, 1..{EXL3_MAX_PARTS} supported")
+    ns, Ks = [], []
+    for i, (trellis, suh, svh, bias) in enumerate(parts):
+        n, K = _check_exl3_part(x, trellis, suh, svh, bias, f"part {i}: ")
+        ns.append(n)
+        Ks.append(K)
+    if len(set(Ks)) != 1:
+        raise KernelArgumentError(f"parts: bits per weight differ ({Ks}); one launch needs one K")
+    m, k = x.shape
+    dtype = out_dtype or x.dtype
+    ys = [torch.empty(m, n, dtype=dtype, device=x.device) for n in ns]
+    total = sum(ns)
+    workspace = torch.empty(lib().trellm_exl3_matmul_small_workspace(m, k, total), dtype=torch.float32, device=x.device)
+    counters = _counters(x.device, total // 128)
+    trellises = [_aligned(p[0]) for p in parts]
+    f = ffi()
+    rc = lib().trellm_exl3_matmul_small_multi(
+        _ptr(x), DTYPE_CODES[x.dtype], len(parts),
+        f.new("void *[]", [_ptr(p[1]) for p in parts]),
+        f.new("int16_t *[]", [_ptr(t, "int16_t *") for t in trellises]),
+        f.new("void *[]", [_ptr(p[2]) for p in parts]),
+        f.new("void *[]", [_ptr(p[3]) for p in parts]),
+        f.new("void *[]", [_ptr(y) for y in ys]),
+        f.new("int64_t[]", ns), _dtype_code(ys[0], "out_dtype"), _ptr(workspace, "float *"),
+        _ptr(counters, "int32_t *"), counters.numel(), m, k, Ks[0], _codebook_code(codebook),
+        _num_sms(x.device), _stream(),
+    )
+    _check(rc, "exl3_matmul_small_multi")
+    return ys
 
 
 def exl3_decode_tiles(trellis: torch.Tensor, codebook: str) -> torch.Tensor:

@@ -227,6 +227,17 @@ template <int K> __device__ __forceinline__ void lane_states(const uint32_t (&ra
 }
 
 // ---------------------------------------------------------------------------------------------
+// Asynchronous global -> shared copies (sm_80+): the GEMV keeps several columns of trellis words in
+// flight per warp without holding them in registers.
+
+__device__ __forceinline__ void cp_async_16(void *smem_dst, const void *gmem_src) {
+    const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem_dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// ---------------------------------------------------------------------------------------------
 // One tensor-core mma (f16 inputs, f32 accumulators) and the lane's decoded A fragment of a tile
 // (shared by the EXL3 GEMV and the MoE pair kernels).
 

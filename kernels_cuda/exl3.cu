@@ -19,37 +19,56 @@ extern "C" int64_t trellm_exl3_matmul_small_workspace(int64_t m, int64_t k, int6
     return (int64_t)gemv_slices((int)k) * m * n;
 }
 
+extern "C" int trellm_exl3_matmul_small_multi(const void *x, int x_dtype, int parts, const void *const *suh,
+                                              const int16_t *const *trellis, const void *const *svh,
+                                              const void *const *bias, void *const *y, const int64_t *n, int y_dtype,
+                                              float *workspace, int32_t *counters, int64_t counters_len, int64_t m,
+                                              int64_t k, int K, int codebook, int num_sms, cudaStream_t stream) {
+    if (parts < 1 || parts > GEMV_MAX_PARTS) return TRELLM_E_BAD_ARG;
+    if (m < 1 || m > 16) return TRELLM_E_BAD_SHAPE;
+    if (x_dtype < TRELLM_F16 || x_dtype > TRELLM_F32 || y_dtype < TRELLM_F16 || y_dtype > TRELLM_F32)
+        return TRELLM_E_BAD_DTYPE;
+    MatmulParts mp;
+    mp.count = parts;
+    int64_t groups = 0, partial_offset = 0;
+    const int slices = gemv_slices((int)k);
+    for (int p = 0; p < parts; ++p) {
+        const int rc = check_exl3_dims(k, n[p], K, codebook);
+        if (rc) return rc;
+        if (reinterpret_cast<uintptr_t>(trellis[p]) % 16) return TRELLM_E_BAD_ARG;  // 16-byte cp.async chunks
+        MatmulArgs &a = mp.part[p];
+        a.x = x;
+        a.suh = static_cast<const half *>(suh[p]);
+        a.trellis = reinterpret_cast<const uint32_t *>(trellis[p]);
+        a.svh = static_cast<const half *>(svh[p]);
+        a.bias = static_cast<const half *>(bias[p]);
+        a.y = y[p];
+        a.partial = workspace + partial_offset;
+        a.counters = counters + groups;
+        a.x_dtype = x_dtype;
+        a.y_dtype = y_dtype;
+        a.m = (int)m;
+        a.k = (int)k;
+        a.n = (int)n[p];
+        a.cols_per_block = 0;
+        a.arrivals_per_group = 0;
+        partial_offset += (int64_t)slices * m * n[p];
+        groups += n[p] / 128;
+    }
+    if (counters_len < groups) return TRELLM_E_BAD_ARG;
+    switch (codebook) {
+        case 0: return launch_exl3_matmul_small<0>(mp, K, num_sms, stream);
+        case 1: return launch_exl3_matmul_small<1>(mp, K, num_sms, stream);
+        default: return launch_exl3_matmul_small<2>(mp, K, num_sms, stream);
+    }
+}
+
 extern "C" int trellm_exl3_matmul_small(const void *x, int x_dtype, const void *suh, const int16_t *trellis,
                                         const void *svh, const void *bias, void *y, int y_dtype, float *workspace,
                                         int32_t *counters, int64_t counters_len, int64_t m, int64_t k, int64_t n,
                                         int K, int codebook, int num_sms, cudaStream_t stream) {
-    int rc = check_exl3_dims(k, n, K, codebook);
-    if (rc) return rc;
-    if (m < 1 || m > 16) return TRELLM_E_BAD_SHAPE;
-    if (counters_len < n / 128) return TRELLM_E_BAD_ARG;
-    if (x_dtype < TRELLM_F16 || x_dtype > TRELLM_F32 || y_dtype < TRELLM_F16 || y_dtype > TRELLM_F32)
-        return TRELLM_E_BAD_DTYPE;
-    MatmulArgs a;
-    a.x = x;
-    a.suh = static_cast<const half *>(suh);
-    a.trellis = reinterpret_cast<const uint32_t *>(trellis);
-    a.svh = static_cast<const half *>(svh);
-    a.bias = static_cast<const half *>(bias);
-    a.y = y;
-    a.partial = workspace;
-    a.counters = counters;
-    a.x_dtype = x_dtype;
-    a.y_dtype = y_dtype;
-    a.m = (int)m;
-    a.k = (int)k;
-    a.n = (int)n;
-    a.cols_per_block = 0;
-    a.arrivals_per_group = 0;
-    switch (codebook) {
-        case 0: return launch_exl3_matmul_small<0>(a, K, num_sms, stream);
-        case 1: return launch_exl3_matmul_small<1>(a, K, num_sms, stream);
-        default: return launch_exl3_matmul_small<2>(a, K, num_sms, stream);
-    }
+    return trellm_exl3_matmul_small_multi(x, x_dtype, 1, &suh, &trellis, &svh, &bias, &y, &n, y_dtype, workspace,
+                                          counters, counters_len, m, k, K, codebook, num_sms, stream);
 }
 
 extern "C" int trellm_exl3_decode_tiles(const int16_t *trellis, void *w_hat, int64_t k, int64_t n, int K,

@@ -8,7 +8,8 @@
 //
 // Work split: a block of WARPS warps owns a k-slice of WARPS*KT tiles and a run of column tiles;
 // each warp owns KT tiles of that slice (its x fragments stay in registers) and walks the column
-// tiles, prefetching the next column's trellis words while decoding the current ones. The warps add
+// tiles; the trellis words of its next few columns are in flight into shared memory (cp.async ring,
+// GemvPipe) while it decodes the current one. The warps add
 // their 16x8 results into a shared-memory accumulator; the block writes it once per slice.
 #pragma once
 
@@ -54,47 +55,83 @@ struct MatmulArgs {
     int x_dtype, y_dtype, m, k, n, cols_per_block, arrivals_per_group;
 };
 
+// Up to GEMV_MAX_PARTS matmuls of the same x (q/k/v, gate/up) in one launch: blocks
+// [block_begin[p], block_begin[p+1]) work on part p. Each part has its own suh, so each block
+// transforms x with its own part's suh (it does that per block anyway).
+constexpr int GEMV_MAX_PARTS = 4;
+struct MatmulParts {
+    MatmulArgs part[GEMV_MAX_PARTS];
+    int block_begin[GEMV_MAX_PARTS + 1];
+    int count;
+};
+
+// Trellis words in flight per warp: STAGES columns of KT tiles each, in shared memory (cp.async).
+// About 6 KB per warp whatever K is: enough bytes in flight per SM to cover the DRAM latency
+// (a register double buffer held only one column, ~16 KB per SM at 4 bpw, too little for Little's law).
+template <int K, int KT> struct GemvPipe {
+    static constexpr int TILE_WORDS = TileGeom<K>::WORDS;
+    static constexpr int STAGE_WORDS = KT * TILE_WORDS;
+    static constexpr int CHUNKS = STAGE_WORDS / 4;                 // 16-byte copies per stage
+    static constexpr int CHUNKS_PER_LANE = (CHUNKS + 31) / 32;
+    static constexpr int S = 6 * 1024 / (STAGE_WORDS * 4);
+    static constexpr int STAGES = S < 2 ? 2 : (S > 8 ? 8 : S);
+    static constexpr size_t RING_BYTES = (size_t)GEMV_WARPS * STAGES * STAGE_WORDS * 4;
+};
+
 // One launch: x transform, trellis matmul of the block's (k-slice, column run), partial store, and the
 // last block to arrive at a 128-column group sums the slices and applies H128 * svh (+ bias).
 template <int K, int CB, int MT, int KT>
-__global__ void __launch_bounds__(GEMV_WARPS * 32, KT == 4 ? 3 : 2) exl3_matmul_small_kernel(const MatmulArgs args) {
+__global__ void __launch_bounds__(GEMV_WARPS * 32, 3) exl3_matmul_small_kernel(const __grid_constant__ MatmulParts parts) {
+    int part = 0;
+    while (part + 1 < parts.count && (int)blockIdx.x >= parts.block_begin[part + 1]) ++part;
+    const MatmulArgs &args = parts.part[part];
+    const int block_x = (int)blockIdx.x - parts.block_begin[part];
     using G = TileGeom<K>;
+    using P = GemvPipe<K, KT>;
     constexpr int SLICE_K = GEMV_WARPS * KT * 16;   // k elements per block slice
     const int acc_stride = args.m | 1;          // odd row stride of a warp's accumulator: valid rows only
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int m = args.m, k = args.k, n = args.n, cols_per_block = args.cols_per_block;
-    half *xs = reinterpret_cast<half *>(smem_raw);                                   // [m][SLICE_K]
-    float *acc_all = reinterpret_cast<float *>(smem_raw + (size_t)m * SLICE_K * sizeof(half));  // [warps][cols*16][acc_stride]
+    uint32_t *ring_all = reinterpret_cast<uint32_t *>(smem_raw);                      // [warps][STAGES][STAGE_WORDS]
+    half *xs = reinterpret_cast<half *>(smem_raw + P::RING_BYTES);                    // [m][SLICE_K]
+    float *acc_all = reinterpret_cast<float *>(smem_raw + P::RING_BYTES + (size_t)m * SLICE_K * sizeof(half));
     __shared__ int last_groups[16];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tiles_k = k / 16, tiles_n = n / 16;
     const int slice = blockIdx.y, slices = gridDim.y;
-    const int j_begin = blockIdx.x * cols_per_block;
+    const int j_begin = block_x * cols_per_block;
     const int j_end = min(j_begin + cols_per_block, tiles_n);
+    const int ncols = j_end - j_begin;
     const int k0 = slice * SLICE_K;
     const int slice_chunks = min(SLICE_K, k - k0) / 128;
 
-    // Trellis words of the first column go in flight before the x transform: they do not depend on it.
+    // Trellis words of the first STAGES-1 columns go in flight before the x transform.
     const int i_begin = slice * GEMV_WARPS * KT + warp * KT;
-    int w0, r;
-    lane_window<K>(lane, w0, r);
-    constexpr int TILE_WORDS = G::WORDS;
-    const size_t row_stride = (size_t)tiles_n * TILE_WORDS;  // words between tile (i, j) and (i+1, j)
-    float *acc = acc_all + (size_t)warp * cols_per_block * 16 * acc_stride;
-
-    uint32_t buf[2][KT][G::NW];
-    auto load = [&](uint32_t(&dst)[KT][G::NW], int j) {
+    const size_t row_stride = (size_t)tiles_n * P::TILE_WORDS;  // words between tile (i, j) and (i+1, j)
+    uint32_t *ring = ring_all + (size_t)warp * P::STAGES * P::STAGE_WORDS;
+    const uint32_t *src[P::CHUNKS_PER_LANE];
 #pragma unroll
-        for (int t = 0; t < KT; ++t) {
-            // Past the end of k, re-read the last tile row: its x fragments are zero, and keeping every
-            // tile branch-free lets the compiler interleave the eight decode chains.
-            const int i = min(i_begin + t, tiles_k - 1);
-            const uint32_t *tile = args.trellis + (size_t)i * row_stride + (size_t)j * TILE_WORDS;
-            load_lane_words<K>(tile, w0, dst[t]);
+    for (int q = 0; q < P::CHUNKS_PER_LANE; ++q) {
+        const int c = min(lane + 32 * q, P::CHUNKS - 1);
+        const int t = c / (P::TILE_WORDS / 4), part = c % (P::TILE_WORDS / 4);
+        // Past the end of k, re-read the last tile row: its x fragments are zero.
+        const int i = min(i_begin + t, tiles_k - 1);
+        src[q] = args.trellis + (size_t)i * row_stride + (size_t)j_begin * P::TILE_WORDS + part * 4;
+    }
+    auto issue = [&](int col, int stage) {  // col counts from j_begin
+#pragma unroll
+        for (int q = 0; q < P::CHUNKS_PER_LANE; ++q) {
+            const int c = lane + 32 * q;
+            if (P::CHUNKS % 32 == 0 || c < P::CHUNKS)
+                cp_async_16(ring + stage * P::STAGE_WORDS + c * 4, src[q] + (size_t)col * P::TILE_WORDS);
         }
     };
-    load(buf[0], j_begin);
+#pragma unroll
+    for (int s = 0; s < P::STAGES - 1; ++s) {
+        if (s < ncols) issue(s, s);
+        cp_async_commit();
+    }
 
     // Phase 0: xs = fp16(H128(x * suh)) for this slice.
     for (int job = warp; job < m * slice_chunks; job += GEMV_WARPS) {
@@ -142,32 +179,41 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, KT == 4 ? 3 : 2) exl3_matmul_
         }
     }
 
-    auto compute = [&](const uint32_t(&src)[KT][G::NW], int j) {
+    // The lane's words of a tile in a stage: (w0 + q) mod TILE_WORDS, q < NW.
+    int w0, r;
+    lane_window<K>(lane, w0, r);
+    int word_off[G::NW];
+#pragma unroll
+    for (int q = 0; q < G::NW; ++q) word_off[q] = (w0 + q) % P::TILE_WORDS;
+
+    auto compute = [&](const uint32_t *stage_words, int j) {
         float c[MT][4];
 #pragma unroll
         for (int g = 0; g < MT; ++g) c[g][0] = c[g][1] = c[g][2] = c[g][3] = 0.f;
-        if constexpr (SPLIT) {
-            float c_odd[4] = {0.f, 0.f, 0.f, 0.f};  // a second chain: half the mma dependency depth
+        float c_odd[4] = {0.f, 0.f, 0.f, 0.f};  // SPLIT: a second chain, half the mma dependency depth
 #pragma unroll
-            for (int t = 0; t < KT; ++t) {
+        for (int t = 0; t < KT; ++t) {
+            uint32_t raw[G::NW];
+#pragma unroll
+            for (int q = 0; q < G::NW; ++q) raw[q] = stage_words[t * P::TILE_WORDS + word_off[q]];
+            if constexpr (SPLIT) {
                 uint32_t even[4], odd[4];
-                tile_fragments_split<K, CB>(src[t], r, even, odd);
+                tile_fragments_split<K, CB>(raw, r, even, odd);
                 mma_16816(c[0], even, xf[t][0][0], xf[t][0][1]);
                 mma_16816(c_odd, odd, xo[t][0], xo[t][1]);
-            }
-#pragma unroll
-            for (int q = 0; q < 4; ++q) c[0][q] += c_odd[q];
-        } else {
-#pragma unroll
-            for (int t = 0; t < KT; ++t) {
+            } else {
                 uint32_t a[4];
-                tile_fragment<K, CB>(src[t], r, a);
+                tile_fragment<K, CB>(raw, r, a);
 #pragma unroll
                 for (int g = 0; g < MT; ++g) mma_16816(c[g], a, xf[t][g][0], xf[t][g][1]);
             }
         }
+        if constexpr (SPLIT) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) c[0][q] += c_odd[q];
+        }
         // c[g]: (n = lane/4, rows 2(lane%4)+{0,1}) and (n = lane/4 + 8, same rows)
-        float *dst = acc + (size_t)(j - j_begin) * 16 * acc_stride;
+        float *dst = acc_all + (size_t)warp * cols_per_block * 16 * acc_stride + (size_t)(j - j_begin) * 16 * acc_stride;
         const int nn = lane >> 2, mm = (lane & 3) * 2;
 #pragma unroll
         for (int g = 0; g < MT; ++g) {
@@ -183,14 +229,20 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, KT == 4 ? 3 : 2) exl3_matmul_
         }
     };
 
-    int j = j_begin;
-    for (; j + 1 < j_end; j += 2) {
-        load(buf[1], j + 1);
-        compute(buf[0], j);
-        if (j + 2 < j_end) load(buf[0], j + 2);
-        compute(buf[1], j + 1);
+    // Main loop: wait for column c's stage, refill the stage the previous column used, decode column c.
+    int stage = 0;
+    for (int col = 0; col < ncols; ++col) {
+        cp_async_wait<P::STAGES - 2>();
+        __syncwarp();
+        const int next = col + P::STAGES - 1;
+        int refill = stage + P::STAGES - 1;
+        if (refill >= P::STAGES) refill -= P::STAGES;
+        if (next < ncols) issue(next, refill);
+        cp_async_commit();
+        compute(ring + stage * P::STAGE_WORDS, j_begin + col);
+        stage = stage + 1 == P::STAGES ? 0 : stage + 1;
     }
-    if (j < j_end) compute(buf[0], j);
+    cp_async_wait<0>();
     __syncthreads();
 
     // Phase 2: sum the warps, store this slice's partial sums (valid rows only), coalesced along n.
@@ -272,7 +324,7 @@ __global__ void exl3_codebook_decode_kernel(const int32_t *__restrict__ states, 
 
 // Host launchers, one translation unit per codebook (exl3_cb{0,1,2}.cu).
 template <int CB>
-int launch_exl3_matmul_small(MatmulArgs args, int K, int num_sms, cudaStream_t stream);
+int launch_exl3_matmul_small(MatmulParts args, int K, int num_sms, cudaStream_t stream);
 template <int CB>
 int launch_exl3_decode_tiles(const uint32_t *trellis, half *w, int k, int n, int K, cudaStream_t stream);
 
@@ -291,17 +343,22 @@ inline int gemv_slices(int k) {
 }
 
 template <int K, int CB, int MT, int KT>
-int launch_matmul_mt(MatmulArgs args, int num_sms, cudaStream_t stream) {
-    const int tiles_n = args.n / 16;
-    const int slices = gemv_slices(args.k);
-    const size_t acc_per_col = (size_t)GEMV_WARPS * 16 * (args.m | 1) * sizeof(float);
-    const size_t xs_bytes = (size_t)args.m * GEMV_WARPS * KT * 16 * sizeof(half);
-    const size_t budget = 100 * 1024;  // two blocks fit an SM's shared memory
-    const int max_cols = min(128, (int)((budget - xs_bytes) / acc_per_col));  // last_groups holds 16 groups
+int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
+    const MatmulArgs &first = parts.part[0];
+    int tiles_n = 0;  // all parts together
+    for (int p = 0; p < parts.count; ++p) tiles_n += parts.part[p].n / 16;
+    const int slices = gemv_slices(first.k);
+    const size_t acc_per_col = (size_t)GEMV_WARPS * 16 * (first.m | 1) * sizeof(float);
+    const size_t xs_bytes = GemvPipe<K, KT>::RING_BYTES + (size_t)first.m * GEMV_WARPS * KT * 16 * sizeof(half);
+    // Shared memory per block: 72 KB lets three blocks share an SM (up to 4 rows), 110 KB two.
+    const bool three = first.m <= 4;
+    const size_t budget = (three ? 72 : 110) * 1024;
+    const int max_cols = max(1, min(128, ((int)budget - (int)xs_bytes) / (int)acc_per_col));  // last_groups: 16 groups
     auto kernel = exl3_matmul_small_kernel<K, CB, MT, KT>;
-    static int blocks_per_sm = 0;  // per instantiation; the register count bounds it
+    static int occupancy[2] = {0, 0};  // per instantiation and budget; the register count also bounds it
+    int &blocks_per_sm = occupancy[three];
     if (blocks_per_sm == 0) {
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)budget);
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 110 * 1024);
         int b = 0;
         if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, GEMV_WARPS * 32, budget) != cudaSuccess || b < 1)
             b = 1;
@@ -320,21 +377,29 @@ int launch_matmul_mt(MatmulArgs args, int num_sms, cudaStream_t stream) {
     }
     while (cols > max_cols) cols = cols > 8 ? cols - 8 : cols / 2;
     cols = max(cols, 1);
-    args.cols_per_block = cols;
-    args.arrivals_per_group = slices * (cols < 8 ? 8 / cols : 1);
-    dim3 grid((tiles_n + cols - 1) / cols, slices);
+    int blocks_x = 0;
+    for (int p = 0; p < parts.count; ++p) {
+        MatmulArgs &a = parts.part[p];
+        a.cols_per_block = cols;
+        a.arrivals_per_group = slices * (cols < 8 ? 8 / cols : 1);
+        parts.block_begin[p] = blocks_x;
+        blocks_x += (a.n / 16 + cols - 1) / cols;
+    }
+    parts.block_begin[parts.count] = blocks_x;
+    dim3 grid(blocks_x, slices);
     const size_t smem = xs_bytes + (size_t)cols * acc_per_col;
-    kernel<<<grid, GEMV_WARPS * 32, smem, stream>>>(args);
+    kernel<<<grid, GEMV_WARPS * 32, smem, stream>>>(parts);
     TRELLM_LAUNCH_CHECK();
     return TRELLM_OK;
 }
 
 template <int K, int CB>
-int launch_matmul_k(MatmulArgs args, int num_sms, cudaStream_t stream) {
+int launch_matmul_k(MatmulParts args, int num_sms, cudaStream_t stream) {
     const bool kt4 = gemv_kt() == 4;
-    if (args.m <= 8) return kt4 ? launch_matmul_mt<K, CB, 1, 4>(args, num_sms, stream)
+    const int m = args.part[0].m;
+    if (m <= 8) return kt4 ? launch_matmul_mt<K, CB, 1, 4>(args, num_sms, stream)
                                 : launch_matmul_mt<K, CB, 1, 8>(args, num_sms, stream);
-    if (args.m <= 16) return kt4 ? launch_matmul_mt<K, CB, 2, 4>(args, num_sms, stream)
+    if (m <= 16) return kt4 ? launch_matmul_mt<K, CB, 2, 4>(args, num_sms, stream)
                                  : launch_matmul_mt<K, CB, 2, 8>(args, num_sms, stream);
     return TRELLM_E_UNSUPPORTED;
 }
@@ -343,7 +408,7 @@ int launch_matmul_k(MatmulArgs args, int num_sms, cudaStream_t stream) {
 
 #define TRELLM_DEFINE_CODEBOOK_LAUNCHERS(CB_VALUE)                                                              \
     template <>                                                                                                 \
-    int launch_exl3_matmul_small<CB_VALUE>(MatmulArgs args, int K, int num_sms, cudaStream_t stream) {         \
+    int launch_exl3_matmul_small<CB_VALUE>(MatmulParts args, int K, int num_sms, cudaStream_t stream) {        \
         switch (K) {                                                                                            \
             _GEMV_CASE(1) _GEMV_CASE(2) _GEMV_CASE(3) _GEMV_CASE(4)                                             \
             _GEMV_CASE(5) _GEMV_CASE(6) _GEMV_CASE(7) _GEMV_CASE(8)                                             \

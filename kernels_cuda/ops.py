@@ -75,6 +75,30 @@ def exl3_matmul(
     return y.reshape(*lead, n)
 
 
+@_exl3.exl3_matmul_group.register("cuda")
+def exl3_matmul_group(x: torch.Tensor, parts, codebook: str) -> list[torch.Tensor]:
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    one_launch = (
+        1 <= len(parts) <= binding.EXL3_MAX_PARTS
+        and x.dtype in _FLOATS
+        and 1 <= m <= EXL3_GEMV_MAX_ROWS
+        and k % 128 == 0
+        and len({p[0].shape[2] for p in parts}) == 1
+        and all(p[0].shape[0] * 16 == k and p[0].shape[1] % 8 == 0 for p in parts)
+    )
+    if not one_launch:
+        return [exl3_matmul(x, trellis, suh, svh, codebook, bias) for trellis, suh, svh, bias in parts]
+    lead = x.shape[:-1]
+    half = lambda t: t.to(torch.float16).contiguous() if t is not None else None  # noqa: E731
+    ys = binding.exl3_matmul_small_multi(
+        x.reshape(-1, k).contiguous(),
+        [(trellis.contiguous(), half(suh), half(svh), half(bias)) for trellis, suh, svh, bias in parts],
+        codebook,
+    )
+    return [y.reshape(*lead, y.shape[-1]) for y in ys]
+
+
 @_exl3.trellis_viterbi.register("cuda")
 def trellis_viterbi(targets: torch.Tensor, K: int, codebook: str) -> torch.Tensor:
     if targets.dim() != 2 or targets.shape[-1] != 256 or not 1 <= K <= 8:

@@ -59,6 +59,16 @@ int trellm_exl3_matmul_small(const void *x, int x_dtype, const void *suh, const 
                              int64_t counters_len, int64_t m, int64_t k, int64_t n, int K, int codebook,
                              int num_sms, cudaStream_t stream);
 
+/* The same for 1..4 matmuls of one x (q/k/v, gate/up) in one launch: part p has trellis[p] int16
+ * [k/16, n[p]/16, 16*K], suh[p], svh[p], bias[p] (may be NULL) and output y[p] [m, n[p]]; all parts share
+ * K and the codebook. workspace: float32 of trellm_exl3_matmul_small_workspace(m, k, sum of n) elements;
+ * counters: int32 [>= sum of n / 128], zero before the first call. */
+int trellm_exl3_matmul_small_multi(const void *x, int x_dtype, int parts, const void *const *suh,
+                                   const int16_t *const *trellis, const void *const *svh, const void *const *bias,
+                                   void *const *y, const int64_t *n, int y_dtype, float *workspace,
+                                   int32_t *counters, int64_t counters_len, int64_t m, int64_t k, int K,
+                                   int codebook, int num_sms, cudaStream_t stream);
+
 /* W_hat fp16 [k, n] from the trellis (no Hadamards, no scales). */
 int trellm_exl3_decode_tiles(const int16_t *trellis, void *w_hat, int64_t k, int64_t n, int K, int codebook,
                              cudaStream_t stream);

@@ -181,6 +181,38 @@ def test_exl3_matmul_rows_and_dtypes(ops, m, dtype):
     assert rel_err(y, ref) < tol
 
 
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+@pytest.mark.parametrize("K", [2, 4, 8])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_exl3_matmul_group_one_launch(ops, K, codebook, m):
+    # q/k/v-like parts of different widths, one with a bias: every part matches its own reference.
+    k = 1024
+    parts = [_random_layer(k, n, K) for n in (1024, 256, 384)]
+    parts = [(t, suh, svh, bias if i == 1 else None) for i, (t, suh, svh, bias) in enumerate(parts)]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ys = cuda_impl(ops.exl3.exl3_matmul_group)(x, parts, codebook)
+    assert [tuple(y.shape) for y in ys] == [(m, 1024), (m, 256), (m, 384)]
+    for y, (t, suh, svh, bias) in zip(ys, parts):
+        ref = ops.exl3.exl3_matmul.reference(x.float(), t, suh, svh, codebook, bias)
+        assert y.dtype == torch.bfloat16 and rel_err(y, ref) < 1e-2, (K, codebook, m)
+
+
+def test_exl3_matmul_group_mixed_bits_and_misaligned(ops):
+    # Parts of different K cannot share a launch (one by one instead); a trellis view that is not
+    # 16-byte aligned is copied for the kernel's 16-byte loads rather than rejected.
+    a, b = _random_layer(512, 256, 3), _random_layer(512, 384, 4)
+    x = torch.randn(2, 512, device="cuda", dtype=torch.float16)
+    ys = cuda_impl(ops.exl3.exl3_matmul_group)(x, [a, b], "3inst")
+    for y, p in zip(ys, (a, b)):
+        assert rel_err(y, ops.exl3.exl3_matmul.reference(x.float(), *p[:3], "3inst", p[3])) < 3e-3
+    t, suh, svh, _ = _random_layer(512, 256, 2)
+    flat = torch.cat([torch.zeros(1, dtype=torch.int16, device="cuda"), t.flatten()])
+    shifted = flat[1:].view(t.shape)
+    assert shifted.data_ptr() % 16
+    y = cuda_impl(ops.exl3.exl3_matmul)(x, shifted, suh, svh, "mcg")
+    assert rel_err(y, ops.exl3.exl3_matmul.reference(x.float(), t, suh, svh, "mcg")) < 3e-3
+
+
 def test_exl3_matmul_graph_capture(ops):
     k, n = 4096, 14336
     trellis, suh, svh, _ = _random_layer(k, n, 4)

@@ -137,3 +137,32 @@ def test_bad_tensors_raise_clear_errors(tmp_path):
         EXL3Linear(g["layer.trellis"].int(), g["layer.suh"], g["layer.svh"], "3inst", 256, 256, key="x")
     with pytest.raises(WeightError, match="smaller"):
         EXL3Linear(g["layer.trellis"], g["layer.suh"], g["layer.svh"], "3inst", 300, 256, key="x")
+
+
+def test_forward_group_matches_separate_forwards():
+    # q/k/v-style projections of one x: forward_group (one exl3_matmul_group call for equal K) gives
+    # exactly what each layer's own forward gives, padding and output trimming included; layers of
+    # another K fall back to one call each.
+    from trellm.modules.linear import Linear, forward_group
+
+    gen = torch.Generator().manual_seed(5)
+
+    def layer(n_out: int, K: int, cb: str = "mcg") -> Linear:
+        k, n = 256, -(-n_out // 128) * 128
+        t = torch.randint(-32768, 32767, (k // 16, n // 16, 16 * K), dtype=torch.int16, generator=gen)
+        suh = (torch.randn(k, generator=gen) * 0.1).half()
+        svh = (torch.rand(n, generator=gen) + 0.5).half()
+        lin = Linear("p", 200, n_out)
+        lin.impl = EXL3Linear(t, suh, svh, cb, 200, n_out, bias=torch.randn(n_out, generator=gen).half())
+        return lin
+
+    x = torch.randn(3, 200, generator=gen)
+    same = [layer(256, 4), layer(100, 4), layer(128, 4)]
+    assert same[0].impl.groups_with(same[1].impl)
+    for got, lin in zip(forward_group(same, x), same):
+        assert got.shape == (3, lin.out_features)
+        torch.testing.assert_close(got, lin(x), rtol=0, atol=0)
+    mixed = [layer(128, 4), layer(128, 2), layer(128, 4, "mul1")]
+    assert not mixed[0].impl.groups_with(mixed[1].impl) and not mixed[0].impl.groups_with(mixed[2].impl)
+    for got, lin in zip(forward_group(mixed, x), mixed):
+        torch.testing.assert_close(got, lin(x), rtol=0, atol=0)

@@ -14,7 +14,7 @@ from ..errors import WeightError
 from ..ops.attention import rotary_qk, rotary_qk_write_kv
 from ..ops.dense import activation_fn, xielu
 from .base import LoadContext, Module
-from .linear import DenseLinear, Linear
+from .linear import DenseLinear, Linear, forward_group
 
 
 class Embedding(Module):
@@ -271,7 +271,7 @@ class Attention(Module):
         ``head_norm=False`` leaves a per-head QK-norm to the caller (the fused RoPE op applies it).
         """
         t = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = forward_group((self.q_proj, self.k_proj, self.v_proj), x)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         if self.q_norm is not None and self.qk_norm == "full":
@@ -390,7 +390,8 @@ class GatedMLP(Module):
         self.down_proj = Linear(f"{key}.down_proj", intermediate_size, hidden_size, bias)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
-        return self.down_proj(ops.gated_activation(self.gate_proj(x), self.up_proj(x), self.activation))
+        gate, up = forward_group((self.gate_proj, self.up_proj), x)
+        return self.down_proj(ops.gated_activation(gate, up, self.activation))
 
 
 class MLP(Module):

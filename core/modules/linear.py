@@ -1,6 +1,8 @@
 """Linear layers: dense or quantized behind one interface."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -72,3 +74,17 @@ class Linear(Module):
 
     def nbytes(self) -> int:
         return self.impl.nbytes() if self.impl is not None else 0
+
+
+def forward_group(linears: Sequence[Linear], x: torch.Tensor) -> list[torch.Tensor]:
+    """Several projections of one x (q/k/v, gate/up), in order.
+
+    When every implementation can run with the first (``groups_with``, e.g. EXL3 layers of one K),
+    they run through its ``forward_group`` (one kernel launch on CUDA); otherwise one by one.
+    """
+    plain = all(isinstance(lin, Linear) and type(lin).forward is Linear.forward for lin in linears)
+    impls = [getattr(lin, "impl", None) for lin in linears]
+    first = impls[0]
+    if plain and len(impls) > 1 and hasattr(first, "forward_group") and all(first.groups_with(i) for i in impls[1:]):
+        return first.forward_group(impls, x)
+    return [lin(x) for lin in linears]

@@ -21,7 +21,7 @@ from ..ops import op
 from ..errors import WeightError
 from .base import LoadContext, Module
 from .layers import GatedMLP
-from .linear import DenseLinear, Linear
+from .linear import DenseLinear, Linear, forward_group
 
 # ---- routing strategies ------------------------------------------------------------------------------
 
@@ -188,7 +188,8 @@ class ExpertMLP(Module):
         self.down_proj = Linear(f"{key}.{down}", intermediate_size, hidden_size, bias)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        gate, up = forward_group((self.gate_proj, self.up_proj), x)
+        return self.down_proj(self.act(gate, up))
 
 
 class ExpertList(Module):

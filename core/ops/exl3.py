@@ -13,6 +13,7 @@ same signatures. Format facts (bit layout, tile permutation, codebooks) follow
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -222,6 +223,19 @@ def exl3_matmul(
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+@op
+def exl3_matmul_group(
+    x: torch.Tensor,
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    codebook: str,
+) -> list[torch.Tensor]:
+    """``exl3_matmul`` of one x by each (trellis, suh, svh, bias) part (q/k/v, gate/up).
+
+    A backend may run the parts in one launch (the CUDA GEMV does, for equal K and up to 16 rows).
+    """
+    return [exl3_matmul.reference(x, trellis, suh, svh, codebook, bias) for trellis, suh, svh, bias in parts]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 
 from ...errors import WeightError
 
-from ...ops.exl3 import CODEBOOK_MULTIPLIERS, exl3_decode_tiles, exl3_matmul, hadamard_128
+from ...ops.exl3 import CODEBOOK_MULTIPLIERS, exl3_decode_tiles, exl3_matmul, exl3_matmul_group, hadamard_128
 from ...weights import WeightStore
 from .quantize import QuantizedTensors, quantize_group
 
@@ -90,6 +90,30 @@ class EXL3Linear:
         return y.reshape(*lead, self.out_features)
 
     __call__ = forward
+
+    def groups_with(self, other: object) -> bool:
+        """Whether ``forward_group`` can run this and ``other`` on one x together (same K, codebook, k)."""
+        return (
+            isinstance(other, EXL3Linear)
+            and other.codebook == self.codebook
+            and other.bits == self.bits
+            and other.padded_in == self.padded_in
+            and other.trellis.device == self.trellis.device
+        )
+
+    @staticmethod
+    def forward_group(linears: "list[EXL3Linear]", x: torch.Tensor) -> list[torch.Tensor]:
+        """Each linear applied to x, through one ``exl3_matmul_group`` (one GEMV launch on CUDA)."""
+        first = linears[0]
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[-1] < first.padded_in:
+            x2 = torch.nn.functional.pad(x2, (0, first.padded_in - x2.shape[-1]))
+        ys = exl3_matmul_group(x2, [(l.trellis, l.suh, l.svh, l.bias) for l in linears], first.codebook)
+        return [
+            (y[:, : l.out_features] if l.out_features < l.padded_out else y).reshape(*lead, l.out_features)
+            for l, y in zip(linears, ys)
+        ]
 
     def nbytes(self) -> int:
         ts = (self.trellis, self.suh, self.svh, self.bias)
