@@ -51,7 +51,6 @@ extern "C" int trellm_exl3_matmul_small_multi(const void *x, int x_dtype, int pa
         a.k = (int)k;
         a.n = (int)n[p];
         a.cols_per_block = 0;
-        a.arrivals_per_group = 0;
         partial_offset += (int64_t)slices * m * n[p];
         groups += n[p] / 128;
     }

@@ -52,7 +52,7 @@ struct MatmulArgs {
     void *y;                // [m, n], y_dtype
     float *partial;         // [slices, m, n]
     int *counters;          // [n / 128], zero between calls (the last block of a group resets it)
-    int x_dtype, y_dtype, m, k, n, cols_per_block, arrivals_per_group;
+    int x_dtype, y_dtype, m, k, n, cols_per_block;
 };
 
 // Up to GEMV_MAX_PARTS matmuls of the same x (q/k/v, gate/up) in one launch: blocks
@@ -110,6 +110,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 3) exl3_matmul_small_kernel(c
     const int i_begin = slice * GEMV_WARPS * KT + warp * KT;
     const size_t row_stride = (size_t)tiles_n * P::TILE_WORDS;  // words between tile (i, j) and (i+1, j)
     uint32_t *ring = ring_all + (size_t)warp * P::STAGES * P::STAGE_WORDS;
+    // Each lane copies chunks lane, lane + 32, ... of a stage; src walks one column per issue.
     const uint32_t *src[P::CHUNKS_PER_LANE];
 #pragma unroll
     for (int q = 0; q < P::CHUNKS_PER_LANE; ++q) {
@@ -119,17 +120,17 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 3) exl3_matmul_small_kernel(c
         const int i = min(i_begin + t, tiles_k - 1);
         src[q] = args.trellis + (size_t)i * row_stride + (size_t)j_begin * P::TILE_WORDS + part * 4;
     }
-    auto issue = [&](int col, int stage) {  // col counts from j_begin
+    auto issue_next = [&](int stage) {  // the next column in order into ring stage `stage`
 #pragma unroll
         for (int q = 0; q < P::CHUNKS_PER_LANE; ++q) {
             const int c = lane + 32 * q;
-            if (P::CHUNKS % 32 == 0 || c < P::CHUNKS)
-                cp_async_16(ring + stage * P::STAGE_WORDS + c * 4, src[q] + (size_t)col * P::TILE_WORDS);
+            if (P::CHUNKS % 32 == 0 || c < P::CHUNKS) cp_async_16(ring + stage * P::STAGE_WORDS + c * 4, src[q]);
+            src[q] += P::TILE_WORDS;
         }
     };
 #pragma unroll
     for (int s = 0; s < P::STAGES - 1; ++s) {
-        if (s < ncols) issue(s, s);
+        if (s < ncols) issue_next(s);
         cp_async_commit();
     }
 
@@ -186,7 +187,11 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 3) exl3_matmul_small_kernel(c
 #pragma unroll
     for (int q = 0; q < G::NW; ++q) word_off[q] = (w0 + q) % P::TILE_WORDS;
 
-    auto compute = [&](const uint32_t *stage_words, int j) {
+    // The lane's accumulator slots: (n = lane/4 (+8), rows 2(lane%4)+{0,1}) of the current column.
+    float *acc_lane = acc_all + (size_t)warp * cols_per_block * 16 * acc_stride + (lane >> 2) * acc_stride + (lane & 3) * 2;
+    const int acc_col_stride = 16 * acc_stride;
+
+    auto compute = [&](const uint32_t *stage_words, float *dst) {
         float c[MT][4];
 #pragma unroll
         for (int g = 0; g < MT; ++g) c[g][0] = c[g][1] = c[g][2] = c[g][3] = 0.f;
@@ -213,18 +218,17 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 3) exl3_matmul_small_kernel(c
             for (int q = 0; q < 4; ++q) c[0][q] += c_odd[q];
         }
         // c[g]: (n = lane/4, rows 2(lane%4)+{0,1}) and (n = lane/4 + 8, same rows)
-        float *dst = acc_all + (size_t)warp * cols_per_block * 16 * acc_stride + (size_t)(j - j_begin) * 16 * acc_stride;
-        const int nn = lane >> 2, mm = (lane & 3) * 2;
+        const int mm = (lane & 3) * 2;
 #pragma unroll
         for (int g = 0; g < MT; ++g) {
             const int row = g * 8 + mm;
             if (row < m) {
-                dst[nn * acc_stride + row] = c[g][0];
-                dst[(nn + 8) * acc_stride + row] = c[g][2];
+                dst[g * 8] = c[g][0];
+                dst[8 * acc_stride + g * 8] = c[g][2];
             }
             if (row + 1 < m) {
-                dst[nn * acc_stride + row + 1] = c[g][1];
-                dst[(nn + 8) * acc_stride + row + 1] = c[g][3];
+                dst[g * 8 + 1] = c[g][1];
+                dst[8 * acc_stride + g * 8 + 1] = c[g][3];
             }
         }
     };
@@ -234,12 +238,11 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 3) exl3_matmul_small_kernel(c
     for (int col = 0; col < ncols; ++col) {
         cp_async_wait<P::STAGES - 2>();
         __syncwarp();
-        const int next = col + P::STAGES - 1;
         int refill = stage + P::STAGES - 1;
         if (refill >= P::STAGES) refill -= P::STAGES;
-        if (next < ncols) issue(next, refill);
+        if (col + P::STAGES - 1 < ncols) issue_next(refill);
         cp_async_commit();
-        compute(ring + stage * P::STAGE_WORDS, j_begin + col);
+        compute(ring + stage * P::STAGE_WORDS, acc_lane + col * acc_col_stride);
         stage = stage + 1 == P::STAGES ? 0 : stage + 1;
     }
     cp_async_wait<0>();
@@ -263,7 +266,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 3) exl3_matmul_small_kernel(c
     if (threadIdx.x == 0) {
         for (int g = g_begin; g < g_end; ++g) {
             const int old = atomicAdd(args.counters + g, 1);
-            const bool last = old == args.arrivals_per_group - 1;
+            // Blocks of any width: every (block, slice) overlapping the group's 8 tiles arrives once.
+            const int overlapping = min(8 * g + 7, tiles_n - 1) / cols_per_block - (8 * g) / cols_per_block + 1;
+            const bool last = old == slices * overlapping - 1;
             if (last) args.counters[g] = 0;
             last_groups[g - g_begin] = last;
         }
@@ -353,7 +358,7 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     // Shared memory per block: 72 KB lets three blocks share an SM (up to 4 rows), 110 KB two.
     const bool three = first.m <= 4;
     const size_t budget = (three ? 72 : 110) * 1024;
-    const int max_cols = max(1, min(128, ((int)budget - (int)xs_bytes) / (int)acc_per_col));  // last_groups: 16 groups
+    const int max_cols = max(1, ((int)budget - (int)xs_bytes) / (int)acc_per_col);
     auto kernel = exl3_matmul_small_kernel<K, CB, MT, KT>;
     static int occupancy[2] = {0, 0};  // per instantiation and budget; the register count also bounds it
     int &blocks_per_sm = occupancy[three];
@@ -364,24 +369,16 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
             b = 1;
         blocks_per_sm = b;
     }
-    // One wave: every block resident at once, each walking a run of column tiles (1, 2, 4 or 8 tiles
-    // sharing a 128-column group, or a multiple of 8) so its trellis loads overlap its decoding.
+    // One wave: every block resident at once, each walking a run of column tiles so its trellis
+    // loads overlap its decoding.
     const int resident = (num_sms > 0 ? num_sms : 132) * blocks_per_sm;
-    int cols = (tiles_n * slices + resident - 1) / resident;
-    if (cols <= 8) {
-        int p = 1;
-        while (p < cols) p <<= 1;
-        cols = p;
-    } else {
-        cols = (cols + 7) / 8 * 8;
-    }
-    while (cols > max_cols) cols = cols > 8 ? cols - 8 : cols / 2;
-    cols = max(cols, 1);
+    // Any width works (a 128-column group may be shared by several blocks); at most 120 tiles, so a
+    // block touches at most 16 groups (last_groups).
+    const int cols = max(1, min(min(max_cols, 120), (tiles_n * slices + resident - 1) / resident));
     int blocks_x = 0;
     for (int p = 0; p < parts.count; ++p) {
         MatmulArgs &a = parts.part[p];
         a.cols_per_block = cols;
-        a.arrivals_per_group = slices * (cols < 8 ? 8 / cols : 1);
         parts.block_begin[p] = blocks_x;
         blocks_x += (a.n / 16 + cols - 1) / cols;
     }
