@@ -20,6 +20,12 @@ HEADER = SOURCE_DIR / "trellm_kernels.h"
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr"]
 
 
+def extra_flags() -> list[str]:
+    """``TRELLM_NVCC_FLAGS``: extra nvcc flags for tuning experiments (e.g. ``-DTRELLM_GEMV_RING_KB=12``);
+    part of the cache key, so each setting gets its own cached library."""
+    return os.environ.get("TRELLM_NVCC_FLAGS", "").split()
+
+
 class KernelBuildError(RuntimeError):
     """nvcc is missing or failed; the message carries the command and its output."""
 
@@ -78,7 +84,7 @@ def gencode_flags(archs: list[str]) -> list[str]:
 
 
 def compile_command(nvcc: str, source: Path, obj: Path, archs: list[str]) -> list[str]:
-    return [nvcc, *NVCC_FLAGS, *gencode_flags(archs), "-I", str(SOURCE_DIR), "-c", str(source), "-o", str(obj)]
+    return [nvcc, *NVCC_FLAGS, *extra_flags(), *gencode_flags(archs), "-I", str(SOURCE_DIR), "-c", str(source), "-o", str(obj)]
 
 
 def link_command(nvcc: str, objects: list[Path], lib: Path, archs: list[str]) -> list[str]:
@@ -92,7 +98,7 @@ def build_key(archs: list[str], nvcc_ver: str) -> str:
         h.update(f.read_bytes())
     h.update(",".join(archs).encode())
     h.update(nvcc_ver.encode())
-    h.update(" ".join(NVCC_FLAGS).encode())
+    h.update(" ".join(NVCC_FLAGS + extra_flags()).encode())
     return h.hexdigest()[:16]
 
 

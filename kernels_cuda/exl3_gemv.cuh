@@ -20,7 +20,15 @@
 namespace trellm {
 
 constexpr int GEMV_WARPS = 8;
-// k tiles per warp (KT): 8 (two blocks per SM), or 4 with a register cap for three (TRELLM_EXL3_KT=4).
+// Tuning knobs (build with TRELLM_NVCC_FLAGS="-D..." to try others): trellis bytes in flight per warp,
+// and the blocks per SM the register budget is sized for.
+#ifndef TRELLM_GEMV_RING_KB
+#define TRELLM_GEMV_RING_KB 6
+#endif
+#ifndef TRELLM_GEMV_MIN_BLOCKS
+#define TRELLM_GEMV_MIN_BLOCKS 3
+#endif
+// k tiles per warp (KT): 8 (default) or 4 (TRELLM_EXL3_KT=4).
 // A block's k-slice is GEMV_WARPS * KT tiles.
 
 // Split-halves A fragments for the 3INST and MCG codebooks. Their weight is the sum of the two fp16
@@ -73,15 +81,15 @@ template <int K, int KT> struct GemvPipe {
     static constexpr int STAGE_WORDS = KT * TILE_WORDS;
     static constexpr int CHUNKS = STAGE_WORDS / 4;                 // 16-byte copies per stage
     static constexpr int CHUNKS_PER_LANE = (CHUNKS + 31) / 32;
-    static constexpr int S = 6 * 1024 / (STAGE_WORDS * 4);
-    static constexpr int STAGES = S < 2 ? 2 : (S > 8 ? 8 : S);
+    static constexpr int S = TRELLM_GEMV_RING_KB * 1024 / (STAGE_WORDS * 4);
+    static constexpr int STAGES = S < 2 ? 2 : (S > 16 ? 16 : S);
     static constexpr size_t RING_BYTES = (size_t)GEMV_WARPS * STAGES * STAGE_WORDS * 4;
 };
 
 // One launch: x transform, trellis matmul of the block's (k-slice, column run), partial store, and the
 // last block to arrive at a 128-column group sums the slices and applies H128 * svh (+ bias).
 template <int K, int CB, int MT, int KT>
-__global__ void __launch_bounds__(GEMV_WARPS * 32, 3) exl3_matmul_small_kernel(const __grid_constant__ MatmulParts parts) {
+__global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_matmul_small_kernel(const __grid_constant__ MatmulParts parts) {
     int part = 0;
     while (part + 1 < parts.count && (int)blockIdx.x >= parts.block_begin[part + 1]) ++part;
     const MatmulArgs &args = parts.part[part];
@@ -355,15 +363,23 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     const int slices = gemv_slices(first.k);
     const size_t acc_per_col = (size_t)GEMV_WARPS * 16 * (first.m | 1) * sizeof(float);
     const size_t xs_bytes = GemvPipe<K, KT>::RING_BYTES + (size_t)first.m * GEMV_WARPS * KT * 16 * sizeof(half);
-    // Shared memory per block: 72 KB lets three blocks share an SM (up to 4 rows), 110 KB two.
+    // Shared memory per block: 72 KB lets three blocks share an SM (up to 4 rows), 110 KB two; never
+    // more than the device allows a block (99 KB on sm_86/89), never less than one column needs.
+    static int optin = 0;
+    if (optin == 0) {
+        int dev = 0;
+        cudaGetDevice(&dev);
+        if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess || optin <= 0)
+            optin = 48 * 1024;
+    }
     const bool three = first.m <= 4;
-    const size_t budget = (three ? 72 : 110) * 1024;
-    const int max_cols = max(1, ((int)budget - (int)xs_bytes) / (int)acc_per_col);
+    const size_t budget = max(min((size_t)(three ? 72 : 110) * 1024, (size_t)optin), xs_bytes + acc_per_col);
+    const int max_cols = max(1, (int)((budget - xs_bytes) / acc_per_col));
     auto kernel = exl3_matmul_small_kernel<K, CB, MT, KT>;
     static int occupancy[2] = {0, 0};  // per instantiation and budget; the register count also bounds it
     int &blocks_per_sm = occupancy[three];
     if (blocks_per_sm == 0) {
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 110 * 1024);
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
         int b = 0;
         if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, GEMV_WARPS * 32, budget) != cudaSuccess || b < 1)
             b = 1;
