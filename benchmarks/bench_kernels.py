@@ -5,9 +5,11 @@ bytes it must move, effective GB/s, % of the copy bandwidth measured in the same
 torch reference's time on the same GPU.
 
     python benchmarks/bench_kernels.py
+    python benchmarks/bench_kernels.py --only viterbi   # one section: dense, attention or viterbi
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -18,8 +20,20 @@ from common import copy_bandwidth, time_eager, time_graph  # noqa: E402
 
 
 def main() -> int:
-    from trellm import ops
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=("dense", "attention", "viterbi"), help="run one section only")
+    args = ap.parse_args()
     from trellm.kernels_cuda import ops as cuda_ops  # noqa: F401
+
+    if args.only in (None, "dense", "attention"):
+        _bandwidth_sections(args.only)
+    if args.only in (None, "viterbi"):
+        _viterbi_section()
+    return 0
+
+
+def _bandwidth_sections(only: str | None) -> None:
+    from trellm import ops
     from trellm.ops import exl3
 
     bw = copy_bandwidth()
@@ -36,7 +50,7 @@ def main() -> int:
             flush=True,
         )
 
-    for rows in (1, 2048):
+    for rows in (1, 2048) if only in (None, "dense") else ():
         x = torch.randn(rows, 4096, device="cuda", dtype=dt)
         r = torch.randn_like(x)
         w = torch.randn(4096, device="cuda", dtype=dt)
@@ -58,7 +72,7 @@ def main() -> int:
                lambda: ops.rotary_embedding.reference(q, c, s), q.numel() * 2 * 2 + c.numel() * 8)
 
     # Paged attention decode: Llama-3.1-8B heads (32 q / 8 kv, d=128), page 16.
-    for batch, ctx in ((1, 4096), (8, 4096), (32, 2048)):
+    for batch, ctx in ((1, 4096), (8, 4096), (32, 2048)) if only in (None, "attention") else ():
         page = 16
         blocks = ctx // page
         kp = torch.randn(batch * blocks, page, 8, 128, device="cuda", dtype=dt)
@@ -74,15 +88,32 @@ def main() -> int:
             lambda: ops.paged_attention.reference(q, kp, vp, bt, cu, cl),
             nb,
         )
-    # Trellis Viterbi encoder (conversion): weights/s per K.
+
+
+def _viterbi_section() -> None:
+    """Trellis Viterbi encoder (conversion): a correctness check against the torch reference on 1001
+    tiles (enough for the kernel to run several tiles per block, with one spare slot), then weights/s."""
+    from trellm.ops import exl3
+
+    for K in (2, 3, 4, 5, 6, 8):
+        cb = ("3inst", "mcg", "mul1")[K % 3]
+        torch.manual_seed(K)
+        targets = torch.randn(1001, 256, device="cuda") * 1.2
+        states = exl3.trellis_viterbi.impls["cuda"](targets, K, cb)
+        ref = exl3.trellis_viterbi.reference(targets, K, cb)
+        lut = exl3.codebook_lut(cb, "cuda", torch.float32)
+        valid = torch.equal(states >> K, torch.roll(states, 1, dims=1) & ((1 << (16 - K)) - 1))
+        err = ((lut[states.long()] - targets) ** 2).sum(1)
+        err_ref = ((lut[ref.long()] - targets) ** 2).sum(1)
+        ok = valid and bool(torch.all(err <= err_ref * 1.02 + 1e-4))
+        print(f"trellis_viterbi check K={K} ({cb}): valid={valid} err/ref={(err.sum() / err_ref.sum()).item():.5f} "
+              f"same={(states == ref).float().mean().item():.3f} {'OK' if ok else 'FAIL'}", flush=True)
     for K in (2, 3, 4, 5, 6, 8):
         tiles = 4096
         targets = torch.randn(tiles, 256, device="cuda") * 1.2
         t = time_eager(lambda: exl3.trellis_viterbi.impls["cuda"](targets, K, "mcg"), reps=3, warmup=1)
         print(f"trellis_viterbi K={K} ({tiles} tiles, mcg)   {t * 1e3:>8.1f} ms  {tiles * 256 / t / 1e6:>6.1f} M weights/s "
               f"(target 20)", flush=True)
-    return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -81,7 +81,12 @@ def tile_batch_size(K: int, device: torch.device, memory_budget: int | None = No
     """Tiles per Viterbi call so that candidates and back-pointers stay within ``memory_budget`` bytes."""
     if memory_budget is None:
         memory_budget = 2 << 30 if device.type == "cuda" else 256 << 20
-    per_tile = 65536 * (4 + 8) + 256 * (1 << (16 - K))  # candidates + argmin + uint8 back-pointers
+    if device.type == "cuda" and "cuda" in trellis_viterbi.impls:
+        # the CUDA kernel's back-pointer scratch is per block (bounded by the SM count), not per tile:
+        # batching would only add launches and partly idle waves
+        per_tile = 256 * 4 * 3  # targets, states, decoded values
+    else:
+        per_tile = 65536 * (4 + 8) + 256 * (1 << (16 - K))  # candidates + argmin + uint8 back-pointers
     return max(1, memory_budget // per_tile)
 
 
