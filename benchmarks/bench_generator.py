@@ -6,12 +6,21 @@
     python benchmarks/bench_generator.py --speculative draft --draft-model /path/to/small-or-quantized
 
 Prints one row per batch size: wall time, generated tokens/s over the whole run (prefill included),
-decode tokens/s (over the steps that did no prefill work) and mean time to first token. With matplotlib installed,
-``--plot`` saves tokens/s vs batch size.
+decode tokens/s and ms per decode step (over the steps that did no prefill work) and mean time to
+first token. With matplotlib installed, ``--plot`` saves tokens/s vs batch size.
+
+Fixed per-step overhead (host work around the forward) shows best with a model whose forward is
+cheap: on a GPU the SmolLM2 shape at batch 1; on CPU ``--random-like-smollm2 DIR --tiny`` (2 layers,
+hidden 64, SmolLM2's vocabulary). ``--profile`` prints where the decode steps' host time goes.
+
+    python benchmarks/bench_generator.py --device cuda --dtype bfloat16 --batch-sizes 1,8,32 --new-tokens 256
+    python benchmarks/bench_generator.py --random-like-smollm2 /tmp/rsmol --tiny --threads 1 --profile
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 
@@ -44,28 +53,39 @@ def run_batch(lm, n: int, args, proposer=None, task_prompts=None) -> dict:
                     max_batch_size=max(n, 1), max_chunk_tokens=args.chunk_tokens, proposer=proposer,
                     num_draft_tokens=args.draft_tokens, prefix_caching=False)
     jobs = [Job(p, args.new_tokens, stop_token_ids=[]) for p in (task_prompts or prompts(lm, n, args.prompt_tokens))]
-    warm = Job(jobs[0].prompt_ids[:8], 2, stop_token_ids=[])
-    gen.generate(warm.prompt_ids, 2, stop_token_ids=[])  # first-call overheads out of the timing
+    # first-call overheads (and, on CUDA, the capture of this batch size's decode graph) out of the timing
+    gen.generate([j.prompt_ids[:8] for j in jobs], 2, stop_token_ids=[])
     if lm.device.type == "cuda":
         torch.cuda.synchronize()
+    profiler = cProfile.Profile() if args.profile else None
     t0 = time.perf_counter()
     gen.enqueue(jobs)
     finished = []
-    decode_time, decode_tokens = 0.0, 0  # steps without any prefill work: the pure decode rate
+    decode_time, decode_tokens, decode_steps = 0.0, 0, 0  # steps without any prefill work: the pure decode rate
     while gen.has_work():
         t_step = time.perf_counter()
+        prefilling = any(r.prefilling for r in gen.active) or gen.num_pending
+        if profiler is not None and not prefilling:
+            profiler.enable()
         results = gen.iterate()
         if lm.device.type == "cuda":
             torch.cuda.synchronize()
+        if profiler is not None:
+            profiler.disable()
         if not any(isinstance(r, (PrefillProgress, JobStarted)) for r in results):
             decode_time += time.perf_counter() - t_step
+            decode_steps += 1
             decode_tokens += sum(len(r.token_ids) for r in results if isinstance(r, TokenChunk))
         finished += [r for r in results if isinstance(r, JobFinished)]
     wall = time.perf_counter() - t0
+    if profiler is not None:
+        print(f"-- {n} jobs: decode steps, by own time")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile_rows)
     tokens = sum(r.generated_tokens for r in finished)
     return {
         "jobs": n, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
         "decode_tok_s": decode_tokens / decode_time if decode_time else 0.0,
+        "step_ms": 1e3 * decode_time / decode_steps if decode_steps else 0.0,
         "ttft_s": statistics.mean(r.time_to_first_token for r in finished),
         "proposed": sum(r.draft_proposed for r in finished), "accepted": sum(r.draft_accepted for r in finished),
     }
@@ -86,7 +106,11 @@ def main() -> None:
                     help="build a random-weight Llama of SmolLM2-135M's shape in DIR and use it (no weights needed)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
-    ap.add_argument("--batch-sizes", default="1,2,4,8,16")
+    ap.add_argument("--tiny", action="store_true",
+                    help="with --random-like-smollm2: 2 layers, hidden 64 (SmolLM2's vocabulary): the step is mostly host overhead")
+    ap.add_argument("--profile", action="store_true", help="cProfile the decode steps; print the top functions per batch size")
+    ap.add_argument("--profile-rows", type=int, default=20)
+    ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--chunk-tokens", type=int, default=512)
@@ -102,7 +126,10 @@ def main() -> None:
     if args.random_like_smollm2:
         from trellm.sdk.testing import make_tiny_hf_model
 
-        args.model = make_tiny_hf_model("LlamaForCausalLM", args.random_like_smollm2, **SMOLLM2_SHAPE)
+        shape = dict(SMOLLM2_SHAPE)
+        if args.tiny:
+            shape.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        args.model = make_tiny_hf_model("LlamaForCausalLM", args.random_like_smollm2, **shape)
     if args.model is None:
         from trellm.default_model import default_model_dir
 
@@ -128,11 +155,16 @@ def main() -> None:
         return
 
     rows = []
-    print(f"{'jobs':>5} {'wall s':>8} {'tok/s':>8} {'decode tok/s':>13} {'ttft s':>8}")
+    header = f"{'jobs':>5} {'wall s':>8} {'tok/s':>8} {'decode tok/s':>13} {'ms/step':>8} {'ttft s':>8}"
+    if not args.profile:
+        print(header)
     for n in (int(x) for x in args.batch_sizes.split(",")):
         row = run_batch(lm, n, args)
         rows.append(row)
-        print(f"{n:5d} {row['wall_s']:8.2f} {row['tok_s']:8.2f} {row['decode_tok_s']:13.2f} {row['ttft_s']:8.2f}", flush=True)
+        if args.profile:
+            print(header)
+        print(f"{n:5d} {row['wall_s']:8.2f} {row['tok_s']:8.2f} {row['decode_tok_s']:13.2f} {row['step_ms']:8.3f} "
+              f"{row['ttft_s']:8.2f}", flush=True)
     if args.plot:
         try:
             import matplotlib

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import attrs
+import numpy as np
 import torch
 
 
@@ -101,3 +102,191 @@ def _cumsum(xs: Sequence[int]):
     for x in xs:
         total += x
         yield total
+
+
+def _up(n: int, k: int) -> int:
+    """``n`` rounded up to a multiple of ``k``: every field of StepBuffers starts 16-byte aligned."""
+    return -(-n // k) * k
+
+
+class StepBuffers:
+    """One host buffer and one device buffer that every step's index tensors live in.
+
+    Why: a decode step of a small model runs in well under a millisecond on a GPU, while building
+    each index tensor on its own (``torch.tensor(list, device=...)``: a pageable, synchronous
+    host->device copy each) costs tens of microseconds apiece. Here the block table, cu_seqlens,
+    context and cached lengths (int32), ids, positions, slots, logits rows and state slots (int64)
+    are written into one int64 host buffer (pinned on CUDA) and sent with ONE non-blocking copy;
+    the batch's tensors are views into the device buffer. On CPU the host buffer is the device
+    buffer: no copy at all. Block-table rows that equal last step's are not rewritten.
+
+    A batch from :meth:`build` is valid until the next ``build`` on the same buffers (they are
+    reused). ``growable=False`` keeps the device buffer's address fixed (CUDA graphs read it).
+    """
+
+    def __init__(self, device: torch.device | str, capacity: int = 4096, growable: bool = True):
+        self.device = torch.device(device)
+        self.growable = growable
+        self._copied: Any = None  # CUDA event after the last copy out of the host buffer, until waited for
+        self._event: Any = None
+        self._alloc(max(int(capacity), 16))
+
+    def _alloc(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._np = self.host.numpy()
+        self._np32 = self._np.view(np.int32)
+        self.dev = self.host if self.device.type == "cpu" else torch.zeros(capacity, dtype=torch.int64, device=self.device)
+        self._dev32 = self.dev.view(torch.int32)
+        self._rows: list[Any] = []  # what each block-table row of the host buffer holds (a page list copy, or None: padding)
+        self._rows_key: tuple[int, int] | None = None  # (width, pad page) those rows were written with
+
+    def build(
+        self,
+        new_tokens: Sequence[Sequence[int]],
+        cached_lens: Sequence[int],
+        page_rows: Sequence[Sequence[int]],
+        cache: Any,
+        logits_rows: Sequence[int] | None,
+        state_slots: Sequence[int] | None = None,
+        pad_to: int = 0,
+        table_width: int = 0,
+        pad_page: int = 0,
+        max_seq_len: int | None = None,
+    ) -> ForwardBatch:
+        """Like :meth:`ForwardBatch.with_cache`, with ``logits_rows`` (flat token rows, None = all).
+
+        ``pad_to`` appends padding sequences up to that many (one token each at position 0, written
+        to ``pad_page``, their logits rows appended): a captured decode graph's fixed batch size.
+        ``table_width`` fixes the block table's width; columns past a sequence's pages hold ``pad_page``.
+        """
+        page_size = cache.page_size
+        b_real = len(new_tokens)
+        b = max(b_real, pad_to)
+        n_pad = b - b_real
+        decode = all(len(s) == 1 for s in new_tokens)  # one token per sequence: plain lists are quicker than numpy
+        lens = None if decode else [len(s) for s in new_tokens]
+        t_real = b_real if decode else sum(lens)
+        t = t_real + n_pad
+        width = table_width or max(1, max((len(p) for p in page_rows), default=1))
+        n_logits = t if logits_rows is None else len(logits_rows) + n_pad
+        # layout: int32 table, cu, ctx, cached (in int32 units) | int64 ids, positions, slots, logits rows, state slots
+        o32_cu = _up(b * width, 4)
+        o32_ctx = o32_cu + _up(b + 1, 4)
+        o32_cached = o32_ctx + _up(b, 4)
+        o_ids = (o32_cached + _up(b, 4)) // 2
+        o_pos, o_slots, o_logits = o_ids + _up(t, 2), o_ids + 2 * _up(t, 2), o_ids + 3 * _up(t, 2)
+        o_state = o_logits + _up(n_logits, 2)
+        end = o_state + (b if state_slots is not None else 0)
+        self._ensure(end)
+        h, h32 = self._np, self._np32
+
+        if decode:
+            cached = list(cached_lens)
+            ctx = [c + 1 for c in cached]
+            self._check_room(page_rows, ctx, page_size)
+            slots = [p[c // page_size] * page_size + c % page_size for p, c in zip(page_rows, cached)]
+            h32[o32_cu: o32_cu + b + 1] = range(b + 1)
+            h32[o32_ctx: o32_ctx + b] = ctx + [1] * n_pad
+            h32[o32_cached: o32_cached + b] = cached + [0] * n_pad
+            pad = [0] * n_pad
+            h[o_ids: o_ids + t] = [s[0] for s in new_tokens] + pad
+            h[o_pos: o_pos + t] = cached + pad
+            h[o_slots: o_slots + t] = slots + [pad_page * page_size] * n_pad
+            max_ctx = max(ctx, default=0)
+        else:
+            lens_np = np.array(lens, dtype=np.int64)
+            cached_np = np.array(cached_lens, dtype=np.int64)
+            ctx_np = cached_np + lens_np
+            self._check_room(page_rows, ctx_np.tolist(), page_size)
+            starts = np.cumsum(lens_np) - lens_np
+            cu = h32[o32_cu: o32_cu + b + 1]
+            cu[0] = 0
+            cu[1: b_real + 1] = starts + lens_np
+            cu[b_real + 1:] = t_real + np.arange(1, n_pad + 1)
+            h32[o32_ctx: o32_ctx + b_real] = ctx_np
+            h32[o32_ctx + b_real: o32_ctx + b] = 1
+            h32[o32_cached: o32_cached + b_real] = cached_np
+            h32[o32_cached + b_real: o32_cached + b] = 0
+            h[o_ids: o_ids + t_real] = [tok for s in new_tokens for tok in s]
+            seq_of = np.repeat(np.arange(b_real), lens_np)
+            pos = np.arange(t_real) + np.repeat(cached_np - starts, lens_np)
+            h[o_pos: o_pos + t_real] = pos
+            rows = np.zeros((b_real, max(1, max(len(p) for p in page_rows))), dtype=np.int64)
+            for i, p in enumerate(page_rows):
+                rows[i, : len(p)] = p
+            h[o_slots: o_slots + t_real] = rows[seq_of, pos // page_size] * page_size + pos % page_size
+            h[o_ids + t_real: o_ids + t] = 0
+            h[o_pos + t_real: o_pos + t] = 0
+            h[o_slots + t_real: o_slots + t] = pad_page * page_size
+            max_ctx = int(ctx_np.max()) if b_real else 0
+        if logits_rows is not None:
+            h[o_logits: o_logits + n_logits] = [*logits_rows, *range(t_real, t)]
+        if state_slots is not None:
+            h[o_state: o_state + b_real] = state_slots
+        self._write_table(page_rows, b, width, pad_page)
+        self._send(end)
+
+        d, d32 = self.dev, self._dev32
+        return ForwardBatch(
+            input_ids=d[o_ids: o_ids + t],
+            positions=d[o_pos: o_pos + t],
+            cu_seqlens=d32[o32_cu: o32_cu + b + 1],
+            logits_indices=None if logits_rows is None else d[o_logits: o_logits + n_logits],
+            cache=cache,
+            block_table=d32[: b * width].view(b, width),
+            context_lens=d32[o32_ctx: o32_ctx + b],
+            slots=d[o_slots: o_slots + t],
+            max_seq_len=max_seq_len if max_seq_len is not None else max_ctx,
+            cached_lens=d32[o32_cached: o32_cached + b],
+            state_slots=None if state_slots is None else d[o_state: o_state + b],
+        )
+
+    @staticmethod
+    def _check_room(page_rows: Sequence[Sequence[int]], ctx: Sequence[int], page_size: int) -> None:
+        for pages, total in zip(page_rows, ctx):
+            if len(pages) * page_size < total:
+                raise ValueError(f"sequence needs {total} cache slots but holds only {len(pages)} pages of {page_size}")
+
+    def _write_table(self, page_rows: Sequence[Sequence[int]], b: int, width: int, pad_page: int) -> None:
+        """Block-table rows at the host buffer's start; a row that already holds the same pages is kept.
+        Rows past ``b`` are forgotten: the other fields of this step may lie there."""
+        if self._rows_key != (width, pad_page):
+            self._rows, self._rows_key = [], (width, pad_page)
+        known = self._rows
+        table = self._np32[: b * width].reshape(b, width)
+        for i in range(b):
+            row = page_rows[i] if i < len(page_rows) else None
+            if i < len(known) and (known[i] is None if row is None else isinstance(row, list) and known[i] == row):
+                continue
+            if row is None:
+                table[i].fill(pad_page)
+            else:
+                table[i, : len(row)] = row
+                table[i, len(row):] = pad_page
+            row = None if row is None else list(row)
+            if i < len(known):
+                known[i] = row
+            else:
+                known.append(row)
+        del known[b:]
+
+    def _ensure(self, size: int) -> None:
+        """Room for ``size`` int64s; the host buffer is free to write (the last copy out of it is done)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        if size > self.capacity:
+            if not self.growable:
+                raise ValueError(f"step needs {size} index slots, these fixed buffers hold {self.capacity}")
+            self._alloc(max(size, 2 * self.capacity))
+
+    def _send(self, size: int) -> None:
+        if self.dev is self.host:
+            return
+        self.dev[:size].copy_(self.host[:size], non_blocking=True)
+        if self.device.type == "cuda":
+            if self._event is None:
+                self._event = torch.cuda.Event()
+            self._event.record()
+            self._copied = self._event

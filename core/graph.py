@@ -3,7 +3,8 @@
 One cffi or torch launch from Python costs ~10-20 µs; a decode step of a 32-layer model makes
 hundreds, which costs more than reading its 4-bit weights. So decode steps (every sequence adds
 exactly one token) are captured once per padded batch size and replayed. Inputs live in static
-buffers; unused rows of a padded batch write to a reserved scratch page and are ignored.
+buffers (one per size, filled by one host->device copy per step); unused rows of a padded batch
+write to a reserved scratch page and are ignored.
 
 Capture needs every op on the path to be free of host syncs (the CUDA kernels are); when capture
 fails the runner falls back to eager execution and says so once.
@@ -11,16 +12,23 @@ fails the runner falls back to eager execution and says so once.
 from __future__ import annotations
 
 import warnings
+from typing import Sequence
 
 import torch
 
-from .batch import ForwardBatch
+from .batch import ForwardBatch, StepBuffers
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 class GraphRunner:
-    """``forward(batch)`` like ``model.forward``, replaying a captured graph for decode batches."""
+    """``forward(batch)`` like ``model.forward``, replaying a captured graph for decode batches.
+
+    Each padded batch size has its own :class:`StepBuffers` (fixed address): the graph reads its
+    inputs from them. A caller that builds the step straight into them (:meth:`staging`, then
+    :meth:`replay`) pays one host->device copy per step; ``forward(batch)`` copies a batch built
+    elsewhere into them field by field.
+    """
 
     def __init__(self, model, cache, batch_sizes=DEFAULT_BATCH_SIZES, max_context: int | None = None):
         self.model, self.cache = model, cache
@@ -29,7 +37,8 @@ class GraphRunner:
         self.batch_sizes = sorted(batch_sizes)
         self.page_size = cache.page_size
         self.max_pages = cache.pages_for(max_context) if max_context else cache.num_pages
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, ForwardBatch, torch.Tensor]] = {}
+        self.buffers: dict[int, StepBuffers] = {}
         self._failed: set[int] = set()
         self._scratch_page: int | None = None
         self.pool = None
@@ -44,33 +53,22 @@ class GraphRunner:
             and batch.block_table.shape[1] <= self.max_pages
         )
 
-    def _static_inputs(self, size: int) -> dict[str, torch.Tensor]:
+    def _padding_batch(self, size: int) -> ForwardBatch:
+        """The graph's static inputs: ``size`` padding rows (one token each, written to the scratch page)."""
         if self._scratch_page is None:
             self._scratch_page = self.cache.allocator.alloc(1)[0]
-        d = self.device
-        scratch_slot = self._scratch_page * self.page_size
-        return dict(
-            input_ids=torch.zeros(size, dtype=torch.long, device=d),
-            positions=torch.zeros(size, dtype=torch.long, device=d),
-            cu_seqlens=torch.arange(size + 1, dtype=torch.int32, device=d),
-            logits_indices=torch.arange(size, dtype=torch.long, device=d),
-            block_table=torch.full((size, self.max_pages), self._scratch_page, dtype=torch.int32, device=d),
-            context_lens=torch.ones(size, dtype=torch.int32, device=d),
-            slots=torch.full((size,), scratch_slot, dtype=torch.long, device=d),
-            cached_lens=torch.zeros(size, dtype=torch.int32, device=d),
-        )
+        if size not in self.buffers:
+            # ids, positions, slots, logits rows (int64) + table, cu, ctx, cached (int32); each field 16-byte aligned
+            need = 4 * (size + 1) + (size * self.max_pages + 3 * size + 1) // 2 + 8
+            self.buffers[size] = StepBuffers(self.device, capacity=need, growable=False)
+        return self._build(self.buffers[size], [], [], [], [], size)
 
-    def _batch(self, s: dict[str, torch.Tensor]) -> ForwardBatch:
-        return ForwardBatch(
-            input_ids=s["input_ids"], positions=s["positions"], cu_seqlens=s["cu_seqlens"],
-            logits_indices=s["logits_indices"], cache=self.cache, block_table=s["block_table"],
-            context_lens=s["context_lens"], slots=s["slots"], cached_lens=s["cached_lens"],
-            max_seq_len=self.max_pages * self.page_size,
-        )
+    def _build(self, buffers: StepBuffers, feeds, cached_lens, page_rows, logits_rows, size: int) -> ForwardBatch:
+        return buffers.build(feeds, cached_lens, page_rows, self.cache, logits_rows, pad_to=size, table_width=self.max_pages,
+                             pad_page=self._scratch_page, max_seq_len=self.max_pages * self.page_size)
 
     def _capture(self, size: int):
-        static = self._static_inputs(size)
-        batch = self._batch(static)
+        batch = self._padding_batch(size)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -81,15 +79,17 @@ class GraphRunner:
         with torch.cuda.graph(graph, pool=self.pool):
             out = self.model.forward(batch)
         self.pool = graph.pool()
-        return graph, static, out
+        return graph, batch, out
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        if not self._is_decode(batch):
-            return self.model.forward(batch)
-        n = batch.num_seqs
-        size = next(b for b in self.batch_sizes if b >= n)
+    def graph_size(self, num_seqs: int) -> int | None:
+        """The padded batch size whose graph runs a decode step of ``num_seqs`` sequences, captured now
+        if it is not yet; None when that step must run eagerly (no graphs here, too many sequences,
+        capture failed)."""
+        if not self.enabled or num_seqs > self.batch_sizes[-1]:
+            return None
+        size = next(b for b in self.batch_sizes if b >= num_seqs)
         if size in self._failed:
-            return self.model.forward(batch)
+            return None
         if size not in self.graphs:
             try:
                 self.graphs[size] = self._capture(size)
@@ -97,28 +97,49 @@ class GraphRunner:
                 self._failed.add(size)
                 warnings.warn(f"trellm: CUDA graph capture failed for batch {size}, decoding eagerly ({e})")
                 torch.cuda.synchronize(self.device)
-                return self.model.forward(batch)
-        graph, s, out = self.graphs[size]
-        width = batch.block_table.shape[1]
-        s["input_ids"][:n].copy_(batch.input_ids)
-        s["positions"][:n].copy_(batch.positions)
-        s["block_table"][:n, :width].copy_(batch.block_table)
-        s["block_table"][:n, width:].fill_(self._scratch_page)
-        s["context_lens"][:n].copy_(batch.context_lens)
-        s["slots"][:n].copy_(batch.slots)
-        if batch.cached_lens is not None:
-            s["cached_lens"][:n].copy_(batch.cached_lens)
-        if n < size:  # padding rows: one token at the scratch page
-            s["block_table"][n:].fill_(self._scratch_page)
-            s["context_lens"][n:].fill_(1)
-            s["slots"][n:].fill_(self._scratch_page * self.page_size)
-            s["positions"][n:].zero_()
+                return None
+        return size
+
+    def stage(self, size: int, feeds: Sequence[Sequence[int]], cached_lens: Sequence[int],
+              page_rows: Sequence[Sequence[int]]) -> ForwardBatch:
+        """Write one decode step (one token per sequence) into graph ``size``'s inputs: one host->device copy."""
+        return self._build(self.buffers[size], feeds, cached_lens, page_rows, range(len(feeds)), size)
+
+    def replay(self, size: int, num_seqs: int) -> torch.Tensor:
+        """Replay graph ``size`` on what :meth:`stage` wrote; logits of the first ``num_seqs`` rows."""
+        graph, _, out = self.graphs[size]
         graph.replay()
-        rows = out[:n]
+        return out[:num_seqs]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if not self._is_decode(batch):
+            return self.model.forward(batch)
+        n = batch.num_seqs
+        size = self.graph_size(n)
+        if size is None:
+            return self.model.forward(batch)
+        _, s, _ = self.graphs[size]
+        width = batch.block_table.shape[1]
+        s.input_ids[:n].copy_(batch.input_ids)
+        s.positions[:n].copy_(batch.positions)
+        s.block_table[:n, :width].copy_(batch.block_table)
+        s.block_table[:n, width:].fill_(self._scratch_page)
+        s.context_lens[:n].copy_(batch.context_lens)
+        s.slots[:n].copy_(batch.slots)
+        if batch.cached_lens is not None:
+            s.cached_lens[:n].copy_(batch.cached_lens)
+        if n < size:  # padding rows: one token at the scratch page
+            s.block_table[n:].fill_(self._scratch_page)
+            s.context_lens[n:].fill_(1)
+            s.cached_lens[n:].zero_()
+            s.slots[n:].fill_(self._scratch_page * self.page_size)
+            s.positions[n:].zero_()
+        rows = self.replay(size, n)
         return rows if batch.logits_indices is None or batch.logits_indices.numel() == n else rows[batch.logits_indices]
 
     def close(self) -> None:
         self.graphs.clear()
+        self.buffers.clear()
         if self._scratch_page is not None:
             self.cache.allocator.decref([self._scratch_page])
             self._scratch_page = None

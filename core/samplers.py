@@ -326,6 +326,14 @@ class SamplerStack:
     def greedy(self) -> bool:
         return any(s.greedy for s in self.steps)
 
+    @property
+    def is_argmax(self) -> bool:
+        """The draw is the argmax of the raw logits: greedy, and every step leaves the scores as they are
+        (so a batch's tokens may be picked on the device at once, with identical results)."""
+        return self.greedy and all(
+            type(s) is Greedy or (type(s) is Temperature and s.temperature in (0.0, 1.0)) for s in self.steps
+        )
+
     def process(self, logits: torch.Tensor, ctx: SamplingContext) -> torch.Tensor:
         """The final scores (float32 [vocab], ``-inf`` for excluded tokens) before the draw."""
         out = logits.float()

@@ -29,7 +29,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from ..batch import ForwardBatch
+from ..batch import StepBuffers
 from ..cache import CacheFullError, KVCache, SequenceState
 from ..cache.prefix import ROOT_HASH, page_hashes
 from ..cache.recurrent import alloc_state_slot, copy_state_slot, free_state_slot, slots_in_use
@@ -77,6 +77,9 @@ class _Running:
         self.stop_ids = stop_ids
         stack = job.sampler.build() if isinstance(job.sampler, SamplerSettings) else job.sampler
         self.sampler: SamplerStack = stack
+        # the token is the raw logits' argmax (no step changes scores, no logprobs): the whole batch's
+        # are taken on the device at once and only the ids come back
+        self.argmax_sampling = stack.is_argmax and not job.logprobs
         self.rng = torch.Generator()
         self.rng.manual_seed(job.seed if job.seed is not None else int(torch.randint(0, 2**62, ()).item()))
         self.decoder = tokenizer.stream(skip_special_tokens=not job.decode_special_tokens) if tokenizer else None
@@ -111,6 +114,10 @@ class _Running:
     @property
     def remaining(self) -> int:
         return self.job.max_new_tokens - len(self.generated)
+
+    def argmax_now(self) -> bool:
+        """This step's tokens are plain argmaxes: no token is excluded at the positions it samples."""
+        return self.argmax_sampling and not self.bans and len(self.generated) >= self.job.min_new_tokens
 
 
 class Generator:
@@ -159,6 +166,9 @@ class Generator:
         if self.state_layers:  # evicting a page hands its state checkpoint back
             self.cache.prefix_cache.free_checkpoint = lambda slot: free_state_slot(self.cache, slot)
         self.graph_runner = self._graph_runner() if cuda_graphs and self.hidden_sink is None else None
+        self.step_buffers = StepBuffers(self.cache.device, capacity=8 * (max_chunk_tokens + max_batch_size) + 1024)
+        self._sampled_host: torch.Tensor | None = None  # pinned landing place of each step's argmax ids (CUDA)
+        self._sampled_event: Any = None
         self.vocab_size = int(getattr(getattr(self.model, "config", None), "vocab_size", 0) or 0)
         self.default_stop_ids = self._default_stop_ids(model)
         self.pending: deque[tuple[Job, list[int]]] = deque()
@@ -474,37 +484,32 @@ class Generator:
 
     def _step(self, results: list[Result]) -> None:
         plan = self._plan()
-        batch = ForwardBatch.with_cache(
-            [feed for _, feed, _ in plan], [r.seq.length for r, _, _ in plan], [r.seq.pages for r, _, _ in plan], self.cache
-        )
+        lens = [len(feed) for _, feed, _ in plan]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
         # Logits for: the last token of a chunk that completes a prompt, every fed token of a decode with drafts.
         rows: list[int] = []
         row_start: list[int] = []
-        cu = batch.cu_seqlens.tolist()
+        sampled: list[int] = []  # plan indices of the jobs that get logits
         for i, (r, feed, draft) in enumerate(plan):
             row_start.append(len(rows))
             if r.seq.length + len(feed) - len(draft) == len(r.tokens):
-                rows += list(range(cu[i + 1] - len(draft) - 1, cu[i + 1]))
-        batch.logits_indices = torch.tensor(rows, dtype=torch.long, device=self.cache.device)
-        if any(r.mm is not None for r, _, _ in plan):  # image embeddings (prefill) and M-RoPE positions (every step)
-            attach_images(batch, [(r.mm, r.seq.length) for r, _, _ in plan])
-        if self.state_layers:
-            batch.state_slots = torch.tensor([r.state_slot for r, _, _ in plan], dtype=torch.long, device=self.cache.device)
+                rows += range(cu[i + 1] - len(draft) - 1, cu[i + 1])
+                sampled.append(i)
         hidden = None
         try:
-            if self.hidden_sink is not None:  # the same forward, split where the proposer reads the hidden states
-                hidden = self.model.hidden_states(batch)
-                logits = self.model.logits_from_hidden(hidden, batch).float().cpu()
-            else:
-                forward = self.graph_runner.forward if self.graph_runner is not None else self.model.forward
-                logits = forward(batch).float().cpu()
+            logits = self._forward(plan, rows)
+            if self.hidden_sink is not None:
+                hidden, logits = logits
+            argmax_ids, full = self._sample_rows(plan, row_start, sampled, logits)
         except Exception as exc:  # keep serving: fail this batch's jobs, free their pages
             warnings.warn(f"trellm generator: forward failed ({exc!r}); failing {len(plan)} jobs")
             for r, _, _ in plan:
                 self._finish(r, EOS_ERROR, results, error=repr(exc))
             return
         self.stats["steps"] += 1
-        self.stats["forward_tokens"] += batch.num_tokens
+        self.stats["forward_tokens"] += cu[-1]
         for i, (r, feed, draft) in enumerate(plan):
             completes = r.seq.length + len(feed) - len(draft) == len(r.tokens)
             length_before = r.seq.length
@@ -515,8 +520,12 @@ class Generator:
                 results.append(PrefillProgress(job=r.job, identifier=r.job.identifier,
                                                prefilled=min(r.seq.length, r.prompt_len), total=r.prompt_len))
             if completes:
+                a, b = row_start[i], row_start[i] + len(draft) + 1
                 try:
-                    self._accept(r, logits[row_start[i]: row_start[i] + len(draft) + 1], draft, results)
+                    if i in full:
+                        self._accept(r, full[i], draft, results)
+                    else:
+                        self._accept(r, None, draft, results, argmax_ids[a:b])
                 except Exception as exc:  # e.g. a plugin sampler step failed: fail this job only
                     if not r.job.finished:
                         r.seq.length = min(r.seq.length, len(r.tokens) - 1)
@@ -528,6 +537,62 @@ class Generator:
                 if hidden is not None:
                     self._hand_hidden(r, feed, length_before, hidden[cu[i]: cu[i + 1]])
 
+    def _forward(self, plan: list[tuple[_Running, list[int], list[int]]], rows: list[int]) -> Any:
+        """Build the step's batch (one host->device copy) and run it: a captured graph for a plain decode
+        step on CUDA, else the model eagerly. Returns logits of ``rows`` (with a hidden-state sink:
+        ``(hidden, logits)``)."""
+        feeds = [feed for _, feed, _ in plan]
+        cached = [r.seq.length for r, _, _ in plan]
+        pages = [r.seq.pages for r, _, _ in plan]
+        runner = self.graph_runner
+        if (runner is not None and len(rows) == len(plan) == sum(len(f) for f in feeds)
+                and all(r.mm is None for r, _, _ in plan) and max(len(p) for p in pages) <= runner.max_pages):
+            size = runner.graph_size(len(plan))
+            if size is not None:
+                runner.stage(size, feeds, cached, pages)
+                return runner.replay(size, len(plan))
+        batch = self.step_buffers.build(
+            feeds, cached, pages, self.cache, rows,
+            state_slots=[r.state_slot for r, _, _ in plan] if self.state_layers else None,
+        )
+        if any(r.mm is not None for r, _, _ in plan):  # image embeddings (prefill) and M-RoPE positions (every step)
+            attach_images(batch, [(r.mm, r.seq.length) for r, _, _ in plan])
+        if self.hidden_sink is not None:  # the same forward, split where the proposer reads the hidden states
+            hidden = self.model.hidden_states(batch)
+            return hidden, self.model.logits_from_hidden(hidden, batch)
+        return self.model.forward(batch)
+
+    def _sample_rows(self, plan, row_start: list[int], sampled: list[int],
+                     logits: torch.Tensor) -> tuple[list[int] | None, dict[int, torch.Tensor]]:
+        """For the jobs ``sampled`` (plan indices): the argmax of every logits row, taken on the device with
+        one device->host copy of the ids, when some of them sample plain argmaxes; and float32 CPU
+        logits rows of each job that needs them (other samplers, logprobs, excluded tokens)."""
+        slow = [i for i in sampled if not plan[i][0].argmax_now()]
+        argmax_ids = self._argmax(logits) if len(slow) < len(sampled) else None
+        full: dict[int, torch.Tensor] = {}
+        if slow:
+            every = logits.float().cpu() if argmax_ids is None else None
+            for i in slow:
+                a, b = row_start[i], row_start[i] + len(plan[i][2]) + 1
+                full[i] = every[a:b] if every is not None else logits[a:b].float().cpu()
+        return argmax_ids, full
+
+    def _argmax(self, logits: torch.Tensor) -> list[int]:
+        """Argmax ids of all rows, taken on the device; on CUDA one non-blocking copy into pinned memory
+        and a wait on its event (the step's only device->host sync when every job samples greedily)."""
+        ids = logits.argmax(dim=-1)
+        if ids.device.type != "cuda":
+            return ids.tolist()
+        n = ids.shape[0]
+        if self._sampled_host is None or self._sampled_host.shape[0] < n:
+            self._sampled_host = torch.empty(max(n, 2 * self.max_batch_size), dtype=torch.int64, pin_memory=True)
+            self._sampled_event = torch.cuda.Event()
+        host = self._sampled_host[:n]
+        host.copy_(ids, non_blocking=True)
+        self._sampled_event.record()
+        self._sampled_event.synchronize()
+        return host.tolist()
+
     def _hand_hidden(self, r: _Running, feed: list[int], start: int, hidden: torch.Tensor) -> None:
         """Give the proposer the hidden states of the fed positions that hold committed tokens (the leading
         run of ``feed`` the job kept: rejected draft tokens and rewound ones are left out)."""
@@ -537,10 +602,12 @@ class Generator:
         if kept:
             self.hidden_sink(r.job.job_id, start, hidden[:kept], r.tokens)
 
-    def _accept(self, r: _Running, logits: torch.Tensor, draft: list[int], results: list[Result]) -> None:
+    def _accept(self, r: _Running, logits: torch.Tensor | None, draft: list[int], results: list[Result],
+                picked: list[int] | None = None) -> None:
         """Sample at each fed position; keep draft tokens while the target agrees, then roll the cache back.
 
-        New tokens and text go to the job's held buffer first. It is released as a TokenChunk at once,
+        ``picked``: the tokens already chosen at each position (argmax on the device); else ``logits``
+        rows are sampled here. New tokens and text go to the job's held buffer first. It is released as a TokenChunk at once,
         except for a job with banned strings while its text could still grow into one: if a banned
         string completes, the job rewinds to the last release point and bans the token taken there.
         """
@@ -548,7 +615,7 @@ class Generator:
         rewound = False
         r.draft_proposed += len(draft)
         for pos in range(len(draft) + 1):
-            token = self._sample(r, logits[pos])
+            token = picked[pos] if picked is not None else self._sample(r, logits[pos])
             if pos < len(draft) and token == draft[pos]:
                 r.draft_accepted += 1
             if r.time_first_token is None:
