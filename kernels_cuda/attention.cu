@@ -84,6 +84,7 @@ __device__ __forceinline__ void load_lane_dims(const T *__restrict__ p, float (&
 // G: query heads per block (the chunk), 4 for groups up to 4 (Llama 3: 32 q / 8 kv heads), else G.
 template <typename T, int DPL, int G>
 __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const AttnArgs a) {
+    pdl_trigger();  // the next kernel (an EXL3 GEMV) may start prefetching its weights
     constexpr int D = DPL * 32;
     const T *q = static_cast<const T *>(a.q);
     const T *k_pages = static_cast<const T *>(a.k_pages);
@@ -255,6 +256,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
 // Merge the key splits of one (token, head) (when no counters are available).
 template <typename T>
 __global__ void attention_merge_kernel(const AttnArgs a, int head_dim) {
+    pdl_trigger();  // the next kernel (an EXL3 GEMV) may start prefetching its weights
     merge_splits<T>(a, blockIdx.x, blockIdx.y, head_dim, threadIdx.x, blockDim.x);
 }
 

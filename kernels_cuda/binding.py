@@ -163,6 +163,11 @@ def _num_sms(device: torch.device) -> int:
 # Wrappers
 
 
+def set_pdl(enabled: bool) -> bool:
+    """Programmatic dependent launch of the EXL3 GEMV on/off (on by default on sm_90+); returns the state."""
+    return bool(lib().trellm_set_pdl(int(enabled)))
+
+
 def fill_f32(out: torch.Tensor, value: float) -> torch.Tensor:
     expect(out, "out", dtype=torch.float32)
     _check(lib().trellm_fill_f32(_ptr(out, "float *"), out.numel(), float(value), _stream()), "fill_f32")

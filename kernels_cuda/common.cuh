@@ -227,6 +227,49 @@ template <int K> __device__ __forceinline__ void lane_states(const uint32_t (&ra
 }
 
 // ---------------------------------------------------------------------------------------------
+// Programmatic dependent launch (sm_90+): a kernel launched with launch_pdl may start while the kernel
+// before it in the stream is still running; it must call pdl_wait() before it reads anything that
+// kernel wrote (or writes anything it may read). Kernels call pdl_trigger() early so the next one can
+// be scheduled onto SMs as theirs free up. Both are no-ops on older GPUs or without the launch attribute.
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+namespace trellm {
+// Whether launch_pdl uses the attribute: compute capability >= 9 and not switched off (trellm_set_pdl).
+bool pdl_enabled();
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch where enabled.
+template <typename... KArgs, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args &&...args) {
+    if (trellm::pdl_enabled()) {
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = grid;
+        cfg.blockDim = block;
+        cfg.dynamicSmemBytes = smem;
+        cfg.stream = stream;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+    }
+    kernel<<<grid, block, smem, stream>>>(static_cast<KArgs>(args)...);
+    return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------------
 // Asynchronous global -> shared copies (sm_80+): the GEMV keeps several columns of trellis words in
 // flight per warp without holding them in registers.
 

@@ -3,6 +3,7 @@
 #include "common.cuh"
 
 #include <math.h>
+#include <stdlib.h>
 
 extern "C" const char *trellm_error_string(int code) {
     switch (code) {
@@ -16,6 +17,29 @@ extern "C" const char *trellm_error_string(int code) {
 }
 
 extern "C" int trellm_abi_version(void) { return 1; }
+
+// Programmatic dependent launch: on by default on compute capability 9+, TRELLM_PDL=0 or
+// trellm_set_pdl(0) switches it off (benchmarks compare both in one process).
+static int g_pdl = -1;  // -1: not decided yet
+
+extern "C" int trellm_set_pdl(int enabled) {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+        cudaGetLastError();
+        major = 0;
+    }
+    g_pdl = enabled && major >= 9 ? 1 : 0;
+    return g_pdl;
+}
+
+bool trellm::pdl_enabled() {
+    if (g_pdl < 0) {
+        const char *e = getenv("TRELLM_PDL");
+        trellm_set_pdl(!(e && e[0] == '0'));
+    }
+    return g_pdl == 1;
+}
 
 namespace {
 
@@ -135,6 +159,7 @@ __global__ void hadamard_128_kernel(const TIn *__restrict__ x, TOut *__restrict_
 template <typename T, typename W, int VEC>
 __global__ void rms_norm_kernel(const T *__restrict__ x, const T *__restrict__ residual, const W *__restrict__ weight,
                                 T *__restrict__ y, T *__restrict__ h_out, int64_t dim, float eps, bool unit_offset) {
+    pdl_trigger();  // the next kernel (an EXL3 GEMV) may start prefetching its weights
     const int64_t row = blockIdx.x;
     const int64_t vecs = dim / VEC;
     const T *xr = x + row * dim;
@@ -247,6 +272,7 @@ __device__ __forceinline__ void copy_row(const T *__restrict__ src, T *__restric
 
 template <typename T>
 __global__ void __launch_bounds__(ROPE_WARPS * 32) rotary_qk_kernel(const RopeArgs a) {
+    pdl_trigger();  // the next kernel (an EXL3 GEMV) may start prefetching its weights
     extern __shared__ float rope_smem[];  // per warp: the row in, the row out
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int D = a.head_dim;
@@ -336,6 +362,7 @@ __device__ __forceinline__ float apply_act(float g, int act) {
 template <typename T>
 __global__ void gated_activation_kernel(const T *__restrict__ gate, int64_t gate_stride, const T *__restrict__ up,
                                         int64_t up_stride, T *__restrict__ out, int64_t rows, int64_t dim, int act) {
+    pdl_trigger();  // the next kernel (an EXL3 GEMV) may start prefetching its weights
     // grid.y strides over rows, grid.x * blockDim.x over columns: no per-element division.
     for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
         const T *g = gate + r * gate_stride, *u = up + r * up_stride;
@@ -352,6 +379,7 @@ __global__ void gated_activation_kernel(const T *__restrict__ gate, int64_t gate
 template <typename T, int VEC>
 __global__ void gated_activation_vec_kernel(const T *__restrict__ gate, int64_t gate_stride, const T *__restrict__ up,
                                             int64_t up_stride, T *__restrict__ out, int64_t rows, int64_t dim, int act) {
+    pdl_trigger();  // the next kernel (an EXL3 GEMV) may start prefetching its weights
     const int64_t vecs = dim / VEC;
     for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
         const uint4 *g = reinterpret_cast<const uint4 *>(gate + r * gate_stride);
@@ -378,6 +406,7 @@ __global__ void gated_activation_vec_kernel(const T *__restrict__ gate, int64_t 
 template <typename V>
 __global__ void write_kv_kernel(const V *__restrict__ k, const V *__restrict__ v, V *__restrict__ k_pages,
                                 V *__restrict__ v_pages, const int64_t *__restrict__ slots, int64_t row_vecs) {
+    pdl_trigger();  // the next kernel (an EXL3 GEMV) may start prefetching its weights
     const int64_t t = blockIdx.x;
     const int64_t slot = slots[t];
     if (slot < 0) return;

@@ -23,7 +23,7 @@ constexpr int GEMV_WARPS = 8;
 // Tuning knobs (build with TRELLM_NVCC_FLAGS="-D..." to try others): trellis bytes in flight per warp,
 // and the blocks per SM the register budget is sized for.
 #ifndef TRELLM_GEMV_RING_KB
-#define TRELLM_GEMV_RING_KB 6
+#define TRELLM_GEMV_RING_KB 3
 #endif
 #ifndef TRELLM_GEMV_MIN_BLOCKS
 #define TRELLM_GEMV_MIN_BLOCKS 3
@@ -94,6 +94,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
     while (part + 1 < parts.count && (int)blockIdx.x >= parts.block_begin[part + 1]) ++part;
     const MatmulArgs &args = parts.part[part];
     const int block_x = (int)blockIdx.x - parts.block_begin[part];
+    pdl_trigger();
     using G = TileGeom<K>;
     using P = GemvPipe<K, KT>;
     constexpr int SLICE_K = GEMV_WARPS * KT * 16;   // k elements per block slice
@@ -141,6 +142,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
         if (s < ncols) issue_next(s);
         cp_async_commit();
     }
+    // Only weights were read so far: from here on x, the workspace and y, which the kernel before
+    // may still be using (programmatic dependent launch).
+    pdl_wait();
 
     // Phase 0: xs = fp16(H128(x * suh)) for this slice.
     for (int job = warp; job < m * slice_chunks; job += GEMV_WARPS) {
@@ -365,21 +369,29 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     const size_t xs_bytes = GemvPipe<K, KT>::RING_BYTES + (size_t)first.m * GEMV_WARPS * KT * 16 * sizeof(half);
     // Shared memory per block: 72 KB lets three blocks share an SM (up to 4 rows), 110 KB two; never
     // more than the device allows a block (99 KB on sm_86/89), never less than one column needs.
-    static int optin = 0;
+    auto kernel = exl3_matmul_small_kernel<K, CB, MT, KT>;
+    static int optin = 0;  // dynamic shared memory a block may opt in to (minus the kernel's static part)
     if (optin == 0) {
-        int dev = 0;
+        int dev = 0, limit = 0;
+        cudaFuncAttributes fa;
         cudaGetDevice(&dev);
-        if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess || optin <= 0)
-            optin = 48 * 1024;
+        if (cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
+            cudaFuncGetAttributes(&fa, kernel) != cudaSuccess)
+            return (int)cudaGetLastError();
+        optin = limit - (int)fa.sharedSizeBytes;
+        const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+        if (err != cudaSuccess) {
+            optin = 0;
+            cudaGetLastError();
+            return (int)err;
+        }
     }
     const bool three = first.m <= 4;
     const size_t budget = max(min((size_t)(three ? 72 : 110) * 1024, (size_t)optin), xs_bytes + acc_per_col);
     const int max_cols = max(1, (int)((budget - xs_bytes) / acc_per_col));
-    auto kernel = exl3_matmul_small_kernel<K, CB, MT, KT>;
     static int occupancy[2] = {0, 0};  // per instantiation and budget; the register count also bounds it
     int &blocks_per_sm = occupancy[three];
     if (blocks_per_sm == 0) {
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
         int b = 0;
         if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, GEMV_WARPS * 32, budget) != cudaSuccess || b < 1)
             b = 1;
@@ -401,9 +413,8 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     parts.block_begin[parts.count] = blocks_x;
     dim3 grid(blocks_x, slices);
     const size_t smem = xs_bytes + (size_t)cols * acc_per_col;
-    kernel<<<grid, GEMV_WARPS * 32, smem, stream>>>(parts);
-    TRELLM_LAUNCH_CHECK();
-    return TRELLM_OK;
+    const cudaError_t err = launch_pdl(kernel, grid, dim3(GEMV_WARPS * 32), smem, stream, parts);
+    return err == cudaSuccess ? TRELLM_OK : (int)err;
 }
 
 template <int K, int CB>

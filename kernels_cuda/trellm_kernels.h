@@ -40,6 +40,10 @@ enum { TRELLM_ACT_SILU = 0, TRELLM_ACT_GELU = 1, TRELLM_ACT_GELU_TANH = 2, TRELL
 const char *trellm_error_string(int code);
 int trellm_abi_version(void);
 
+/* Programmatic dependent launch of the EXL3 GEMV (its weight prefetch overlaps the previous kernel's
+ * tail): on by default on compute capability 9+ unless TRELLM_PDL=0. Returns the resulting state. */
+int trellm_set_pdl(int enabled);
+
 /* out[i] = value for i < n (float32): the smallest launch, for build/graph checks. */
 int trellm_fill_f32(float *out, int64_t n, float value, cudaStream_t stream);
 
