@@ -246,6 +246,7 @@ __device__ __forceinline__ void pdl_trigger() {
 namespace trellm {
 // Whether launch_pdl uses the attribute: compute capability >= 9 and not switched off (trellm_set_pdl).
 bool pdl_enabled();
+void pdl_disable();
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch where enabled.
@@ -263,7 +264,11 @@ cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t s
         cfg.stream = stream;
         cfg.attrs = attr;
         cfg.numAttrs = 1;
-        return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+        const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+        if (err == cudaSuccess) return err;
+        // Refused (a driver or capture mode without PDL): clear the error, launch plainly from now on.
+        cudaGetLastError();
+        trellm::pdl_disable();
     }
     kernel<<<grid, block, smem, stream>>>(static_cast<KArgs>(args)...);
     return cudaGetLastError();

@@ -33,6 +33,8 @@ extern "C" int trellm_set_pdl(int enabled) {
     return g_pdl;
 }
 
+void trellm::pdl_disable() { g_pdl = 0; }
+
 bool trellm::pdl_enabled() {
     if (g_pdl < 0) {
         const char *e = getenv("TRELLM_PDL");
