@@ -72,7 +72,7 @@ def _bandwidth_sections(only: str | None) -> None:
                lambda: ops.rotary_embedding.reference(q, c, s), q.numel() * 2 * 2 + c.numel() * 8)
 
     # Paged attention decode: Llama-3.1-8B heads (32 q / 8 kv, d=128), page 16.
-    for batch, ctx in ((1, 4096), (8, 4096), (32, 2048)) if only in (None, "attention") else ():
+    for batch, ctx in ((1, 512), (1, 4096), (8, 4096), (32, 2048)) if only in (None, "attention") else ():
         page = 16
         blocks = ctx // page
         kp = torch.randn(batch * blocks, page, 8, 128, device="cuda", dtype=dt)
