@@ -49,10 +49,12 @@ def prompts(lm, n: int, prompt_tokens: int) -> list[list[int]]:
 
 
 def run_batch(lm, n: int, args, proposer=None, task_prompts=None) -> dict:
-    gen = Generator(lm, cache_tokens=n * (args.prompt_tokens + args.new_tokens) + 512, page_size=args.page_size,
+    jobs = [Job(p, args.new_tokens, stop_token_ids=[]) for p in (task_prompts or prompts(lm, n, args.prompt_tokens))]
+    # whole pages for every job at once (else fewer than n run together), plus the CUDA graphs' scratch page
+    pages = sum(-(-(len(j.prompt_ids) + args.new_tokens + args.draft_tokens) // args.page_size) for j in jobs) + 1
+    gen = Generator(lm, cache_tokens=pages * args.page_size, page_size=args.page_size,
                     max_batch_size=max(n, 1), max_chunk_tokens=args.chunk_tokens, proposer=proposer,
                     num_draft_tokens=args.draft_tokens, prefix_caching=False)
-    jobs = [Job(p, args.new_tokens, stop_token_ids=[]) for p in (task_prompts or prompts(lm, n, args.prompt_tokens))]
     # first-call overheads (and, on CUDA, the capture of this batch size's decode graph) out of the timing
     gen.generate([j.prompt_ids[:8] for j in jobs], 2, stop_token_ids=[])
     if lm.device.type == "cuda":
@@ -82,7 +84,14 @@ def run_batch(lm, n: int, args, proposer=None, task_prompts=None) -> dict:
         print(f"-- {n} jobs: decode steps, by own time")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile_rows)
     tokens = sum(r.generated_tokens for r in finished)
+    runner = gen.graph_runner
+    if runner is None:
+        decode_path = "eager"
+    else:  # name the sizes, so an eager run cannot pass for a graph run
+        decode_path = (f"graphs {sorted(runner.graphs)}" if runner.graphs else "eager") + (
+            f", capture failed for {sorted(runner._failed)}" if runner._failed else "")
     return {
+        "decode_path": decode_path,
         "jobs": n, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
         "decode_tok_s": decode_tokens / decode_time if decode_time else 0.0,
         "step_ms": 1e3 * decode_time / decode_steps if decode_steps else 0.0,
@@ -155,7 +164,7 @@ def main() -> None:
         return
 
     rows = []
-    header = f"{'jobs':>5} {'wall s':>8} {'tok/s':>8} {'decode tok/s':>13} {'ms/step':>8} {'ttft s':>8}"
+    header = f"{'jobs':>5} {'wall s':>8} {'tok/s':>8} {'decode tok/s':>13} {'ms/step':>8} {'ttft s':>8}  decode path"
     if not args.profile:
         print(header)
     for n in (int(x) for x in args.batch_sizes.split(",")):
@@ -164,7 +173,7 @@ def main() -> None:
         if args.profile:
             print(header)
         print(f"{n:5d} {row['wall_s']:8.2f} {row['tok_s']:8.2f} {row['decode_tok_s']:13.2f} {row['step_ms']:8.3f} "
-              f"{row['ttft_s']:8.2f}", flush=True)
+              f"{row['ttft_s']:8.2f}  {row['decode_path']}", flush=True)
     if args.plot:
         try:
             import matplotlib

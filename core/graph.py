@@ -4,7 +4,9 @@ One cffi or torch launch from Python costs ~10-20 µs; a decode step of a 32-lay
 hundreds, which costs more than reading its 4-bit weights. So decode steps (every sequence adds
 exactly one token) are captured once per padded batch size and replayed. Inputs live in static
 buffers (one per size, filled by one host->device copy per step); unused rows of a padded batch
-write to a reserved scratch page and are ignored.
+write to a scratch page and are ignored. The runner takes that page when it is made, while the
+cache is still empty: a capture happens lazily, in the middle of decoding, when running jobs may
+hold every page, so it must never need a free one.
 
 Capture needs every op on the path to be free of host syncs (the CUDA kernels are); when capture
 fails the runner falls back to eager execution and says so once.
@@ -17,6 +19,7 @@ from typing import Sequence
 import torch
 
 from .batch import ForwardBatch, StepBuffers
+from .cache import CacheFullError
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -40,8 +43,19 @@ class GraphRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, ForwardBatch, torch.Tensor]] = {}
         self.buffers: dict[int, StepBuffers] = {}
         self._failed: set[int] = set()
-        self._scratch_page: int | None = None
         self.pool = None
+        self._scratch_page: int | None = self._reserve_scratch_page()
+
+    def _reserve_scratch_page(self) -> int | None:
+        """The page every padding row writes its KV to, taken (evicting a prefix-cached page if need be)
+        now rather than at the first capture. None, and no graphs, when the cache has no page to spare."""
+        try:
+            return self.cache.prefix_cache.alloc(1)[0]
+        except CacheFullError as e:
+            if self.enabled:
+                warnings.warn(f"trellm: no cache page left for the CUDA graphs' scratch page, decoding eagerly ({e})")
+            self.enabled = False
+            return None
 
     def _is_decode(self, batch: ForwardBatch) -> bool:
         return (
@@ -55,8 +69,6 @@ class GraphRunner:
 
     def _padding_batch(self, size: int) -> ForwardBatch:
         """The graph's static inputs: ``size`` padding rows (one token each, written to the scratch page)."""
-        if self._scratch_page is None:
-            self._scratch_page = self.cache.allocator.alloc(1)[0]
         if size not in self.buffers:
             # ids, positions, slots, logits rows (int64) + table, cu, ctx, cached (int32); each field 16-byte aligned
             need = 4 * (size + 1) + (size * self.max_pages + 3 * size + 1) // 2 + 8
@@ -95,6 +107,8 @@ class GraphRunner:
                 self.graphs[size] = self._capture(size)
             except Exception as e:  # an op on the path is not capturable: run eagerly
                 self._failed.add(size)
+                # e.g. an op that reads device values on the host: the reference paged attention (head
+                # sizes the CUDA kernel lacks) or the quantized KV cache's page gather
                 warnings.warn(f"trellm: CUDA graph capture failed for batch {size}, decoding eagerly ({e})")
                 torch.cuda.synchronize(self.device)
                 return None
@@ -138,6 +152,8 @@ class GraphRunner:
         return rows if batch.logits_indices is None or batch.logits_indices.numel() == n else rows[batch.logits_indices]
 
     def close(self) -> None:
+        """Drop the graphs and give the scratch page back; later decode steps run eagerly."""
+        self.enabled = False
         self.graphs.clear()
         self.buffers.clear()
         if self._scratch_page is not None:

@@ -499,8 +499,65 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
     assert outputs[True] == outputs[False]
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_capture_with_every_page_taken(tmp_path):
+    """Batches 1 and 8 are captured (no fallback warning) although the running jobs hold every page
+    but the graphs' scratch page: a capture must not need a free page. head_dim 64 keeps the path on
+    the CUDA kernels (the reference attention reads cu_seqlens on the host and cannot be captured)."""
+    import warnings
+
+    model_dir = make_tiny_hf_model("LlamaForCausalLM", tmp_path, hidden_size=128, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=64, max_position_embeddings=1024)
+    cuda_lm = trellm.load(model_dir, device="cuda", dtype="float32")
+    prompts = prompts_of([3, 5, 4, 6, 3, 5, 4, 6], seed=15)
+    # 8 pages of 16 tokens, each job needs one: 7 jobs and the scratch page fill the cache (padded batch 8),
+    # then the 8th job decodes alone (batch 1). Before the scratch page was reserved up front, the first
+    # capture came with all 8 pages held by jobs and failed with "need 1 cache pages, 0 free of 8".
+    gen = Generator(cuda_lm, cache_tokens=8 * 16, page_size=16, max_batch_size=8, prefix_caching=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = gen.generate(prompts, 8, stop_token_ids=[], return_results=True)
+    assert not [str(w.message) for w in caught if "trellm" in str(w.message)]
+    assert sorted(gen.graph_runner.graphs) == [1, 8]
+    assert [r.token_ids for r in results] == [list(cuda_lm.generate_ids(p, 8, stop_token_ids=[])) for p in prompts]
+    gen.verify_pages()
+
+
 def test_no_cuda_graphs_on_cpu(lm):
     assert Generator(lm, cache_tokens=512, page_size=16).graph_runner is None
+
+
+def test_graph_scratch_page_is_taken_when_the_runner_is_made(lm):
+    """A decode graph is captured lazily, mid-decoding, when running jobs may hold every page: the padding
+    rows' scratch page is the runner's from the start, so preparing a capture needs no free page.
+    (The capture itself needs CUDA; its inputs are built the same way on CPU.)"""
+    from trellm.cache import KVCache
+    from trellm.graph import GraphRunner
+
+    cache = KVCache.for_model(lm.model, max_tokens=4 * 16, page_size=16)
+    runner = GraphRunner(lm.model, cache, batch_sizes=(1, 8))
+    scratch = runner._scratch_page
+    assert scratch is not None and cache.allocator.free_pages == 3
+    held = cache.allocator.alloc(3)  # the jobs take all the rest
+    batch = runner._padding_batch(8)
+    assert batch.slots.tolist() == [scratch * 16] * 8 and set(batch.block_table.flatten().tolist()) == {scratch}
+    runner.close()
+    cache.allocator.decref(held)
+    assert cache.allocator.free_pages == 4
+
+
+def test_graph_scratch_page_evicts_a_prefix_cached_page(lm):
+    from trellm.cache import KVCache
+    from trellm.graph import GraphRunner
+
+    gen = Generator(lm, cache_tokens=4 * 16, page_size=16)
+    gen.generate(list(range(1, 50)), 1, stop_token_ids=[])  # three full prompt pages stay named in the prefix cache
+    prefix = gen.cache.prefix_cache
+    gen.cache.allocator.alloc(gen.cache.allocator.free_pages)
+    assert prefix.evictable() > 0
+    runner = GraphRunner(lm.model, gen.cache, batch_sizes=(1,))
+    assert runner._scratch_page is not None and runner._padding_batch(1).slots.tolist() == [runner._scratch_page * 16]
 
 
 def test_async_submit_does_not_wait_for_a_running_step(lm):
