@@ -1,4 +1,4 @@
-// EXL3 small-batch matmul (m <= 32) and tile decoding, templated on K (bits) and codebook.
+// EXL3 small-batch matmul (m <= 16) and tile decoding, templated on K (bits) and codebook.
 //
 // The GEMV computes partial[s, m, n] = sum over the k-slice s of xh[m, k] * W_hat[k, n].
 // A lane holding trellis positions 8t..8t+7 of a tile holds exactly the m16n8k16 A fragment of the
@@ -9,8 +9,9 @@
 // Work split: a block of WARPS warps owns a k-slice of WARPS*KT tiles and a run of column tiles;
 // each warp owns KT tiles of that slice (its x fragments stay in registers) and walks the column
 // tiles; the trellis words of its next few columns are in flight into shared memory (cp.async ring,
-// GemvPipe) while it decodes the current one. The warps add
-// their 16x8 results into a shared-memory accumulator; the block writes it once per slice.
+// GemvPipe) while it decodes the current one. The warps add their 16x8 results into a shared-memory
+// accumulator; the block writes it once per slice. One launch may hold several matmuls of the same x
+// (MatmulParts: q/k/v, gate/up).
 #pragma once
 
 #include "common.cuh"
