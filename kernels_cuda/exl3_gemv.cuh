@@ -74,9 +74,9 @@ struct MatmulParts {
     int count;
 };
 
-// Trellis words in flight per warp: STAGES columns of KT tiles each, in shared memory (cp.async).
-// About 6 KB per warp whatever K is: enough bytes in flight per SM to cover the DRAM latency
-// (a register double buffer held only one column, ~16 KB per SM at 4 bpw, too little for Little's law).
+// Trellis words in flight per warp: STAGES columns of KT tiles each, in shared memory (cp.async),
+// about TRELLM_GEMV_RING_KB per warp whatever K is (at least 2 stages). 3 KB measured fastest of
+// 3/6/9/12 on the H200: the kernel is bound by its decode work, and deeper rings cost occupancy.
 template <int K, int KT> struct GemvPipe {
     static constexpr int TILE_WORDS = TileGeom<K>::WORDS;
     static constexpr int STAGE_WORDS = KT * TILE_WORDS;

@@ -79,15 +79,22 @@ class EXL3Linear:
     def bits(self) -> int:
         return self.trellis.shape[2] // 16
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
+    def _rows_in(self, x: torch.Tensor) -> torch.Tensor:
+        """x as [rows, padded_in] (zero-padded when the stored k is padded)."""
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[-1] < self.padded_in:
             x2 = torch.nn.functional.pad(x2, (0, self.padded_in - x2.shape[-1]))
-        y = exl3_matmul(x2, self.trellis, self.suh, self.svh, self.codebook, self.bias)
+        return x2
+
+    def _rows_out(self, y: torch.Tensor, lead: torch.Size) -> torch.Tensor:
+        """y [rows, padded_out] trimmed to out_features and shaped like the input's leading dims."""
         if self.out_features < self.padded_out:
             y = y[:, : self.out_features]
         return y.reshape(*lead, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = exl3_matmul(self._rows_in(x), self.trellis, self.suh, self.svh, self.codebook, self.bias)
+        return self._rows_out(y, x.shape[:-1])
 
     __call__ = forward
 
@@ -104,16 +111,9 @@ class EXL3Linear:
     @staticmethod
     def forward_group(linears: "list[EXL3Linear]", x: torch.Tensor) -> list[torch.Tensor]:
         """Each linear applied to x, through one ``exl3_matmul_group`` (one GEMV launch on CUDA)."""
-        first = linears[0]
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[-1] < first.padded_in:
-            x2 = torch.nn.functional.pad(x2, (0, first.padded_in - x2.shape[-1]))
-        ys = exl3_matmul_group(x2, [(l.trellis, l.suh, l.svh, l.bias) for l in linears], first.codebook)
-        return [
-            (y[:, : l.out_features] if l.out_features < l.padded_out else y).reshape(*lead, l.out_features)
-            for l, y in zip(linears, ys)
-        ]
+        first = linears[0]  # groups_with: every linear has its padded_in and codebook
+        ys = exl3_matmul_group(first._rows_in(x), [(l.trellis, l.suh, l.svh, l.bias) for l in linears], first.codebook)
+        return [l._rows_out(y, x.shape[:-1]) for l, y in zip(linears, ys)]
 
     def nbytes(self) -> int:
         ts = (self.trellis, self.suh, self.svh, self.bias)
