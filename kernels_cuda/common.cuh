@@ -196,6 +196,19 @@ template <int K> __device__ __forceinline__ void lane_states(const uint32_t (&ra
         st[2] = lo4 >> 16;
         st[1] = bits16<24>(hi, lo);
         st[0] = bits16<28>(hi, lo);
+    } else if constexpr (K == 2) {
+        // 30 bits: state e is (v >> (16 - 2e)) & 0xFFFF of the normalised word v. With v >> 2, 4, 6 every
+        // state is a byte-aligned 16-bit field of one of four words: one byte_perm or mask each.
+        const uint32_t v = __funnelshift_l(raw[1], raw[0], r);
+        const uint32_t v2 = v >> 2, v4 = v >> 4, v6 = v >> 6;
+        st[0] = v >> 16;
+        st[1] = __byte_perm(v6, 0u, 0x4421);
+        st[2] = __byte_perm(v4, 0u, 0x4421);
+        st[3] = __byte_perm(v2, 0u, 0x4421);
+        st[4] = __byte_perm(v, 0u, 0x4421);
+        st[5] = v6 & 0xFFFFu;
+        st[6] = v4 & 0xFFFFu;
+        st[7] = v2 & 0xFFFFu;
     } else if constexpr (K == 8) {
         // 72 bits ending at the last bit of raw[2]: state e is (raw[0]:raw[1]:raw[2]) >> (56 - 8e).
         st[0] = bits16<24>(raw[0], raw[1]);
