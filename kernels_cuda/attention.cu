@@ -144,17 +144,24 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
         if (valid) {
             const T *krow = k_pages + ((size_t)table[j / a.page_size] * a.page_size + j % a.page_size) * row_stride +
                             (size_t)kvh * D;
-            if (a.vec16) {  // 16-byte loads of the lane's key row (same summation order as below)
+            if (a.vec16) {  // 16-byte loads of the lane's key row (same summation order as below),
+                            // KPF of them issued before use so their latencies overlap
                 constexpr int KV = 16 / (int)sizeof(T);
-#pragma unroll 2
-                for (int d0 = 0; d0 < D; d0 += KV) {
-                    const uint4 u = *reinterpret_cast<const uint4 *>(krow + d0);
-                    const T *e = reinterpret_cast<const T *>(&u);
+                constexpr int KPF = (D / KV) < 8 ? (D / KV) : 8;
+#pragma unroll 1
+                for (int d0 = 0; d0 < D; d0 += KPF * KV) {
+                    uint4 u[KPF];
 #pragma unroll
-                    for (int t = 0; t < KV; ++t) {
-                        const float kv = to_f32(e[t]);
+                    for (int c = 0; c < KPF; ++c) u[c] = *reinterpret_cast<const uint4 *>(krow + d0 + c * KV);
 #pragma unroll
-                        for (int g = 0; g < G; ++g) s[g] += q_s[g][d0 + t] * kv;
+                    for (int c = 0; c < KPF; ++c) {
+                        const T *e = reinterpret_cast<const T *>(&u[c]);
+#pragma unroll
+                        for (int t = 0; t < KV; ++t) {
+                            const float kv = to_f32(e[t]);
+#pragma unroll
+                            for (int g = 0; g < G; ++g) s[g] += q_s[g][d0 + c * KV + t] * kv;
+                        }
                     }
                 }
             } else {
@@ -183,20 +190,30 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
             p_s[warp][g][lane] = p;
         }
         __syncwarp();
-        // P.V: lane owns dims lane*DPL .. lane*DPL + DPL - 1.
+        // P.V: lane owns dims lane*DPL .. lane*DPL + DPL - 1. V rows are loaded VPF at a time before
+        // they are used, so their latencies overlap (one dependent load per key made decode at short
+        // contexts latency-bound); keys past the tile's end have p = 0 and contribute nothing.
         const int n_keys = min(32, k_end - tile0);
-        for (int jj = 0; jj < n_keys; ++jj) {
-            const int jk = tile0 + jj;
-            const T *vrow = v_pages + ((size_t)table[jk / a.page_size] * a.page_size + jk % a.page_size) * row_stride +
-                            (size_t)kvh * D + lane * DPL;
-            float vv[DPL];
-            load_lane_dims<T, DPL>(vrow, vv, a.vec16);
+        constexpr int VPF = 8;
+        for (int jj0 = 0; jj0 < n_keys; jj0 += VPF) {
+            float vv[VPF][DPL];
 #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                if (g >= gn) break;
-                const float p = p_s[warp][g][jj];
+            for (int u = 0; u < VPF; ++u) {
+                const int jk = tile0 + min(jj0 + u, n_keys - 1);
+                const T *vrow = v_pages + ((size_t)table[jk / a.page_size] * a.page_size + jk % a.page_size) * row_stride +
+                                (size_t)kvh * D + lane * DPL;
+                load_lane_dims<T, DPL>(vrow, vv[u], a.vec16);
+            }
 #pragma unroll
-                for (int i = 0; i < DPL; ++i) acc[g][i] += p * vv[i];
+            for (int u = 0; u < VPF; ++u) {
+                const bool live = jj0 + u < n_keys;
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    if (g >= gn) break;
+                    const float p = live ? p_s[warp][g][jj0 + u] : 0.f;
+#pragma unroll
+                    for (int i = 0; i < DPL; ++i) acc[g][i] += p * vv[u][i];
+                }
             }
         }
         __syncwarp();
@@ -330,8 +347,9 @@ extern "C" int trellm_paged_attention_splits(int64_t tokens, int64_t hq, int64_t
     const int64_t target = 4 * (int64_t)(num_sms > 0 ? num_sms : 132);
     const int64_t capacity = page_size * max_blocks;
     int64_t splits = target / blocks;
-    // At least 256 keys per split; TRELLM_ATTN_SPLIT_KEYS (16..4096) overrides it, for tuning runs.
-    int64_t min_keys = 256;
+    // At least 128 keys per split (one 32-key tile per warp); TRELLM_ATTN_SPLIT_KEYS (16..4096)
+    // overrides it, for tuning runs.
+    int64_t min_keys = 128;
     if (const char *env = getenv("TRELLM_ATTN_SPLIT_KEYS")) {
         const long v = strtol(env, nullptr, 10);
         if (v >= 16 && v <= 4096) min_keys = v;

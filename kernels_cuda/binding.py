@@ -466,6 +466,53 @@ def paged_attention(
     return out
 
 
+PREFILL_HEAD_DIMS = (64, 96, 128, 160, 192, 256)
+PREFILL_MAX_GROUP = 64  # query heads per kv head: one token's heads must fit a 64-row tile
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`paged_attention` through the tiled tensor-core prefill kernel (fp16/bf16): each K/V tile is
+    read once per 64 query rows instead of once per query token."""
+    expect(q, "q", dtype=(torch.float16, torch.bfloat16), shape=(None, None, None))
+    tokens, hq, d = q.shape
+    expect(k_pages, "k_pages", dtype=q.dtype, shape=(None, None, None, d), device=q.device)
+    expect(v_pages, "v_pages", dtype=q.dtype, shape=tuple(k_pages.shape), device=q.device)
+    _, page_size, hkv, _ = k_pages.shape
+    if hq % hkv:
+        raise KernelArgumentError(f"q: {hq} heads is not a multiple of the cache's {hkv} kv heads")
+    if hq // hkv > PREFILL_MAX_GROUP:
+        raise KernelArgumentError(f"q: {hq // hkv} query heads per kv head; the prefill kernel takes <= {PREFILL_MAX_GROUP}")
+    if d not in PREFILL_HEAD_DIMS:
+        raise KernelArgumentError(f"q: head_dim {d} unsupported by the prefill kernel; supported: {PREFILL_HEAD_DIMS}")
+    for t, name in ((q, "q"), (k_pages, "k_pages"), (v_pages, "v_pages")):
+        if t.data_ptr() % 16:
+            raise KernelArgumentError(f"{name}: data must be 16-byte aligned (address {t.data_ptr():#x})")
+    expect(block_table, "block_table", dtype=torch.int32, shape=(None, None), device=q.device)
+    batch, max_blocks = block_table.shape
+    expect(cu_seqlens, "cu_seqlens", dtype=torch.int32, shape=(batch + 1,), device=q.device)
+    expect(context_lens, "context_lens", dtype=torch.int32, shape=(batch,), device=q.device)
+    expect(sinks, "sinks", dtype=torch.float32, shape=(hq,), device=q.device, optional=True)
+    out = torch.empty_like(q)
+    rc = lib().trellm_paged_attention_prefill(
+        _ptr(q), _ptr(k_pages), _ptr(v_pages), _ptr(block_table, "int32_t *"), _ptr(cu_seqlens, "int32_t *"),
+        _ptr(context_lens, "int32_t *"), _ptr(sinks, "float *"), _ptr(out), tokens, batch, hq, hkv, d, page_size,
+        max_blocks, float(scale), int(sliding_window), float(softcap), DTYPE_CODES[q.dtype], _stream(),
+    )
+    _check(rc, "paged_attention_prefill")
+    return out
+
+
 # ---- KV-cache quantization (kv_quant.cu; the format of trellm.ops.kv_quant) ----------------------
 
 KV_QUANT_GROUP = 32

@@ -100,22 +100,44 @@ __device__ __forceinline__ uint32_t lop3_and_xor(uint32_t a, uint32_t b, uint32_
     return d;
 }
 
-template <int CB> __device__ __forceinline__ half2 decode_pair(uint32_t a, uint32_t b) {
+// cb_hash of both 16-bit states packed in w (low half, high half), without masking the low one:
+// hash(lo) = w*C - hi*(C << 16) (+ the 3INST offset). The two multiply-adds run on the FMA pipe
+// instead of a mask on the integer ALU, which the GEMV's decode saturates (state extraction, the
+// codebook's mask/xor). In PTX so the compiler does not fold it back into (w & 0xFFFF) * C.
+__device__ __forceinline__ uint32_t mad_lo(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("mad.lo.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+template <int CB> __device__ __forceinline__ void cb_hash_packed(uint32_t w, uint32_t &h_lo, uint32_t &h_hi) {
+    constexpr uint32_t mult = CB == TRELLM_CB_3INST ? 89226354u : (CB == TRELLM_CB_MCG ? 0xCBAC1FEDu : 0x83DCD12Du);
+    constexpr uint32_t add = CB == TRELLM_CB_3INST ? 64248484u : 0u;
+    const uint32_t hi = w >> 16;
+    h_hi = cb_hash<CB>(hi);
+    h_lo = mad_lo(hi, 0u - (mult << 16), mad_lo(w, mult, add));
+}
+
+// Half2 (decode(a), decode(b)) from the codebook hashes of two states.
+template <int CB> __device__ __forceinline__ half2 decode_hashed_pair(uint32_t ha, uint32_t hb) {
     if constexpr (CB == TRELLM_CB_MUL1) {
         // 0x6400 + byte sum of the hash = fp16(1024 + s); then fp16 fma with k_inv, k_bias.
-        uint32_t ha = __dp4a(cb_hash<CB>(a), 0x01010101u, 0x6400u);
-        uint32_t hb = __dp4a(cb_hash<CB>(b), 0x01010101u, 0x6400u);
+        ha = __dp4a(ha, 0x01010101u, 0x6400u);
+        hb = __dp4a(hb, 0x01010101u, 0x6400u);
         uint32_t packed = __byte_perm(ha, hb, 0x5410);
         const half2 k_inv = __halves2half2(__ushort_as_half(0x1EEE), __ushort_as_half(0x1EEE));
         const half2 k_bias = __halves2half2(__ushort_as_half(0xC931), __ushort_as_half(0xC931));
         return __hfma2(*reinterpret_cast<half2 *>(&packed), k_inv, k_bias);
     } else {
-        uint32_t xa = lop3_and_xor(cb_hash<CB>(a), 0x8FFF8FFFu, 0x3B603B60u);
-        uint32_t xb = lop3_and_xor(cb_hash<CB>(b), 0x8FFF8FFFu, 0x3B603B60u);
+        uint32_t xa = lop3_and_xor(ha, 0x8FFF8FFFu, 0x3B603B60u);
+        uint32_t xb = lop3_and_xor(hb, 0x8FFF8FFFu, 0x3B603B60u);
         uint32_t lo = __byte_perm(xa, xb, 0x5410);
         uint32_t hi = __byte_perm(xa, xb, 0x7632);
         return __hadd2(*reinterpret_cast<half2 *>(&lo), *reinterpret_cast<half2 *>(&hi));
     }
+}
+
+template <int CB> __device__ __forceinline__ half2 decode_pair(uint32_t a, uint32_t b) {
+    return decode_hashed_pair<CB>(cb_hash<CB>(a), cb_hash<CB>(b));
 }
 
 template <int CB> __device__ __forceinline__ half decode_one(uint32_t s) {
@@ -196,6 +218,19 @@ template <int K> __device__ __forceinline__ void lane_states(const uint32_t (&ra
         st[2] = lo4 >> 16;
         st[1] = bits16<24>(hi, lo);
         st[0] = bits16<28>(hi, lo);
+    } else if constexpr (K == 2) {
+        // 30 bits: state e is (v >> (16 - 2e)) & 0xFFFF of the normalised word v. With v >> 2, 4, 6 every
+        // state is a byte-aligned 16-bit field of one of four words: one byte_perm or mask each.
+        const uint32_t v = __funnelshift_l(raw[1], raw[0], r);
+        const uint32_t v2 = v >> 2, v4 = v >> 4, v6 = v >> 6;
+        st[0] = v >> 16;
+        st[1] = __byte_perm(v6, 0u, 0x4421);
+        st[2] = __byte_perm(v4, 0u, 0x4421);
+        st[3] = __byte_perm(v2, 0u, 0x4421);
+        st[4] = __byte_perm(v, 0u, 0x4421);
+        st[5] = v6 & 0xFFFFu;
+        st[6] = v4 & 0xFFFFu;
+        st[7] = v2 & 0xFFFFu;
     } else if constexpr (K == 8) {
         // 72 bits ending at the last bit of raw[2]: state e is (raw[0]:raw[1]:raw[2]) >> (56 - 8e).
         st[0] = bits16<24>(raw[0], raw[1]);
@@ -223,6 +258,43 @@ template <int K> __device__ __forceinline__ void lane_states(const uint32_t (&ra
         st[5] = field16<5 * K, G::NN>(n);
         st[6] = field16<6 * K, G::NN>(n);
         st[7] = field16<7 * K, G::NN>(n);
+    }
+}
+
+// The codebook hashes of the lane's eight states (cb_hash of lane_states). For K = 4 and 8, the lane's
+// 32-bit windows at 4 or 8 shifts each hold two states 16 bits apart, hashed as a pair (cb_hash_packed):
+// K = 4 takes 7 integer-ALU ops per 8 states instead of 11, K = 8 takes 6 instead of 10.
+#ifndef TRELLM_GEMV_PACKED_HASH
+#define TRELLM_GEMV_PACKED_HASH 1  // 0: hash each extracted state (the A/B baseline)
+#endif
+template <int K, int CB> __device__ __forceinline__ void lane_hashes(const uint32_t (&raw)[TileGeom<K>::NW], int r,
+                                                                    uint32_t (&h)[8]) {
+    if constexpr (K == 4 && TRELLM_GEMV_PACKED_HASH) {
+        // state e is (raw[0]:raw[1]) >> (28 - 4e): windows at shifts 0/4/8/12 hold (7, 3) (6, 2) (5, 1) (4, 0).
+        const uint32_t lo = raw[1], hi = raw[0];
+        cb_hash_packed<CB>(lo, h[7], h[3]);
+        cb_hash_packed<CB>(__funnelshift_r(lo, hi, 4), h[6], h[2]);
+        cb_hash_packed<CB>(__funnelshift_r(lo, hi, 8), h[5], h[1]);
+        cb_hash_packed<CB>(__funnelshift_r(lo, hi, 12), h[4], h[0]);
+    } else if constexpr (K == 8 && TRELLM_GEMV_PACKED_HASH) {
+        // state e is (raw[0]:raw[1]:raw[2]) >> (56 - 8e): raw[2] holds (7, 5), raw[1] (3, 1), and the windows
+        // 8 bits up hold (6, 4) and (2, 0).
+        cb_hash_packed<CB>(raw[2], h[7], h[5]);
+        cb_hash_packed<CB>(__funnelshift_r(raw[2], raw[1], 8), h[6], h[4]);
+        cb_hash_packed<CB>(raw[1], h[3], h[1]);
+        cb_hash_packed<CB>(__funnelshift_r(raw[1], raw[0], 8), h[2], h[0]);
+    } else if constexpr (K == 2 && TRELLM_GEMV_PACKED_HASH) {
+        // state e is bits [16 - 2e, 32 - 2e) of the normalised word v: (v << 2e) >> 16, the left shift
+        // as a multiply on the FMA pipe, 9 ALU ops per 8 states instead of 12.
+        const uint32_t v = __funnelshift_l(raw[1], raw[0], r);
+        h[0] = cb_hash<CB>(v >> 16);
+#pragma unroll
+        for (int e = 1; e < 8; ++e) h[e] = cb_hash<CB>(mad_lo(v, 1u << (2 * e), 0u) >> 16);
+    } else {
+        uint32_t st[8];
+        lane_states<K>(raw, r, st);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) h[e] = cb_hash<CB>(st[e]);
     }
 }
 
@@ -300,12 +372,12 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
 // Decoded A fragment of the transposed tile: {e0e1, e4e5, e2e3, e6e7}.
 template <int K, int CB> __device__ __forceinline__ void tile_fragment(const uint32_t (&raw)[TileGeom<K>::NW], int r,
                                                                       uint32_t (&a)[4]) {
-    uint32_t st[8];
-    lane_states<K>(raw, r, st);
-    half2 p01 = decode_pair<CB>(st[0], st[1]);
-    half2 p45 = decode_pair<CB>(st[4], st[5]);
-    half2 p23 = decode_pair<CB>(st[2], st[3]);
-    half2 p67 = decode_pair<CB>(st[6], st[7]);
+    uint32_t h[8];
+    lane_hashes<K, CB>(raw, r, h);
+    half2 p01 = decode_hashed_pair<CB>(h[0], h[1]);
+    half2 p45 = decode_hashed_pair<CB>(h[4], h[5]);
+    half2 p23 = decode_hashed_pair<CB>(h[2], h[3]);
+    half2 p67 = decode_hashed_pair<CB>(h[6], h[7]);
     a[0] = *reinterpret_cast<uint32_t *>(&p01);
     a[1] = *reinterpret_cast<uint32_t *>(&p45);
     a[2] = *reinterpret_cast<uint32_t *>(&p23);

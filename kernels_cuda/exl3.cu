@@ -16,7 +16,7 @@ int check_exl3_dims(int64_t k, int64_t n, int K, int codebook) {
 }  // namespace
 
 extern "C" int64_t trellm_exl3_matmul_small_workspace(int64_t m, int64_t k, int64_t n) {
-    return (int64_t)gemv_slices((int)k) * m * n;
+    return (int64_t)gemv_slices((int)k, (int)m) * m * n;
 }
 
 extern "C" int trellm_exl3_matmul_small_multi(const void *x, int x_dtype, int parts, const void *const *suh,
@@ -31,7 +31,7 @@ extern "C" int trellm_exl3_matmul_small_multi(const void *x, int x_dtype, int pa
     MatmulParts mp;
     mp.count = parts;
     int64_t groups = 0, partial_offset = 0;
-    const int slices = gemv_slices((int)k);
+    const int slices = gemv_slices((int)k, (int)m);
     for (int p = 0; p < parts; ++p) {
         const int rc = check_exl3_dims(k, n[p], K, codebook);
         if (rc) return rc;

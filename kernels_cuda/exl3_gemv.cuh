@@ -29,7 +29,7 @@ constexpr int GEMV_WARPS = 8;
 #ifndef TRELLM_GEMV_MIN_BLOCKS
 #define TRELLM_GEMV_MIN_BLOCKS 3
 #endif
-// k tiles per warp (KT): 8 (default) or 4 (TRELLM_EXL3_KT=4).
+// k tiles per warp (KT): 8 (default) or 4 (TRELLM_EXL3_KT=4); always 4 for more than 8 rows (gemv_kt).
 // A block's k-slice is GEMV_WARPS * KT tiles.
 
 // Split-halves A fragments for the 3INST and MCG codebooks. Their weight is the sum of the two fp16
@@ -39,17 +39,17 @@ constexpr int GEMV_WARPS = 8;
 template <int K, int CB> __device__ __forceinline__ void tile_fragments_split(const uint32_t (&raw)[TileGeom<K>::NW],
                                                                              int r, uint32_t (&even)[4],
                                                                              uint32_t (&odd)[4]) {
-    uint32_t st[8];
-    lane_states<K>(raw, r, st);
+    uint32_t h[8];
+    lane_hashes<K, CB>(raw, r, h);
     const uint32_t mask = 0x8FFF8FFFu, flip = 0x3B603B60u;
-    even[0] = lop3_and_xor(cb_hash<CB>(st[0]), mask, flip);
-    even[1] = lop3_and_xor(cb_hash<CB>(st[4]), mask, flip);
-    even[2] = lop3_and_xor(cb_hash<CB>(st[2]), mask, flip);
-    even[3] = lop3_and_xor(cb_hash<CB>(st[6]), mask, flip);
-    odd[0] = lop3_and_xor(cb_hash<CB>(st[1]), mask, flip);
-    odd[1] = lop3_and_xor(cb_hash<CB>(st[5]), mask, flip);
-    odd[2] = lop3_and_xor(cb_hash<CB>(st[3]), mask, flip);
-    odd[3] = lop3_and_xor(cb_hash<CB>(st[7]), mask, flip);
+    even[0] = lop3_and_xor(h[0], mask, flip);
+    even[1] = lop3_and_xor(h[4], mask, flip);
+    even[2] = lop3_and_xor(h[2], mask, flip);
+    even[3] = lop3_and_xor(h[6], mask, flip);
+    odd[0] = lop3_and_xor(h[1], mask, flip);
+    odd[1] = lop3_and_xor(h[5], mask, flip);
+    odd[2] = lop3_and_xor(h[3], mask, flip);
+    odd[3] = lop3_and_xor(h[7], mask, flip);
 }
 
 struct MatmulArgs {
@@ -163,11 +163,11 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
     __syncthreads();
 
     // x fragments (B operand: k x batch rows), one pair of registers per (k tile, group of 8 rows).
-    // SPLIT (one row group, codebooks with split halves): xf holds x at the even k of the lane's
+    // SPLIT (codebooks with split halves): xf holds x at the even k of the lane's
     // pairs, duplicated into both halves, and xo the odd k (see tile_fragments_split).
-    constexpr bool SPLIT = CB != TRELLM_CB_MUL1 && MT == 1;
+    constexpr bool SPLIT = CB != TRELLM_CB_MUL1;
     uint32_t xf[KT][MT][2];
-    uint32_t xo[SPLIT ? KT : 1][2];
+    uint32_t xo[SPLIT ? KT : 1][SPLIT ? MT : 1][2];
 #pragma unroll
     for (int t = 0; t < KT; ++t) {
         const int i = i_begin + t;
@@ -184,8 +184,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
             if constexpr (SPLIT) {
                 xf[t][g][0] = __byte_perm(b0, b0, 0x1010);
                 xf[t][g][1] = __byte_perm(b1, b1, 0x1010);
-                xo[t][0] = __byte_perm(b0, b0, 0x3232);
-                xo[t][1] = __byte_perm(b1, b1, 0x3232);
+                xo[t][g][0] = __byte_perm(b0, b0, 0x3232);
+                xo[t][g][1] = __byte_perm(b1, b1, 0x3232);
             } else {
                 xf[t][g][0] = b0;
                 xf[t][g][1] = b1;
@@ -208,7 +208,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
         float c[MT][4];
 #pragma unroll
         for (int g = 0; g < MT; ++g) c[g][0] = c[g][1] = c[g][2] = c[g][3] = 0.f;
-        float c_odd[4] = {0.f, 0.f, 0.f, 0.f};  // SPLIT: a second chain, half the mma dependency depth
+        float c_odd[MT][4];  // SPLIT: the odd-k products, a second chain (half the mma dependency depth)
+#pragma unroll
+        for (int g = 0; g < MT; ++g) c_odd[g][0] = c_odd[g][1] = c_odd[g][2] = c_odd[g][3] = 0.f;
 #pragma unroll
         for (int t = 0; t < KT; ++t) {
             uint32_t raw[G::NW];
@@ -217,8 +219,11 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
             if constexpr (SPLIT) {
                 uint32_t even[4], odd[4];
                 tile_fragments_split<K, CB>(raw, r, even, odd);
-                mma_16816(c[0], even, xf[t][0][0], xf[t][0][1]);
-                mma_16816(c_odd, odd, xo[t][0], xo[t][1]);
+#pragma unroll
+                for (int g = 0; g < MT; ++g) {
+                    mma_16816(c[g], even, xf[t][g][0], xf[t][g][1]);
+                    mma_16816(c_odd[g], odd, xo[t][g][0], xo[t][g][1]);
+                }
             } else {
                 uint32_t a[4];
                 tile_fragment<K, CB>(raw, r, a);
@@ -228,7 +233,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
         }
         if constexpr (SPLIT) {
 #pragma unroll
-            for (int q = 0; q < 4; ++q) c[0][q] += c_odd[q];
+            for (int g = 0; g < MT; ++g)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) c[g][q] += c_odd[g][q];
         }
         // c[g]: (n = lane/4, rows 2(lane%4)+{0,1}) and (n = lane/4 + 8, same rows)
         const int mm = (lane & 3) * 2;
@@ -346,17 +353,18 @@ int launch_exl3_matmul_small(MatmulParts args, int K, int num_sms, cudaStream_t 
 template <int CB>
 int launch_exl3_decode_tiles(const uint32_t *trellis, half *w, int k, int n, int K, cudaStream_t stream);
 
-// KT from TRELLM_EXL3_KT (read once): 8 (default) or 4.
-inline int gemv_kt() {
+// k tiles per warp: 4 for two row groups (m > 8: their split-halves x fragments need twice the
+// registers), else TRELLM_EXL3_KT (read once): 8 (default) or 4.
+inline int gemv_kt(int m) {
     static int kt = [] {
         const char *e = getenv("TRELLM_EXL3_KT");
         return (e && atoi(e) == 4) ? 4 : 8;
     }();
-    return kt;
+    return m > 8 ? 4 : kt;
 }
 
-inline int gemv_slices(int k) {
-    const int slice = GEMV_WARPS * gemv_kt();
+inline int gemv_slices(int k, int m) {
+    const int slice = GEMV_WARPS * gemv_kt(m);
     return (k / 16 + slice - 1) / slice;
 }
 
@@ -365,7 +373,7 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     const MatmulArgs &first = parts.part[0];
     int tiles_n = 0;  // all parts together
     for (int p = 0; p < parts.count; ++p) tiles_n += parts.part[p].n / 16;
-    const int slices = gemv_slices(first.k);
+    const int slices = gemv_slices(first.k, first.m);
     const size_t acc_per_col = (size_t)GEMV_WARPS * 16 * (first.m | 1) * sizeof(float);
     const size_t xs_bytes = GemvPipe<K, KT>::RING_BYTES + (size_t)first.m * GEMV_WARPS * KT * 16 * sizeof(half);
     // Shared memory per block: 72 KB lets three blocks share an SM (up to 4 rows), 110 KB two; never
@@ -420,12 +428,10 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
 
 template <int K, int CB>
 int launch_matmul_k(MatmulParts args, int num_sms, cudaStream_t stream) {
-    const bool kt4 = gemv_kt() == 4;
     const int m = args.part[0].m;
-    if (m <= 8) return kt4 ? launch_matmul_mt<K, CB, 1, 4>(args, num_sms, stream)
-                                : launch_matmul_mt<K, CB, 1, 8>(args, num_sms, stream);
-    if (m <= 16) return kt4 ? launch_matmul_mt<K, CB, 2, 4>(args, num_sms, stream)
-                                 : launch_matmul_mt<K, CB, 2, 8>(args, num_sms, stream);
+    if (m <= 8) return gemv_kt(m) == 4 ? launch_matmul_mt<K, CB, 1, 4>(args, num_sms, stream)
+                                       : launch_matmul_mt<K, CB, 1, 8>(args, num_sms, stream);
+    if (m <= 16) return launch_matmul_mt<K, CB, 2, 4>(args, num_sms, stream);
     return TRELLM_E_UNSUPPORTED;
 }
 

@@ -171,6 +171,34 @@ def write_kv_pages(
     )
 
 
+# Prefill calls go through the tiled kernel (attention_prefill.cu) when the mean query length per
+# sequence is at least this: only shapes are read (no host sync, so decode steps stay graph-capturable),
+# and a mean of 16 guarantees some sequence fills a tile while decode steps (1 token per sequence) and
+# speculative verification (a few) keep the per-token kernel, whose key splits spread long contexts.
+TILED_PREFILL_MIN_MEAN_QUERY = 16
+TILED_PREFILL_CALLS = 0  # calls that took the tiled path (tests assert the dispatch does not fall back)
+
+
+def _tiled_prefill_ok(
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor
+) -> bool:
+    """Whether this paged_attention call is a prefill the tiled kernel covers and is worth it for."""
+    tokens, hq, d = q.shape
+    hkv = k_pages.shape[2]
+    batch = block_table.shape[0]
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and d in binding.PREFILL_HEAD_DIMS
+        and hq % hkv == 0
+        and hq // hkv <= binding.PREFILL_MAX_GROUP
+        and batch > 0
+        and tokens >= TILED_PREFILL_MIN_MEAN_QUERY * batch
+        and k_pages.data_ptr() % 16 == 0
+        and v_pages.data_ptr() % 16 == 0
+        and (not q.is_contiguous() or q.data_ptr() % 16 == 0)  # a copy made by .contiguous() is aligned
+    )
+
+
 @_attention.paged_attention.register("cuda")
 def paged_attention(
     q: torch.Tensor,
@@ -198,7 +226,12 @@ def paged_attention(
             q, k_pages, v_pages, block_table, cu_seqlens, context_lens, scale, sliding_window, softcap, sinks
         )
     dev = q.device
-    return binding.paged_attention(
+    kernel = binding.paged_attention
+    if _tiled_prefill_ok(q, k_pages, v_pages, block_table):
+        global TILED_PREFILL_CALLS
+        TILED_PREFILL_CALLS += 1
+        kernel = binding.paged_attention_prefill
+    return kernel(
         q.contiguous(),
         k_pages,
         v_pages,

@@ -202,6 +202,17 @@ int trellm_causal_conv1d_step_slots(const void *x, int x_dtype, const void *weig
 int trellm_softmax_topk(const void *logits, int dtype, float *weights, int64_t *ids, int64_t tokens, int64_t experts,
                         int64_t k, int normalize, cudaStream_t stream);
 /* ---- end MoE router ---- */
+/* ---- tiled paged-attention prefill (attention_prefill.cu) ----
+ * Same arguments and result as trellm_paged_attention (no key splits, no workspace), for prefill chunks:
+ * one block per 64 (token, head) rows of one sequence and kv head walks that sequence's keys in tiles
+ * through shared memory, both matmuls on tensor cores. fp16/bf16 only; head_dim 64, 96, 128, 160, 192
+ * or 256; hq / hkv <= 64; q, pages and out 16-byte aligned. */
+int trellm_paged_attention_prefill(const void *q, const void *k_pages, const void *v_pages, const int32_t *block_table,
+                                   const int32_t *cu_seqlens, const int32_t *context_lens, const float *sinks,
+                                   void *out, int64_t tokens, int64_t batch, int64_t hq, int64_t hkv, int64_t head_dim,
+                                   int64_t page_size, int64_t max_blocks, float scale, int sliding_window,
+                                   float softcap, int dtype, cudaStream_t stream);
+/* ---- end tiled prefill ---- */
 /* ABI END */
 
 #ifdef __cplusplus
