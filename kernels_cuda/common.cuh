@@ -86,11 +86,11 @@ __device__ __forceinline__ void warp_hadamard_128(float v[4]) {
 // EXL3 codebooks (shared/exl3_format.md section 2.4). decode_pair turns two 16-bit states into the
 // half2 (decode(a), decode(b)).
 
-template <int CB> __device__ __forceinline__ uint32_t cb_hash(uint32_t s) {
-    if constexpr (CB == TRELLM_CB_3INST) return s * 89226354u + 64248484u;
-    else if constexpr (CB == TRELLM_CB_MCG) return s * 0xCBAC1FEDu;
-    else return s * 0x83DCD12Du;
-}
+// Each codebook's hash is s * mult + add (mod 2^32).
+template <int CB> constexpr uint32_t cb_mult = CB == TRELLM_CB_3INST ? 89226354u : (CB == TRELLM_CB_MCG ? 0xCBAC1FEDu : 0x83DCD12Du);
+template <int CB> constexpr uint32_t cb_add = CB == TRELLM_CB_3INST ? 64248484u : 0u;
+
+template <int CB> __device__ __forceinline__ uint32_t cb_hash(uint32_t s) { return s * cb_mult<CB> + cb_add<CB>; }
 
 // (a & b) ^ c in ONE lop3 (immLut 0x6A). Written in PTX with the constants in registers: left to
 // itself the compiler emits two LOP3s with an immediate each, an eighth of the GEMV's integer work.
@@ -110,11 +110,9 @@ __device__ __forceinline__ uint32_t mad_lo(uint32_t a, uint32_t b, uint32_t c) {
     return d;
 }
 template <int CB> __device__ __forceinline__ void cb_hash_packed(uint32_t w, uint32_t &h_lo, uint32_t &h_hi) {
-    constexpr uint32_t mult = CB == TRELLM_CB_3INST ? 89226354u : (CB == TRELLM_CB_MCG ? 0xCBAC1FEDu : 0x83DCD12Du);
-    constexpr uint32_t add = CB == TRELLM_CB_3INST ? 64248484u : 0u;
     const uint32_t hi = w >> 16;
     h_hi = cb_hash<CB>(hi);
-    h_lo = mad_lo(hi, 0u - (mult << 16), mad_lo(w, mult, add));
+    h_lo = mad_lo(hi, 0u - (cb_mult<CB> << 16), mad_lo(w, cb_mult<CB>, cb_add<CB>));
 }
 
 // Half2 (decode(a), decode(b)) from the codebook hashes of two states.
