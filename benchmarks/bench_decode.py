@@ -5,7 +5,7 @@ lm_head) captured in one CUDA graph and replayed; tokens/s is printed next to th
 (all weight bytes / the copy bandwidth measured in the same run). Prompt processing: one
 2048-token prefill chunk, eager. Random weights: the speed is what is measured, not the output.
 
-    python benchmarks/bench_decode.py [--bits 4 2] [--layers 32]
+    python benchmarks/bench_decode.py [--bits 4 2] [--layers 32] [--profile]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, time_graph  # noqa: E402
+from common import copy_bandwidth, kernel_profile, print_kernel_profile, time_graph  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 4096, 32, 8, 128, 14336, 128256
 PAGE = 16
@@ -111,6 +111,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--context", type=int, default=512, help="cached tokens before the decode step")
     ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--profile", action="store_true", help="also print each kernel's time in the decode step")
     args = ap.parse_args()
 
     from trellm.kernels_cuda import ops as _cuda_ops  # noqa: F401  (registers the CUDA implementations)
@@ -142,6 +143,8 @@ def main() -> int:
             f"({100 * ideal / t_step:.0f}% of ideal)",
             flush=True,
         )
+        if args.profile:
+            print_kernel_profile(kernel_profile(lambda: model.forward(tok, pos, cu, ctx)), t_step)
         # Prompt processing: one chunk of `prompt` tokens from position 0.
         n = args.prompt
         toks = torch.randint(0, VOCAB, (n,), device="cuda")

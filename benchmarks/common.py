@@ -66,3 +66,58 @@ def time_eager(fn: Callable[[], object], reps: int = 20, warmup: int = 2) -> flo
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     return statistics.median(times)
+
+
+def kernel_profile(fn: Callable[[], object], reps: int = 10) -> list[tuple[str, int, float]]:
+    """Per-kernel GPU time of one replay of a CUDA graph capturing ``fn()``: (kernel, launches, us).
+
+    The graph is replayed ``reps`` times under the torch profiler (CUPTI records the kernels a graph
+    launches); counts and times are per replay, longest first. With programmatic dependent launch
+    the kernels overlap, so the times can sum to more than the step.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = short_kernel_name(evt.name)
+        entry = totals.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += evt.time_range.elapsed_us()
+    del g
+    rows = [(name, round(n / reps), us / reps) for name, (n, us) in totals.items()]
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def short_kernel_name(name: str) -> str:
+    """``void ns::kernel<4, 1, ...>(Args)`` -> ``kernel<4, 1, ...>``: template arguments kept, they tell K/MT apart."""
+    name = name.replace("(anonymous namespace)::", "")
+    name = name[5:] if name.startswith("void ") else name
+    name = name.split("(")[0]
+    base = name.split("<")[0].split("::")[-1]
+    targs = name[len(name.split("<")[0]):]
+    return base + targs[:40]
+
+
+def print_kernel_profile(rows: list[tuple[str, int, float]], step_s: float) -> None:
+    """The table of ``kernel_profile``, each kernel's share of the step time ``step_s``."""
+    total = sum(us for _, _, us in rows)
+    print(f"  {'kernel':<58} {'launches':>8} {'us/step':>9} {'% of step':>9}")
+    for name, n, us in rows:
+        print(f"  {name:<58} {n:>8} {us:>9.1f} {100 * us / (step_s * 1e6):>8.1f}%")
+    print(f"  {'sum of kernel times':<58} {sum(n for _, n, _ in rows):>8} {total:>9.1f} {100 * total / (step_s * 1e6):>8.1f}%")

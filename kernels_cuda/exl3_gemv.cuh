@@ -376,18 +376,23 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     const int slices = gemv_slices(first.k, first.m);
     const size_t acc_per_col = (size_t)GEMV_WARPS * 16 * (first.m | 1) * sizeof(float);
     const size_t xs_bytes = GemvPipe<K, KT>::RING_BYTES + (size_t)first.m * GEMV_WARPS * KT * 16 * sizeof(half);
-    // Shared memory per block: 72 KB lets three blocks share an SM (up to 4 rows), 110 KB two; never
-    // more than the device allows a block (99 KB on sm_86/89), never less than one column needs.
+    // Shared memory per block: an SM's share for TRELLM_GEMV_MIN_BLOCKS blocks (up to 4 rows; the
+    // register budget is sized for as many), for two blocks above; never more than the device allows a
+    // block (99 KB on sm_86/89), never less than one column needs.
     auto kernel = exl3_matmul_small_kernel<K, CB, MT, KT>;
     static int optin = 0;  // dynamic shared memory a block may opt in to (minus the kernel's static part)
+    static int per_sm = 0, per_block = 0;  // shared memory of an SM; a block's static part + 1 KB reserve
     if (optin == 0) {
-        int dev = 0, limit = 0;
+        int dev = 0, limit = 0, sm_limit = 0;
         cudaFuncAttributes fa;
         cudaGetDevice(&dev);
         if (cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&sm_limit, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess ||
             cudaFuncGetAttributes(&fa, kernel) != cudaSuccess)
             return (int)cudaGetLastError();
         optin = limit - (int)fa.sharedSizeBytes;
+        per_sm = sm_limit;
+        per_block = (int)fa.sharedSizeBytes + 1024;
         const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
         if (err != cudaSuccess) {
             optin = 0;
@@ -395,11 +400,12 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
             return (int)err;
         }
     }
-    const bool three = first.m <= 4;
-    const size_t budget = max(min((size_t)(three ? 72 : 110) * 1024, (size_t)optin), xs_bytes + acc_per_col);
+    const bool few_rows = first.m <= 4;
+    const int target_blocks = few_rows ? TRELLM_GEMV_MIN_BLOCKS : 2;
+    const size_t budget = max(min((size_t)(per_sm / target_blocks - per_block) & ~(size_t)127, (size_t)optin), xs_bytes + acc_per_col);
     const int max_cols = max(1, (int)((budget - xs_bytes) / acc_per_col));
     static int occupancy[2] = {0, 0};  // per instantiation and budget; the register count also bounds it
-    int &blocks_per_sm = occupancy[three];
+    int &blocks_per_sm = occupancy[few_rows];
     if (blocks_per_sm == 0) {
         int b = 0;
         if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, GEMV_WARPS * 32, budget) != cudaSuccess || b < 1)
