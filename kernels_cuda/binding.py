@@ -425,6 +425,39 @@ def write_kv_pages(
 ATTENTION_HEAD_DIMS = (64, 96, 128, 160, 192, 256)
 
 
+def _attention_args(
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+    cu_seqlens: torch.Tensor, context_lens: torch.Tensor, sinks: torch.Tensor | None, *,
+    dtypes: tuple[torch.dtype, ...], head_dims: tuple[int, ...], kernel: str,
+    max_group: int | None = None, align: int | None = None,
+) -> tuple[int, int, int, int, int, int, int]:
+    """Check the paged-attention arguments once for both kernels, whose limits differ: q's ``dtypes``,
+    ``head_dims``, at most ``max_group`` query heads per kv head, q/k/v data ``align``-byte aligned.
+    ``kernel`` names the kernel in the errors. Returns (tokens, batch, hq, hkv, head_dim, page_size,
+    max_blocks)."""
+    expect(q, "q", dtype=dtypes, shape=(None, None, None))
+    tokens, hq, d = q.shape
+    expect(k_pages, "k_pages", dtype=q.dtype, shape=(None, None, None, d), device=q.device)
+    expect(v_pages, "v_pages", dtype=q.dtype, shape=tuple(k_pages.shape), device=q.device)
+    _, page_size, hkv, _ = k_pages.shape
+    if hq % hkv:
+        raise KernelArgumentError(f"q: {hq} heads is not a multiple of the cache's {hkv} kv heads")
+    if max_group is not None and hq // hkv > max_group:
+        raise KernelArgumentError(f"q: {hq // hkv} query heads per kv head; the {kernel} takes <= {max_group}")
+    if d not in head_dims:
+        raise KernelArgumentError(f"q: head_dim {d} unsupported by the {kernel}; supported: {head_dims}")
+    if align is not None:
+        for t, name in ((q, "q"), (k_pages, "k_pages"), (v_pages, "v_pages")):
+            if t.data_ptr() % align:
+                raise KernelArgumentError(f"{name}: data must be {align}-byte aligned (address {t.data_ptr():#x})")
+    expect(block_table, "block_table", dtype=torch.int32, shape=(None, None), device=q.device)
+    batch, max_blocks = block_table.shape
+    expect(cu_seqlens, "cu_seqlens", dtype=torch.int32, shape=(batch + 1,), device=q.device)
+    expect(context_lens, "context_lens", dtype=torch.int32, shape=(batch,), device=q.device)
+    expect(sinks, "sinks", dtype=torch.float32, shape=(hq,), device=q.device, optional=True)
+    return tokens, batch, hq, hkv, d, page_size, max_blocks
+
+
 def paged_attention(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -437,20 +470,10 @@ def paged_attention(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    expect(q, "q", dtype=_FLOATS, shape=(None, None, None))
-    tokens, hq, d = q.shape
-    expect(k_pages, "k_pages", dtype=q.dtype, shape=(None, None, None, d), device=q.device)
-    expect(v_pages, "v_pages", dtype=q.dtype, shape=tuple(k_pages.shape), device=q.device)
-    _, page_size, hkv, _ = k_pages.shape
-    if hq % hkv:
-        raise KernelArgumentError(f"q: {hq} heads is not a multiple of the cache's {hkv} kv heads")
-    if d not in ATTENTION_HEAD_DIMS:
-        raise KernelArgumentError(f"q: head_dim {d} unsupported by the kernel; supported: {ATTENTION_HEAD_DIMS}")
-    expect(block_table, "block_table", dtype=torch.int32, shape=(None, None), device=q.device)
-    batch, max_blocks = block_table.shape
-    expect(cu_seqlens, "cu_seqlens", dtype=torch.int32, shape=(batch + 1,), device=q.device)
-    expect(context_lens, "context_lens", dtype=torch.int32, shape=(batch,), device=q.device)
-    expect(sinks, "sinks", dtype=torch.float32, shape=(hq,), device=q.device, optional=True)
+    tokens, batch, hq, hkv, d, page_size, max_blocks = _attention_args(
+        q, k_pages, v_pages, block_table, cu_seqlens, context_lens, sinks,
+        dtypes=_FLOATS, head_dims=ATTENTION_HEAD_DIMS, kernel="kernel",
+    )
     out = torch.empty_like(q)
     splits = lib().trellm_paged_attention_splits(tokens, hq, hkv, page_size, max_blocks, _num_sms(q.device))
     workspace = None
@@ -484,25 +507,11 @@ def paged_attention_prefill(
 ) -> torch.Tensor:
     """:func:`paged_attention` through the tiled tensor-core prefill kernel (fp16/bf16): each K/V tile is
     read once per 64 query rows instead of once per query token."""
-    expect(q, "q", dtype=(torch.float16, torch.bfloat16), shape=(None, None, None))
-    tokens, hq, d = q.shape
-    expect(k_pages, "k_pages", dtype=q.dtype, shape=(None, None, None, d), device=q.device)
-    expect(v_pages, "v_pages", dtype=q.dtype, shape=tuple(k_pages.shape), device=q.device)
-    _, page_size, hkv, _ = k_pages.shape
-    if hq % hkv:
-        raise KernelArgumentError(f"q: {hq} heads is not a multiple of the cache's {hkv} kv heads")
-    if hq // hkv > PREFILL_MAX_GROUP:
-        raise KernelArgumentError(f"q: {hq // hkv} query heads per kv head; the prefill kernel takes <= {PREFILL_MAX_GROUP}")
-    if d not in PREFILL_HEAD_DIMS:
-        raise KernelArgumentError(f"q: head_dim {d} unsupported by the prefill kernel; supported: {PREFILL_HEAD_DIMS}")
-    for t, name in ((q, "q"), (k_pages, "k_pages"), (v_pages, "v_pages")):
-        if t.data_ptr() % 16:
-            raise KernelArgumentError(f"{name}: data must be 16-byte aligned (address {t.data_ptr():#x})")
-    expect(block_table, "block_table", dtype=torch.int32, shape=(None, None), device=q.device)
-    batch, max_blocks = block_table.shape
-    expect(cu_seqlens, "cu_seqlens", dtype=torch.int32, shape=(batch + 1,), device=q.device)
-    expect(context_lens, "context_lens", dtype=torch.int32, shape=(batch,), device=q.device)
-    expect(sinks, "sinks", dtype=torch.float32, shape=(hq,), device=q.device, optional=True)
+    tokens, batch, hq, hkv, d, page_size, max_blocks = _attention_args(
+        q, k_pages, v_pages, block_table, cu_seqlens, context_lens, sinks,
+        dtypes=(torch.float16, torch.bfloat16), head_dims=PREFILL_HEAD_DIMS, kernel="prefill kernel",
+        max_group=PREFILL_MAX_GROUP, align=16,
+    )
     out = torch.empty_like(q)
     rc = lib().trellm_paged_attention_prefill(
         _ptr(q), _ptr(k_pages), _ptr(v_pages), _ptr(block_table, "int32_t *"), _ptr(cu_seqlens, "int32_t *"),

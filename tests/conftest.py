@@ -46,3 +46,30 @@ def tiny_llama_smollm2_tokenizer_dir(tmp_path_factory, smollm2_dir: Path) -> Pat
         if (smollm2_dir / name).is_file():
             shutil.copy(smollm2_dir / name, out / name)
     return out
+
+
+# ---- CUDA kernel tests: the kernel library and the ops with the CUDA implementations registered -------
+
+
+@pytest.fixture(scope="module")
+def kb():
+    """``trellm.kernels_cuda.binding`` with its library built or loaded; skipped without cffi or a GPU
+    (the test modules also carry a ``cuda`` mark and a skipif, so a CPU run never gets here)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("cffi")
+    from trellm.kernels_cuda import binding
+
+    binding.lib()
+    return binding
+
+
+@pytest.fixture(scope="module")
+def ops(kb):
+    """``trellm.ops`` with the CUDA kernels registered as the ``"cuda"`` implementations."""
+    from trellm import ops as core_ops
+    from trellm.kernels_cuda import ops as cuda_ops  # noqa: F401  (registers the implementations)
+
+    return core_ops

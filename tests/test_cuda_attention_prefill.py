@@ -23,23 +23,6 @@ DTYPES = (torch.float16, torch.bfloat16)
 MIXED = [(300, 300), (250, 90), (77, 1), (33, 33)]
 
 
-@pytest.fixture(scope="module")
-def kb():
-    pytest.importorskip("cffi")
-    from trellm.kernels_cuda import binding
-
-    binding.lib()
-    return binding
-
-
-@pytest.fixture(scope="module")
-def ops(kb):
-    from trellm import ops as core_ops
-    from trellm.kernels_cuda import ops as cuda_ops  # noqa: F401  (registers the implementations)
-
-    return core_ops
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     assert torch.isfinite(out).all(), "non-finite output"

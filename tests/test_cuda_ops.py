@@ -20,24 +20,6 @@ GOLDEN = Path(__file__).parent / "data" / "golden"
 CODEBOOKS = ("3inst", "mcg", "mul1")
 
 
-@pytest.fixture(scope="module")
-def kb():
-    pytest.importorskip("cffi")
-    from trellm.kernels_cuda import binding
-
-    binding.lib()
-    return binding
-
-
-@pytest.fixture(scope="module")
-def ops(kb):
-    from trellm import ops as core_ops
-    from trellm.kernels_cuda import ops as cuda_ops  # noqa: F401  (registers the implementations)
-    from trellm.ops import exl3  # noqa: F401
-
-    return core_ops
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     assert torch.isfinite(out).all(), "non-finite output"
