@@ -38,14 +38,14 @@ def _bandwidth_sections(only: str | None) -> None:
 
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")
-    print(f"{'kernel':<34} {'us':>8} {'GB/s':>7} {'%copy':>6} {'torch_us':>9} {'speedup':>8}", flush=True)
+    print(f"{'kernel':<46} {'us':>8} {'GB/s':>7} {'%copy':>6} {'torch_us':>9} {'speedup':>8}", flush=True)
     dt = torch.float16
 
     def report(name, fn_cuda, fn_ref, nbytes):
         t = time_graph(fn_cuda)
         t_ref = time_eager(fn_ref)  # references may sync with the host: not capturable
         print(
-            f"{name:<34} {t * 1e6:>8.1f} {nbytes / t / 1e9:>7.0f} {100 * nbytes / t / bw:>5.0f}% "
+            f"{name:<46} {t * 1e6:>8.1f} {nbytes / t / 1e9:>7.0f} {100 * nbytes / t / bw:>5.0f}% "
             f"{t_ref * 1e6:>9.1f} {t_ref / t:>7.2f}x",
             flush=True,
         )
@@ -71,19 +71,21 @@ def _bandwidth_sections(only: str | None) -> None:
         report(f"rotary neox [{rows},32,128]", lambda: ops.rotary_embedding.impls["cuda"](q, c, s),
                lambda: ops.rotary_embedding.reference(q, c, s), q.numel() * 2 * 2 + c.numel() * 8)
 
-    # Paged attention decode: Llama-3.1-8B heads (32 q / 8 kv, d=128), page 16.
-    for batch, ctx in ((1, 512), (1, 4096), (8, 4096), (32, 2048)) if only in (None, "attention") else ():
+    # Paged attention decode: Llama-3.1-8B heads (32 q / 8 kv, d=128), page 16; a cache of `cap` tokens
+    # per sequence (a server's cache is sized for the longest request, most are shorter).
+    cases = ((1, 512, 512), (1, 512, 32768), (1, 4096, 4096), (8, 4096, 4096), (32, 2048, 2048))
+    for batch, ctx, cap in cases if only in (None, "attention") else ():
         page = 16
-        blocks = ctx // page
+        blocks = cap // page
         kp = torch.randn(batch * blocks, page, 8, 128, device="cuda", dtype=dt)
         vp = torch.randn_like(kp)
         bt = torch.arange(batch * blocks, device="cuda", dtype=torch.int32).view(batch, blocks)
         cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
         cl = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
         q = torch.randn(batch, 32, 128, device="cuda", dtype=dt)
-        nb = kp.numel() * 2 * 2
+        nb = batch * ctx * 8 * 128 * kp.element_size() * 2  # the K and V rows read
         report(
-            f"paged_attention decode b{batch} ctx{ctx}",
+            f"paged_attention decode b{batch} ctx{ctx}" + (f" cache {cap}" if cap != ctx else ""),
             lambda: ops.paged_attention.impls["cuda"](q, kp, vp, bt, cu, cl),
             lambda: ops.paged_attention.reference(q, kp, vp, bt, cu, cl),
             nb,

@@ -11,6 +11,7 @@
 #include "common.cuh"
 
 #include <mutex>
+#include <type_traits>
 #include <stdlib.h>
 
 namespace {
@@ -25,31 +26,44 @@ struct AttnArgs {
     void *out;
     float *ws_m, *ws_l, *ws_acc;  // [tokens, hq, splits] (+ [.., D]) when splits > 1
     int32_t *counters;            // zeroed [tokens * hkv * head chunks] or NULL: the last split merges
-    int batch, hq, hkv, page_size, max_blocks, sliding_window, splits, split_keys;
+    int batch, hq, hkv, page_size, max_blocks, sliding_window, splits, min_split_keys;
     bool vec16;  // K/V pages 16-byte aligned: rows are read with vector loads
     float scale, softcap;
 };
 
-// Merge the key splits of one (token, head) for dims d0, d0 + step, ...: softmax-weighted partial sums
-// (and the sink). The workspace is read through L2 (__ldcg): other blocks of this launch wrote it.
+// Merge the key splits of one (token, head), one warp: softmax-weighted partial sums (and the sink).
+// Lane s holds split s's (and s + 32's) max and weight, so the per-split loads are independent and in
+// flight together; each lane then sums its dims over the splits (empty splits wrote zeros and weigh 0).
+// The workspace is read through L2 (__ldcg): other blocks of this launch wrote it.
 template <typename T>
-__device__ __forceinline__ void merge_splits(const AttnArgs &a, int token, int head, int head_dim, int d0, int step) {
+__device__ __forceinline__ void merge_splits(const AttnArgs &a, int token, int head, int head_dim) {
+    const int lane = threadIdx.x & 31;
     const size_t base = ((size_t)token * a.hq + head) * a.splits;
-    float m_all = a.sinks ? a.sinks[head] : -INFINITY;
-    for (int s = 0; s < a.splits; ++s) m_all = fmaxf(m_all, __ldcg(a.ws_m + base + s));
-    float l_all = a.sinks ? __expf(a.sinks[head] - m_all) : 0.f;
-    for (int s = 0; s < a.splits; ++s) {
-        const float m = __ldcg(a.ws_m + base + s);
-        if (m != -INFINITY) l_all += __ldcg(a.ws_l + base + s) * __expf(m - m_all);
+    const float m0 = lane < a.splits ? __ldcg(a.ws_m + base + lane) : -INFINITY;
+    const float m1 = lane + 32 < a.splits ? __ldcg(a.ws_m + base + lane + 32) : -INFINITY;
+    const float l0 = lane < a.splits ? __ldcg(a.ws_l + base + lane) : 0.f;
+    const float l1 = lane + 32 < a.splits ? __ldcg(a.ws_l + base + lane + 32) : 0.f;
+    const float sink = a.sinks ? a.sinks[head] : -INFINITY;
+    const float m_all = warp_max(fmaxf(fmaxf(m0, m1), sink));
+    const float w0 = m0 == -INFINITY ? 0.f : __expf(m0 - m_all);
+    const float w1 = m1 == -INFINITY ? 0.f : __expf(m1 - m_all);
+    float l_all = warp_sum(l0 * w0 + l1 * w1);
+    if (a.sinks && m_all != -INFINITY) l_all += __expf(sink - m_all);
+    constexpr int MAX_DPL = 8;  // head_dim <= 256
+    float o[MAX_DPL] = {};
+#pragma unroll 4
+    for (int sp = 0; sp < a.splits; ++sp) {
+        const float w = __shfl_sync(0xffffffffu, sp < 32 ? w0 : w1, sp & 31);
+        const float *acc = a.ws_acc + (base + sp) * head_dim + lane;
+#pragma unroll
+        for (int i = 0; i < MAX_DPL; ++i)
+            if (lane + 32 * i < head_dim) o[i] += __ldcg(acc + 32 * i) * w;
     }
-    for (int d = d0; d < head_dim; d += step) {
-        float o = 0.f;
-        for (int s = 0; s < a.splits; ++s) {
-            const float m = __ldcg(a.ws_m + base + s);
-            if (m != -INFINITY) o += __ldcg(a.ws_acc + (base + s) * head_dim + d) * __expf(m - m_all);
-        }
-        static_cast<T *>(a.out)[((size_t)token * a.hq + head) * head_dim + d] = from_f32<T>(l_all > 0.f ? o / l_all : 0.f);
-    }
+    const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
+#pragma unroll
+    for (int i = 0; i < MAX_DPL; ++i)
+        if (lane + 32 * i < head_dim)
+            static_cast<T *>(a.out)[((size_t)token * a.hq + head) * head_dim + lane + 32 * i] = from_f32<T>(o[i] * inv);
 }
 
 // A lane's DPL contiguous dims of a V row: one 16- or 8-byte load when they fill one (and rows are aligned).
@@ -79,6 +93,60 @@ __device__ __forceinline__ void load_lane_dims(const T *__restrict__ p, float (&
     }
 #pragma unroll
     for (int i = 0; i < DPL; ++i) out[i] = to_f32(p[i]);
+}
+
+// A lane's DPL contiguous dims of a V row held as raw words (RAW: the dims fill whole 32-bit words),
+// loaded with the widest aligned vector, converted when used. VPF keys are kept in flight: about 64
+// registers' worth (32 keys of fp16 at head_dim 128).
+template <typename T, int DPL> struct VRow {
+    static constexpr int BYTES = DPL * (int)sizeof(T);
+    static constexpr bool RAW = BYTES % 4 == 0;
+    static constexpr int WORDS = RAW ? BYTES / 4 : 1;
+    static constexpr int VEC = BYTES % 16 == 0 ? 16 : (BYTES % 8 == 0 ? 8 : 4);  // bytes per load
+    static constexpr int FIT = 64 / WORDS;
+    static constexpr int VPF = FIT >= 32 ? 32 : (FIT >= 16 ? 16 : 8);
+    __device__ __forceinline__ static void load(const T *p, uint32_t (&w)[WORDS]) {
+        if constexpr (VEC == 16) {
+#pragma unroll
+            for (int c = 0; c < WORDS / 4; ++c) {
+                const uint4 u = reinterpret_cast<const uint4 *>(p)[c];
+                w[4 * c] = u.x; w[4 * c + 1] = u.y; w[4 * c + 2] = u.z; w[4 * c + 3] = u.w;
+            }
+        } else if constexpr (VEC == 8) {
+#pragma unroll
+            for (int c = 0; c < WORDS / 2; ++c) {
+                const uint2 u = reinterpret_cast<const uint2 *>(p)[c];
+                w[2 * c] = u.x; w[2 * c + 1] = u.y;
+            }
+        } else {
+#pragma unroll
+            for (int c = 0; c < WORDS; ++c) w[c] = reinterpret_cast<const uint32_t *>(p)[c];
+        }
+    }
+    __device__ __forceinline__ static void unpack(const uint32_t (&w)[WORDS], float (&out)[DPL]) {
+        if constexpr (sizeof(T) == 4) {
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) out[i] = __uint_as_float(w[i]);
+        } else if constexpr (std::is_same<T, __nv_bfloat16>::value) {  // bf16 -> f32 is a 16-bit shift
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) out[i] = __uint_as_float(i & 1 ? w[i / 2] & 0xFFFF0000u : w[i / 2] << 16);
+        } else {
+#pragma unroll
+            for (int i = 0; i < DPL; i += 2) {
+                const float2 f = __half22float2(*reinterpret_cast<const half2 *>(&w[i / 2]));
+                out[i] = f.x;
+                out[i + 1] = f.y;
+            }
+        }
+    }
+};
+
+// 16-byte K chunks a lane keeps in flight: the largest divisor of the row's chunk count up to 16, so the
+// rounds tile the row exactly (head_dim 160 in fp16 is 20 chunks: two rounds of 10).
+constexpr int chunks_in_flight(int chunks) {
+    int k = 16;
+    while (chunks % k) --k;
+    return k;
 }
 
 // G: query heads per block (the chunk), 4 for groups up to 4 (Llama 3: 32 q / 8 kv heads), else G.
@@ -114,8 +182,26 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
     const int qpos = ctx - q_len + (token - a.cu_seqlens[b]);
     int k_end = min(qpos, ctx - 1) + 1;  // exclusive
     int k_begin = a.sliding_window > 0 ? max(0, qpos - a.sliding_window + 1) : 0;
-    k_begin = max(k_begin, split * a.split_keys);
-    k_end = min(k_end, (split + 1) * a.split_keys);
+    if (a.splits > 1) {
+        // The splits share this token's actual key range, each at least min_split_keys (whole 32-key
+        // tiles): short contexts in a large cache use several splits instead of one, trailing splits
+        // are empty. Every block of the token computes the same boundaries.
+        const int per_split = (k_end - k_begin + a.splits - 1) / a.splits;
+        const int split_keys = max(a.min_split_keys, (per_split + 31) & ~31);
+        const int begin = k_begin + split * split_keys;
+        k_end = min(k_end, begin + split_keys);
+        k_begin = begin;
+    }
+
+    // The lane's key row (page lookup) of a tile, clamped into the tile so every lane holds a real row;
+    // the P.V phase gets the other keys' rows by shuffle. The first tile's lookup is issued before the
+    // queries are staged, each next tile's before the current one is scored.
+    const int32_t *table = a.block_table + (size_t)b * a.max_blocks;
+    auto key_row_of = [&](int tile0) {
+        const int jr = min(tile0 + lane, k_end - 1);
+        return table[jr / a.page_size] * a.page_size + jr % a.page_size;
+    };
+    int next_key_row = k_begin + warp * 32 < k_end ? key_row_of(k_begin + warp * 32) : 0;
 
     for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
         const int g = idx / D, d = idx % D;
@@ -132,22 +218,35 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
         for (int i = 0; i < DPL; ++i) acc[g][i] = 0.f;
     }
 
-    const int32_t *table = a.block_table + (size_t)b * a.max_blocks;
     const size_t row_stride = (size_t)a.hkv * D;  // elements between consecutive token rows of a page
+    using VR = VRow<T, DPL>;
     for (int tile0 = k_begin + warp * 32; tile0 < k_end; tile0 += ATT_WARPS * 32) {
         // Scores: lane = key.
         const int j = tile0 + lane;
         const bool valid = j < k_end;
+        const int n_keys = min(32, k_end - tile0);
+        const int key_row = next_key_row;
+        if (tile0 + ATT_WARPS * 32 < k_end) next_key_row = key_row_of(tile0 + ATT_WARPS * 32);
+        // The first VPF keys' V dims go in flight now, so their latency overlaps the K loads and scores.
+        uint32_t vraw[VR::VPF][VR::WORDS];
+        const bool raw_v = VR::RAW && a.vec16;
+        auto load_v = [&](int jj0) {
+#pragma unroll
+            for (int u = 0; u < VR::VPF; ++u) {
+                const int r = __shfl_sync(0xffffffffu, key_row, min(jj0 + u, n_keys - 1));
+                VR::load(v_pages + (size_t)r * row_stride + (size_t)kvh * D + lane * DPL, vraw[u]);
+            }
+        };
+        if (raw_v) load_v(0);
         float s[G];
 #pragma unroll
         for (int g = 0; g < G; ++g) s[g] = 0.f;
         if (valid) {
-            const T *krow = k_pages + ((size_t)table[j / a.page_size] * a.page_size + j % a.page_size) * row_stride +
-                            (size_t)kvh * D;
+            const T *krow = k_pages + (size_t)key_row * row_stride + (size_t)kvh * D;
             if (a.vec16) {  // 16-byte loads of the lane's key row (same summation order as below),
                             // KPF of them issued before use so their latencies overlap
                 constexpr int KV = 16 / (int)sizeof(T);
-                constexpr int KPF = (D / KV) < 8 ? (D / KV) : 8;
+                constexpr int KPF = chunks_in_flight(D / KV);
 #pragma unroll 1
                 for (int d0 = 0; d0 < D; d0 += KPF * KV) {
                     uint4 u[KPF];
@@ -190,29 +289,44 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
             p_s[warp][g][lane] = p;
         }
         __syncwarp();
-        // P.V: lane owns dims lane*DPL .. lane*DPL + DPL - 1. V rows are loaded VPF at a time before
-        // they are used, so their latencies overlap (one dependent load per key made decode at short
-        // contexts latency-bound); keys past the tile's end have p = 0 and contribute nothing.
-        const int n_keys = min(32, k_end - tile0);
-        constexpr int VPF = 8;
-        for (int jj0 = 0; jj0 < n_keys; jj0 += VPF) {
-            float vv[VPF][DPL];
+        // P.V: lane owns dims lane*DPL .. lane*DPL + DPL - 1; keys past the tile's end have p = 0.
+        if (raw_v) {
+            if constexpr (VR::RAW)
+            for (int jj0 = 0; jj0 < n_keys; jj0 += VR::VPF) {
+                if (jj0 > 0) load_v(jj0);
 #pragma unroll
-            for (int u = 0; u < VPF; ++u) {
-                const int jk = tile0 + min(jj0 + u, n_keys - 1);
-                const T *vrow = v_pages + ((size_t)table[jk / a.page_size] * a.page_size + jk % a.page_size) * row_stride +
-                                (size_t)kvh * D + lane * DPL;
-                load_lane_dims<T, DPL>(vrow, vv[u], a.vec16);
+                for (int u = 0; u < VR::VPF; ++u) {
+                    float vv[DPL];
+                    VR::unpack(vraw[u], vv);
+                    const bool live = jj0 + u < n_keys;
+#pragma unroll
+                    for (int g = 0; g < G; ++g) {
+                        if (g >= gn) break;
+                        const float p = live ? p_s[warp][g][jj0 + u] : 0.f;
+#pragma unroll
+                        for (int i = 0; i < DPL; ++i) acc[g][i] += p * vv[i];
+                    }
+                }
             }
+        } else {  // rows not word-sized or not aligned: 8 keys at a time, element loads
+            constexpr int VPF = 8;
+            for (int jj0 = 0; jj0 < n_keys; jj0 += VPF) {
+                float vv[VPF][DPL];
 #pragma unroll
-            for (int u = 0; u < VPF; ++u) {
-                const bool live = jj0 + u < n_keys;
+                for (int u = 0; u < VPF; ++u) {
+                    const int r = __shfl_sync(0xffffffffu, key_row, min(jj0 + u, n_keys - 1));
+                    load_lane_dims<T, DPL>(v_pages + (size_t)r * row_stride + (size_t)kvh * D + lane * DPL, vv[u], a.vec16);
+                }
 #pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    if (g >= gn) break;
-                    const float p = live ? p_s[warp][g][jj0 + u] : 0.f;
+                for (int u = 0; u < VPF; ++u) {
+                    const bool live = jj0 + u < n_keys;
 #pragma unroll
-                    for (int i = 0; i < DPL; ++i) acc[g][i] += p * vv[u][i];
+                    for (int g = 0; g < G; ++g) {
+                        if (g >= gn) break;
+                        const float p = live ? p_s[warp][g][jj0 + u] : 0.f;
+#pragma unroll
+                        for (int i = 0; i < DPL; ++i) acc[g][i] += p * vv[u][i];
+                    }
                 }
             }
         }
@@ -267,14 +381,14 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
     __syncthreads();
     if (!last_split) return;
     __threadfence();
-    for (int g = warp; g < gn; g += ATT_WARPS) merge_splits<T>(a, token, kvh * group + g0 + g, D, lane, 32);
+    for (int g = warp; g < gn; g += ATT_WARPS) merge_splits<T>(a, token, kvh * group + g0 + g, D);
 }
 
-// Merge the key splits of one (token, head) (when no counters are available).
+// Merge the key splits of one (token, head) per warp (when no counters are available).
 template <typename T>
 __global__ void attention_merge_kernel(const AttnArgs a, int head_dim) {
     pdl_trigger();  // the next kernel (an EXL3 GEMV) may start prefetching its weights
-    merge_splits<T>(a, blockIdx.x, blockIdx.y, head_dim, threadIdx.x, blockDim.x);
+    merge_splits<T>(a, blockIdx.x, blockIdx.y, head_dim);
 }
 
 template <typename T>
@@ -294,7 +408,7 @@ int launch_attention(const AttnArgs &a, int64_t tokens, int64_t d, cudaStream_t 
 #undef ATT_CASE
     TRELLM_LAUNCH_CHECK();
     if (a.splits > 1 && !a.counters) {
-        attention_merge_kernel<T><<<dim3((unsigned)tokens, (unsigned)a.hq), 128, 0, stream>>>(a, (int)d);
+        attention_merge_kernel<T><<<dim3((unsigned)tokens, (unsigned)a.hq), 32, 0, stream>>>(a, (int)d);
         TRELLM_LAUNCH_CHECK();
     }
     return TRELLM_OK;
@@ -337,6 +451,16 @@ int32_t *merge_counters(int64_t groups, cudaStream_t stream) {
     return p;
 }
 
+// Fewest keys a split takes: 128 (one 32-key tile per warp); TRELLM_ATTN_SPLIT_KEYS (16..4096)
+// overrides it, for tuning runs (read at each call: the split count is fixed when a graph is captured).
+int64_t min_split_keys() {
+    if (const char *env = getenv("TRELLM_ATTN_SPLIT_KEYS")) {
+        const long v = strtol(env, nullptr, 10);
+        if (v >= 16 && v <= 4096) return v;
+    }
+    return 128;
+}
+
 }  // namespace
 
 extern "C" int trellm_paged_attention_splits(int64_t tokens, int64_t hq, int64_t hkv, int64_t page_size,
@@ -347,13 +471,8 @@ extern "C" int trellm_paged_attention_splits(int64_t tokens, int64_t hq, int64_t
     const int64_t target = 4 * (int64_t)(num_sms > 0 ? num_sms : 132);
     const int64_t capacity = page_size * max_blocks;
     int64_t splits = target / blocks;
-    // At least 128 keys per split (one 32-key tile per warp); TRELLM_ATTN_SPLIT_KEYS (16..4096)
-    // overrides it, for tuning runs.
-    int64_t min_keys = 128;
-    if (const char *env = getenv("TRELLM_ATTN_SPLIT_KEYS")) {
-        const long v = strtol(env, nullptr, 10);
-        if (v >= 16 && v <= 4096) min_keys = v;
-    }
+    // No more splits than the cache's capacity fills with min_split_keys each.
+    const int64_t min_keys = min_split_keys();
     const int64_t max_splits = (capacity + min_keys - 1) / min_keys;
     if (splits > max_splits) splits = max_splits;
     if (splits > 64) splits = 64;
@@ -381,8 +500,7 @@ extern "C" int trellm_paged_attention(const void *q, const void *k_pages, const 
     a.ws_acc = workspace ? workspace + 2 * slots : nullptr;
     a.batch = (int)batch; a.hq = (int)hq; a.hkv = (int)hkv; a.page_size = (int)page_size;
     a.max_blocks = (int)max_blocks; a.sliding_window = sliding_window; a.splits = splits;
-    const int64_t capacity = page_size * max_blocks;
-    a.split_keys = (int)((capacity + splits - 1) / splits);
+    a.min_split_keys = (int)min_split_keys();
     a.scale = scale; a.softcap = softcap;
     a.vec16 = (((uintptr_t)k_pages | (uintptr_t)v_pages) & 15) == 0;  // row offsets are multiples of 64 bytes
     a.counters = splits > 1 ? merge_counters(tokens * hkv * ((hq / hkv + GMAX - 1) / GMAX), stream) : nullptr;

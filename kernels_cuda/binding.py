@@ -236,9 +236,10 @@ def _check_exl3_part(x: torch.Tensor, trellis: torch.Tensor, suh, svh, bias, nam
     return n, K
 
 
-def _aligned(trellis: torch.Tensor) -> torch.Tensor:
-    # The kernel streams 16-byte chunks (cp.async); a fresh allocation is aligned.
-    return trellis.clone() if trellis.data_ptr() % 16 else trellis
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    # The kernel streams trellis chunks with 16-byte copies (cp.async) and reads x and suh 4 elements
+    # at a time; a fresh allocation is aligned.
+    return t.clone() if t.data_ptr() % 16 else t
 
 
 def exl3_matmul_small(
@@ -252,7 +253,7 @@ def exl3_matmul_small(
 ) -> torch.Tensor:
     """y [m, n] = H128(H128(x * suh) @ W_hat) * svh (+ bias) in one launch, for 1..16 rows of x [m, k]."""
     n, K = _check_exl3_part(x, trellis, suh, svh, bias)
-    trellis = _aligned(trellis)
+    trellis, x, suh = _aligned(trellis), _aligned(x), _aligned(suh)
     m, k = x.shape
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     workspace = torch.empty(lib().trellm_exl3_matmul_small_workspace(m, k, n), dtype=torch.float32, device=x.device)
@@ -287,6 +288,8 @@ def exl3_matmul_small_multi(
     if len(set(Ks)) != 1:
         raise KernelArgumentError(f"parts: bits per weight differ ({Ks}); one launch needs one K")
     m, k = x.shape
+    x = _aligned(x)
+    parts = [(trellis, _aligned(suh), svh, bias) for trellis, suh, svh, bias in parts]
     dtype = out_dtype or x.dtype
     ys = [torch.empty(m, n, dtype=dtype, device=x.device) for n in ns]
     total = sum(ns)

@@ -34,6 +34,25 @@ __device__ __forceinline__ float load_as_f32(const void *p, int dtype, size_t i)
     return static_cast<const float *>(p)[i];
 }
 
+// Elements i..i+3 (i a multiple of 4) as float: one 8-byte load for 16-bit dtypes, 16 bytes for f32.
+// The buffer must be aligned to 4 elements (the EXL3 binding checks it).
+__device__ __forceinline__ void load4_as_f32(const void *p, int dtype, size_t i, float (&v)[4]) {
+    if (dtype == TRELLM_F32) {
+        const float4 f = *reinterpret_cast<const float4 *>(static_cast<const float *>(p) + i);
+        v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+        return;
+    }
+    const uint2 raw = *reinterpret_cast<const uint2 *>(static_cast<const uint16_t *>(p) + i);
+    if (dtype == TRELLM_F16) {
+        const float2 a = __half22float2(*reinterpret_cast<const half2 *>(&raw.x));
+        const float2 b = __half22float2(*reinterpret_cast<const half2 *>(&raw.y));
+        v[0] = a.x; v[1] = a.y; v[2] = b.x; v[3] = b.y;
+    } else {
+        v[0] = __uint_as_float(raw.x << 16); v[1] = __uint_as_float(raw.x & 0xFFFF0000u);
+        v[2] = __uint_as_float(raw.y << 16); v[3] = __uint_as_float(raw.y & 0xFFFF0000u);
+    }
+}
+
 __device__ __forceinline__ void store_from_f32(void *p, int dtype, size_t i, float v) {
     if (dtype == TRELLM_F16) static_cast<half *>(p)[i] = __float2half_rn(v);
     else if (dtype == TRELLM_BF16) static_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(v);

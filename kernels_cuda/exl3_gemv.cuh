@@ -143,18 +143,27 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
         if (s < ncols) issue_next(s);
         cp_async_commit();
     }
+    // Phase 0: xs = fp16(H128(x * suh)) for this slice. A warp's jobs are chunk `warp % slice_chunks`
+    // of each row (all of them when the slice is whole), so its suh is loaded once, with the weights.
+    float su[4] = {0.f, 0.f, 0.f, 0.f};
+    if (warp < m * slice_chunks) {
+        const uint2 raw = *reinterpret_cast<const uint2 *>(args.suh + k0 + (warp % slice_chunks) * 128 + lane * 4);
+        const float2 a = __half22float2(*reinterpret_cast<const half2 *>(&raw.x));
+        const float2 b = __half22float2(*reinterpret_cast<const half2 *>(&raw.y));
+        su[0] = a.x; su[1] = a.y; su[2] = b.x; su[3] = b.y;
+    }
     // Only weights were read so far: from here on x, the workspace and y, which the kernel before
     // may still be using (programmatic dependent launch).
     pdl_wait();
 
-    // Phase 0: xs = fp16(H128(x * suh)) for this slice.
     for (int job = warp; job < m * slice_chunks; job += GEMV_WARPS) {
         const int row = job / slice_chunks, chunk = job % slice_chunks;
         const int col = k0 + chunk * 128 + lane * 4;
         float v[4];
+        load4_as_f32(args.x, args.x_dtype, (size_t)row * k + col, v);
+        const bool own_chunk = chunk == warp % slice_chunks;
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-            v[i] = load_as_f32(args.x, args.x_dtype, (size_t)row * k + col + i) * __half2float(args.suh[col + i]);
+        for (int i = 0; i < 4; ++i) v[i] *= own_chunk ? su[i] : __half2float(args.suh[col + i]);
         warp_hadamard_128(v);
         half2 *dst = reinterpret_cast<half2 *>(xs + (size_t)row * SLICE_K + chunk * 128 + lane * 4);
         dst[0] = __floats2half2_rn(v[0], v[1]);
@@ -278,12 +287,14 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
         for (int w = 0; w < GEMV_WARPS; ++w) s += acc_all[w * warp_stride + c * acc_stride + row];
         args.partial[((size_t)slice * m + row) * n + j_begin * 16 + c] = s;
     }
-    __threadfence();
     __syncthreads();
 
-    // Phase 3: the last arrival at a 128-column group finishes it.
+    // Phase 3: the last arrival at a 128-column group finishes it. One thread fences for the block
+    // (the barrier orders the other threads' partial stores before its fence, as in a grid sync):
+    // release before the arrivals, acquire after them, for the partials the last block reads.
     const int g_begin = (j_begin * 16) / 128, g_end = (j_end * 16 + 127) / 128;
     if (threadIdx.x == 0) {
+        __threadfence();
         for (int g = g_begin; g < g_end; ++g) {
             const int old = atomicAdd(args.counters + g, 1);
             // Blocks of any width: every (block, slice) overlapping the group's 8 tiles arrives once.
@@ -292,11 +303,11 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
             if (last) args.counters[g] = 0;
             last_groups[g - g_begin] = last;
         }
+        __threadfence();
     }
     __syncthreads();
     for (int g = g_begin; g < g_end; ++g) {
         if (!last_groups[g - g_begin]) continue;
-        __threadfence();
         for (int row = warp; row < m; row += GEMV_WARPS) {
             const int col = g * 128 + lane * 4;
             float v[4] = {0.f, 0.f, 0.f, 0.f};

@@ -218,7 +218,30 @@ def test_paged_attention_in_kernel_split_merge(ops, sinks, split_keys, monkeypat
         assert rel_err(out, ref(q)) < 2e-3
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("ctx_lens, window", [([600], 0), ([600, 3000, 1], 0), ([5000], 700)])
+def test_paged_attention_splits_follow_the_context(ops, dtype, ctx_lens, window):
+    """A short context in a large cache: the key splits divide each token's actual key range (not the
+    cache's capacity), so most of them are empty; the merge must ignore those and stay exact."""
+    from trellm.kernels_cuda import binding
+
+    torch.manual_seed(5)
+    hq, hkv, d, page_size, capacity = 32, 8, 128, 16, 8192
+    blocks = capacity // page_size
+    batch = len(ctx_lens)
+    k_pages = torch.randn(batch * blocks, page_size, hkv, d, device="cuda", dtype=dtype)
+    v_pages = torch.randn_like(k_pages)
+    table = torch.randperm(batch * blocks, device="cuda").to(torch.int32).view(batch, blocks)
+    cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    lens = torch.tensor(ctx_lens, device="cuda", dtype=torch.int32)
+    assert binding.lib().trellm_paged_attention_splits(batch, hq, hkv, page_size, blocks, 132) > 8
+    q = torch.randn(batch, hq, d, device="cuda", dtype=dtype)
+    out = cuda_impl(ops.paged_attention)(q, k_pages, v_pages, table, cu, lens, d**-0.5, window)
+    ref = ops.paged_attention.reference(q, k_pages, v_pages, table, cu, lens, d**-0.5, window)
+    assert rel_err(out, ref) < {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}[dtype]
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 160, 256])  # 96 and 160 in fp16: V dims not whole words
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_paged_attention_vector_and_scalar_rows(ops, dtype, d):
     """K/V rows read with 16-byte loads (aligned pages) and element by element (pages 2 bytes off)."""
