@@ -18,17 +18,6 @@ pytestmark = [
 TOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5}
 
 
-@pytest.fixture(scope="module")
-def ops():
-    pytest.importorskip("cffi")
-    from trellm import ops as core_ops
-    from trellm.kernels_cuda import binding
-    from trellm.kernels_cuda import ops as cuda_ops  # noqa: F401  (registers the implementations)
-
-    binding.lib()
-    return core_ops
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     assert torch.isfinite(out).all(), "non-finite output"
