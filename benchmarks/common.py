@@ -7,8 +7,8 @@ from typing import Callable
 import torch
 
 
-def time_graph(fn: Callable[[], object], reps: int = 20, warmup: int = 2) -> float:
-    """Median seconds of one replay of a CUDA graph capturing ``fn()`` (launch gaps shrink to the GPU's)."""
+def capture_graph(fn: Callable[[], object], warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``fn()`` (after ``warmup`` eager calls on the capture stream), replayed once."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -20,6 +20,12 @@ def time_graph(fn: Callable[[], object], reps: int = 20, warmup: int = 2) -> flo
     torch.cuda.current_stream().wait_stream(s)
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def time_graph(fn: Callable[[], object], reps: int = 20, warmup: int = 2) -> float:
+    """Median seconds of one replay of a CUDA graph capturing ``fn()`` (launch gaps shrink to the GPU's)."""
+    g = capture_graph(fn, warmup)
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -77,16 +83,7 @@ def kernel_profile(fn: Callable[[], object], reps: int = 10) -> list[tuple[str, 
     """
     from torch.profiler import ProfilerActivity, profile
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g.replay()
-    torch.cuda.synchronize()
+    g = capture_graph(fn, warmup=1)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             g.replay()

@@ -290,6 +290,16 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
         }
         __syncwarp();
         // P.V: lane owns dims lane*DPL .. lane*DPL + DPL - 1; keys past the tile's end have p = 0.
+        auto add_pv = [&](int key, const float (&vv)[DPL]) {
+            const bool live = key < n_keys;
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                if (g >= gn) break;
+                const float p = live ? p_s[warp][g][key] : 0.f;
+#pragma unroll
+                for (int i = 0; i < DPL; ++i) acc[g][i] += p * vv[i];
+            }
+        };
         if (raw_v) {
             if constexpr (VR::RAW)
             for (int jj0 = 0; jj0 < n_keys; jj0 += VR::VPF) {
@@ -298,14 +308,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
                 for (int u = 0; u < VR::VPF; ++u) {
                     float vv[DPL];
                     VR::unpack(vraw[u], vv);
-                    const bool live = jj0 + u < n_keys;
-#pragma unroll
-                    for (int g = 0; g < G; ++g) {
-                        if (g >= gn) break;
-                        const float p = live ? p_s[warp][g][jj0 + u] : 0.f;
-#pragma unroll
-                        for (int i = 0; i < DPL; ++i) acc[g][i] += p * vv[i];
-                    }
+                    add_pv(jj0 + u, vv);
                 }
             }
         } else {  // rows not word-sized or not aligned: 8 keys at a time, element loads
@@ -318,16 +321,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
                     load_lane_dims<T, DPL>(v_pages + (size_t)r * row_stride + (size_t)kvh * D + lane * DPL, vv[u], a.vec16);
                 }
 #pragma unroll
-                for (int u = 0; u < VPF; ++u) {
-                    const bool live = jj0 + u < n_keys;
-#pragma unroll
-                    for (int g = 0; g < G; ++g) {
-                        if (g >= gn) break;
-                        const float p = live ? p_s[warp][g][jj0 + u] : 0.f;
-#pragma unroll
-                        for (int i = 0; i < DPL; ++i) acc[g][i] += p * vv[u][i];
-                    }
-                }
+                for (int u = 0; u < VPF; ++u) add_pv(jj0 + u, vv[u]);
             }
         }
         __syncwarp();
