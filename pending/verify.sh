@@ -1,0 +1,17 @@
+# One device call (about 5 minutes): apply the clustered GEMV epilogue, build, test both epilogues,
+# and measure them against each other in the same session. Run from the repo root on the GPU machine
+# (carry .whl). Land it only if every test passes; keep it the default only where the A/B says so.
+set -x
+git apply pending/gemv-cluster.patch 2>/dev/null || patch -p1 -s < pending/gemv-cluster.patch
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -1
+export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+python3 -m trellm.cli build-kernels --arch sm_90 2>&1 | tail -1
+timeout 150 python3 -m pytest -q -m cuda tests/ -x -p no:cacheprovider 2>&1 | tail -3 | tee $OUT/tests_cluster.txt
+TRELLM_GEMV_CLUSTER=0 timeout 60 python3 -m pytest -q -m cuda tests/test_cuda_ops.py -k exl3 -x -p no:cacheprovider 2>&1 | tail -2 | tee $OUT/tests_global.txt
+for c in 16 0; do
+  TRELLM_GEMV_CLUSTER=$c timeout 45 python3 benchmarks/bench_exl3_matmul.py --ks 4 2 --ms 1 8 16 2>&1 | tee $OUT/mm_cluster$c.txt
+  TRELLM_GEMV_CLUSTER=$c timeout 60 python3 benchmarks/bench_decode.py --bits 4 --prompt 16 --profile 2>&1 | tee $OUT/decode_cluster$c.txt
+done
+# which launches clustered (LaunchStats: Cluster Size), for the 4 GEMV shapes of the decode step
+timeout 60 ncu --clock-control none -k regex:exl3_matmul_small -c 6 --section LaunchStats python3 .scratch/one_gemv.py 2>&1 | grep -E "exl3_matmul_small|Cluster Size|Grid Size" | tee $OUT/ncu_cluster.txt
