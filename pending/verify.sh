@@ -8,7 +8,7 @@ export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
 python3 -m trellm.cli build-kernels --arch sm_90 2>&1 | tail -1
 timeout 150 python3 -m pytest -q -m cuda tests/ -x -p no:cacheprovider 2>&1 | tail -3 | tee $OUT/tests_cluster.txt
-TRELLM_GEMV_CLUSTER=0 timeout 60 python3 -m pytest -q -m cuda tests/test_cuda_ops.py -k exl3 -x -p no:cacheprovider 2>&1 | tail -2 | tee $OUT/tests_global.txt
+TRELLM_GEMV_CLUSTER=0 TRELLM_GEMV_SHARED_ACC=0 timeout 60 python3 -m pytest -q -m cuda tests/test_cuda_ops.py -k exl3 -x -p no:cacheprovider 2>&1 | tail -2 | tee $OUT/tests_baseline.txt
 for c in 16 0; do
   TRELLM_GEMV_CLUSTER=$c timeout 45 python3 benchmarks/bench_exl3_matmul.py --ks 4 2 --ms 1 8 16 2>&1 | tee $OUT/mm_cluster$c.txt
   TRELLM_GEMV_CLUSTER=$c timeout 60 python3 benchmarks/bench_decode.py --bits 4 --prompt 16 --profile 2>&1 | tee $OUT/decode_cluster$c.txt
