@@ -13,5 +13,6 @@ for c in 16 0; do
   TRELLM_GEMV_CLUSTER=$c timeout 45 python3 benchmarks/bench_exl3_matmul.py --ks 4 2 --ms 1 8 16 2>&1 | tee $OUT/mm_cluster$c.txt
   TRELLM_GEMV_CLUSTER=$c timeout 60 python3 benchmarks/bench_decode.py --bits 4 --prompt 16 --profile 2>&1 | tee $OUT/decode_cluster$c.txt
 done
+TRELLM_GEMV_SHARED_ACC=0 timeout 45 python3 benchmarks/bench_exl3_matmul.py --ks 4 --ms 16 2>&1 | tee $OUT/mm_m16_per_warp_acc.txt
 # whether the 4096->14336 GEMV launched clustered (LaunchStats: Cluster Size, Grid Size)
 timeout 60 ncu --clock-control none -k regex:exl3_matmul_small -c 6 --section LaunchStats python3 pending/one_gemv.py 2>&1 | grep -E "exl3_matmul_small|Cluster Size|Grid Size" | tee $OUT/ncu_cluster.txt
