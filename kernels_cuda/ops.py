@@ -75,6 +75,20 @@ def exl3_matmul(
     return y.reshape(*lead, n)
 
 
+@_exl3.exl3_matmul_gated.register("cuda")
+def exl3_matmul_gated(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    codebook: str,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return exl3_matmul(gated_activation(gate, up, activation), trellis, suh, svh, codebook, bias)
+
+
 @_exl3.exl3_matmul_group.register("cuda")
 def exl3_matmul_group(x: torch.Tensor, parts, codebook: str) -> list[torch.Tensor]:
     k = x.shape[-1]

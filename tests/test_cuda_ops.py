@@ -163,6 +163,22 @@ def test_exl3_matmul_rows_and_dtypes(ops, m, dtype):
     assert rel_err(y, ref) < tol
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "relu"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_exl3_matmul_gated(ops, activation, dtype):
+    # The down projection of act(gate) * up: 1..16 rows take the GEMV (where it may apply the activation
+    # in its input transform), more rows the decode + cuBLAS path.
+    k, n, K = 4096, 1024, 4
+    trellis, suh, svh, bias = _random_layer(k, n, K)
+    for m in (1, 5, 16, 40):
+        gate = torch.randn(m, k, device="cuda", dtype=dtype)
+        up = torch.randn(m, k, device="cuda", dtype=dtype)
+        y = cuda_impl(ops.exl3.exl3_matmul_gated)(gate, up, activation, trellis, suh, svh, "mcg", bias)
+        ref = ops.exl3.exl3_matmul_gated.reference(gate.float(), up.float(), activation, trellis, suh, svh, "mcg", bias)
+        assert y.dtype == dtype and y.shape == (m, n)
+        assert rel_err(y, ref) < (1e-2 if dtype == torch.bfloat16 else 3e-3), (m, activation)
+
+
 @pytest.mark.parametrize("codebook", CODEBOOKS)
 @pytest.mark.parametrize("K", [2, 4, 8])
 @pytest.mark.parametrize("m", [1, 5, 16])

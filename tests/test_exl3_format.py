@@ -166,3 +166,53 @@ def test_forward_group_matches_separate_forwards():
     assert not mixed[0].impl.groups_with(mixed[1].impl) and not mixed[0].impl.groups_with(mixed[2].impl)
     for got, lin in zip(forward_group(mixed, x), mixed):
         torch.testing.assert_close(got, lin(x), rtol=0, atol=0)
+
+
+def test_forward_gated_matches_activation_then_forward():
+    # A gated MLP's down projection: forward_gated (one exl3_matmul_gated call, fusable on CUDA) gives
+    # down(gated_activation(gate, up)), padding of the stored k and trimming of n included (to float
+    # rounding: torch's vectorised and scalar activation loops differ in the last ulp); a dense layer
+    # takes the plain path.
+    from trellm import ops
+    from trellm.modules.linear import DenseLinear, Linear, forward_gated
+
+    gen = torch.Generator().manual_seed(6)
+    k, n, in_features, out_features = 256, 256, 200, 100
+    t = torch.randint(-32768, 32767, (k // 16, n // 16, 16 * 4), dtype=torch.int16, generator=gen)
+    down = Linear("down", in_features, out_features)
+    down.impl = EXL3Linear(t, (torch.randn(k, generator=gen) * 0.1).half(), (torch.rand(n, generator=gen) + 0.5).half(),
+                           "mcg", in_features, out_features, bias=torch.randn(out_features, generator=gen).half())
+    gate, up = torch.randn(2, 3, in_features, generator=gen), torch.randn(2, 3, in_features, generator=gen)
+    for act in ("silu", "gelu_tanh", "relu"):
+        got = forward_gated(down, gate, up, act)
+        assert got.shape == (2, 3, out_features)
+        torch.testing.assert_close(got, down(ops.gated_activation(gate, up, act)), rtol=1e-5, atol=1e-5)
+    dense = Linear("dense", in_features, out_features)
+    dense.impl = DenseLinear(torch.randn(out_features, in_features, generator=gen), None)
+    torch.testing.assert_close(forward_gated(dense, gate, up, "silu"), dense(ops.gated_activation(gate, up, "silu")))
+
+
+def test_gated_mlp_routes_the_down_projection_through_forward_gated(monkeypatch):
+    from trellm.modules import layers
+
+    calls = []
+    real = layers.forward_gated
+
+    def spy(linear, gate, up, activation):
+        calls.append(activation)
+        return real(linear, gate, up, activation)
+
+    monkeypatch.setattr(layers, "forward_gated", spy)
+    mlp = layers.GatedMLP("mlp", 64, 128, activation="gelu_tanh")
+    gen = torch.Generator().manual_seed(7)
+    for lin, (i, o) in ((mlp.gate_proj, (64, 128)), (mlp.up_proj, (64, 128)), (mlp.down_proj, (128, 64))):
+        from trellm.modules.linear import DenseLinear
+
+        lin.impl = DenseLinear(torch.randn(o, i, generator=gen) * 0.1, None)
+    x = torch.randn(5, 64, generator=gen)
+    y = mlp.forward(x)
+    from trellm import ops
+
+    want = mlp.down_proj(ops.gated_activation(mlp.gate_proj(x), mlp.up_proj(x), "gelu_tanh"))
+    torch.testing.assert_close(y, want)
+    assert calls == ["gelu_tanh"]

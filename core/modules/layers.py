@@ -14,7 +14,7 @@ from ..errors import WeightError
 from ..ops.attention import rotary_qk, rotary_qk_write_kv
 from ..ops.dense import activation_fn, xielu
 from .base import LoadContext, Module
-from .linear import DenseLinear, Linear, forward_group
+from .linear import DenseLinear, Linear, forward_gated, forward_group
 
 
 class Embedding(Module):
@@ -391,7 +391,7 @@ class GatedMLP(Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         gate, up = forward_group((self.gate_proj, self.up_proj), x)
-        return self.down_proj(ops.gated_activation(gate, up, self.activation))
+        return forward_gated(self.down_proj, gate, up, self.activation)
 
 
 class MLP(Module):

@@ -88,3 +88,17 @@ def forward_group(linears: Sequence[Linear], x: torch.Tensor) -> list[torch.Tens
     if plain and len(impls) > 1 and hasattr(first, "forward_group") and all(first.groups_with(i) for i in impls[1:]):
         return first.forward_group(impls, x)
     return [lin(x) for lin in linears]
+
+
+def forward_gated(linear: Linear, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``linear(gated_activation(gate, up, activation))``, a gated MLP's down projection.
+
+    When the implementation can take gate and up itself (``forward_gated``, e.g. EXL3: the CUDA GEMV
+    applies the activation in its input transform), it does; otherwise the activation runs first.
+    """
+    from .. import ops
+
+    impl = getattr(linear, "impl", None)
+    if isinstance(linear, Linear) and type(linear).forward is Linear.forward and hasattr(impl, "forward_gated"):
+        return impl.forward_gated(gate, up, activation)
+    return linear(ops.gated_activation(gate, up, activation))

@@ -238,6 +238,28 @@ def exl3_matmul_group(
     return [exl3_matmul.reference(x, trellis, suh, svh, codebook, bias) for trellis, suh, svh, bias in parts]
 
 
+@op
+def exl3_matmul_gated(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    codebook: str,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``exl3_matmul(gated_activation(gate, up, activation), ...)``: a gated MLP's down projection.
+
+    A backend may apply the activation in the matmul's input transform: one launch, and the
+    activation's output never goes through memory.
+    """
+    from .dense import gated_activation
+
+    x = gated_activation.reference(gate, up, activation)
+    return exl3_matmul.reference(x, trellis, suh, svh, codebook, bias)
+
+
 # ---------------------------------------------------------------------------------------------
 # Viterbi tile encoder
 

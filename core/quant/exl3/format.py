@@ -14,7 +14,14 @@ import torch
 
 from ...errors import WeightError
 
-from ...ops.exl3 import CODEBOOK_MULTIPLIERS, exl3_decode_tiles, exl3_matmul, exl3_matmul_group, hadamard_128
+from ...ops.exl3 import (
+    CODEBOOK_MULTIPLIERS,
+    exl3_decode_tiles,
+    exl3_matmul,
+    exl3_matmul_gated,
+    exl3_matmul_group,
+    hadamard_128,
+)
 from ...weights import WeightStore
 from .quantize import QuantizedTensors, quantize_group
 
@@ -97,6 +104,12 @@ class EXL3Linear:
         return self._rows_out(y, x.shape[:-1])
 
     __call__ = forward
+
+    def forward_gated(self, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+        """This layer applied to ``act(gate) * up`` through ``exl3_matmul_gated`` (one launch on CUDA)."""
+        y = exl3_matmul_gated(self._rows_in(gate), self._rows_in(up), activation, self.trellis, self.suh, self.svh,
+                              self.codebook, self.bias)
+        return self._rows_out(y, gate.shape[:-1])
 
     def groups_with(self, other: object) -> bool:
         """Whether ``forward_group`` can run this and ``other`` on one x together (same K, codebook, k)."""
