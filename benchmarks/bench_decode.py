@@ -71,7 +71,8 @@ class Model:
         return total
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, ctx: torch.Tensor, group: bool = True):
-        """One step; ``group``: q/k/v and gate/up each in one ``exl3_matmul_group`` launch (as the model does)."""
+        """One step; ``group``: q/k/v and gate/up each in one ``exl3_matmul_group`` launch and the down
+        projection as ``exl3_matmul_gated`` (as the model does); otherwise one launch per op."""
         from trellm import ops
         from trellm.ops import exl3
         from trellm.ops.attention import rotary_qk_write_kv
@@ -98,9 +99,10 @@ class Model:
             x, residual = ops.add_rms_norm(h, residual, L["norm2"], 1e-5)
             if group:
                 g, u = exl3.exl3_matmul_group(x, [(*L[p], None) for p in ("gate", "up")], "mcg")
+                h = exl3.exl3_matmul_gated(g, u, "silu", *L["down"], "mcg")
             else:
                 g, u = mm(x, *L["gate"], "mcg"), mm(x, *L["up"], "mcg")
-            h = mm(ops.gated_activation(g, u, "silu"), *L["down"], "mcg")
+                h = mm(ops.gated_activation(g, u, "silu"), *L["down"], "mcg")
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, 1e-5)
         return mm(x[-1:], *self.head, "mcg")
 
