@@ -1,4 +1,4 @@
-"""CPU model of the clustered GEMV epilogue (pending/gemv-cluster.patch): the launcher's choice of run
+"""CPU model of the clustered GEMV epilogue (pending/gpu-pending.patch): the launcher's choice of run
 width and cluster shape, and the epilogue's index math. For each case it checks that every output
 column of every part is written exactly once and that every distributed-shared-memory read stays
 inside the cluster and inside the source block's run. Mirrors launch_matmul_mt / the kernel by hand.
