@@ -1,6 +1,8 @@
-# One device call (about 5 minutes): apply the clustered GEMV epilogue, build, test both epilogues,
-# and measure them against each other in the same session. Run from the repo root on the GPU machine
-# (carry .whl). Land it only if every test passes; keep it the default only where the A/B says so.
+# One device call (about 5 minutes): apply pending/gpu-pending.patch (clustered GEMV epilogue, shared
+# accumulator above 8 rows, fused gated GEMV, attention splits in whole waves), build, run every cuda
+# test with the new paths and the exl3 tests with the old ones, and measure each change against its
+# knob-off baseline in the same session. Run from the repo root on the GPU machine (carry .whl). Land
+# only what passes; keep a path the default only where its A/B says so.
 set -x
 git apply pending/gpu-pending.patch 2>/dev/null || patch -p1 -s < pending/gpu-pending.patch
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -1
