@@ -6,7 +6,10 @@ limit is weight bytes / the copy bandwidth measured in the same run; bf16 is tor
 weights of the same shape (also rotated past the L2). ``path``: "fused" is the one-launch small-batch
 kernel (M <= 32), "cublas" decodes W_hat to fp16 and multiplies with cuBLAS.
 
-    python benchmarks/bench_exl3_matmul.py [--quick] [--csv out.csv]
+    python benchmarks/bench_exl3_matmul.py [--quick] [--csv out.csv] [--plot out.png]
+
+``--plot`` (needs matplotlib) draws, per shape, the speed-up over bf16 and the % of copy bandwidth
+against the number of rows, one line per K.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ def main() -> int:
     ap.add_argument("--ks", type=int, nargs="*")
     ap.add_argument("--ms", type=int, nargs="*")
     ap.add_argument("--csv", type=Path)
+    ap.add_argument("--plot", type=Path, help="save speed-up and %% of copy bandwidth vs rows here (needs matplotlib)")
     args = ap.parse_args()
 
     from trellm.kernels_cuda import ops as cuda_ops
@@ -103,7 +107,47 @@ def main() -> int:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
+    if args.plot:
+        plot_rows(rows, args.plot, f"{dev}, codebook {args.codebook}")
     return 0
+
+
+def plot_rows(rows: list[dict], path: Path, title: str = "") -> bool:
+    """Speed-up over bf16 (top) and % of copy bandwidth (bottom) vs rows M, one column of panels per
+    shape, one line per K. Returns False (and says so) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return False
+    shapes = list(dict.fromkeys((r["k"], r["n"]) for r in rows))
+    bits = sorted({r["K"] for r in rows})
+    fig, axes = plt.subplots(2, len(shapes), figsize=(3.6 * len(shapes), 6), sharex=True, squeeze=False)
+    for col, (k, n) in enumerate(shapes):
+        for K in bits:
+            pts = sorted((r["M"], r["speedup"], r["pct"]) for r in rows if (r["k"], r["n"], r["K"]) == (k, n, K))
+            if not pts:
+                continue
+            ms = [p[0] for p in pts]
+            axes[0][col].plot(ms, [p[1] for p in pts], "o-", ms=3, label=f"{K} bpw")
+            axes[1][col].plot(ms, [p[2] for p in pts], "o-", ms=3, label=f"{K} bpw")
+        axes[0][col].axhline(1.0, color="gray", lw=0.8, ls="--")
+        axes[0][col].set_title(f"{k} -> {n}")
+        axes[1][col].set_xscale("log", base=2)
+        axes[1][col].set_xlabel("rows M")
+    axes[0][0].set_ylabel("speed-up over bf16 F.linear")
+    axes[1][0].set_ylabel("% of copy bandwidth")
+    axes[0][-1].legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot saved to {path}")
+    return True
 
 
 if __name__ == "__main__":

@@ -1,0 +1,38 @@
+"""The benchmark plots draw from their rows on any machine (the GPU only produces the numbers)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):
+    import sys
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_exl3_matmul_plot_has_a_panel_per_shape_and_a_line_per_bitrate(tmp_path):
+    pytest.importorskip("matplotlib")
+    bench = _load("bench_exl3_matmul")
+    rows = [
+        dict(k=k, n=n, K=K, M=m, speedup=1.5 / m ** 0.3 * K / 4, pct=40.0 / m ** 0.2)
+        for k, n in ((4096, 4096), (4096, 14336)) for K in (2, 4) for m in (1, 4, 16, 64)
+    ]
+    out = tmp_path / "mm.png"
+    assert bench.plot_rows(rows, out, "test")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    h, w = matplotlib.image.imread(out).shape[:2]
+    assert w > h  # two shapes side by side, two rows of panels
