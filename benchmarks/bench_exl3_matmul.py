@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copies_for, copy_bandwidth, l2_bytes, time_graph  # noqa: E402
+from common import copies_for, copy_bandwidth, l2_bytes, pyplot, time_graph  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]
 KS = [2, 3, 4, 5, 6, 8]
@@ -115,13 +115,8 @@ def main() -> int:
 def plot_rows(rows: list[dict], path: Path, title: str = "") -> bool:
     """Speed-up over bf16 (top) and % of copy bandwidth (bottom) vs rows M, one column of panels per
     shape, one line per K. Returns False (and says so) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return False
     shapes = list(dict.fromkeys((r["k"], r["n"]) for r in rows))
     bits = sorted({r["K"] for r in rows})

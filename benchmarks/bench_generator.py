@@ -175,13 +175,10 @@ def main() -> None:
         print(f"{n:5d} {row['wall_s']:8.2f} {row['tok_s']:8.2f} {row['decode_tok_s']:13.2f} {row['step_ms']:8.3f} "
               f"{row['ttft_s']:8.2f}  {row['decode_path']}", flush=True)
     if args.plot:
-        try:
-            import matplotlib
+        from common import pyplot  # benchmarks/common.py, next to this script
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("matplotlib is not installed: no plot")
+        plt = pyplot()
+        if plt is None:
             return
         fig, ax = plt.subplots(figsize=(5, 3.5))
         ax.plot([r["jobs"] for r in rows], [r["tok_s"] for r in rows], "o-", label="overall")

@@ -105,10 +105,8 @@ def short_kernel_name(name: str) -> str:
     """``void ns::kernel<4, 1, ...>(Args)`` -> ``kernel<4, 1, ...>``: template arguments kept, they tell K/MT apart."""
     name = name.replace("(anonymous namespace)::", "")
     name = name[5:] if name.startswith("void ") else name
-    name = name.split("(")[0]
-    base = name.split("<")[0].split("::")[-1]
-    targs = name[len(name.split("<")[0]):]
-    return base + targs[:40]
+    head, bracket, targs = name.split("(")[0].partition("<")
+    return head.split("::")[-1] + (bracket + targs)[:40]
 
 
 def print_kernel_profile(rows: list[tuple[str, int, float]], step_s: float) -> None:
@@ -118,3 +116,16 @@ def print_kernel_profile(rows: list[tuple[str, int, float]], step_s: float) -> N
     for name, n, us in rows:
         print(f"  {name:<58} {n:>8} {us:>9.1f} {100 * us / (step_s * 1e6):>8.1f}%")
     print(f"  {'sum of kernel times':<58} {sum(n for _, n, _ in rows):>8} {total:>9.1f} {100 * total / (step_s * 1e6):>8.1f}%")
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend, or None (and says so) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return None
+    return plt

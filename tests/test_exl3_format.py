@@ -193,7 +193,9 @@ def test_forward_gated_matches_activation_then_forward():
 
 
 def test_gated_mlp_routes_the_down_projection_through_forward_gated(monkeypatch):
+    from trellm import ops
     from trellm.modules import layers
+    from trellm.modules.linear import DenseLinear
 
     calls = []
     real = layers.forward_gated
@@ -206,13 +208,9 @@ def test_gated_mlp_routes_the_down_projection_through_forward_gated(monkeypatch)
     mlp = layers.GatedMLP("mlp", 64, 128, activation="gelu_tanh")
     gen = torch.Generator().manual_seed(7)
     for lin, (i, o) in ((mlp.gate_proj, (64, 128)), (mlp.up_proj, (64, 128)), (mlp.down_proj, (128, 64))):
-        from trellm.modules.linear import DenseLinear
-
         lin.impl = DenseLinear(torch.randn(o, i, generator=gen) * 0.1, None)
     x = torch.randn(5, 64, generator=gen)
     y = mlp.forward(x)
-    from trellm import ops
-
     want = mlp.down_proj(ops.gated_activation(mlp.gate_proj(x), mlp.up_proj(x), "gelu_tanh"))
     torch.testing.assert_close(y, want)
     assert calls == ["gelu_tanh"]
