@@ -16,6 +16,7 @@
 
 #include "common.cuh"
 
+#include <cooperative_groups.h>
 #include <stdlib.h>
 
 namespace trellm {
@@ -72,6 +73,7 @@ struct MatmulParts {
     MatmulArgs part[GEMV_MAX_PARTS];
     int block_begin[GEMV_MAX_PARTS + 1];
     int count;
+    int cluster;  // > 1: the launch clusters the k-slices of each column run (sm_90), see the epilogue
 };
 
 // Trellis words in flight per warp: STAGES columns of KT tiles each, in shared memory (cp.async),
@@ -277,9 +279,50 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
     cp_async_wait<0>();
     __syncthreads();
 
-    // Phase 2: sum the warps, store this slice's partial sums (valid rows only), coalesced along n.
     const int cols = (j_end - j_begin) * 16;
     const size_t warp_stride = (size_t)cols_per_block * 16 * acc_stride;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (parts.cluster > 1) {
+        // Clustered epilogue: the blocks of one column run and all its k-slices form a cluster. Each
+        // sums its warps into `red` in its own shared memory; after a cluster barrier, each 128-column
+        // group (the runs are whole groups) is finished by one warp of the cluster, which adds the
+        // slices' sums over distributed shared memory, applies H128 * svh (+ bias) and stores y. No
+        // global partials, fence or arrival counters.
+        float *red = acc_all + (size_t)GEMV_WARPS * warp_stride;  // [m][cols_per_block * 16]
+        const int red_stride = cols_per_block * 16;
+        for (int idx = threadIdx.x; idx < m * cols; idx += blockDim.x) {
+            const int row = idx / cols, c = idx % cols;
+            float s = 0.f;
+#pragma unroll
+            for (int w = 0; w < GEMV_WARPS; ++w) s += acc_all[w * warp_stride + c * acc_stride + row];
+            red[row * red_stride + c] = s;
+        }
+        cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+        cluster.sync();
+        const int rank = (int)cluster.block_rank(), ranks = (int)cluster.num_blocks();
+        for (int job = rank * GEMV_WARPS + warp; job < (cols / 128) * m; job += ranks * GEMV_WARPS) {
+            const int g = job / m, row = job % m;
+            const int c = g * 128 + lane * 4;
+            float v[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int r2 = 0; r2 < ranks; ++r2) {
+                const float4 p = *reinterpret_cast<const float4 *>(cluster.map_shared_rank(red, r2) + row * red_stride + c);
+                v[0] += p.x; v[1] += p.y; v[2] += p.z; v[3] += p.w;
+            }
+            warp_hadamard_128(v);
+            const int col = j_begin * 16 + c;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float o = v[i] * __half2float(args.svh[col + i]);
+                if (args.bias) o += __half2float(args.bias[col + i]);
+                store_from_f32(args.y, args.y_dtype, (size_t)row * n + col + i, o);
+            }
+        }
+        cluster.sync();  // every block's `red` stays readable until the cluster is done with it
+        return;
+    }
+#endif
+
+    // Phase 2: sum the warps, store this slice's partial sums (valid rows only), coalesced along n.
     for (int idx = threadIdx.x; idx < m * cols; idx += blockDim.x) {
         const int row = idx / cols, c = idx % cols;
         float s = 0.f;
@@ -379,6 +422,54 @@ inline int gemv_slices(int k, int m) {
     return (k / 16 + slice - 1) / slice;
 }
 
+// Whether the GEMV may cluster its k-slices (sm_90+, 2..8 slices): TRELLM_GEMV_CLUSTER=0 switches it
+// off (read once; the A/B baseline), and a refused cluster launch switches it off for the process.
+inline int &gemv_cluster_state() {
+    static int state = -1;  // -1: not decided yet
+    return state;
+}
+inline bool gemv_cluster_enabled() {
+    int &state = gemv_cluster_state();
+    if (state < 0) {
+        const char *e = getenv("TRELLM_GEMV_CLUSTER");
+        int dev = 0, major = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+            cudaGetLastError();
+            major = 0;
+        }
+        state = major >= 9 && !(e && e[0] == '0') ? 1 : 0;
+    }
+    return state == 1;
+}
+
+// kernel<<<grid, block, smem, stream>>>(parts) with clusters of (1, cluster_y, 1) blocks, and as a
+// programmatic dependent launch where enabled.
+template <typename Kernel>
+cudaError_t launch_clustered(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int cluster_y,
+                             const MatmulParts &parts) {
+    cudaLaunchAttribute attr[2];
+    int count = 0;
+    attr[count].id = cudaLaunchAttributeClusterDimension;
+    attr[count].val.clusterDim.x = 1;
+    attr[count].val.clusterDim.y = (unsigned)cluster_y;
+    attr[count].val.clusterDim.z = 1;
+    ++count;
+    if (trellm::pdl_enabled()) {
+        attr[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[count].val.programmaticStreamSerializationAllowed = 1;
+        ++count;
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = count;
+    return cudaLaunchKernelEx(&cfg, kernel, parts);
+}
+
 template <int K, int CB, int MT, int KT>
 int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     const MatmulArgs &first = parts.part[0];
@@ -427,8 +518,17 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     // loads overlap its decoding.
     const int resident = (num_sms > 0 ? num_sms : 132) * blocks_per_sm;
     // Any width works (a 128-column group may be shared by several blocks); at most 120 tiles, so a
-    // block touches at most 16 groups (last_groups).
-    const int cols = max(1, min(min(max_cols, 120), (tiles_n * slices + resident - 1) / resident));
+    // block touches at most 16 groups (last_groups). Clustered, the runs are whole 128-column groups
+    // (8 tiles), and each block also holds its slice's sums (`red`, m floats per column).
+    const size_t red_per_col = (size_t)first.m * 16 * sizeof(float);
+    const bool cluster = slices >= 2 && slices <= 8 && gemv_cluster_enabled() &&
+                         budget >= xs_bytes + 8 * (acc_per_col + red_per_col);
+    int cols = max(1, min(min(max_cols, 120), (tiles_n * slices + resident - 1) / resident));
+    if (cluster) {
+        const int fit = (int)((budget - xs_bytes) / (acc_per_col + red_per_col)) / 8 * 8;
+        cols = min(min(fit, 120), (cols + 7) / 8 * 8);
+    }
+    parts.cluster = cluster ? slices : 0;
     int blocks_x = 0;
     for (int p = 0; p < parts.count; ++p) {
         MatmulArgs &a = parts.part[p];
@@ -438,6 +538,15 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     }
     parts.block_begin[parts.count] = blocks_x;
     dim3 grid(blocks_x, slices);
+    if (cluster) {
+        const size_t smem = xs_bytes + (size_t)cols * (acc_per_col + red_per_col);
+        if (launch_clustered(kernel, grid, dim3(GEMV_WARPS * 32), smem, stream, slices, parts) == cudaSuccess)
+            return TRELLM_OK;
+        // Refused (no cluster support in this context): clear the error, use the global epilogue from now on.
+        cudaGetLastError();
+        gemv_cluster_state() = 0;
+        return launch_matmul_mt<K, CB, MT, KT>(parts, num_sms, stream);
+    }
     const size_t smem = xs_bytes + (size_t)cols * acc_per_col;
     const cudaError_t err = launch_pdl(kernel, grid, dim3(GEMV_WARPS * 32), smem, stream, parts);
     return err == cudaSuccess ? TRELLM_OK : (int)err;

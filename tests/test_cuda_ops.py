@@ -150,6 +150,20 @@ def test_exl3_matmul_gemv_all_k(ops, K, codebook):
         assert rel_err(y, ref) < 3e-3, (m, K, codebook)
 
 
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+@pytest.mark.parametrize("K", range(1, 9))
+def test_exl3_matmul_gemv_sliced_k_all_k(ops, K, codebook):
+    # k = 2048: two or four k-slices, whose sums meet in the epilogue (on sm_90 a cluster of the
+    # slices adds them over distributed shared memory; elsewhere global partials and arrival counters).
+    k, n = 2048, 384
+    trellis, suh, svh, bias = _random_layer(k, n, K)
+    for m in (1, 5, 16):
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        y = cuda_impl(ops.exl3.exl3_matmul)(x, trellis, suh, svh, codebook, bias)
+        ref = ops.exl3.exl3_matmul.reference(x.float(), trellis, suh, svh, codebook, bias)
+        assert rel_err(y, ref) < 3e-3, (m, K, codebook)
+
+
 @pytest.mark.parametrize("m", [1, 2, 7, 9, 16, 17, 32, 33, 100])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_exl3_matmul_rows_and_dtypes(ops, m, dtype):
