@@ -422,25 +422,26 @@ inline int gemv_slices(int k, int m) {
     return (k / 16 + slice - 1) / slice;
 }
 
-// Whether the GEMV may cluster its k-slices (sm_90+, 2..8 slices): TRELLM_GEMV_CLUSTER=0 switches it
-// off (read once; the A/B baseline), and a refused cluster launch switches it off for the process.
+// The most k-slices the GEMV clusters (sm_90+; 0: never): TRELLM_GEMV_CLUSTER=N (read once; 0 is the
+// A/B baseline), default 16, the largest (non-portable) cluster; a refused cluster launch sets 0.
 inline int &gemv_cluster_state() {
     static int state = -1;  // -1: not decided yet
     return state;
 }
-inline bool gemv_cluster_enabled() {
+inline int gemv_cluster_max() {
     int &state = gemv_cluster_state();
     if (state < 0) {
-        const char *e = getenv("TRELLM_GEMV_CLUSTER");
         int dev = 0, major = 0;
         if (cudaGetDevice(&dev) != cudaSuccess ||
             cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
             cudaGetLastError();
             major = 0;
         }
-        state = major >= 9 && !(e && e[0] == '0') ? 1 : 0;
+        state = 16;
+        if (const char *e = getenv("TRELLM_GEMV_CLUSTER")) state = max(0, min(16, atoi(e)));
+        if (major < 9) state = 0;
     }
-    return state == 1;
+    return state;
 }
 
 // kernel<<<grid, block, smem, stream>>>(parts) with clusters of (1, cluster_y, 1) blocks, and as a
@@ -521,7 +522,12 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     // block touches at most 16 groups (last_groups). Clustered, the runs are whole 128-column groups
     // (8 tiles), and each block also holds its slice's sums (`red`, m floats per column).
     const size_t red_per_col = (size_t)first.m * 16 * sizeof(float);
-    const bool cluster = slices >= 2 && slices <= 8 && gemv_cluster_enabled() &&
+    static int cluster_limit = -1;  // per instantiation: 16 once the kernel may use non-portable clusters
+    if (cluster_limit < 0) {
+        cluster_limit = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess ? 16 : 8;
+        cudaGetLastError();
+    }
+    const bool cluster = slices >= 2 && slices <= min(gemv_cluster_max(), cluster_limit) &&
                          budget >= xs_bytes + 8 * (acc_per_col + red_per_col);
     int cols = max(1, min(min(max_cols, 120), (tiles_n * slices + resident - 1) / resident));
     if (cluster) {
