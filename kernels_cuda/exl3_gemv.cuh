@@ -73,7 +73,9 @@ struct MatmulParts {
     MatmulArgs part[GEMV_MAX_PARTS];
     int block_begin[GEMV_MAX_PARTS + 1];
     int count;
-    int cluster;  // > 1: the launch clusters the k-slices of each column run (sm_90), see the epilogue
+    // Clustered epilogue (sm_90; cluster_x * cluster_y > 1): clusters of cluster_x neighbouring column
+    // runs (together whole 128-column groups) by cluster_y = all k-slices. 0 / 0: global partials.
+    int cluster_x, cluster_y;
 };
 
 // Trellis words in flight per warp: STAGES columns of KT tiles each, in shared memory (cp.async),
@@ -282,12 +284,12 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
     const int cols = (j_end - j_begin) * 16;
     const size_t warp_stride = (size_t)cols_per_block * 16 * acc_stride;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (parts.cluster > 1) {
-        // Clustered epilogue: the blocks of one column run and all its k-slices form a cluster. Each
-        // sums its warps into `red` in its own shared memory; after a cluster barrier, each 128-column
-        // group (the runs are whole groups) is finished by one warp of the cluster, which adds the
-        // slices' sums over distributed shared memory, applies H128 * svh (+ bias) and stores y. No
-        // global partials, fence or arrival counters.
+    if (parts.cluster_x * parts.cluster_y > 1) {
+        // Clustered epilogue: a cluster holds cluster_x neighbouring column runs (whole 128-column
+        // groups together) and all their k-slices. Each block sums its warps into `red` in its own
+        // shared memory; after a cluster barrier, each group is finished by one warp of the cluster,
+        // which adds the slices' sums over distributed shared memory, applies H128 * svh (+ bias) and
+        // stores y. No global partials, fence or arrival counters.
         float *red = acc_all + (size_t)GEMV_WARPS * warp_stride;  // [m][cols_per_block * 16]
         const int red_stride = cols_per_block * 16;
         for (int idx = threadIdx.x; idx < m * cols; idx += blockDim.x) {
@@ -299,17 +301,22 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
         }
         cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
         cluster.sync();
-        const int rank = (int)cluster.block_rank(), ranks = (int)cluster.num_blocks();
-        for (int job = rank * GEMV_WARPS + warp; job < (cols / 128) * m; job += ranks * GEMV_WARPS) {
+        // Rank of the block at (x, y) in the cluster is x + y * cluster_x (x fastest).
+        const int cx = parts.cluster_x, ranks = cx * parts.cluster_y, rank = (int)cluster.block_rank();
+        const int span_tile = (block_x - block_x % cx) * cols_per_block;  // the cluster's first column tile
+        const int span_cols = min(cx * cols_per_block, tiles_n - span_tile) * 16;
+        for (int job = rank * GEMV_WARPS + warp; job < (span_cols / 128) * m; job += ranks * GEMV_WARPS) {
             const int g = job / m, row = job % m;
-            const int c = g * 128 + lane * 4;
+            const int c = g * 128 + lane * 4;  // column within the span
+            const int bx = c / red_stride, lc = c % red_stride;
             float v[4] = {0.f, 0.f, 0.f, 0.f};
-            for (int r2 = 0; r2 < ranks; ++r2) {
-                const float4 p = *reinterpret_cast<const float4 *>(cluster.map_shared_rank(red, r2) + row * red_stride + c);
+            for (int y = 0; y < parts.cluster_y; ++y) {
+                const float *src = cluster.map_shared_rank(red, bx + y * cx) + row * red_stride + lc;
+                const float4 p = *reinterpret_cast<const float4 *>(src);
                 v[0] += p.x; v[1] += p.y; v[2] += p.z; v[3] += p.w;
             }
             warp_hadamard_128(v);
-            const int col = j_begin * 16 + c;
+            const int col = span_tile * 16 + c;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 float o = v[i] * __half2float(args.svh[col + i]);
@@ -444,15 +451,15 @@ inline int gemv_cluster_max() {
     return state;
 }
 
-// kernel<<<grid, block, smem, stream>>>(parts) with clusters of (1, cluster_y, 1) blocks, and as a
+// kernel<<<grid, block, smem, stream>>>(parts) with clusters of (cluster_x, cluster_y, 1) blocks, and as a
 // programmatic dependent launch where enabled.
 template <typename Kernel>
-cudaError_t launch_clustered(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int cluster_y,
-                             const MatmulParts &parts) {
+cudaError_t launch_clustered(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int cluster_x,
+                             int cluster_y, const MatmulParts &parts) {
     cudaLaunchAttribute attr[2];
     int count = 0;
     attr[count].id = cudaLaunchAttributeClusterDimension;
-    attr[count].val.clusterDim.x = 1;
+    attr[count].val.clusterDim.x = (unsigned)cluster_x;
     attr[count].val.clusterDim.y = (unsigned)cluster_y;
     attr[count].val.clusterDim.z = 1;
     ++count;
@@ -522,19 +529,34 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     // block touches at most 16 groups (last_groups). Clustered, the runs are whole 128-column groups
     // (8 tiles), and each block also holds its slice's sums (`red`, m floats per column).
     const size_t red_per_col = (size_t)first.m * 16 * sizeof(float);
+    int cols = max(1, min(min(max_cols, 120), (tiles_n * slices + resident - 1) / resident));
     static int cluster_limit = -1;  // per instantiation: 16 once the kernel may use non-portable clusters
     if (cluster_limit < 0) {
         cluster_limit = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess ? 16 : 8;
         cudaGetLastError();
     }
-    const bool cluster = slices >= 2 && slices <= min(gemv_cluster_max(), cluster_limit) &&
-                         budget >= xs_bytes + 8 * (acc_per_col + red_per_col);
-    int cols = max(1, min(min(max_cols, 120), (tiles_n * slices + resident - 1) / resident));
-    if (cluster) {
-        const int fit = (int)((budget - xs_bytes) / (acc_per_col + red_per_col)) / 8 * 8;
-        cols = min(min(fit, 120), (cols + 7) / 8 * 8);
+    // Clustered: narrow runs (1, 2 or 4 tiles) cluster in x by 8 / width, so a cluster holds one whole
+    // group; wider runs are whole groups themselves (multiples of 8 tiles). Shared memory must hold
+    // the runs' slice sums too.
+    const int limit = min(gemv_cluster_max(), cluster_limit);
+    const int fit8 = (int)((budget - xs_bytes) / (acc_per_col + red_per_col)) / 8 * 8;
+    int cluster_x = 0, cluster_y = 0;
+    if (limit >= 2 && fit8 >= 8) {
+        int narrow = cols <= 1 ? 1 : (cols <= 2 ? 2 : (cols <= 4 ? 4 : 8));
+        while (narrow < 8 && (8 / narrow) * slices > limit) narrow *= 2;  // the widest cluster allowed
+        if (narrow < 8) {
+            cols = narrow;
+            cluster_x = 8 / narrow;
+            cluster_y = slices;
+        } else if (slices >= 2 && slices <= limit && (cols + 7) / 8 * 8 <= min(fit8, 120)) {
+            cols = (cols + 7) / 8 * 8;  // rounded up: still one wave (never more blocks than resident)
+            cluster_x = 1;
+            cluster_y = slices;
+        }
     }
-    parts.cluster = cluster ? slices : 0;
+    parts.cluster_x = cluster_x;
+    parts.cluster_y = cluster_y;
+    const bool cluster = cluster_x * cluster_y > 1;
     int blocks_x = 0;
     for (int p = 0; p < parts.count; ++p) {
         MatmulArgs &a = parts.part[p];
@@ -546,7 +568,7 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     dim3 grid(blocks_x, slices);
     if (cluster) {
         const size_t smem = xs_bytes + (size_t)cols * (acc_per_col + red_per_col);
-        if (launch_clustered(kernel, grid, dim3(GEMV_WARPS * 32), smem, stream, slices, parts) == cudaSuccess)
+        if (launch_clustered(kernel, grid, dim3(GEMV_WARPS * 32), smem, stream, cluster_x, cluster_y, parts) == cudaSuccess)
             return TRELLM_OK;
         // Refused (no cluster support in this context): clear the error, use the global epilogue from now on.
         cudaGetLastError();
