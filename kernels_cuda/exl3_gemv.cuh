@@ -554,6 +554,34 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
             cluster_y = slices;
         }
     }
+    if (cluster_x * cluster_y > 1) {
+        // Clusters must fit a GPC: the grid stays one wave only if every cluster is resident at once.
+        static int max_clusters[17][17] = {};  // per instantiation and cluster shape; 0: not asked yet
+        int &fits = max_clusters[cluster_x][cluster_y];
+        if (fits == 0) {
+            cudaLaunchAttribute attr;
+            attr.id = cudaLaunchAttributeClusterDimension;
+            attr.val.clusterDim.x = (unsigned)cluster_x;
+            attr.val.clusterDim.y = (unsigned)cluster_y;
+            attr.val.clusterDim.z = 1;
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = dim3(cluster_x, cluster_y);
+            cfg.blockDim = dim3(GEMV_WARPS * 32);
+            cfg.dynamicSmemBytes = budget;
+            cfg.attrs = &attr;
+            cfg.numAttrs = 1;
+            if (cudaOccupancyMaxActiveClusters(&fits, kernel, &cfg) != cudaSuccess || fits < 1) {
+                cudaGetLastError();
+                fits = -1;
+            }
+        }
+        int blocks = 0;
+        for (int p = 0; p < parts.count; ++p) blocks += (parts.part[p].n / 16 + cols - 1) / cols;
+        if (fits < 0 || blocks * slices > fits * cluster_x * cluster_y) {
+            cluster_x = cluster_y = 0;
+            cols = max(1, min(min(max_cols, 120), (tiles_n * slices + resident - 1) / resident));
+        }
+    }
     parts.cluster_x = cluster_x;
     parts.cluster_y = cluster_y;
     const bool cluster = cluster_x * cluster_y > 1;
