@@ -30,7 +30,7 @@ extern "C" int trellm_exl3_matmul_small_multi(const void *x, int x_dtype, int pa
         return TRELLM_E_BAD_DTYPE;
     MatmulParts mp;
     mp.count = parts;
-    mp.cluster_x = mp.cluster_y = 0;  // the launcher decides
+    mp.cluster_x = mp.cluster_y = mp.shared_acc = 0;  // the launcher decides
     int64_t groups = 0, partial_offset = 0;
     const int slices = gemv_slices((int)k, (int)m);
     for (int p = 0; p < parts; ++p) {

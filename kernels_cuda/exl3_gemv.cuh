@@ -76,6 +76,10 @@ struct MatmulParts {
     // Clustered epilogue (sm_90; cluster_x * cluster_y > 1): clusters of cluster_x neighbouring column
     // runs (together whole 128-column groups) by cluster_y = all k-slices. 0 / 0: global partials.
     int cluster_x, cluster_y;
+    // 1: the warps add their column results into ONE shared accumulator (shared-memory atomics)
+    // instead of one each, so shared memory per column shrinks 8x (used above 8 rows, where the
+    // per-warp accumulators forced several waves). Float atomics: the sum order varies run to run.
+    int shared_acc;
 };
 
 // Trellis words in flight per warp: STAGES columns of KT tiles each, in shared memory (cp.async),
@@ -173,6 +177,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
         dst[0] = __floats2half2_rn(v[0], v[1]);
         dst[1] = __floats2half2_rn(v[2], v[3]);
     }
+    if (parts.shared_acc)
+        for (int idx = threadIdx.x; idx < cols_per_block * 16 * acc_stride; idx += blockDim.x) acc_all[idx] = 0.f;
     __syncthreads();
 
     // x fragments (B operand: k x batch rows), one pair of registers per (k tile, group of 8 rows).
@@ -214,7 +220,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
     for (int q = 0; q < G::NW; ++q) word_off[q] = (w0 + q) % P::TILE_WORDS;
 
     // The lane's accumulator slots: (n = lane/4 (+8), rows 2(lane%4)+{0,1}) of the current column.
-    float *acc_lane = acc_all + (size_t)warp * cols_per_block * 16 * acc_stride + (lane >> 2) * acc_stride + (lane & 3) * 2;
+    const int acc_warps = parts.shared_acc ? 1 : GEMV_WARPS;  // accumulators in shared memory
+    float *acc_lane = acc_all + (size_t)(parts.shared_acc ? 0 : warp) * cols_per_block * 16 * acc_stride +
+                      (lane >> 2) * acc_stride + (lane & 3) * 2;
     const int acc_col_stride = 16 * acc_stride;
 
     auto compute = [&](const uint32_t *stage_words, float *dst) {
@@ -252,16 +260,21 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
         }
         // c[g]: (n = lane/4, rows 2(lane%4)+{0,1}) and (n = lane/4 + 8, same rows)
         const int mm = (lane & 3) * 2;
+        const bool shared = parts.shared_acc;
+        auto put = [&](float *p, float v) {
+            if (shared) atomicAdd(p, v);
+            else *p = v;
+        };
 #pragma unroll
         for (int g = 0; g < MT; ++g) {
             const int row = g * 8 + mm;
             if (row < m) {
-                dst[g * 8] = c[g][0];
-                dst[8 * acc_stride + g * 8] = c[g][2];
+                put(dst + g * 8, c[g][0]);
+                put(dst + 8 * acc_stride + g * 8, c[g][2]);
             }
             if (row + 1 < m) {
-                dst[g * 8 + 1] = c[g][1];
-                dst[8 * acc_stride + g * 8 + 1] = c[g][3];
+                put(dst + g * 8 + 1, c[g][1]);
+                put(dst + 8 * acc_stride + g * 8 + 1, c[g][3]);
             }
         }
     };
@@ -290,13 +303,14 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
         // shared memory; after a cluster barrier, each group is finished by one warp of the cluster,
         // which adds the slices' sums over distributed shared memory, applies H128 * svh (+ bias) and
         // stores y. No global partials, fence or arrival counters.
-        float *red = acc_all + (size_t)GEMV_WARPS * warp_stride;  // [m][cols_per_block * 16]
+        float *red = acc_all + (size_t)acc_warps * warp_stride;  // [m][cols_per_block * 16]
         const int red_stride = cols_per_block * 16;
         for (int idx = threadIdx.x; idx < m * cols; idx += blockDim.x) {
             const int row = idx / cols, c = idx % cols;
             float s = 0.f;
 #pragma unroll
-            for (int w = 0; w < GEMV_WARPS; ++w) s += acc_all[w * warp_stride + c * acc_stride + row];
+            for (int w = 0; w < GEMV_WARPS; ++w)
+                if (w < acc_warps) s += acc_all[w * warp_stride + c * acc_stride + row];
             red[row * red_stride + c] = s;
         }
         cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
@@ -334,7 +348,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
         const int row = idx / cols, c = idx % cols;
         float s = 0.f;
 #pragma unroll
-        for (int w = 0; w < GEMV_WARPS; ++w) s += acc_all[w * warp_stride + c * acc_stride + row];
+        for (int w = 0; w < GEMV_WARPS; ++w)
+            if (w < acc_warps) s += acc_all[w * warp_stride + c * acc_stride + row];
         args.partial[((size_t)slice * m + row) * n + j_begin * 16 + c] = s;
     }
     __syncthreads();
@@ -484,7 +499,13 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     int tiles_n = 0;  // all parts together
     for (int p = 0; p < parts.count; ++p) tiles_n += parts.part[p].n / 16;
     const int slices = gemv_slices(first.k, first.m);
-    const size_t acc_per_col = (size_t)GEMV_WARPS * 16 * (first.m | 1) * sizeof(float);
+    // Above 8 rows the warps share one accumulator (TRELLM_GEMV_SHARED_ACC=0: one each, the A/B baseline).
+    static const bool shared_acc_allowed = [] {
+        const char *e = getenv("TRELLM_GEMV_SHARED_ACC");
+        return !(e && e[0] == '0');
+    }();
+    parts.shared_acc = first.m > 8 && shared_acc_allowed;
+    const size_t acc_per_col = (size_t)(parts.shared_acc ? 1 : GEMV_WARPS) * 16 * (first.m | 1) * sizeof(float);
     const size_t xs_bytes = GemvPipe<K, KT>::RING_BYTES + (size_t)first.m * GEMV_WARPS * KT * 16 * sizeof(half);
     // Shared memory per block: an SM's share for TRELLM_GEMV_MIN_BLOCKS blocks (up to 4 rows; the
     // register budget is sized for as many), for two blocks above; never more than the device allows a
@@ -510,7 +531,7 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
             return (int)err;
         }
     }
-    const bool few_rows = first.m <= 4;
+    const bool few_rows = first.m <= 4 || parts.shared_acc;  // small accumulators: three blocks per SM
     const int target_blocks = few_rows ? TRELLM_GEMV_MIN_BLOCKS : 2;
     const size_t budget = max(min((size_t)(per_sm / target_blocks - per_block) & ~(size_t)127, (size_t)optin), xs_bytes + acc_per_col);
     const int max_cols = max(1, (int)((budget - xs_bytes) / acc_per_col));
