@@ -55,6 +55,8 @@ template <int K, int CB> __device__ __forceinline__ void tile_fragments_split(co
 
 struct MatmulArgs {
     const void *x;          // [m, k], x_dtype
+    const void *x_up;       // null, or [m, k] x_dtype: the input is act(x) * x_up (a gated MLP's down projection)
+    int act;                // TRELLM_ACT_* when x_up is set
     const half *suh;        // [k]
     const uint32_t *trellis;
     const half *svh;        // [n]
@@ -169,6 +171,13 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
         const int col = k0 + chunk * 128 + lane * 4;
         float v[4];
         load4_as_f32(args.x, args.x_dtype, (size_t)row * k + col, v);
+        if (args.x_up) {  // rounded as the separate gated_activation kernel rounds: the same x, bit for bit
+            float u[4];
+            load4_as_f32(args.x_up, args.x_dtype, (size_t)row * k + col, u);
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                v[i] = round_as(round_as(apply_act(v[i], args.act), args.x_dtype) * u[i], args.x_dtype);
+        }
         const bool own_chunk = chunk == warp % slice_chunks;
 #pragma unroll
         for (int i = 0; i < 4; ++i) v[i] *= own_chunk ? su[i] : __half2float(args.suh[col + i]);

@@ -86,7 +86,24 @@ def exl3_matmul_gated(
     codebook: str,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return exl3_matmul(gated_activation(gate, up, activation), trellis, suh, svh, codebook, bias)
+    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+    fused = (
+        gate.dtype in _FLOATS
+        and up.dtype == gate.dtype
+        and up.shape == gate.shape
+        and gate.shape[-1] == k
+        and k % 128 == 0
+        and n % 128 == 0
+        and activation in binding.ACTIVATION_CODES
+        and 1 <= gate.numel() // k <= EXL3_GEMV_MAX_ROWS
+    )
+    if not fused:
+        return exl3_matmul(gated_activation(gate, up, activation), trellis, suh, svh, codebook, bias)
+    lead = gate.shape[:-1]
+    half = lambda t: t.to(torch.float16).contiguous() if t is not None else None  # noqa: E731
+    y = binding.exl3_matmul_small_gated(gate.reshape(-1, k).contiguous(), up.reshape(-1, k).contiguous(), activation,
+                                        trellis.contiguous(), half(suh), half(svh), codebook, half(bias))
+    return y.reshape(*lead, n)
 
 
 @_exl3.exl3_matmul_group.register("cuda")

@@ -63,6 +63,15 @@ int trellm_exl3_matmul_small(const void *x, int x_dtype, const void *suh, const 
                              int64_t counters_len, int64_t m, int64_t k, int64_t n, int K, int codebook,
                              int num_sms, cudaStream_t stream);
 
+/* The same with x = act(gate) * up (gate, up [m, k] of x_dtype; activation TRELLM_ACT_*), the activation
+ * applied in the input transform and rounded as trellm_gated_activation rounds it: a gated MLP's down
+ * projection in one launch. */
+int trellm_exl3_matmul_small_gated(const void *gate, const void *up, int activation, int x_dtype,
+                                   const void *suh, const int16_t *trellis, const void *svh, const void *bias,
+                                   void *y, int y_dtype, float *workspace, int32_t *counters, int64_t counters_len,
+                                   int64_t m, int64_t k, int64_t n, int K, int codebook, int num_sms,
+                                   cudaStream_t stream);
+
 /* The same for 1..4 matmuls of one x (q/k/v, gate/up) in one launch: part p has trellis[p] int16
  * [k/16, n[p]/16, 16*K], suh[p], svh[p], bias[p] (may be NULL) and output y[p] [m, n[p]]; all parts share
  * K and the codebook. workspace: float32 of trellm_exl3_matmul_small_workspace(m, k, sum of n) elements;

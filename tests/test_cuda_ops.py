@@ -191,6 +191,10 @@ def test_exl3_matmul_gated(ops, activation, dtype):
         ref = ops.exl3.exl3_matmul_gated.reference(gate.float(), up.float(), activation, trellis, suh, svh, "mcg", bias)
         assert y.dtype == dtype and y.shape == (m, n)
         assert rel_err(y, ref) < (1e-2 if dtype == torch.bfloat16 else 3e-3), (m, activation)
+        # the fused GEMV rounds act(gate) * up as the separate kernel does: the same bits as the two ops
+        composed = cuda_impl(ops.exl3.exl3_matmul)(cuda_impl(ops.gated_activation)(gate, up, activation), trellis,
+                                                   suh, svh, "mcg", bias)
+        assert torch.equal(y, composed), (m, activation)
 
 
 @pytest.mark.parametrize("codebook", CODEBOOKS)
