@@ -509,7 +509,8 @@ def paged_attention(
         dtypes=_FLOATS, head_dims=ATTENTION_HEAD_DIMS, kernel="kernel",
     )
     out = torch.empty_like(q)
-    splits = lib().trellm_paged_attention_splits(tokens, hq, hkv, page_size, max_blocks, _num_sms(q.device))
+    splits = lib().trellm_paged_attention_splits_for(tokens, hq, hkv, d, DTYPE_CODES[q.dtype], page_size, max_blocks,
+                                                     _num_sms(q.device))
     workspace = None
     if splits > 1:
         workspace = torch.empty(tokens * hq * splits * (d + 2), dtype=torch.float32, device=q.device)
