@@ -490,12 +490,20 @@ extern "C" int trellm_paged_attention_splits_for(int64_t tokens, int64_t hq, int
     if (max_splits < 1) max_splits = 1;
     int per_sm = 0;
     const char *waves = getenv("TRELLM_ATTN_WAVES");
-    if (!(waves && waves[0] == '0')) {
+    const int dpl = (int)(head_dim / 32);
+    if (!(waves && waves[0] == '0') && dpl >= 2 && dpl <= 8 && dtype >= TRELLM_F16 && dtype <= TRELLM_F32) {
+        // Asked once per kernel instance (the answer does not change; this runs once per attention call).
+        static int cached[3][9][2] = {};  // [dtype][dpl][small group]; 0: not asked yet, -1: unknown
         const bool small_group = hq / hkv <= 4;
-        const int dpl = (int)(head_dim / 32);
-        if (dtype == TRELLM_F16) per_sm = attention_blocks_per_sm<half>(dpl, small_group);
-        else if (dtype == TRELLM_BF16) per_sm = attention_blocks_per_sm<__nv_bfloat16>(dpl, small_group);
-        else if (dtype == TRELLM_F32) per_sm = attention_blocks_per_sm<float>(dpl, small_group);
+        int &c = cached[dtype - TRELLM_F16][dpl][small_group];
+        if (c == 0) {
+            int b = 0;
+            if (dtype == TRELLM_F16) b = attention_blocks_per_sm<half>(dpl, small_group);
+            else if (dtype == TRELLM_BF16) b = attention_blocks_per_sm<__nv_bfloat16>(dpl, small_group);
+            else b = attention_blocks_per_sm<float>(dpl, small_group);
+            c = b > 0 ? b : -1;
+        }
+        per_sm = c;
     }
     if (per_sm < 1) {  // the occupancy-blind rule (TRELLM_ATTN_WAVES=0): about 4 blocks per SM
         int64_t splits = 4 * sms / groups;
