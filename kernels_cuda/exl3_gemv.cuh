@@ -156,12 +156,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
     // Phase 0: xs = fp16(H128(x * suh)) for this slice. A warp's jobs are chunk `warp % slice_chunks`
     // of each row (all of them when the slice is whole), so its suh is loaded once, with the weights.
     float su[4] = {0.f, 0.f, 0.f, 0.f};
-    if (warp < m * slice_chunks) {
-        const uint2 raw = *reinterpret_cast<const uint2 *>(args.suh + k0 + (warp % slice_chunks) * 128 + lane * 4);
-        const float2 a = __half22float2(*reinterpret_cast<const half2 *>(&raw.x));
-        const float2 b = __half22float2(*reinterpret_cast<const half2 *>(&raw.y));
-        su[0] = a.x; su[1] = a.y; su[2] = b.x; su[3] = b.y;
-    }
+    if (warp < m * slice_chunks) load4_as_f32(args.suh, TRELLM_F16, k0 + (warp % slice_chunks) * 128 + lane * 4, su);
     // Only weights were read so far: from here on x, the workspace and y, which the kernel before
     // may still be using (programmatic dependent launch).
     pdl_wait();
