@@ -34,7 +34,6 @@ int exl3_matmul_small_parts(const void *x, const void *x_up, int act, int x_dtyp
         return TRELLM_E_BAD_DTYPE;
     MatmulParts mp;
     mp.count = parts;
-    mp.cluster_x = mp.cluster_y = mp.shared_acc = 0;  // the launcher decides
     int64_t groups = 0, partial_offset = 0;
     const int slices = gemv_slices((int)k, (int)m);
     for (int p = 0; p < parts; ++p) {

@@ -16,7 +16,6 @@
 
 #include "common.cuh"
 
-#include <cooperative_groups.h>
 #include <stdlib.h>
 
 namespace trellm {
@@ -75,13 +74,6 @@ struct MatmulParts {
     MatmulArgs part[GEMV_MAX_PARTS];
     int block_begin[GEMV_MAX_PARTS + 1];
     int count;
-    // Clustered epilogue (sm_90; cluster_x * cluster_y > 1): clusters of cluster_x neighbouring column
-    // runs (together whole 128-column groups) by cluster_y = all k-slices. 0 / 0: global partials.
-    int cluster_x, cluster_y;
-    // 1: the warps add their column results into ONE shared accumulator (shared-memory atomics)
-    // instead of one each, so shared memory per column shrinks 8x (used above 8 rows, where the
-    // per-warp accumulators forced several waves). Float atomics: the sum order varies run to run.
-    int shared_acc;
 };
 
 // Trellis words in flight per warp: STAGES columns of KT tiles each, in shared memory (cp.async),
@@ -181,8 +173,6 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
         dst[0] = __floats2half2_rn(v[0], v[1]);
         dst[1] = __floats2half2_rn(v[2], v[3]);
     }
-    if (parts.shared_acc)
-        for (int idx = threadIdx.x; idx < cols_per_block * 16 * acc_stride; idx += blockDim.x) acc_all[idx] = 0.f;
     __syncthreads();
 
     // x fragments (B operand: k x batch rows), one pair of registers per (k tile, group of 8 rows).
@@ -224,9 +214,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
     for (int q = 0; q < G::NW; ++q) word_off[q] = (w0 + q) % P::TILE_WORDS;
 
     // The lane's accumulator slots: (n = lane/4 (+8), rows 2(lane%4)+{0,1}) of the current column.
-    const int acc_warps = parts.shared_acc ? 1 : GEMV_WARPS;  // accumulators in shared memory
-    float *acc_lane = acc_all + (size_t)(parts.shared_acc ? 0 : warp) * cols_per_block * 16 * acc_stride +
-                      (lane >> 2) * acc_stride + (lane & 3) * 2;
+    float *acc_lane = acc_all + (size_t)warp * cols_per_block * 16 * acc_stride + (lane >> 2) * acc_stride + (lane & 3) * 2;
     const int acc_col_stride = 16 * acc_stride;
 
     auto compute = [&](const uint32_t *stage_words, float *dst) {
@@ -264,21 +252,16 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
         }
         // c[g]: (n = lane/4, rows 2(lane%4)+{0,1}) and (n = lane/4 + 8, same rows)
         const int mm = (lane & 3) * 2;
-        const bool shared = parts.shared_acc;
-        auto put = [&](float *p, float v) {
-            if (shared) atomicAdd(p, v);
-            else *p = v;
-        };
 #pragma unroll
         for (int g = 0; g < MT; ++g) {
             const int row = g * 8 + mm;
             if (row < m) {
-                put(dst + g * 8, c[g][0]);
-                put(dst + 8 * acc_stride + g * 8, c[g][2]);
+                dst[g * 8] = c[g][0];
+                dst[8 * acc_stride + g * 8] = c[g][2];
             }
             if (row + 1 < m) {
-                put(dst + g * 8 + 1, c[g][1]);
-                put(dst + 8 * acc_stride + g * 8 + 1, c[g][3]);
+                dst[g * 8 + 1] = c[g][1];
+                dst[8 * acc_stride + g * 8 + 1] = c[g][3];
             }
         }
     };
@@ -298,62 +281,14 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
     cp_async_wait<0>();
     __syncthreads();
 
+    // Phase 2: sum the warps, store this slice's partial sums (valid rows only), coalesced along n.
     const int cols = (j_end - j_begin) * 16;
     const size_t warp_stride = (size_t)cols_per_block * 16 * acc_stride;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (parts.cluster_x * parts.cluster_y > 1) {
-        // Clustered epilogue: a cluster holds cluster_x neighbouring column runs (whole 128-column
-        // groups together) and all their k-slices. Each block sums its warps into `red` in its own
-        // shared memory; after a cluster barrier, each group is finished by one warp of the cluster,
-        // which adds the slices' sums over distributed shared memory, applies H128 * svh (+ bias) and
-        // stores y. No global partials, fence or arrival counters.
-        float *red = acc_all + (size_t)acc_warps * warp_stride;  // [m][cols_per_block * 16]
-        const int red_stride = cols_per_block * 16;
-        for (int idx = threadIdx.x; idx < m * cols; idx += blockDim.x) {
-            const int row = idx / cols, c = idx % cols;
-            float s = 0.f;
-#pragma unroll
-            for (int w = 0; w < GEMV_WARPS; ++w)
-                if (w < acc_warps) s += acc_all[w * warp_stride + c * acc_stride + row];
-            red[row * red_stride + c] = s;
-        }
-        cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-        cluster.sync();
-        // Rank of the block at (x, y) in the cluster is x + y * cluster_x (x fastest).
-        const int cx = parts.cluster_x, ranks = cx * parts.cluster_y, rank = (int)cluster.block_rank();
-        const int span_tile = (block_x - block_x % cx) * cols_per_block;  // the cluster's first column tile
-        const int span_cols = min(cx * cols_per_block, tiles_n - span_tile) * 16;
-        for (int job = rank * GEMV_WARPS + warp; job < (span_cols / 128) * m; job += ranks * GEMV_WARPS) {
-            const int g = job / m, row = job % m;
-            const int c = g * 128 + lane * 4;  // column within the span
-            const int bx = c / red_stride, lc = c % red_stride;
-            float v[4] = {0.f, 0.f, 0.f, 0.f};
-            for (int y = 0; y < parts.cluster_y; ++y) {
-                const float *src = cluster.map_shared_rank(red, bx + y * cx) + row * red_stride + lc;
-                const float4 p = *reinterpret_cast<const float4 *>(src);
-                v[0] += p.x; v[1] += p.y; v[2] += p.z; v[3] += p.w;
-            }
-            warp_hadamard_128(v);
-            const int col = span_tile * 16 + c;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                float o = v[i] * __half2float(args.svh[col + i]);
-                if (args.bias) o += __half2float(args.bias[col + i]);
-                store_from_f32(args.y, args.y_dtype, (size_t)row * n + col + i, o);
-            }
-        }
-        cluster.sync();  // every block's `red` stays readable until the cluster is done with it
-        return;
-    }
-#endif
-
-    // Phase 2: sum the warps, store this slice's partial sums (valid rows only), coalesced along n.
     for (int idx = threadIdx.x; idx < m * cols; idx += blockDim.x) {
         const int row = idx / cols, c = idx % cols;
         float s = 0.f;
 #pragma unroll
-        for (int w = 0; w < GEMV_WARPS; ++w)
-            if (w < acc_warps) s += acc_all[w * warp_stride + c * acc_stride + row];
+        for (int w = 0; w < GEMV_WARPS; ++w) s += acc_all[w * warp_stride + c * acc_stride + row];
         args.partial[((size_t)slice * m + row) * n + j_begin * 16 + c] = s;
     }
     __syncthreads();
@@ -448,68 +383,13 @@ inline int gemv_slices(int k, int m) {
     return (k / 16 + slice - 1) / slice;
 }
 
-// The most k-slices the GEMV clusters (sm_90+; 0: never): TRELLM_GEMV_CLUSTER=N (read once; 0 is the
-// A/B baseline), default 16, the largest (non-portable) cluster; a refused cluster launch sets 0.
-inline int &gemv_cluster_state() {
-    static int state = -1;  // -1: not decided yet
-    return state;
-}
-inline int gemv_cluster_max() {
-    int &state = gemv_cluster_state();
-    if (state < 0) {
-        int dev = 0, major = 0;
-        if (cudaGetDevice(&dev) != cudaSuccess ||
-            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-            cudaGetLastError();
-            major = 0;
-        }
-        state = 16;
-        if (const char *e = getenv("TRELLM_GEMV_CLUSTER")) state = max(0, min(16, atoi(e)));
-        if (major < 9) state = 0;
-    }
-    return state;
-}
-
-// kernel<<<grid, block, smem, stream>>>(parts) with clusters of (cluster_x, cluster_y, 1) blocks, and as a
-// programmatic dependent launch where enabled.
-template <typename Kernel>
-cudaError_t launch_clustered(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int cluster_x,
-                             int cluster_y, const MatmulParts &parts) {
-    cudaLaunchAttribute attr[2];
-    int count = 0;
-    attr[count].id = cudaLaunchAttributeClusterDimension;
-    attr[count].val.clusterDim.x = (unsigned)cluster_x;
-    attr[count].val.clusterDim.y = (unsigned)cluster_y;
-    attr[count].val.clusterDim.z = 1;
-    ++count;
-    if (trellm::pdl_enabled()) {
-        attr[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[count].val.programmaticStreamSerializationAllowed = 1;
-        ++count;
-    }
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = count;
-    return cudaLaunchKernelEx(&cfg, kernel, parts);
-}
-
 template <int K, int CB, int MT, int KT>
 int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     const MatmulArgs &first = parts.part[0];
     int tiles_n = 0;  // all parts together
     for (int p = 0; p < parts.count; ++p) tiles_n += parts.part[p].n / 16;
     const int slices = gemv_slices(first.k, first.m);
-    // Above 8 rows the warps share one accumulator (TRELLM_GEMV_SHARED_ACC=0: one each, the A/B baseline).
-    static const bool shared_acc_allowed = [] {
-        const char *e = getenv("TRELLM_GEMV_SHARED_ACC");
-        return !(e && e[0] == '0');
-    }();
-    parts.shared_acc = first.m > 8 && shared_acc_allowed;
-    const size_t acc_per_col = (size_t)(parts.shared_acc ? 1 : GEMV_WARPS) * 16 * (first.m | 1) * sizeof(float);
+    const size_t acc_per_col = (size_t)GEMV_WARPS * 16 * (first.m | 1) * sizeof(float);
     const size_t xs_bytes = GemvPipe<K, KT>::RING_BYTES + (size_t)first.m * GEMV_WARPS * KT * 16 * sizeof(half);
     // Shared memory per block: an SM's share for TRELLM_GEMV_MIN_BLOCKS blocks (up to 4 rows; the
     // register budget is sized for as many), for two blocks above; never more than the device allows a
@@ -535,7 +415,7 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
             return (int)err;
         }
     }
-    const bool few_rows = first.m <= 4 || parts.shared_acc;  // small accumulators: three blocks per SM
+    const bool few_rows = first.m <= 4;
     const int target_blocks = few_rows ? TRELLM_GEMV_MIN_BLOCKS : 2;
     const size_t budget = max(min((size_t)(per_sm / target_blocks - per_block) & ~(size_t)127, (size_t)optin), xs_bytes + acc_per_col);
     const int max_cols = max(1, (int)((budget - xs_bytes) / acc_per_col));
@@ -551,65 +431,8 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     // loads overlap its decoding.
     const int resident = (num_sms > 0 ? num_sms : 132) * blocks_per_sm;
     // Any width works (a 128-column group may be shared by several blocks); at most 120 tiles, so a
-    // block touches at most 16 groups (last_groups). Clustered, the runs are whole 128-column groups
-    // (8 tiles), and each block also holds its slice's sums (`red`, m floats per column).
-    const size_t red_per_col = (size_t)first.m * 16 * sizeof(float);
-    int cols = max(1, min(min(max_cols, 120), (tiles_n * slices + resident - 1) / resident));
-    static int cluster_limit = -1;  // per instantiation: 16 once the kernel may use non-portable clusters
-    if (cluster_limit < 0) {
-        cluster_limit = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess ? 16 : 8;
-        cudaGetLastError();
-    }
-    // Clustered: narrow runs (1, 2 or 4 tiles) cluster in x by 8 / width, so a cluster holds one whole
-    // group; wider runs are whole groups themselves (multiples of 8 tiles). Shared memory must hold
-    // the runs' slice sums too.
-    const int limit = min(gemv_cluster_max(), cluster_limit);
-    const int fit8 = (int)((budget - xs_bytes) / (acc_per_col + red_per_col)) / 8 * 8;
-    int cluster_x = 0, cluster_y = 0;
-    if (limit >= 2 && fit8 >= 8) {
-        int narrow = cols <= 1 ? 1 : (cols <= 2 ? 2 : (cols <= 4 ? 4 : 8));
-        while (narrow < 8 && (8 / narrow) * slices > limit) narrow *= 2;  // the widest cluster allowed
-        if (narrow < 8) {
-            cols = narrow;
-            cluster_x = 8 / narrow;
-            cluster_y = slices;
-        } else if (slices >= 2 && slices <= limit && (cols + 7) / 8 * 8 <= min(fit8, 120)) {
-            cols = (cols + 7) / 8 * 8;  // rounded up: still one wave (never more blocks than resident)
-            cluster_x = 1;
-            cluster_y = slices;
-        }
-    }
-    if (cluster_x * cluster_y > 1) {
-        // Clusters must fit a GPC: the grid stays one wave only if every cluster is resident at once.
-        static int max_clusters[17][17] = {};  // per instantiation and cluster shape; 0: not asked yet
-        int &fits = max_clusters[cluster_x][cluster_y];
-        if (fits == 0) {
-            cudaLaunchAttribute attr;
-            attr.id = cudaLaunchAttributeClusterDimension;
-            attr.val.clusterDim.x = (unsigned)cluster_x;
-            attr.val.clusterDim.y = (unsigned)cluster_y;
-            attr.val.clusterDim.z = 1;
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = dim3(cluster_x, cluster_y);
-            cfg.blockDim = dim3(GEMV_WARPS * 32);
-            cfg.dynamicSmemBytes = budget;
-            cfg.attrs = &attr;
-            cfg.numAttrs = 1;
-            if (cudaOccupancyMaxActiveClusters(&fits, kernel, &cfg) != cudaSuccess || fits < 1) {
-                cudaGetLastError();
-                fits = -1;
-            }
-        }
-        int blocks = 0;
-        for (int p = 0; p < parts.count; ++p) blocks += (parts.part[p].n / 16 + cols - 1) / cols;
-        if (fits < 0 || blocks * slices > fits * cluster_x * cluster_y) {
-            cluster_x = cluster_y = 0;
-            cols = max(1, min(min(max_cols, 120), (tiles_n * slices + resident - 1) / resident));
-        }
-    }
-    parts.cluster_x = cluster_x;
-    parts.cluster_y = cluster_y;
-    const bool cluster = cluster_x * cluster_y > 1;
+    // block touches at most 16 groups (last_groups).
+    const int cols = max(1, min(min(max_cols, 120), (tiles_n * slices + resident - 1) / resident));
     int blocks_x = 0;
     for (int p = 0; p < parts.count; ++p) {
         MatmulArgs &a = parts.part[p];
@@ -619,15 +442,6 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     }
     parts.block_begin[parts.count] = blocks_x;
     dim3 grid(blocks_x, slices);
-    if (cluster) {
-        const size_t smem = xs_bytes + (size_t)cols * (acc_per_col + red_per_col);
-        if (launch_clustered(kernel, grid, dim3(GEMV_WARPS * 32), smem, stream, cluster_x, cluster_y, parts) == cudaSuccess)
-            return TRELLM_OK;
-        // Refused (no cluster support in this context): clear the error, use the global epilogue from now on.
-        cudaGetLastError();
-        gemv_cluster_state() = 0;
-        return launch_matmul_mt<K, CB, MT, KT>(parts, num_sms, stream);
-    }
     const size_t smem = xs_bytes + (size_t)cols * acc_per_col;
     const cudaError_t err = launch_pdl(kernel, grid, dim3(GEMV_WARPS * 32), smem, stream, parts);
     return err == cudaSuccess ? TRELLM_OK : (int)err;

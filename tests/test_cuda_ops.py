@@ -153,8 +153,7 @@ def test_exl3_matmul_gemv_all_k(ops, K, codebook):
 @pytest.mark.parametrize("codebook", CODEBOOKS)
 @pytest.mark.parametrize("K", range(1, 9))
 def test_exl3_matmul_gemv_sliced_k_all_k(ops, K, codebook):
-    # k = 2048: two or four k-slices, whose sums meet in the epilogue (on sm_90 a cluster of the
-    # slices adds them over distributed shared memory; elsewhere global partials and arrival counters).
+    # k = 2048: two or four k-slices, whose sums meet in the epilogue (global partials and arrival counters).
     k, n = 2048, 384
     trellis, suh, svh, bias = _random_layer(k, n, K)
     for m in (1, 5, 16):
