@@ -25,6 +25,10 @@ binding.lib()
 # decoded to fp16 and multiplied by cuBLAS, whose cost is then shared by all rows. Measured on the H200:
 # the fused kernel at 32 rows (4 mma per tile, 1 block per SM) was 3x slower than decode + cuBLAS.
 EXL3_GEMV_MAX_ROWS = binding.EXL3_SMALL_MAX_ROWS
+# Rows up to which a gated MLP's down projection applies the activation inside the GEMV's input
+# transform. Measured on the H200 (14336 -> 4096, 4 bpw): 1.02x over the two kernels at 1 row, but
+# 0.76x at 8 rows and 0.64x at 16, so more rows take gated_activation + the GEMV (NOTES, 2026-12-03d).
+EXL3_GATED_FUSED_MAX_ROWS = 1
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -95,7 +99,7 @@ def exl3_matmul_gated(
         and k % 128 == 0
         and n % 128 == 0
         and activation in binding.ACTIVATION_CODES
-        and 1 <= gate.numel() // k <= EXL3_GEMV_MAX_ROWS
+        and 1 <= gate.numel() // k <= EXL3_GATED_FUSED_MAX_ROWS
     )
     if not fused:
         return exl3_matmul(gated_activation(gate, up, activation), trellis, suh, svh, codebook, bias)

@@ -178,7 +178,7 @@ def test_exl3_matmul_rows_and_dtypes(ops, m, dtype):
 
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "relu"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_exl3_matmul_gated(ops, activation, dtype):
+def test_exl3_matmul_gated(kb, ops, activation, dtype):
     # The down projection of act(gate) * up: 1..16 rows take the GEMV (where it may apply the activation
     # in its input transform), more rows the decode + cuBLAS path.
     k, n, K = 4096, 1024, 4
@@ -194,6 +194,9 @@ def test_exl3_matmul_gated(ops, activation, dtype):
         composed = cuda_impl(ops.exl3.exl3_matmul)(cuda_impl(ops.gated_activation)(gate, up, activation), trellis,
                                                    suh, svh, "mcg", bias)
         assert torch.equal(y, composed), (m, activation)
+        if m <= 16:  # the fused GEMV itself at every row count it takes, whatever the op routes there
+            fused = kb.exl3_matmul_small_gated(gate, up, activation, trellis, suh, svh, "mcg", bias)
+            assert torch.equal(fused, composed), (m, activation)
 
 
 @pytest.mark.parametrize("codebook", CODEBOOKS)
