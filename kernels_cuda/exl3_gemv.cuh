@@ -106,7 +106,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
     const int m = args.m, k = args.k, n = args.n, cols_per_block = args.cols_per_block;
     uint32_t *ring_all = reinterpret_cast<uint32_t *>(smem_raw);                      // [warps][STAGES][STAGE_WORDS]
     half *xs = reinterpret_cast<half *>(smem_raw + P::RING_BYTES);                    // [m][SLICE_K]
-    float *acc_all = reinterpret_cast<float *>(smem_raw + P::RING_BYTES + (size_t)m * SLICE_K * sizeof(half));
+    // The column accumulators [warps][cols][16][acc_stride] reuse xs's bytes: xs is dead once every warp
+    // holds its x fragments (8 rows: 16 KB more for columns, which lets one wave run 3 blocks per SM).
+    float *acc_all = reinterpret_cast<float *>(smem_raw + P::RING_BYTES);
     __shared__ int last_groups[16];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -205,6 +207,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
             }
         }
     }
+    __syncthreads();  // every warp holds its x fragments: xs becomes the accumulators
 
     // The lane's words of a tile in a stage: (w0 + q) mod TILE_WORDS, q < NW.
     int w0, r;
@@ -390,10 +393,12 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     for (int p = 0; p < parts.count; ++p) tiles_n += parts.part[p].n / 16;
     const int slices = gemv_slices(first.k, first.m);
     const size_t acc_per_col = (size_t)GEMV_WARPS * 16 * (first.m | 1) * sizeof(float);
-    const size_t xs_bytes = GemvPipe<K, KT>::RING_BYTES + (size_t)first.m * GEMV_WARPS * KT * 16 * sizeof(half);
-    // Shared memory per block: an SM's share for TRELLM_GEMV_MIN_BLOCKS blocks (up to 4 rows; the
-    // register budget is sized for as many), for two blocks above; never more than the device allows a
-    // block (99 KB on sm_86/89), never less than one column needs.
+    const size_t ring_bytes = GemvPipe<K, KT>::RING_BYTES;
+    const size_t xs_bytes = (size_t)first.m * GEMV_WARPS * KT * 16 * sizeof(half);  // the accumulators reuse it
+    auto smem_for = [&](int cols) { return ring_bytes + max(xs_bytes, (size_t)cols * acc_per_col); };
+    // Shared memory per block: an SM's share for TRELLM_GEMV_MIN_BLOCKS blocks (the register budget is
+    // sized for as many) up to 4 rows, and above when that is one wave; else for two blocks. Never more
+    // than the device allows a block (99 KB on sm_86/89), never less than one column needs.
     auto kernel = exl3_matmul_small_kernel<K, CB, MT, KT>;
     static int optin = 0;  // dynamic shared memory a block may opt in to (minus the kernel's static part)
     static int per_sm = 0, per_block = 0;  // shared memory of an SM; a block's static part + 1 KB reserve
@@ -415,24 +420,38 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
             return (int)err;
         }
     }
-    const bool few_rows = first.m <= 4;
-    const int target_blocks = few_rows ? TRELLM_GEMV_MIN_BLOCKS : 2;
-    const size_t budget = max(min((size_t)(per_sm / target_blocks - per_block) & ~(size_t)127, (size_t)optin), xs_bytes + acc_per_col);
-    const int max_cols = max(1, (int)((budget - xs_bytes) / acc_per_col));
+    // A plan per shared-memory budget: one wave where it fits (every block resident at once, each
+    // walking a run of column tiles so its trellis loads overlap its decoding). Any run width works (a
+    // 128-column group may be shared by several blocks); at most 120 tiles, so a block touches at most
+    // 16 groups (last_groups).
+    struct Plan { int cols, resident, blocks; };
     static int occupancy[2] = {0, 0};  // per instantiation and budget; the register count also bounds it
-    int &blocks_per_sm = occupancy[few_rows];
-    if (blocks_per_sm == 0) {
-        int b = 0;
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, GEMV_WARPS * 32, budget) != cudaSuccess || b < 1)
-            b = 1;
-        blocks_per_sm = b;
-    }
-    // One wave: every block resident at once, each walking a run of column tiles so its trellis
-    // loads overlap its decoding.
-    const int resident = (num_sms > 0 ? num_sms : 132) * blocks_per_sm;
-    // Any width works (a 128-column group may be shared by several blocks); at most 120 tiles, so a
-    // block touches at most 16 groups (last_groups).
-    const int cols = max(1, min(min(max_cols, 120), (tiles_n * slices + resident - 1) / resident));
+    auto plan_for = [&](bool many_blocks) {
+        const int target_blocks = many_blocks ? TRELLM_GEMV_MIN_BLOCKS : 2;
+        const size_t budget = max(min((size_t)(per_sm / target_blocks - per_block) & ~(size_t)127, (size_t)optin), smem_for(1));
+        const int max_cols = max(1, (int)((budget - ring_bytes) / acc_per_col));
+        int &blocks_per_sm = occupancy[many_blocks];
+        if (blocks_per_sm == 0) {
+            int b = 0;
+            if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, GEMV_WARPS * 32, budget) != cudaSuccess || b < 1)
+                b = 1;
+            blocks_per_sm = b;
+        }
+        Plan plan;
+        plan.resident = (num_sms > 0 ? num_sms : 132) * blocks_per_sm;
+        plan.cols = max(1, min(min(max_cols, 120), (tiles_n * slices + plan.resident - 1) / plan.resident));
+        plan.blocks = 0;
+        for (int p = 0; p < parts.count; ++p) plan.blocks += (parts.part[p].n / 16 + plan.cols - 1) / plan.cols * slices;
+        return plan;
+    };
+    // TRELLM_GEMV_ONE_WAVE=0: the many-blocks budget only up to 4 rows (the A/B baseline of the rule).
+    static const bool one_wave_rule = [] {
+        const char *e = getenv("TRELLM_GEMV_ONE_WAVE");
+        return !(e && e[0] == '0');
+    }();
+    Plan plan = plan_for(true);
+    if (first.m > 4 && !(one_wave_rule && plan.blocks <= plan.resident)) plan = plan_for(false);
+    const int cols = plan.cols;
     int blocks_x = 0;
     for (int p = 0; p < parts.count; ++p) {
         MatmulArgs &a = parts.part[p];
@@ -442,7 +461,7 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     }
     parts.block_begin[parts.count] = blocks_x;
     dim3 grid(blocks_x, slices);
-    const size_t smem = xs_bytes + (size_t)cols * acc_per_col;
+    const size_t smem = smem_for(cols);
     const cudaError_t err = launch_pdl(kernel, grid, dim3(GEMV_WARPS * 32), smem, stream, parts);
     return err == cudaSuccess ? TRELLM_OK : (int)err;
 }
