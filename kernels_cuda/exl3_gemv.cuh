@@ -74,6 +74,11 @@ struct MatmulParts {
     MatmulArgs part[GEMV_MAX_PARTS];
     int block_begin[GEMV_MAX_PARTS + 1];
     int count;
+    // 0: each warp keeps its result for every column of the run, summed once after the loop. R > 0: each
+    // warp keeps R columns, and the block sums them into one [m][columns] buffer every R columns (a
+    // barrier per round): shared memory per column drops from 8 warps' to one result, so more rows fit
+    // one wave (the same fixed sum order: bit-stable).
+    int reduce_period;
 };
 
 // Trellis words in flight per warp: STAGES columns of KT tiles each, in shared memory (cp.async),
@@ -216,9 +221,22 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
 #pragma unroll
     for (int q = 0; q < G::NW; ++q) word_off[q] = (w0 + q) % P::TILE_WORDS;
 
-    // The lane's accumulator slots: (n = lane/4 (+8), rows 2(lane%4)+{0,1}) of the current column.
-    float *acc_lane = acc_all + (size_t)warp * cols_per_block * 16 * acc_stride + (lane >> 2) * acc_stride + (lane & 3) * 2;
+    // The lane's accumulator slots: (n = lane/4 (+8), rows 2(lane%4)+{0,1}) of the current column, which
+    // goes to slot col % slots. `red`: the warps' sums [m][cols_per_block * 16] (reduce_period > 0).
+    const int period = parts.reduce_period;
+    const int slots = period > 0 ? period : cols_per_block;
+    const size_t warp_stride = (size_t)slots * 16 * acc_stride;
+    float *acc_lane = acc_all + (size_t)warp * warp_stride + (lane >> 2) * acc_stride + (lane & 3) * 2;
     const int acc_col_stride = 16 * acc_stride;
+    float *red = acc_all + GEMV_WARPS * warp_stride;
+    const int red_stride = cols_per_block * 16;
+    // The sum over the warps of (slot-relative) element e = column * 16 + n, row: a fixed order.
+    auto warps_sum = [&](int e, int row) {
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < GEMV_WARPS; ++w) s += acc_all[w * warp_stride + e * acc_stride + row];
+        return s;
+    };
 
     auto compute = [&](const uint32_t *stage_words, float *dst) {
         float c[MT][4];
@@ -278,21 +296,26 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
         if (refill >= P::STAGES) refill -= P::STAGES;
         if (col + P::STAGES - 1 < ncols) issue_next(refill);
         cp_async_commit();
-        compute(ring + stage * P::STAGE_WORDS, acc_lane + col * acc_col_stride);
+        compute(ring + stage * P::STAGE_WORDS, acc_lane + (period > 0 ? col % period : col) * acc_col_stride);
         stage = stage + 1 == P::STAGES ? 0 : stage + 1;
+        if (period > 0 && (col % period == period - 1 || col == ncols - 1)) {  // the same col in every warp
+            __syncthreads();
+            const int first = col - col % period, round = (col - first + 1) * 16;
+            for (int idx = threadIdx.x; idx < m * round; idx += blockDim.x) {
+                const int row = idx / round, e = idx % round;
+                red[row * red_stride + first * 16 + e] = warps_sum(e, row);
+            }
+            __syncthreads();
+        }
     }
     cp_async_wait<0>();
     __syncthreads();
 
-    // Phase 2: sum the warps, store this slice's partial sums (valid rows only), coalesced along n.
+    // Phase 2: the warps' sums, this slice's partial sums (valid rows only), stored coalesced along n.
     const int cols = (j_end - j_begin) * 16;
-    const size_t warp_stride = (size_t)cols_per_block * 16 * acc_stride;
     for (int idx = threadIdx.x; idx < m * cols; idx += blockDim.x) {
         const int row = idx / cols, c = idx % cols;
-        float s = 0.f;
-#pragma unroll
-        for (int w = 0; w < GEMV_WARPS; ++w) s += acc_all[w * warp_stride + c * acc_stride + row];
-        args.partial[((size_t)slice * m + row) * n + j_begin * 16 + c] = s;
+        args.partial[((size_t)slice * m + row) * n + j_begin * 16 + c] = period > 0 ? red[row * red_stride + c] : warps_sum(c, row);
     }
     __syncthreads();
 
@@ -395,7 +418,18 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     const size_t acc_per_col = (size_t)GEMV_WARPS * 16 * (first.m | 1) * sizeof(float);
     const size_t ring_bytes = GemvPipe<K, KT>::RING_BYTES;
     const size_t xs_bytes = (size_t)first.m * GEMV_WARPS * KT * 16 * sizeof(half);  // the accumulators reuse it
-    auto smem_for = [&](int cols) { return ring_bytes + max(xs_bytes, (size_t)cols * acc_per_col); };
+    // Reduce every R columns (reduce_period): above 4 rows by default (2), TRELLM_GEMV_REDUCE_PERIOD=R for
+    // all row counts (0: never, the per-warp accumulators of every column).
+    static const int period_override = [] {
+        const char *e = getenv("TRELLM_GEMV_REDUCE_PERIOD");
+        return e ? max(0, min(16, atoi(e))) : -1;
+    }();
+    const int period = period_override >= 0 ? period_override : (first.m > 4 ? 2 : 0);
+    parts.reduce_period = period;
+    const size_t red_per_col = (size_t)16 * first.m * sizeof(float);
+    const size_t fixed_acc = period > 0 ? (size_t)period * acc_per_col : 0;  // the warps' slots
+    const size_t per_col = period > 0 ? red_per_col : acc_per_col;
+    auto smem_for = [&](int cols) { return ring_bytes + max(xs_bytes, fixed_acc + (size_t)cols * per_col); };
     // Shared memory per block: an SM's share for TRELLM_GEMV_MIN_BLOCKS blocks (the register budget is
     // sized for as many) up to 4 rows, and above when that is one wave; else for two blocks. Never more
     // than the device allows a block (99 KB on sm_86/89), never less than one column needs.
@@ -429,7 +463,7 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     auto plan_for = [&](bool many_blocks) {
         const int target_blocks = many_blocks ? TRELLM_GEMV_MIN_BLOCKS : 2;
         const size_t budget = max(min((size_t)(per_sm / target_blocks - per_block) & ~(size_t)127, (size_t)optin), smem_for(1));
-        const int max_cols = max(1, (int)((budget - ring_bytes) / acc_per_col));
+        const int max_cols = max(1, (int)((budget - ring_bytes - fixed_acc) / per_col));
         int &blocks_per_sm = occupancy[many_blocks];
         if (blocks_per_sm == 0) {
             int b = 0;
