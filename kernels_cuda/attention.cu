@@ -153,7 +153,6 @@ constexpr int chunks_in_flight(int chunks) {
 template <typename T, int DPL, int G>
 __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const AttnArgs a) {
     pdl_trigger();  // the next kernel (an EXL3 GEMV) may start prefetching its weights
-    pdl_wait();     // launched as a dependent itself: its inputs are the kernel before's outputs
     constexpr int D = DPL * 32;
     const T *q = static_cast<const T *>(a.q);
     const T *k_pages = static_cast<const T *>(a.k_pages);
@@ -383,7 +382,6 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
 template <typename T>
 __global__ void attention_merge_kernel(const AttnArgs a, int head_dim) {
     pdl_trigger();  // the next kernel (an EXL3 GEMV) may start prefetching its weights
-    pdl_wait();     // launched as a dependent itself: its inputs are the kernel before's outputs
     merge_splits<T>(a, blockIdx.x, blockIdx.y, head_dim);
 }
 
@@ -394,8 +392,8 @@ int launch_attention(const AttnArgs &a, int64_t tokens, int64_t d, cudaStream_t 
     const bool small_group = a.hq / a.hkv <= 4;  // one chunk either way: the grid is the same
 #define ATT_CASE(DPL)                                                                             \
     case DPL:                                                                                     \
-        if (small_group) launch_small(paged_attention_kernel<T, DPL, 4>, grid, dim3(ATT_WARPS * 32), 0, stream, a); \
-        else launch_small(paged_attention_kernel<T, DPL, GMAX>, grid, dim3(ATT_WARPS * 32), 0, stream, a);          \
+        if (small_group) paged_attention_kernel<T, DPL, 4><<<grid, ATT_WARPS * 32, 0, stream>>>(a); \
+        else paged_attention_kernel<T, DPL, GMAX><<<grid, ATT_WARPS * 32, 0, stream>>>(a);          \
         break;
     switch (d / 32) {
         ATT_CASE(2) ATT_CASE(3) ATT_CASE(4) ATT_CASE(5) ATT_CASE(6) ATT_CASE(8)
@@ -404,7 +402,7 @@ int launch_attention(const AttnArgs &a, int64_t tokens, int64_t d, cudaStream_t 
 #undef ATT_CASE
     TRELLM_LAUNCH_CHECK();
     if (a.splits > 1 && !a.counters) {
-        launch_small(attention_merge_kernel<T>, dim3((unsigned)tokens, (unsigned)a.hq), dim3(32), 0, stream, a, (int)d);
+        attention_merge_kernel<T><<<dim3((unsigned)tokens, (unsigned)a.hq), 32, 0, stream>>>(a, (int)d);
         TRELLM_LAUNCH_CHECK();
     }
     return TRELLM_OK;

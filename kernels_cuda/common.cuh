@@ -357,9 +357,6 @@ namespace trellm {
 // Whether launch_pdl uses the attribute: compute capability >= 9 and not switched off (trellm_set_pdl).
 bool pdl_enabled();
 void pdl_disable();
-// Whether the small decode-step kernels (norms, RoPE, activation, KV write, attention) are launched as
-// dependents too, not only the EXL3 GEMV: TRELLM_PDL_SMALL=0 switches that off (the A/B baseline).
-bool pdl_small_enabled();
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch where enabled.
@@ -383,15 +380,6 @@ cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t s
         cudaGetLastError();
         trellm::pdl_disable();
     }
-    kernel<<<grid, block, smem, stream>>>(static_cast<KArgs>(args)...);
-    return cudaGetLastError();
-}
-
-// launch_pdl for a small kernel that waits for its inputs at its top (pdl_small_enabled), else plainly.
-template <typename... KArgs, typename... Args>
-cudaError_t launch_small(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                         Args &&...args) {
-    if (trellm::pdl_small_enabled()) return launch_pdl(kernel, grid, block, smem, stream, static_cast<Args &&>(args)...);
     kernel<<<grid, block, smem, stream>>>(static_cast<KArgs>(args)...);
     return cudaGetLastError();
 }

@@ -35,14 +35,6 @@ extern "C" int trellm_set_pdl(int enabled) {
 
 void trellm::pdl_disable() { g_pdl = 0; }
 
-bool trellm::pdl_small_enabled() {
-    static const bool on = [] {
-        const char *e = getenv("TRELLM_PDL_SMALL");
-        return !(e && e[0] == '0');
-    }();
-    return on;
-}
-
 bool trellm::pdl_enabled() {
     if (g_pdl < 0) {
         const char *e = getenv("TRELLM_PDL");
@@ -170,7 +162,6 @@ template <typename T, typename W, int VEC>
 __global__ void rms_norm_kernel(const T *__restrict__ x, const T *__restrict__ residual, const W *__restrict__ weight,
                                 T *__restrict__ y, T *__restrict__ h_out, int64_t dim, float eps, bool unit_offset) {
     pdl_trigger();  // the next kernel (an EXL3 GEMV) may start prefetching its weights
-    pdl_wait();     // launched as a dependent itself: its inputs are the kernel before's outputs
     const int64_t row = blockIdx.x;
     const int64_t vecs = dim / VEC;
     const T *xr = x + row * dim;
@@ -284,7 +275,6 @@ __device__ __forceinline__ void copy_row(const T *__restrict__ src, T *__restric
 template <typename T>
 __global__ void __launch_bounds__(ROPE_WARPS * 32) rotary_qk_kernel(const RopeArgs a) {
     pdl_trigger();  // the next kernel (an EXL3 GEMV) may start prefetching its weights
-    pdl_wait();     // launched as a dependent itself: its inputs are the kernel before's outputs
     extern __shared__ float rope_smem[];  // per warp: the row in, the row out
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int D = a.head_dim;
@@ -350,7 +340,7 @@ int launch_rotary_qk(const RopeArgs &a, cudaStream_t stream) {
     const int64_t blocks = (rows + ROPE_WARPS - 1) / ROPE_WARPS;
     if (blocks > INT32_MAX) return TRELLM_E_BAD_SHAPE;
     const size_t smem = (size_t)ROPE_WARPS * 2 * a.head_dim * sizeof(float);
-    launch_small(rotary_qk_kernel<T>, dim3((unsigned)blocks), dim3(ROPE_WARPS * 32), smem, stream, a);
+    rotary_qk_kernel<T><<<(unsigned)blocks, ROPE_WARPS * 32, smem, stream>>>(a);
     TRELLM_LAUNCH_CHECK();
     return TRELLM_OK;
 }
@@ -362,7 +352,6 @@ template <typename T>
 __global__ void gated_activation_kernel(const T *__restrict__ gate, int64_t gate_stride, const T *__restrict__ up,
                                         int64_t up_stride, T *__restrict__ out, int64_t rows, int64_t dim, int act) {
     pdl_trigger();  // the next kernel (an EXL3 GEMV) may start prefetching its weights
-    pdl_wait();     // launched as a dependent itself: its inputs are the kernel before's outputs
     // grid.y strides over rows, grid.x * blockDim.x over columns: no per-element division.
     for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
         const T *g = gate + r * gate_stride, *u = up + r * up_stride;
@@ -380,7 +369,6 @@ template <typename T, int VEC>
 __global__ void gated_activation_vec_kernel(const T *__restrict__ gate, int64_t gate_stride, const T *__restrict__ up,
                                             int64_t up_stride, T *__restrict__ out, int64_t rows, int64_t dim, int act) {
     pdl_trigger();  // the next kernel (an EXL3 GEMV) may start prefetching its weights
-    pdl_wait();     // launched as a dependent itself: its inputs are the kernel before's outputs
     const int64_t vecs = dim / VEC;
     for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
         const uint4 *g = reinterpret_cast<const uint4 *>(gate + r * gate_stride);
@@ -408,7 +396,6 @@ template <typename V>
 __global__ void write_kv_kernel(const V *__restrict__ k, const V *__restrict__ v, V *__restrict__ k_pages,
                                 V *__restrict__ v_pages, const int64_t *__restrict__ slots, int64_t row_vecs) {
     pdl_trigger();  // the next kernel (an EXL3 GEMV) may start prefetching its weights
-    pdl_wait();     // launched as a dependent itself: its inputs are the kernel before's outputs
     const int64_t t = blockIdx.x;
     const int64_t slot = slots[t];
     if (slot < 0) return;
@@ -426,12 +413,12 @@ int launch_rms_norm(const T *x, const T *residual, const W *weight, T *y, T *h_o
         // One vector per thread for rows up to 1024 vectors (8192 fp16); whole warps, at least one.
         const int64_t vecs = dim / VEC;
         const int threads = (int)(vecs >= 1024 ? 1024 : ((vecs + 31) / 32) * 32);
-        launch_small(rms_norm_kernel<T, W, VEC>, dim3((unsigned)rows), dim3(threads), 0, stream, x, residual, weight, y,
-                   h_out, dim, eps, unit_offset);
+        rms_norm_kernel<T, W, VEC><<<(unsigned)rows, threads, 0, stream>>>(x, residual, weight, y, h_out, dim, eps,
+                                                                           unit_offset);
     } else {
         const int threads = dim >= 4096 ? 1024 : dim >= 1024 ? 512 : 256;
-        launch_small(rms_norm_kernel<T, W, 1>, dim3((unsigned)rows), dim3(threads), 0, stream, x, residual, weight, y,
-                   h_out, dim, eps, unit_offset);
+        rms_norm_kernel<T, W, 1><<<(unsigned)rows, threads, 0, stream>>>(x, residual, weight, y, h_out, dim, eps,
+                                                                         unit_offset);
     }
     TRELLM_LAUNCH_CHECK();
     return TRELLM_OK;
@@ -543,14 +530,14 @@ extern "C" int trellm_gated_activation(const void *gate, int64_t gate_stride, co
     const dim3 grid((unsigned)(col_blocks < 64 ? col_blocks : 64), (unsigned)(rows < 65535 ? rows : 65535));
     if (aligned) {
         TRELLM_DISPATCH_DTYPE(dtype, T,
-            launch_small(gated_activation_vec_kernel<T, 16 / sizeof(T)>, grid, dim3(256), 0, stream,
-                       static_cast<const T *>(gate), gate_stride, static_cast<const T *>(up), up_stride,
-                       static_cast<T *>(out), rows, dim, activation));
+            gated_activation_vec_kernel<T, 16 / sizeof(T)><<<grid, 256, 0, stream>>>(
+                static_cast<const T *>(gate), gate_stride, static_cast<const T *>(up), up_stride,
+                static_cast<T *>(out), rows, dim, activation));
     } else {
         TRELLM_DISPATCH_DTYPE(dtype, T,
-            launch_small(gated_activation_kernel<T>, grid, dim3(256), 0, stream, static_cast<const T *>(gate),
-                       gate_stride, static_cast<const T *>(up), up_stride, static_cast<T *>(out), rows, dim,
-                       activation));
+            gated_activation_kernel<T><<<grid, 256, 0, stream>>>(static_cast<const T *>(gate), gate_stride,
+                                                                 static_cast<const T *>(up), up_stride,
+                                                                 static_cast<T *>(out), rows, dim, activation));
     }
     TRELLM_LAUNCH_CHECK();
     return TRELLM_OK;
@@ -566,15 +553,15 @@ extern "C" int trellm_write_kv_pages(const void *k, const void *v, void *k_pages
     const int64_t bytes = row_elems * elem;
     const bool aligned = ((uintptr_t)k | (uintptr_t)v | (uintptr_t)k_pages | (uintptr_t)v_pages) % 16 == 0;
     if (bytes % 16 == 0 && aligned) {
-        launch_small(write_kv_kernel<uint4>, dim3((unsigned)tokens), dim3(128), 0, stream,
+        write_kv_kernel<uint4><<<(unsigned)tokens, 128, 0, stream>>>(
             static_cast<const uint4 *>(k), static_cast<const uint4 *>(v), static_cast<uint4 *>(k_pages),
             static_cast<uint4 *>(v_pages), slots, bytes / 16);
     } else if (elem == 4) {
-        launch_small(write_kv_kernel<uint32_t>, dim3((unsigned)tokens), dim3(128), 0, stream,
+        write_kv_kernel<uint32_t><<<(unsigned)tokens, 128, 0, stream>>>(
             static_cast<const uint32_t *>(k), static_cast<const uint32_t *>(v), static_cast<uint32_t *>(k_pages),
             static_cast<uint32_t *>(v_pages), slots, row_elems);
     } else {
-        launch_small(write_kv_kernel<uint16_t>, dim3((unsigned)tokens), dim3(128), 0, stream,
+        write_kv_kernel<uint16_t><<<(unsigned)tokens, 128, 0, stream>>>(
             static_cast<const uint16_t *>(k), static_cast<const uint16_t *>(v), static_cast<uint16_t *>(k_pages),
             static_cast<uint16_t *>(v_pages), slots, row_elems);
     }
