@@ -418,21 +418,12 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     const size_t acc_per_col = (size_t)GEMV_WARPS * 16 * (first.m | 1) * sizeof(float);
     const size_t ring_bytes = GemvPipe<K, KT>::RING_BYTES;
     const size_t xs_bytes = (size_t)first.m * GEMV_WARPS * KT * 16 * sizeof(half);  // the accumulators reuse it
-    // Reduce every R columns (reduce_period): above 4 rows by default (2), TRELLM_GEMV_REDUCE_PERIOD=R for
-    // all row counts (0: never, the per-warp accumulators of every column).
-    static const int period_override = [] {
-        const char *e = getenv("TRELLM_GEMV_REDUCE_PERIOD");
-        return e ? max(0, min(16, atoi(e))) : -1;
-    }();
-    const int period = period_override >= 0 ? period_override : (first.m > 4 ? 2 : 0);
-    parts.reduce_period = period;
     const size_t red_per_col = (size_t)16 * first.m * sizeof(float);
-    const size_t fixed_acc = period > 0 ? (size_t)period * acc_per_col : 0;  // the warps' slots
-    const size_t per_col = period > 0 ? red_per_col : acc_per_col;
-    auto smem_for = [&](int cols) { return ring_bytes + max(xs_bytes, fixed_acc + (size_t)cols * per_col); };
-    // Shared memory per block: an SM's share for TRELLM_GEMV_MIN_BLOCKS blocks (the register budget is
-    // sized for as many) up to 4 rows, and above when that is one wave; else for two blocks. Never more
-    // than the device allows a block (99 KB on sm_86/89), never less than one column needs.
+    // Shared memory per block, for reduce period R (0: the warps' results of every column kept to the end).
+    auto smem_for = [&](int cols, int period) {
+        const size_t acc = period > 0 ? (size_t)period * acc_per_col + (size_t)cols * red_per_col : (size_t)cols * acc_per_col;
+        return ring_bytes + max(xs_bytes, acc);
+    };
     auto kernel = exl3_matmul_small_kernel<K, CB, MT, KT>;
     static int optin = 0;  // dynamic shared memory a block may opt in to (minus the kernel's static part)
     static int per_sm = 0, per_block = 0;  // shared memory of an SM; a block's static part + 1 KB reserve
@@ -454,17 +445,21 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
             return (int)err;
         }
     }
-    // A plan per shared-memory budget: one wave where it fits (every block resident at once, each
-    // walking a run of column tiles so its trellis loads overlap its decoding). Any run width works (a
-    // 128-column group may be shared by several blocks); at most 120 tiles, so a block touches at most
-    // 16 groups (last_groups).
-    struct Plan { int cols, resident, blocks; };
-    static int occupancy[2] = {0, 0};  // per instantiation and budget; the register count also bounds it
-    auto plan_for = [&](bool many_blocks) {
+    // A plan per shared-memory budget and reduce period: one wave where it fits (every block resident at
+    // once, each walking a run of column tiles so its trellis loads overlap its decoding). Any run width
+    // works (a 128-column group may be shared by several blocks); at most 120 tiles, so a block touches
+    // at most 16 groups (last_groups). Budgets: an SM's share for TRELLM_GEMV_MIN_BLOCKS blocks (the
+    // register budget is sized for as many) or for two; never more than the device allows a block
+    // (99 KB on sm_86/89), never less than one column needs.
+    struct Plan { int cols, resident, blocks, period; };
+    static int occupancy[2][2] = {};  // per instantiation, budget and period; the register count also bounds it
+    auto plan_for = [&](bool many_blocks, int period) {
         const int target_blocks = many_blocks ? TRELLM_GEMV_MIN_BLOCKS : 2;
-        const size_t budget = max(min((size_t)(per_sm / target_blocks - per_block) & ~(size_t)127, (size_t)optin), smem_for(1));
-        const int max_cols = max(1, (int)((budget - ring_bytes - fixed_acc) / per_col));
-        int &blocks_per_sm = occupancy[many_blocks];
+        const size_t budget = max(min((size_t)(per_sm / target_blocks - per_block) & ~(size_t)127, (size_t)optin),
+                                  smem_for(1, period));
+        const size_t fixed = ring_bytes + (period > 0 ? (size_t)period * acc_per_col : 0);
+        const int max_cols = max(1, (int)((budget - fixed) / (period > 0 ? red_per_col : acc_per_col)));
+        int &blocks_per_sm = occupancy[many_blocks][period > 0];
         if (blocks_per_sm == 0) {
             int b = 0;
             if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, GEMV_WARPS * 32, budget) != cudaSuccess || b < 1)
@@ -472,19 +467,33 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
             blocks_per_sm = b;
         }
         Plan plan;
+        plan.period = period;
         plan.resident = (num_sms > 0 ? num_sms : 132) * blocks_per_sm;
         plan.cols = max(1, min(min(max_cols, 120), (tiles_n * slices + plan.resident - 1) / plan.resident));
         plan.blocks = 0;
         for (int p = 0; p < parts.count; ++p) plan.blocks += (parts.part[p].n / 16 + plan.cols - 1) / plan.cols * slices;
         return plan;
     };
-    // TRELLM_GEMV_ONE_WAVE=0: the many-blocks budget only up to 4 rows (the A/B baseline of the rule).
+    // Up to 4 rows: three blocks per SM. 5..16 rows: three where that is one wave, else two
+    // (TRELLM_GEMV_ONE_WAVE=0: always two, the rule's A/B baseline). Above 8 rows, when even that takes
+    // several waves, the block sums its warps every 2 columns (the periodic barriers cost more than they
+    // save where one wave fits: NOTES 2026-12-03d). TRELLM_GEMV_REDUCE_PERIOD=R forces R for all rows.
     static const bool one_wave_rule = [] {
         const char *e = getenv("TRELLM_GEMV_ONE_WAVE");
         return !(e && e[0] == '0');
     }();
-    Plan plan = plan_for(true);
-    if (first.m > 4 && !(one_wave_rule && plan.blocks <= plan.resident)) plan = plan_for(false);
+    static const int period_override = [] {
+        const char *e = getenv("TRELLM_GEMV_REDUCE_PERIOD");
+        return e ? max(0, min(16, atoi(e))) : -1;
+    }();
+    auto best_plan = [&](int period) {
+        const Plan plan = plan_for(true, period);
+        if (first.m <= 4 || (one_wave_rule && plan.blocks <= plan.resident)) return plan;
+        return plan_for(false, period);
+    };
+    Plan plan = best_plan(period_override > 0 ? period_override : 0);
+    if (period_override < 0 && first.m > 8 && plan.blocks > plan.resident) plan = best_plan(2);
+    parts.reduce_period = plan.period;
     const int cols = plan.cols;
     int blocks_x = 0;
     for (int p = 0; p < parts.count; ++p) {
@@ -495,7 +504,7 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     }
     parts.block_begin[parts.count] = blocks_x;
     dim3 grid(blocks_x, slices);
-    const size_t smem = smem_for(cols);
+    const size_t smem = smem_for(cols, plan.period);
     const cudaError_t err = launch_pdl(kernel, grid, dim3(GEMV_WARPS * 32), smem, stream, parts);
     return err == cudaSuccess ? TRELLM_OK : (int)err;
 }
