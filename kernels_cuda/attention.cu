@@ -455,22 +455,81 @@ int64_t min_split_keys() {
     return 128;
 }
 
+// Blocks of the decode kernel instance for (dtype, head_dim, group) that one SM holds; 0 if unknown.
+template <typename T> int attention_blocks_per_sm(int dpl, bool small_group) {
+    int b = 0;
+    auto occupancy = [&](auto kernel) {
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, ATT_WARPS * 32, 0) != cudaSuccess) {
+            cudaGetLastError();
+            b = 0;
+        }
+    };
+#define ATT_OCC(DPL) \
+    case DPL: small_group ? occupancy(paged_attention_kernel<T, DPL, 4>) : occupancy(paged_attention_kernel<T, DPL, GMAX>); break;
+    switch (dpl) {
+        ATT_OCC(2) ATT_OCC(3) ATT_OCC(4) ATT_OCC(5) ATT_OCC(6) ATT_OCC(8)
+        default: break;
+    }
+#undef ATT_OCC
+    return b;
+}
+
 }  // namespace
+
+extern "C" int trellm_paged_attention_splits_for(int64_t tokens, int64_t hq, int64_t hkv, int64_t head_dim, int dtype,
+                                                 int64_t page_size, int64_t max_blocks, int num_sms) {
+    if (tokens <= 0 || hkv <= 0 || hq <= 0) return 1;
+    const int64_t head_chunks = (hq / hkv + GMAX - 1) / GMAX;
+    const int64_t groups = tokens * hkv * head_chunks;  // blocks per split
+    const int64_t sms = num_sms > 0 ? num_sms : 132;
+    const int64_t capacity = page_size * max_blocks;
+    // No more splits than the cache's capacity fills with min_split_keys each.
+    const int64_t min_keys = min_split_keys();
+    int64_t max_splits = (capacity + min_keys - 1) / min_keys;
+    if (max_splits > 64) max_splits = 64;
+    if (max_splits < 1) max_splits = 1;
+    int per_sm = 0;
+    const char *waves = getenv("TRELLM_ATTN_WAVES");
+    const int dpl = (int)(head_dim / 32);
+    if (!(waves && waves[0] == '0') && dpl >= 2 && dpl <= 8 && dtype >= TRELLM_F16 && dtype <= TRELLM_F32) {
+        // Asked once per kernel instance (the answer does not change; this runs once per attention call).
+        static int cached[3][9][2] = {};  // [dtype][dpl][small group]; 0: not asked yet, -1: unknown
+        const bool small_group = hq / hkv <= 4;
+        int &c = cached[dtype - TRELLM_F16][dpl][small_group];
+        if (c == 0) {
+            int b = 0;
+            if (dtype == TRELLM_F16) b = attention_blocks_per_sm<half>(dpl, small_group);
+            else if (dtype == TRELLM_BF16) b = attention_blocks_per_sm<__nv_bfloat16>(dpl, small_group);
+            else b = attention_blocks_per_sm<float>(dpl, small_group);
+            c = b > 0 ? b : -1;
+        }
+        per_sm = c;
+    }
+    if (per_sm < 1) {  // the occupancy-blind rule (TRELLM_ATTN_WAVES=0): about 4 blocks per SM
+        int64_t splits = 4 * sms / groups;
+        if (splits > max_splits) splits = max_splits;
+        return splits < 1 ? 1 : (int)splits;
+    }
+    // Whole waves: the blocks run in ceil(groups * s / resident) waves of about (min_keys + capacity / s)
+    // keys each (a block's fixed cost counted as one minimal split). The fewest splits with the least
+    // cost win: e.g. 256 groups on 396 slots take 3 splits (2 waves of 811), not 2 (2 waves of 1152).
+    const int64_t resident = sms * per_sm;
+    int64_t best = 1;
+    double best_cost = 1e300;
+    for (int64_t s = 1; s <= max_splits; ++s) {
+        const double waves_needed = (double)((groups * s + resident - 1) / resident);
+        const double cost = waves_needed * ((double)min_keys + (double)capacity / (double)s);
+        if (cost < best_cost * (1.0 - 1e-9)) {
+            best_cost = cost;
+            best = s;
+        }
+    }
+    return (int)best;
+}
 
 extern "C" int trellm_paged_attention_splits(int64_t tokens, int64_t hq, int64_t hkv, int64_t page_size,
                                              int64_t max_blocks, int num_sms) {
-    if (tokens <= 0 || hkv <= 0 || hq <= 0) return 1;
-    const int64_t head_chunks = (hq / hkv + GMAX - 1) / GMAX;
-    const int64_t blocks = tokens * hkv * head_chunks;
-    const int64_t target = 4 * (int64_t)(num_sms > 0 ? num_sms : 132);
-    const int64_t capacity = page_size * max_blocks;
-    int64_t splits = target / blocks;
-    // No more splits than the cache's capacity fills with min_split_keys each.
-    const int64_t min_keys = min_split_keys();
-    const int64_t max_splits = (capacity + min_keys - 1) / min_keys;
-    if (splits > max_splits) splits = max_splits;
-    if (splits > 64) splits = 64;
-    return splits < 1 ? 1 : (int)splits;
+    return trellm_paged_attention_splits_for(tokens, hq, hkv, 128, TRELLM_F16, page_size, max_blocks, num_sms);
 }
 
 extern "C" int trellm_paged_attention(const void *q, const void *k_pages, const void *v_pages,

@@ -267,6 +267,37 @@ def exl3_matmul_small(
     return y
 
 
+def exl3_matmul_small_gated(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    codebook: str,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``exl3_matmul_small(act(gate) * up, ...)`` in one launch: the GEMV applies the activation in its
+    input transform, rounded as ``gated_activation`` rounds it (the same result, one launch fewer)."""
+    n, K = _check_exl3_part(gate, trellis, suh, svh, bias)
+    expect(up, "up", dtype=gate.dtype, shape=tuple(gate.shape), device=gate.device)
+    if activation not in ACTIVATION_CODES:
+        raise KernelArgumentError(f"activation {activation!r} unsupported; supported: {sorted(ACTIVATION_CODES)}")
+    trellis, gate, up, suh = _aligned(trellis), _aligned(gate), _aligned(up), _aligned(suh)
+    m, k = gate.shape
+    y = torch.empty(m, n, dtype=gate.dtype, device=gate.device)
+    workspace = torch.empty(lib().trellm_exl3_matmul_small_workspace(m, k, n), dtype=torch.float32, device=gate.device)
+    counters = _counters(gate.device, n // 128)
+    rc = lib().trellm_exl3_matmul_small_gated(
+        _ptr(gate), _ptr(up), ACTIVATION_CODES[activation], DTYPE_CODES[gate.dtype], _ptr(suh),
+        _ptr(trellis, "int16_t *"), _ptr(svh), _ptr(bias), _ptr(y), DTYPE_CODES[y.dtype], _ptr(workspace, "float *"),
+        _ptr(counters, "int32_t *"), counters.numel(), m, k, n, K, _codebook_code(codebook), _num_sms(gate.device),
+        _stream(),
+    )
+    _check(rc, "exl3_matmul_small_gated")
+    return y
+
+
 EXL3_MAX_PARTS = 4
 
 
@@ -478,7 +509,8 @@ def paged_attention(
         dtypes=_FLOATS, head_dims=ATTENTION_HEAD_DIMS, kernel="kernel",
     )
     out = torch.empty_like(q)
-    splits = lib().trellm_paged_attention_splits(tokens, hq, hkv, page_size, max_blocks, _num_sms(q.device))
+    splits = lib().trellm_paged_attention_splits_for(tokens, hq, hkv, d, DTYPE_CODES[q.dtype], page_size, max_blocks,
+                                                     _num_sms(q.device))
     workspace = None
     if splits > 1:
         workspace = torch.empty(tokens * hq * splits * (d + 2), dtype=torch.float32, device=q.device)

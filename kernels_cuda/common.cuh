@@ -59,6 +59,27 @@ __device__ __forceinline__ void store_from_f32(void *p, int dtype, size_t i, flo
     else static_cast<float *>(p)[i] = v;
 }
 
+// v rounded to a run-time dtype and back: where a fused kernel must match the unfused ops' rounding.
+__device__ __forceinline__ float round_as(float v, int dtype) {
+    if (dtype == TRELLM_F16) return __half2float(__float2half_rn(v));
+    if (dtype == TRELLM_BF16) return __bfloat162float(__float2bfloat16_rn(v));
+    return v;
+}
+
+// The gated activations' act(g) (TRELLM_ACT_*), in float.
+__device__ __forceinline__ float apply_act(float g, int act) {
+    switch (act) {
+        case TRELLM_ACT_SILU: return g / (1.f + expf(-g));
+        case TRELLM_ACT_GELU: return 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
+        case TRELLM_ACT_GELU_TANH: {
+            const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+            return 0.5f * g * (1.f + tanhf(inner));
+        }
+        case TRELLM_ACT_RELU: return fmaxf(g, 0.f);
+        default: { const float r = fmaxf(g, 0.f); return r * r; }
+    }
+}
+
 // Calls F.template operator()<T>() with T the C type of a dtype code; returns TRELLM_E_BAD_DTYPE otherwise.
 #define TRELLM_DISPATCH_DTYPE(code, T, ...)                              \
     switch (code) {                                                      \

@@ -346,20 +346,7 @@ int launch_rotary_qk(const RopeArgs &a, cudaStream_t stream) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Gated activation
-
-__device__ __forceinline__ float apply_act(float g, int act) {
-    switch (act) {
-        case TRELLM_ACT_SILU: return g / (1.f + expf(-g));
-        case TRELLM_ACT_GELU: return 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
-        case TRELLM_ACT_GELU_TANH: {
-            const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-            return 0.5f * g * (1.f + tanhf(inner));
-        }
-        case TRELLM_ACT_RELU: return fmaxf(g, 0.f);
-        default: { const float r = fmaxf(g, 0.f); return r * r; }
-    }
-}
+// Gated activation (apply_act: common.cuh, shared with the EXL3 GEMV's fused input transform)
 
 template <typename T>
 __global__ void gated_activation_kernel(const T *__restrict__ gate, int64_t gate_stride, const T *__restrict__ up,

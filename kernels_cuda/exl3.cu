@@ -19,12 +19,16 @@ extern "C" int64_t trellm_exl3_matmul_small_workspace(int64_t m, int64_t k, int6
     return (int64_t)gemv_slices((int)k, (int)m) * m * n;
 }
 
-extern "C" int trellm_exl3_matmul_small_multi(const void *x, int x_dtype, int parts, const void *const *suh,
-                                              const int16_t *const *trellis, const void *const *svh,
-                                              const void *const *bias, void *const *y, const int64_t *n, int y_dtype,
-                                              float *workspace, int32_t *counters, int64_t counters_len, int64_t m,
-                                              int64_t k, int K, int codebook, int num_sms, cudaStream_t stream) {
+namespace {
+
+// The small-batch matmul of x (or act(x) * x_up, x_up non-null) by 1..4 parts in one launch.
+int exl3_matmul_small_parts(const void *x, const void *x_up, int act, int x_dtype, int parts, const void *const *suh,
+                            const int16_t *const *trellis, const void *const *svh, const void *const *bias,
+                            void *const *y, const int64_t *n, int y_dtype, float *workspace, int32_t *counters,
+                            int64_t counters_len, int64_t m, int64_t k, int K, int codebook, int num_sms,
+                            cudaStream_t stream) {
     if (parts < 1 || parts > GEMV_MAX_PARTS) return TRELLM_E_BAD_ARG;
+    if (x_up && (act < TRELLM_ACT_SILU || act > TRELLM_ACT_RELU2)) return TRELLM_E_BAD_ARG;
     if (m < 1 || m > 16) return TRELLM_E_BAD_SHAPE;
     if (x_dtype < TRELLM_F16 || x_dtype > TRELLM_F32 || y_dtype < TRELLM_F16 || y_dtype > TRELLM_F32)
         return TRELLM_E_BAD_DTYPE;
@@ -38,6 +42,8 @@ extern "C" int trellm_exl3_matmul_small_multi(const void *x, int x_dtype, int pa
         if (reinterpret_cast<uintptr_t>(trellis[p]) % 16) return TRELLM_E_BAD_ARG;  // 16-byte cp.async chunks
         MatmulArgs &a = mp.part[p];
         a.x = x;
+        a.x_up = x_up;
+        a.act = act;
         a.suh = static_cast<const half *>(suh[p]);
         a.trellis = reinterpret_cast<const uint32_t *>(trellis[p]);
         a.svh = static_cast<const half *>(svh[p]);
@@ -62,12 +68,33 @@ extern "C" int trellm_exl3_matmul_small_multi(const void *x, int x_dtype, int pa
     }
 }
 
+}  // namespace
+
+extern "C" int trellm_exl3_matmul_small_multi(const void *x, int x_dtype, int parts, const void *const *suh,
+                                              const int16_t *const *trellis, const void *const *svh,
+                                              const void *const *bias, void *const *y, const int64_t *n, int y_dtype,
+                                              float *workspace, int32_t *counters, int64_t counters_len, int64_t m,
+                                              int64_t k, int K, int codebook, int num_sms, cudaStream_t stream) {
+    return exl3_matmul_small_parts(x, nullptr, 0, x_dtype, parts, suh, trellis, svh, bias, y, n, y_dtype, workspace,
+                                   counters, counters_len, m, k, K, codebook, num_sms, stream);
+}
+
 extern "C" int trellm_exl3_matmul_small(const void *x, int x_dtype, const void *suh, const int16_t *trellis,
                                         const void *svh, const void *bias, void *y, int y_dtype, float *workspace,
                                         int32_t *counters, int64_t counters_len, int64_t m, int64_t k, int64_t n,
                                         int K, int codebook, int num_sms, cudaStream_t stream) {
-    return trellm_exl3_matmul_small_multi(x, x_dtype, 1, &suh, &trellis, &svh, &bias, &y, &n, y_dtype, workspace,
-                                          counters, counters_len, m, k, K, codebook, num_sms, stream);
+    return exl3_matmul_small_parts(x, nullptr, 0, x_dtype, 1, &suh, &trellis, &svh, &bias, &y, &n, y_dtype, workspace,
+                                   counters, counters_len, m, k, K, codebook, num_sms, stream);
+}
+
+extern "C" int trellm_exl3_matmul_small_gated(const void *gate, const void *up, int activation, int x_dtype,
+                                              const void *suh, const int16_t *trellis, const void *svh,
+                                              const void *bias, void *y, int y_dtype, float *workspace,
+                                              int32_t *counters, int64_t counters_len, int64_t m, int64_t k,
+                                              int64_t n, int K, int codebook, int num_sms, cudaStream_t stream) {
+    if (!up) return TRELLM_E_BAD_ARG;
+    return exl3_matmul_small_parts(gate, up, activation, x_dtype, 1, &suh, &trellis, &svh, &bias, &y, &n, y_dtype,
+                                   workspace, counters, counters_len, m, k, K, codebook, num_sms, stream);
 }
 
 extern "C" int trellm_exl3_decode_tiles(const int16_t *trellis, void *w_hat, int64_t k, int64_t n, int K,

@@ -54,6 +54,8 @@ template <int K, int CB> __device__ __forceinline__ void tile_fragments_split(co
 
 struct MatmulArgs {
     const void *x;          // [m, k], x_dtype
+    const void *x_up;       // null, or [m, k] x_dtype: the input is act(x) * x_up (a gated MLP's down projection)
+    int act;                // TRELLM_ACT_* when x_up is set
     const half *suh;        // [k]
     const uint32_t *trellis;
     const half *svh;        // [n]
@@ -72,6 +74,11 @@ struct MatmulParts {
     MatmulArgs part[GEMV_MAX_PARTS];
     int block_begin[GEMV_MAX_PARTS + 1];
     int count;
+    // 0: each warp keeps its result for every column of the run, summed once after the loop. R > 0: each
+    // warp keeps R columns, and the block sums them into one [m][columns] buffer every R columns (a
+    // barrier per round): shared memory per column drops from 8 warps' to one result, so more rows fit
+    // one wave (the same fixed sum order: bit-stable).
+    int reduce_period;
 };
 
 // Trellis words in flight per warp: STAGES columns of KT tiles each, in shared memory (cp.async),
@@ -104,7 +111,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
     const int m = args.m, k = args.k, n = args.n, cols_per_block = args.cols_per_block;
     uint32_t *ring_all = reinterpret_cast<uint32_t *>(smem_raw);                      // [warps][STAGES][STAGE_WORDS]
     half *xs = reinterpret_cast<half *>(smem_raw + P::RING_BYTES);                    // [m][SLICE_K]
-    float *acc_all = reinterpret_cast<float *>(smem_raw + P::RING_BYTES + (size_t)m * SLICE_K * sizeof(half));
+    // The column accumulators [warps][cols][16][acc_stride] reuse xs's bytes: xs is dead once every warp
+    // holds its x fragments (8 rows: 16 KB more for columns, which lets one wave run 3 blocks per SM).
+    float *acc_all = reinterpret_cast<float *>(smem_raw + P::RING_BYTES);
     __shared__ int last_groups[16];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -146,12 +155,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
     // Phase 0: xs = fp16(H128(x * suh)) for this slice. A warp's jobs are chunk `warp % slice_chunks`
     // of each row (all of them when the slice is whole), so its suh is loaded once, with the weights.
     float su[4] = {0.f, 0.f, 0.f, 0.f};
-    if (warp < m * slice_chunks) {
-        const uint2 raw = *reinterpret_cast<const uint2 *>(args.suh + k0 + (warp % slice_chunks) * 128 + lane * 4);
-        const float2 a = __half22float2(*reinterpret_cast<const half2 *>(&raw.x));
-        const float2 b = __half22float2(*reinterpret_cast<const half2 *>(&raw.y));
-        su[0] = a.x; su[1] = a.y; su[2] = b.x; su[3] = b.y;
-    }
+    if (warp < m * slice_chunks) load4_as_f32(args.suh, TRELLM_F16, k0 + (warp % slice_chunks) * 128 + lane * 4, su);
     // Only weights were read so far: from here on x, the workspace and y, which the kernel before
     // may still be using (programmatic dependent launch).
     pdl_wait();
@@ -161,6 +165,13 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
         const int col = k0 + chunk * 128 + lane * 4;
         float v[4];
         load4_as_f32(args.x, args.x_dtype, (size_t)row * k + col, v);
+        if (args.x_up) {  // rounded as the separate gated_activation kernel rounds: the same x, bit for bit
+            float u[4];
+            load4_as_f32(args.x_up, args.x_dtype, (size_t)row * k + col, u);
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                v[i] = round_as(round_as(apply_act(v[i], args.act), args.x_dtype) * u[i], args.x_dtype);
+        }
         const bool own_chunk = chunk == warp % slice_chunks;
 #pragma unroll
         for (int i = 0; i < 4; ++i) v[i] *= own_chunk ? su[i] : __half2float(args.suh[col + i]);
@@ -201,6 +212,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
             }
         }
     }
+    __syncthreads();  // every warp holds its x fragments: xs becomes the accumulators
 
     // The lane's words of a tile in a stage: (w0 + q) mod TILE_WORDS, q < NW.
     int w0, r;
@@ -209,9 +221,22 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
 #pragma unroll
     for (int q = 0; q < G::NW; ++q) word_off[q] = (w0 + q) % P::TILE_WORDS;
 
-    // The lane's accumulator slots: (n = lane/4 (+8), rows 2(lane%4)+{0,1}) of the current column.
-    float *acc_lane = acc_all + (size_t)warp * cols_per_block * 16 * acc_stride + (lane >> 2) * acc_stride + (lane & 3) * 2;
+    // The lane's accumulator slots: (n = lane/4 (+8), rows 2(lane%4)+{0,1}) of the current column, which
+    // goes to slot col % slots. `red`: the warps' sums [m][cols_per_block * 16] (reduce_period > 0).
+    const int period = parts.reduce_period;
+    const int slots = period > 0 ? period : cols_per_block;
+    const size_t warp_stride = (size_t)slots * 16 * acc_stride;
+    float *acc_lane = acc_all + (size_t)warp * warp_stride + (lane >> 2) * acc_stride + (lane & 3) * 2;
     const int acc_col_stride = 16 * acc_stride;
+    float *red = acc_all + GEMV_WARPS * warp_stride;
+    const int red_stride = cols_per_block * 16;
+    // The sum over the warps of (slot-relative) element e = column * 16 + n, row: a fixed order.
+    auto warps_sum = [&](int e, int row) {
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < GEMV_WARPS; ++w) s += acc_all[w * warp_stride + e * acc_stride + row];
+        return s;
+    };
 
     auto compute = [&](const uint32_t *stage_words, float *dst) {
         float c[MT][4];
@@ -271,21 +296,26 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
         if (refill >= P::STAGES) refill -= P::STAGES;
         if (col + P::STAGES - 1 < ncols) issue_next(refill);
         cp_async_commit();
-        compute(ring + stage * P::STAGE_WORDS, acc_lane + col * acc_col_stride);
+        compute(ring + stage * P::STAGE_WORDS, acc_lane + (period > 0 ? col % period : col) * acc_col_stride);
         stage = stage + 1 == P::STAGES ? 0 : stage + 1;
+        if (period > 0 && (col % period == period - 1 || col == ncols - 1)) {  // the same col in every warp
+            __syncthreads();
+            const int first = col - col % period, round = (col - first + 1) * 16;
+            for (int idx = threadIdx.x; idx < m * round; idx += blockDim.x) {
+                const int row = idx / round, e = idx % round;
+                red[row * red_stride + first * 16 + e] = warps_sum(e, row);
+            }
+            __syncthreads();
+        }
     }
     cp_async_wait<0>();
     __syncthreads();
 
-    // Phase 2: sum the warps, store this slice's partial sums (valid rows only), coalesced along n.
+    // Phase 2: the warps' sums, this slice's partial sums (valid rows only), stored coalesced along n.
     const int cols = (j_end - j_begin) * 16;
-    const size_t warp_stride = (size_t)cols_per_block * 16 * acc_stride;
     for (int idx = threadIdx.x; idx < m * cols; idx += blockDim.x) {
         const int row = idx / cols, c = idx % cols;
-        float s = 0.f;
-#pragma unroll
-        for (int w = 0; w < GEMV_WARPS; ++w) s += acc_all[w * warp_stride + c * acc_stride + row];
-        args.partial[((size_t)slice * m + row) * n + j_begin * 16 + c] = s;
+        args.partial[((size_t)slice * m + row) * n + j_begin * 16 + c] = period > 0 ? red[row * red_stride + c] : warps_sum(c, row);
     }
     __syncthreads();
 
@@ -386,10 +416,14 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     for (int p = 0; p < parts.count; ++p) tiles_n += parts.part[p].n / 16;
     const int slices = gemv_slices(first.k, first.m);
     const size_t acc_per_col = (size_t)GEMV_WARPS * 16 * (first.m | 1) * sizeof(float);
-    const size_t xs_bytes = GemvPipe<K, KT>::RING_BYTES + (size_t)first.m * GEMV_WARPS * KT * 16 * sizeof(half);
-    // Shared memory per block: an SM's share for TRELLM_GEMV_MIN_BLOCKS blocks (up to 4 rows; the
-    // register budget is sized for as many), for two blocks above; never more than the device allows a
-    // block (99 KB on sm_86/89), never less than one column needs.
+    const size_t ring_bytes = GemvPipe<K, KT>::RING_BYTES;
+    const size_t xs_bytes = (size_t)first.m * GEMV_WARPS * KT * 16 * sizeof(half);  // the accumulators reuse it
+    const size_t red_per_col = (size_t)16 * first.m * sizeof(float);
+    // Shared memory per block, for reduce period R (0: the warps' results of every column kept to the end).
+    auto smem_for = [&](int cols, int period) {
+        const size_t acc = period > 0 ? (size_t)period * acc_per_col + (size_t)cols * red_per_col : (size_t)cols * acc_per_col;
+        return ring_bytes + max(xs_bytes, acc);
+    };
     auto kernel = exl3_matmul_small_kernel<K, CB, MT, KT>;
     static int optin = 0;  // dynamic shared memory a block may opt in to (minus the kernel's static part)
     static int per_sm = 0, per_block = 0;  // shared memory of an SM; a block's static part + 1 KB reserve
@@ -411,24 +445,56 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
             return (int)err;
         }
     }
-    const bool few_rows = first.m <= 4;
-    const int target_blocks = few_rows ? TRELLM_GEMV_MIN_BLOCKS : 2;
-    const size_t budget = max(min((size_t)(per_sm / target_blocks - per_block) & ~(size_t)127, (size_t)optin), xs_bytes + acc_per_col);
-    const int max_cols = max(1, (int)((budget - xs_bytes) / acc_per_col));
-    static int occupancy[2] = {0, 0};  // per instantiation and budget; the register count also bounds it
-    int &blocks_per_sm = occupancy[few_rows];
-    if (blocks_per_sm == 0) {
-        int b = 0;
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, GEMV_WARPS * 32, budget) != cudaSuccess || b < 1)
-            b = 1;
-        blocks_per_sm = b;
-    }
-    // One wave: every block resident at once, each walking a run of column tiles so its trellis
-    // loads overlap its decoding.
-    const int resident = (num_sms > 0 ? num_sms : 132) * blocks_per_sm;
-    // Any width works (a 128-column group may be shared by several blocks); at most 120 tiles, so a
-    // block touches at most 16 groups (last_groups).
-    const int cols = max(1, min(min(max_cols, 120), (tiles_n * slices + resident - 1) / resident));
+    // A plan per shared-memory budget and reduce period: one wave where it fits (every block resident at
+    // once, each walking a run of column tiles so its trellis loads overlap its decoding). Any run width
+    // works (a 128-column group may be shared by several blocks); at most 120 tiles, so a block touches
+    // at most 16 groups (last_groups). Budgets: an SM's share for TRELLM_GEMV_MIN_BLOCKS blocks (the
+    // register budget is sized for as many) or for two; never more than the device allows a block
+    // (99 KB on sm_86/89), never less than one column needs.
+    struct Plan { int cols, resident, blocks, period; };
+    static int occupancy[2][2] = {};  // per instantiation, budget and period; the register count also bounds it
+    auto plan_for = [&](bool many_blocks, int period) {
+        const int target_blocks = many_blocks ? TRELLM_GEMV_MIN_BLOCKS : 2;
+        const size_t budget = max(min((size_t)(per_sm / target_blocks - per_block) & ~(size_t)127, (size_t)optin),
+                                  smem_for(1, period));
+        const size_t fixed = ring_bytes + (period > 0 ? (size_t)period * acc_per_col : 0);
+        const int max_cols = max(1, (int)((budget - fixed) / (period > 0 ? red_per_col : acc_per_col)));
+        int &blocks_per_sm = occupancy[many_blocks][period > 0];
+        if (blocks_per_sm == 0) {
+            int b = 0;
+            if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, GEMV_WARPS * 32, budget) != cudaSuccess || b < 1)
+                b = 1;
+            blocks_per_sm = b;
+        }
+        Plan plan;
+        plan.period = period;
+        plan.resident = (num_sms > 0 ? num_sms : 132) * blocks_per_sm;
+        plan.cols = max(1, min(min(max_cols, 120), (tiles_n * slices + plan.resident - 1) / plan.resident));
+        plan.blocks = 0;
+        for (int p = 0; p < parts.count; ++p) plan.blocks += (parts.part[p].n / 16 + plan.cols - 1) / plan.cols * slices;
+        return plan;
+    };
+    // Up to 4 rows: three blocks per SM. 5..16 rows: three where that is one wave, else two
+    // (TRELLM_GEMV_ONE_WAVE=0: always two, the rule's A/B baseline). Above 8 rows, when even that takes
+    // several waves, the block sums its warps every 2 columns (the periodic barriers cost more than they
+    // save where one wave fits: NOTES 2026-12-03d). TRELLM_GEMV_REDUCE_PERIOD=R forces R for all rows.
+    static const bool one_wave_rule = [] {
+        const char *e = getenv("TRELLM_GEMV_ONE_WAVE");
+        return !(e && e[0] == '0');
+    }();
+    static const int period_override = [] {
+        const char *e = getenv("TRELLM_GEMV_REDUCE_PERIOD");
+        return e ? max(0, min(16, atoi(e))) : -1;
+    }();
+    auto best_plan = [&](int period) {
+        const Plan plan = plan_for(true, period);
+        if (first.m <= 4 || (one_wave_rule && plan.blocks <= plan.resident)) return plan;
+        return plan_for(false, period);
+    };
+    Plan plan = best_plan(period_override > 0 ? period_override : 0);
+    if (period_override < 0 && first.m > 8 && plan.blocks > plan.resident) plan = best_plan(2);
+    parts.reduce_period = plan.period;
+    const int cols = plan.cols;
     int blocks_x = 0;
     for (int p = 0; p < parts.count; ++p) {
         MatmulArgs &a = parts.part[p];
@@ -438,7 +504,7 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     }
     parts.block_begin[parts.count] = blocks_x;
     dim3 grid(blocks_x, slices);
-    const size_t smem = xs_bytes + (size_t)cols * acc_per_col;
+    const size_t smem = smem_for(cols, plan.period);
     const cudaError_t err = launch_pdl(kernel, grid, dim3(GEMV_WARPS * 32), smem, stream, parts);
     return err == cudaSuccess ? TRELLM_OK : (int)err;
 }

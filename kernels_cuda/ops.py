@@ -25,6 +25,10 @@ binding.lib()
 # decoded to fp16 and multiplied by cuBLAS, whose cost is then shared by all rows. Measured on the H200:
 # the fused kernel at 32 rows (4 mma per tile, 1 block per SM) was 3x slower than decode + cuBLAS.
 EXL3_GEMV_MAX_ROWS = binding.EXL3_SMALL_MAX_ROWS
+# Rows up to which a gated MLP's down projection applies the activation inside the GEMV's input
+# transform. Measured on the H200 (14336 -> 4096, 4 bpw): 1.02x over the two kernels at 1 row, but
+# 0.76x at 8 rows and 0.64x at 16, so more rows take gated_activation + the GEMV (NOTES, 2026-12-03d).
+EXL3_GATED_FUSED_MAX_ROWS = 1
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -86,7 +90,24 @@ def exl3_matmul_gated(
     codebook: str,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return exl3_matmul(gated_activation(gate, up, activation), trellis, suh, svh, codebook, bias)
+    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+    fused = (
+        gate.dtype in _FLOATS
+        and up.dtype == gate.dtype
+        and up.shape == gate.shape
+        and gate.shape[-1] == k
+        and k % 128 == 0
+        and n % 128 == 0
+        and activation in binding.ACTIVATION_CODES
+        and 1 <= gate.numel() // k <= EXL3_GATED_FUSED_MAX_ROWS
+    )
+    if not fused:
+        return exl3_matmul(gated_activation(gate, up, activation), trellis, suh, svh, codebook, bias)
+    lead = gate.shape[:-1]
+    half = lambda t: t.to(torch.float16).contiguous() if t is not None else None  # noqa: E731
+    y = binding.exl3_matmul_small_gated(gate.reshape(-1, k).contiguous(), up.reshape(-1, k).contiguous(), activation,
+                                        trellis.contiguous(), half(suh), half(svh), codebook, half(bias))
+    return y.reshape(*lead, n)
 
 
 @_exl3.exl3_matmul_group.register("cuda")

@@ -63,6 +63,15 @@ int trellm_exl3_matmul_small(const void *x, int x_dtype, const void *suh, const 
                              int64_t counters_len, int64_t m, int64_t k, int64_t n, int K, int codebook,
                              int num_sms, cudaStream_t stream);
 
+/* The same with x = act(gate) * up (gate, up [m, k] of x_dtype; activation TRELLM_ACT_*), the activation
+ * applied in the input transform and rounded as trellm_gated_activation rounds it: a gated MLP's down
+ * projection in one launch. */
+int trellm_exl3_matmul_small_gated(const void *gate, const void *up, int activation, int x_dtype,
+                                   const void *suh, const int16_t *trellis, const void *svh, const void *bias,
+                                   void *y, int y_dtype, float *workspace, int32_t *counters, int64_t counters_len,
+                                   int64_t m, int64_t k, int64_t n, int K, int codebook, int num_sms,
+                                   cudaStream_t stream);
+
 /* The same for 1..4 matmuls of one x (q/k/v, gate/up) in one launch: part p has trellis[p] int16
  * [k/16, n[p]/16, 16*K], suh[p], svh[p], bias[p] (may be NULL) and output y[p] [m, n[p]]; all parts share
  * K and the codebook. workspace: float32 of trellm_exl3_matmul_small_workspace(m, k, sum of n) elements;
@@ -108,8 +117,11 @@ int trellm_write_kv_pages(const void *k, const void *v, void *k_pages, void *v_p
 /* Paged attention of each query token over its sequence's cached context (decode and chunked prefill).
  * q [tokens, hq, d]; pages [num_pages, page_size, hkv, d]; block_table int32 [batch, max_blocks];
  * cu_seqlens int32 [batch+1]; context_lens int32 [batch]; sinks float32 [hq] or NULL; out like q.
- * splits: key splits per (token, head) from trellm_paged_attention_splits; when > 1, workspace is
- * float32 [tokens * hq * splits * (d + 2)]. */
+ * splits: key splits per (token, head) from trellm_paged_attention_splits_for (whole waves of the kernel
+ * instance for dtype and d); when > 1, workspace is float32 [tokens * hq * splits * (d + 2)].
+ * trellm_paged_attention_splits is the same for fp16 and d = 128. */
+int trellm_paged_attention_splits_for(int64_t tokens, int64_t hq, int64_t hkv, int64_t head_dim, int dtype,
+                                      int64_t page_size, int64_t max_blocks, int num_sms);
 int trellm_paged_attention_splits(int64_t tokens, int64_t hq, int64_t hkv, int64_t page_size, int64_t max_blocks,
                                   int num_sms);
 int trellm_paged_attention(const void *q, const void *k_pages, const void *v_pages, const int32_t *block_table,

@@ -162,7 +162,7 @@ def test_rotary_qk_write_kv_in_cuda_graph(ops):
 # Paged attention: the key splits merged inside the kernel (arrival counters)
 
 
-@pytest.mark.parametrize("split_keys", [None, "16"])  # default (256 keys per split) and 64 splits
+@pytest.mark.parametrize("split_keys", [None, "16"])  # default (128 keys per split) and over 32 splits
 @pytest.mark.parametrize("sinks", [False, True])
 def test_paged_attention_in_kernel_split_merge(ops, sinks, split_keys, monkeypatch):
     """Decode over a long context uses key splits; repeated calls and graph replays must each merge
@@ -171,7 +171,8 @@ def test_paged_attention_in_kernel_split_merge(ops, sinks, split_keys, monkeypat
 
     if split_keys is not None:
         monkeypatch.setenv("TRELLM_ATTN_SPLIT_KEYS", split_keys)
-        assert binding.lib().trellm_paged_attention_splits(1, 32, 8, 16, 188, 132) == 64
+        # more than 32: the merge's second lane half (splits 32..63) takes part
+        assert binding.lib().trellm_paged_attention_splits(1, 32, 8, 16, 188, 132) > 32
 
     torch.manual_seed(3)
     hq, hkv, d, page_size, ctx = 32, 8, 128, 16, 3000
@@ -350,3 +351,22 @@ def test_tiny_model_decode_kernels_vs_reference(ops, arch, tmp_path, monkeypatch
             logits = runner.forward(ForwardBatch.with_cache([[tok]], [len(prompt) + i], [pages], cache))
             assert runner.graphs, "the decode step was captured"
             assert rel_err(logits.float(), ref[i + 1]) < 1e-2
+
+
+def test_paged_attention_splits_fill_whole_waves(ops, monkeypatch):
+    """The split count keeps the grid in whole waves of the kernel's resident blocks. 32 decode tokens
+    of 8 kv heads (256 blocks per split) over a 2048-token cache: on 132 SMs holding 3 blocks each, 3
+    splits (2 waves of 811-key blocks) beat the occupancy-blind rule's 2 (2 waves of 1152)."""
+    from trellm.kernels_cuda import binding
+
+    lib, f16 = binding.lib(), binding.DTYPE_CODES[torch.float16]
+
+    def model(groups: int, capacity: int, per_sm: int, sms: int = 132, min_keys: int = 128) -> int:
+        costs = [(-(-groups * s // (sms * per_sm))) * (min_keys + capacity / s) for s in range(1, min(64, capacity // min_keys) + 1)]
+        return 1 + min(range(len(costs)), key=lambda i: (costs[i], i))
+
+    chosen = lib.trellm_paged_attention_splits_for(32, 32, 8, 128, f16, 16, 128, 132)
+    assert chosen in {model(256, 2048, per_sm) for per_sm in range(1, 9)}
+    assert model(256, 2048, 3) == 3
+    monkeypatch.setenv("TRELLM_ATTN_WAVES", "0")
+    assert lib.trellm_paged_attention_splits_for(32, 32, 8, 128, f16, 16, 128, 132) == 2

@@ -150,6 +150,19 @@ def test_exl3_matmul_gemv_all_k(ops, K, codebook):
         assert rel_err(y, ref) < 3e-3, (m, K, codebook)
 
 
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+@pytest.mark.parametrize("K", range(1, 9))
+def test_exl3_matmul_gemv_sliced_k_all_k(ops, K, codebook):
+    # k = 2048: two or four k-slices, whose sums meet in the epilogue (global partials and arrival counters).
+    k, n = 2048, 384
+    trellis, suh, svh, bias = _random_layer(k, n, K)
+    for m in (1, 5, 16):
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        y = cuda_impl(ops.exl3.exl3_matmul)(x, trellis, suh, svh, codebook, bias)
+        ref = ops.exl3.exl3_matmul.reference(x.float(), trellis, suh, svh, codebook, bias)
+        assert rel_err(y, ref) < 3e-3, (m, K, codebook)
+
+
 @pytest.mark.parametrize("m", [1, 2, 7, 9, 16, 17, 32, 33, 100])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_exl3_matmul_rows_and_dtypes(ops, m, dtype):
@@ -165,7 +178,7 @@ def test_exl3_matmul_rows_and_dtypes(ops, m, dtype):
 
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "relu"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_exl3_matmul_gated(ops, activation, dtype):
+def test_exl3_matmul_gated(kb, ops, activation, dtype):
     # The down projection of act(gate) * up: 1..16 rows take the GEMV (where it may apply the activation
     # in its input transform), more rows the decode + cuBLAS path.
     k, n, K = 4096, 1024, 4
@@ -177,6 +190,13 @@ def test_exl3_matmul_gated(ops, activation, dtype):
         ref = ops.exl3.exl3_matmul_gated.reference(gate.float(), up.float(), activation, trellis, suh, svh, "mcg", bias)
         assert y.dtype == dtype and y.shape == (m, n)
         assert rel_err(y, ref) < (1e-2 if dtype == torch.bfloat16 else 3e-3), (m, activation)
+        # the fused GEMV rounds act(gate) * up as the separate kernel does: the same bits as the two ops
+        composed = cuda_impl(ops.exl3.exl3_matmul)(cuda_impl(ops.gated_activation)(gate, up, activation), trellis,
+                                                   suh, svh, "mcg", bias)
+        assert torch.equal(y, composed), (m, activation)
+        if m <= 16:  # the fused GEMV itself at every row count it takes, whatever the op routes there
+            fused = kb.exl3_matmul_small_gated(gate, up, activation, trellis, suh, svh, "mcg", bias)
+            assert torch.equal(fused, composed), (m, activation)
 
 
 @pytest.mark.parametrize("codebook", CODEBOOKS)
