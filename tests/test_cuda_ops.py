@@ -139,27 +139,16 @@ def test_golden_vectors(ops):
 
 @pytest.mark.parametrize("codebook", CODEBOOKS)
 @pytest.mark.parametrize("K", range(1, 9))
-def test_exl3_matmul_gemv_all_k(ops, K, codebook):
-    k, n = 512, 384
+@pytest.mark.parametrize("k, rows", [(512, (1, 5, 8)), (2048, (1, 5, 16))], ids=["one-slice", "sliced-k"])
+def test_exl3_matmul_gemv_all_k(ops, K, codebook, k, rows):
+    # k = 2048: two or four k-slices, whose sums meet in the epilogue (global partials and arrival counters).
+    n = 384
     trellis, suh, svh, bias = _random_layer(k, n, K)
-    for m in (1, 5, 8):
+    for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         y = cuda_impl(ops.exl3.exl3_matmul)(x, trellis, suh, svh, codebook, bias)
         ref = ops.exl3.exl3_matmul.reference(x.float(), trellis, suh, svh, codebook, bias)
         assert y.dtype == torch.float16 and y.shape == (m, n)
-        assert rel_err(y, ref) < 3e-3, (m, K, codebook)
-
-
-@pytest.mark.parametrize("codebook", CODEBOOKS)
-@pytest.mark.parametrize("K", range(1, 9))
-def test_exl3_matmul_gemv_sliced_k_all_k(ops, K, codebook):
-    # k = 2048: two or four k-slices, whose sums meet in the epilogue (global partials and arrival counters).
-    k, n = 2048, 384
-    trellis, suh, svh, bias = _random_layer(k, n, K)
-    for m in (1, 5, 16):
-        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        y = cuda_impl(ops.exl3.exl3_matmul)(x, trellis, suh, svh, codebook, bias)
-        ref = ops.exl3.exl3_matmul.reference(x.float(), trellis, suh, svh, codebook, bias)
         assert rel_err(y, ref) < 3e-3, (m, K, codebook)
 
 
