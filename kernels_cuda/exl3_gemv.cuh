@@ -469,9 +469,16 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
         Plan plan;
         plan.period = period;
         plan.resident = (num_sms > 0 ? num_sms : 132) * blocks_per_sm;
+        auto blocks_for = [&](int cols) {
+            int blocks = 0;
+            for (int p = 0; p < parts.count; ++p) blocks += (parts.part[p].n / 16 + cols - 1) / cols * slices;
+            return blocks;
+        };
         plan.cols = max(1, min(min(max_cols, 120), (tiles_n * slices + plan.resident - 1) / plan.resident));
-        plan.blocks = 0;
-        for (int p = 0; p < parts.count; ++p) plan.blocks += (parts.part[p].n / 16 + plan.cols - 1) / plan.cols * slices;
+        plan.blocks = blocks_for(plan.cols);
+        // Rounding each part's runs up can spill a few blocks into a second wave (8 bpw, 8 rows,
+        // 14336->4096: 266 blocks on 264 slots): widen the runs while that is allowed.
+        while (plan.blocks > plan.resident && plan.cols < min(max_cols, 120)) plan.blocks = blocks_for(++plan.cols);
         return plan;
     };
     // Up to 4 rows: three blocks per SM. 5..16 rows: three where that is one wave, else two
