@@ -221,6 +221,12 @@ def _counters(device: torch.device, groups: int) -> torch.Tensor:
 EXL3_SMALL_MAX_ROWS = 16
 
 
+def _gemv_scratch(m: int, k: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The small-batch matmul's float32 partial-sum workspace and its arrival counters, for n outputs in all."""
+    workspace = torch.empty(lib().trellm_exl3_matmul_small_workspace(m, k, n), dtype=torch.float32, device=device)
+    return workspace, _counters(device, n // 128)
+
+
 def _check_exl3_part(x: torch.Tensor, trellis: torch.Tensor, suh, svh, bias, name: str = "") -> tuple[int, int]:
     """Validate one (trellis, suh, svh, bias) against x [m, k]; returns (n, K)."""
     k, n, K = _trellis_dims(trellis)
@@ -256,8 +262,7 @@ def exl3_matmul_small(
     trellis, x, suh = _aligned(trellis), _aligned(x), _aligned(suh)
     m, k = x.shape
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    workspace = torch.empty(lib().trellm_exl3_matmul_small_workspace(m, k, n), dtype=torch.float32, device=x.device)
-    counters = _counters(x.device, n // 128)
+    workspace, counters = _gemv_scratch(m, k, n, x.device)
     rc = lib().trellm_exl3_matmul_small(
         _ptr(x), DTYPE_CODES[x.dtype], _ptr(suh), _ptr(trellis, "int16_t *"), _ptr(svh), _ptr(bias), _ptr(y),
         _dtype_code(y, "out_dtype"), _ptr(workspace, "float *"), _ptr(counters, "int32_t *"), counters.numel(),
@@ -286,8 +291,7 @@ def exl3_matmul_small_gated(
     trellis, gate, up, suh = _aligned(trellis), _aligned(gate), _aligned(up), _aligned(suh)
     m, k = gate.shape
     y = torch.empty(m, n, dtype=gate.dtype, device=gate.device)
-    workspace = torch.empty(lib().trellm_exl3_matmul_small_workspace(m, k, n), dtype=torch.float32, device=gate.device)
-    counters = _counters(gate.device, n // 128)
+    workspace, counters = _gemv_scratch(m, k, n, gate.device)
     rc = lib().trellm_exl3_matmul_small_gated(
         _ptr(gate), _ptr(up), ACTIVATION_CODES[activation], DTYPE_CODES[gate.dtype], _ptr(suh),
         _ptr(trellis, "int16_t *"), _ptr(svh), _ptr(bias), _ptr(y), DTYPE_CODES[y.dtype], _ptr(workspace, "float *"),
@@ -323,9 +327,7 @@ def exl3_matmul_small_multi(
     parts = [(trellis, _aligned(suh), svh, bias) for trellis, suh, svh, bias in parts]
     dtype = out_dtype or x.dtype
     ys = [torch.empty(m, n, dtype=dtype, device=x.device) for n in ns]
-    total = sum(ns)
-    workspace = torch.empty(lib().trellm_exl3_matmul_small_workspace(m, k, total), dtype=torch.float32, device=x.device)
-    counters = _counters(x.device, total // 128)
+    workspace, counters = _gemv_scratch(m, k, sum(ns), x.device)
     trellises = [_aligned(p[0]) for p in parts]
     f = ffi()
     rc = lib().trellm_exl3_matmul_small_multi(

@@ -50,6 +50,11 @@ def exl3_decode_tiles(trellis: torch.Tensor, codebook: str) -> torch.Tensor:
     return binding.exl3_decode_tiles(trellis.contiguous(), codebook)
 
 
+def _f16(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A contiguous fp16 copy (or t itself) of an EXL3 layer's suh / svh / bias: what the GEMV reads."""
+    return t.to(torch.float16).contiguous() if t is not None else None
+
+
 @_exl3.exl3_matmul.register("cuda")
 def exl3_matmul(
     x: torch.Tensor,
@@ -67,8 +72,7 @@ def exl3_matmul(
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*lead, n)
-    suh16, svh16 = suh.to(torch.float16).contiguous(), svh.to(torch.float16).contiguous()
-    bias16 = bias.to(torch.float16).contiguous() if bias is not None else None
+    suh16, svh16, bias16 = _f16(suh), _f16(svh), _f16(bias)
     if m <= EXL3_GEMV_MAX_ROWS:
         y = binding.exl3_matmul_small(x2, trellis.contiguous(), suh16, svh16, codebook, bias16)
     else:
@@ -104,9 +108,8 @@ def exl3_matmul_gated(
     if not fused:
         return exl3_matmul(gated_activation(gate, up, activation), trellis, suh, svh, codebook, bias)
     lead = gate.shape[:-1]
-    half = lambda t: t.to(torch.float16).contiguous() if t is not None else None  # noqa: E731
     y = binding.exl3_matmul_small_gated(gate.reshape(-1, k).contiguous(), up.reshape(-1, k).contiguous(), activation,
-                                        trellis.contiguous(), half(suh), half(svh), codebook, half(bias))
+                                        trellis.contiguous(), _f16(suh), _f16(svh), codebook, _f16(bias))
     return y.reshape(*lead, n)
 
 
@@ -125,10 +128,9 @@ def exl3_matmul_group(x: torch.Tensor, parts, codebook: str) -> list[torch.Tenso
     if not one_launch:
         return [exl3_matmul(x, trellis, suh, svh, codebook, bias) for trellis, suh, svh, bias in parts]
     lead = x.shape[:-1]
-    half = lambda t: t.to(torch.float16).contiguous() if t is not None else None  # noqa: E731
     ys = binding.exl3_matmul_small_multi(
         x.reshape(-1, k).contiguous(),
-        [(trellis.contiguous(), half(suh), half(svh), half(bias)) for trellis, suh, svh, bias in parts],
+        [(trellis.contiguous(), _f16(suh), _f16(svh), _f16(bias)) for trellis, suh, svh, bias in parts],
         codebook,
     )
     return [y.reshape(*lead, y.shape[-1]) for y in ys]
