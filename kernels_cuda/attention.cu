@@ -527,11 +527,6 @@ extern "C" int trellm_paged_attention_splits_for(int64_t tokens, int64_t hq, int
     return (int)best;
 }
 
-extern "C" int trellm_paged_attention_splits(int64_t tokens, int64_t hq, int64_t hkv, int64_t page_size,
-                                             int64_t max_blocks, int num_sms) {
-    return trellm_paged_attention_splits_for(tokens, hq, hkv, 128, TRELLM_F16, page_size, max_blocks, num_sms);
-}
-
 extern "C" int trellm_paged_attention(const void *q, const void *k_pages, const void *v_pages,
                                       const int32_t *block_table, const int32_t *cu_seqlens,
                                       const int32_t *context_lens, const float *sinks, void *out, float *workspace,

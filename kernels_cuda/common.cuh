@@ -388,9 +388,19 @@ cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t s
 // Asynchronous global -> shared copies (sm_80+): the GEMV keeps several columns of trellis words in
 // flight per warp without holding them in registers.
 
+// v, opaque to the optimiser: it stays computed where it is instead of being recomputed inside a loop
+// (the compiler sinks cheap lane-derived values, even a thread-id read, into the loops that use them).
+template <typename T> __device__ __forceinline__ T opaque(T v) {
+    asm volatile("" : "+r"(v));
+    return v;
+}
+
+// dst as a shared-window address (__cvta_generic_to_shared): loops keep it in one 32-bit register.
+__device__ __forceinline__ void cp_async_16_to(uint32_t smem_dst, const void *gmem_src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_dst), "l"(gmem_src));
+}
 __device__ __forceinline__ void cp_async_16(void *smem_dst, const void *gmem_src) {
-    const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem_dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src));
+    cp_async_16_to((uint32_t)__cvta_generic_to_shared(smem_dst), gmem_src);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

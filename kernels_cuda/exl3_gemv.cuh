@@ -139,17 +139,21 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
         const int i = min(i_begin + t, tiles_k - 1);
         src[q] = args.trellis + (size_t)i * row_stride + (size_t)j_begin * P::TILE_WORDS + part * 4;
     }
-    auto issue_next = [&](int stage) {  // the next column in order into ring stage `stage`
+    // The column loop is issue-bound (NOTES): its per-column bookkeeping works on byte offsets into the
+    // warp's ring and on pointers hoisted out of it, so nothing is recomputed from the lane id per column.
+    constexpr uint32_t STAGE_BYTES = P::STAGE_WORDS * 4, RING_WARP_BYTES = P::STAGES * STAGE_BYTES;
+    const uint32_t ring_dst = opaque((uint32_t)__cvta_generic_to_shared(ring) + lane * 16);  // chunk `lane` of stage 0
+    auto issue_next = [&](uint32_t stage_off) {  // the next column in order into the stage at byte stage_off
 #pragma unroll
         for (int q = 0; q < P::CHUNKS_PER_LANE; ++q) {
             const int c = lane + 32 * q;
-            if (P::CHUNKS % 32 == 0 || c < P::CHUNKS) cp_async_16(ring + stage * P::STAGE_WORDS + c * 4, src[q]);
+            if (P::CHUNKS % 32 == 0 || c < P::CHUNKS) cp_async_16_to(ring_dst + stage_off + q * 512, src[q]);
             src[q] += P::TILE_WORDS;
         }
     };
 #pragma unroll
     for (int s = 0; s < P::STAGES - 1; ++s) {
-        if (s < ncols) issue_next(s);
+        if (s < ncols) issue_next(s * STAGE_BYTES);
         cp_async_commit();
     }
     // Phase 0: xs = fp16(H128(x * suh)) for this slice. A warp's jobs are chunk `warp % slice_chunks`
@@ -217,9 +221,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
     // The lane's words of a tile in a stage: (w0 + q) mod TILE_WORDS, q < NW.
     int w0, r;
     lane_window<K>(lane, w0, r);
-    int word_off[G::NW];
+    const uint32_t *lane_words[G::NW];
 #pragma unroll
-    for (int q = 0; q < G::NW; ++q) word_off[q] = (w0 + q) % P::TILE_WORDS;
+    for (int q = 0; q < G::NW; ++q) lane_words[q] = ring + (w0 + q) % P::TILE_WORDS;
 
     // The lane's accumulator slots: (n = lane/4 (+8), rows 2(lane%4)+{0,1}) of the current column, which
     // goes to slot col % slots. `red`: the warps' sums [m][cols_per_block * 16] (reduce_period > 0).
@@ -227,7 +231,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
     const int slots = period > 0 ? period : cols_per_block;
     const size_t warp_stride = (size_t)slots * 16 * acc_stride;
     float *acc_lane = acc_all + (size_t)warp * warp_stride + (lane >> 2) * acc_stride + (lane & 3) * 2;
-    const int acc_col_stride = 16 * acc_stride;
+    const int acc_col_stride = opaque(16 * acc_stride);
     float *red = acc_all + GEMV_WARPS * warp_stride;
     const int red_stride = cols_per_block * 16;
     // The sum over the warps of (slot-relative) element e = column * 16 + n, row: a fixed order.
@@ -237,26 +241,33 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
         for (int w = 0; w < GEMV_WARPS; ++w) s += acc_all[w * warp_stride + e * acc_stride + row];
         return s;
     };
+    const int n8_off = opaque(8 * acc_stride);  // accumulator offset of n + 8
+    // Which of the lane's two rows per row group are valid.
+    int row_ok[MT][2];
+#pragma unroll
+    for (int g = 0; g < MT; ++g) {
+        row_ok[g][0] = opaque(int(g * 8 + (lane & 3) * 2 < m));
+        row_ok[g][1] = opaque(int(g * 8 + (lane & 3) * 2 + 1 < m));
+    }
 
-    auto compute = [&](const uint32_t *stage_words, float *dst) {
+    auto compute = [&](uint32_t stage_off, float *dst) {
         float c[MT][4];
 #pragma unroll
         for (int g = 0; g < MT; ++g) c[g][0] = c[g][1] = c[g][2] = c[g][3] = 0.f;
-        float c_odd[MT][4];  // SPLIT: the odd-k products, a second chain (half the mma dependency depth)
-#pragma unroll
-        for (int g = 0; g < MT; ++g) c_odd[g][0] = c_odd[g][1] = c_odd[g][2] = c_odd[g][3] = 0.f;
 #pragma unroll
         for (int t = 0; t < KT; ++t) {
             uint32_t raw[G::NW];
 #pragma unroll
-            for (int q = 0; q < G::NW; ++q) raw[q] = stage_words[t * P::TILE_WORDS + word_off[q]];
+            for (int q = 0; q < G::NW; ++q)
+                raw[q] = *reinterpret_cast<const uint32_t *>(reinterpret_cast<const unsigned char *>(lane_words[q]) + stage_off +
+                                                             t * P::TILE_WORDS * 4);
             if constexpr (SPLIT) {
                 uint32_t even[4], odd[4];
                 tile_fragments_split<K, CB>(raw, r, even, odd);
 #pragma unroll
                 for (int g = 0; g < MT; ++g) {
                     mma_16816(c[g], even, xf[t][g][0], xf[t][g][1]);
-                    mma_16816(c_odd[g], odd, xo[t][g][0], xo[t][g][1]);
+                    mma_16816(c[g], odd, xo[t][g][0], xo[t][g][1]);
                 }
             } else {
                 uint32_t a[4];
@@ -265,47 +276,48 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
                 for (int g = 0; g < MT; ++g) mma_16816(c[g], a, xf[t][g][0], xf[t][g][1]);
             }
         }
-        if constexpr (SPLIT) {
-#pragma unroll
-            for (int g = 0; g < MT; ++g)
-#pragma unroll
-                for (int q = 0; q < 4; ++q) c[g][q] += c_odd[g][q];
-        }
         // c[g]: (n = lane/4, rows 2(lane%4)+{0,1}) and (n = lane/4 + 8, same rows)
-        const int mm = (lane & 3) * 2;
 #pragma unroll
         for (int g = 0; g < MT; ++g) {
-            const int row = g * 8 + mm;
-            if (row < m) {
+            if (row_ok[g][0]) {
                 dst[g * 8] = c[g][0];
-                dst[8 * acc_stride + g * 8] = c[g][2];
+                dst[n8_off + g * 8] = c[g][2];
             }
-            if (row + 1 < m) {
+            if (row_ok[g][1]) {
                 dst[g * 8 + 1] = c[g][1];
-                dst[8 * acc_stride + g * 8 + 1] = c[g][3];
+                dst[n8_off + g * 8 + 1] = c[g][3];
             }
         }
     };
 
-    // Main loop: wait for column c's stage, refill the stage the previous column used, decode column c.
-    int stage = 0;
+    // Main loop: wait for column col's stage, refill the stage the previous column used, decode column
+    // col into accumulator slot `slot` (col, or col % period), and every `period` columns sum the warps.
+    uint32_t read_off = 0, write_off = (P::STAGES - 1) * STAGE_BYTES;
+    float *dst = acc_lane;
+    int slot = 0;
+    // The warps are summed after slot sum_slot and after column last_col (never without a period).
+    const int sum_slot = opaque(period > 0 ? period - 1 : -1), last_col = opaque(period > 0 ? ncols - 1 : -1);
     for (int col = 0; col < ncols; ++col) {
         cp_async_wait<P::STAGES - 2>();
         __syncwarp();
-        int refill = stage + P::STAGES - 1;
-        if (refill >= P::STAGES) refill -= P::STAGES;
-        if (col + P::STAGES - 1 < ncols) issue_next(refill);
+        if (col + P::STAGES - 1 < ncols) issue_next(write_off);
         cp_async_commit();
-        compute(ring + stage * P::STAGE_WORDS, acc_lane + (period > 0 ? col % period : col) * acc_col_stride);
-        stage = stage + 1 == P::STAGES ? 0 : stage + 1;
-        if (period > 0 && (col % period == period - 1 || col == ncols - 1)) {  // the same col in every warp
+        compute(read_off, dst);
+        read_off = read_off + STAGE_BYTES == RING_WARP_BYTES ? 0u : read_off + STAGE_BYTES;
+        write_off = write_off + STAGE_BYTES == RING_WARP_BYTES ? 0u : write_off + STAGE_BYTES;
+        if (slot == sum_slot || col == last_col) {  // the same col in every warp
             __syncthreads();
-            const int first = col - col % period, round = (col - first + 1) * 16;
+            const int first = col - slot, round = (slot + 1) * 16;
             for (int idx = threadIdx.x; idx < m * round; idx += blockDim.x) {
                 const int row = idx / round, e = idx % round;
                 red[row * red_stride + first * 16 + e] = warps_sum(e, row);
             }
             __syncthreads();
+        }
+        dst += acc_col_stride;
+        if (++slot == slots) {
+            slot = 0;
+            dst -= slots * acc_col_stride;
         }
     }
     cp_async_wait<0>();

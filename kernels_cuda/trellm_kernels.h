@@ -118,12 +118,9 @@ int trellm_write_kv_pages(const void *k, const void *v, void *k_pages, void *v_p
  * q [tokens, hq, d]; pages [num_pages, page_size, hkv, d]; block_table int32 [batch, max_blocks];
  * cu_seqlens int32 [batch+1]; context_lens int32 [batch]; sinks float32 [hq] or NULL; out like q.
  * splits: key splits per (token, head) from trellm_paged_attention_splits_for (whole waves of the kernel
- * instance for dtype and d); when > 1, workspace is float32 [tokens * hq * splits * (d + 2)].
- * trellm_paged_attention_splits is the same for fp16 and d = 128. */
+ * instance for dtype and d); when > 1, workspace is float32 [tokens * hq * splits * (d + 2)]. */
 int trellm_paged_attention_splits_for(int64_t tokens, int64_t hq, int64_t hkv, int64_t head_dim, int dtype,
                                       int64_t page_size, int64_t max_blocks, int num_sms);
-int trellm_paged_attention_splits(int64_t tokens, int64_t hq, int64_t hkv, int64_t page_size, int64_t max_blocks,
-                                  int num_sms);
 int trellm_paged_attention(const void *q, const void *k_pages, const void *v_pages, const int32_t *block_table,
                            const int32_t *cu_seqlens, const int32_t *context_lens, const float *sinks, void *out,
                            float *workspace, int splits, int64_t tokens, int64_t batch, int64_t hq, int64_t hkv,

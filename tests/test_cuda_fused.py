@@ -172,7 +172,8 @@ def test_paged_attention_in_kernel_split_merge(ops, sinks, split_keys, monkeypat
     if split_keys is not None:
         monkeypatch.setenv("TRELLM_ATTN_SPLIT_KEYS", split_keys)
         # more than 32: the merge's second lane half (splits 32..63) takes part
-        assert binding.lib().trellm_paged_attention_splits(1, 32, 8, 16, 188, 132) > 32
+        f16 = binding.DTYPE_CODES[torch.float16]
+        assert binding.lib().trellm_paged_attention_splits_for(1, 32, 8, 128, f16, 16, 188, 132) > 32
 
     torch.manual_seed(3)
     hq, hkv, d, page_size, ctx = 32, 8, 128, 16, 3000
@@ -183,7 +184,8 @@ def test_paged_attention_in_kernel_split_merge(ops, sinks, split_keys, monkeypat
     cu = torch.tensor([0, 1], device="cuda", dtype=torch.int32)
     lens = torch.tensor([ctx], device="cuda", dtype=torch.int32)
     sink = torch.randn(hq, device="cuda") if sinks else None
-    assert binding.lib().trellm_paged_attention_splits(1, hq, hkv, page_size, pages, 132) > 1
+    f16 = binding.DTYPE_CODES[torch.float16]
+    assert binding.lib().trellm_paged_attention_splits_for(1, hq, hkv, d, f16, page_size, pages, 132) > 1
     impl = cuda_impl(ops.paged_attention)
     scale = d**-0.5
 
@@ -224,7 +226,8 @@ def test_paged_attention_splits_follow_the_context(ops, dtype, ctx_lens, window)
     table = torch.randperm(batch * blocks, device="cuda").to(torch.int32).view(batch, blocks)
     cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     lens = torch.tensor(ctx_lens, device="cuda", dtype=torch.int32)
-    assert binding.lib().trellm_paged_attention_splits(batch, hq, hkv, page_size, blocks, 132) > 8
+    code = binding.DTYPE_CODES[dtype]
+    assert binding.lib().trellm_paged_attention_splits_for(batch, hq, hkv, d, code, page_size, blocks, 132) > 8
     q = torch.randn(batch, hq, d, device="cuda", dtype=dtype)
     out = cuda_impl(ops.paged_attention)(q, k_pages, v_pages, table, cu, lens, d**-0.5, window)
     ref = ops.paged_attention.reference(q, k_pages, v_pages, table, cu, lens, d**-0.5, window)
