@@ -16,7 +16,7 @@ int check_exl3_dims(int64_t k, int64_t n, int K, int codebook) {
 }  // namespace
 
 extern "C" int64_t trellm_exl3_matmul_small_workspace(int64_t m, int64_t k, int64_t n) {
-    return (int64_t)gemv_slices((int)k, (int)m) * m * n;
+    return (int64_t)gemv_slices((int)k, (int)m, (int)n) * m * n;
 }
 
 namespace {
@@ -34,8 +34,9 @@ int exl3_matmul_small_parts(const void *x, const void *x_up, int act, int x_dtyp
         return TRELLM_E_BAD_DTYPE;
     MatmulParts mp;
     mp.count = parts;
-    int64_t groups = 0, partial_offset = 0;
-    const int slices = gemv_slices((int)k, (int)m);
+    int64_t groups = 0, partial_offset = 0, n_total = 0;
+    for (int p = 0; p < parts; ++p) n_total += n[p];
+    const int slices = gemv_slices((int)k, (int)m, (int)n_total);
     for (int p = 0; p < parts; ++p) {
         const int rc = check_exl3_dims(k, n[p], K, codebook);
         if (rc) return rc;

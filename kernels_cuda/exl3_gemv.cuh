@@ -79,6 +79,7 @@ struct MatmulParts {
     // barrier per round): shared memory per column drops from 8 warps' to one result, so more rows fit
     // one wave (the same fixed sum order: bit-stable).
     int reduce_period;
+    int serial_arrivals;  // 1: thread 0 arrives at the block's groups one after another (TRELLM_GEMV_SERIAL_ARRIVALS=1, the A/B baseline)
 };
 
 // Trellis words in flight per warp: STAGES columns of KT tiles each, in shared memory (cp.async),
@@ -94,10 +95,14 @@ template <int K, int KT> struct GemvPipe {
     static constexpr size_t RING_BYTES = (size_t)GEMV_WARPS * STAGES * STAGE_WORDS * 4;
 };
 
+// Blocks per SM the register budget is sized for: two row groups with KT=8 hold 64 registers of x
+// fragments, so they get two blocks' budget.
+template <int MT, int KT> constexpr int gemv_min_blocks = (MT == 2 && KT == 8) ? 2 : TRELLM_GEMV_MIN_BLOCKS;
+
 // One launch: x transform, trellis matmul of the block's (k-slice, column run), partial store, and the
 // last block to arrive at a 128-column group sums the slices and applies H128 * svh (+ bias).
 template <int K, int CB, int MT, int KT>
-__global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_matmul_small_kernel(const __grid_constant__ MatmulParts parts) {
+__global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) exl3_matmul_small_kernel(const __grid_constant__ MatmulParts parts) {
     int part = 0;
     while (part + 1 < parts.count && (int)blockIdx.x >= parts.block_begin[part + 1]) ++part;
     const MatmulArgs &args = parts.part[part];
@@ -331,39 +336,45 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, TRELLM_GEMV_MIN_BLOCKS) exl3_
     }
     __syncthreads();
 
-    // Phase 3: the last arrival at a 128-column group finishes it. One thread fences for the block
-    // (the barrier orders the other threads' partial stores before its fence, as in a grid sync):
-    // release before the arrivals, acquire after them, for the partials the last block reads.
-    const int g_begin = (j_begin * 16) / 128, g_end = (j_end * 16 + 127) / 128;
-    if (threadIdx.x == 0) {
+    // Phase 3: the last arrival at a 128-column group finishes it. Lane i of warp 0 arrives at the
+    // block's i-th group (a run of up to 120 tiles touches at most 16), so the arrivals' round trips
+    // overlap instead of following one another; each arriving lane fences for the block (the barrier
+    // orders the other threads' partial stores before its fence, as in a grid sync): release before
+    // its arrival, acquire after it, for the partials the last block reads.
+    const int g_begin = (j_begin * 16) / 128, g_end = (j_end * 16 + 127) / 128, n_groups = g_end - g_begin;
+    auto arrive = [&](int g) {
         __threadfence();
-        for (int g = g_begin; g < g_end; ++g) {
-            const int old = atomicAdd(args.counters + g, 1);
-            // Blocks of any width: every (block, slice) overlapping the group's 8 tiles arrives once.
-            const int overlapping = min(8 * g + 7, tiles_n - 1) / cols_per_block - (8 * g) / cols_per_block + 1;
-            const bool last = old == slices * overlapping - 1;
-            if (last) args.counters[g] = 0;
-            last_groups[g - g_begin] = last;
-        }
+        const int old = atomicAdd(args.counters + g, 1);
+        // Blocks of any width: every (block, slice) overlapping the group's 8 tiles arrives once.
+        const int overlapping = min(8 * g + 7, tiles_n - 1) / cols_per_block - (8 * g) / cols_per_block + 1;
+        const bool last = old == slices * overlapping - 1;
+        if (last) args.counters[g] = 0;
+        last_groups[g - g_begin] = last;
         __threadfence();
+    };
+    if (parts.serial_arrivals) {
+        if (threadIdx.x == 0)
+            for (int g = g_begin; g < g_end; ++g) arrive(g);
+    } else if (warp == 0 && lane < n_groups) {
+        arrive(g_begin + lane);
     }
     __syncthreads();
-    for (int g = g_begin; g < g_end; ++g) {
-        if (!last_groups[g - g_begin]) continue;
-        for (int row = warp; row < m; row += GEMV_WARPS) {
-            const int col = g * 128 + lane * 4;
-            float v[4] = {0.f, 0.f, 0.f, 0.f};
-            for (int s = 0; s < slices; ++s) {
-                const float4 p = __ldcg(reinterpret_cast<const float4 *>(args.partial + ((size_t)s * m + row) * n + col));
-                v[0] += p.x; v[1] += p.y; v[2] += p.z; v[3] += p.w;
-            }
-            warp_hadamard_128(v);
+    // The finishing work, (group, row) pairs spread over the warps: one row finishes several groups at once.
+    for (int job = warp; job < n_groups * m; job += GEMV_WARPS) {
+        const int gi = job / m, row = job % m;
+        if (!last_groups[gi]) continue;
+        const int col = (g_begin + gi) * 128 + lane * 4;
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int s = 0; s < slices; ++s) {
+            const float4 p = __ldcg(reinterpret_cast<const float4 *>(args.partial + ((size_t)s * m + row) * n + col));
+            v[0] += p.x; v[1] += p.y; v[2] += p.z; v[3] += p.w;
+        }
+        warp_hadamard_128(v);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                float o = v[i] * __half2float(args.svh[col + i]);
-                if (args.bias) o += __half2float(args.bias[col + i]);
-                store_from_f32(args.y, args.y_dtype, (size_t)row * n + col + i, o);
-            }
+        for (int i = 0; i < 4; ++i) {
+            float o = v[i] * __half2float(args.svh[col + i]);
+            if (args.bias) o += __half2float(args.bias[col + i]);
+            store_from_f32(args.y, args.y_dtype, (size_t)row * n + col + i, o);
         }
     }
 }
@@ -406,27 +417,46 @@ int launch_exl3_matmul_small(MatmulParts args, int K, int num_sms, cudaStream_t 
 template <int CB>
 int launch_exl3_decode_tiles(const uint32_t *trellis, half *w, int k, int n, int K, cudaStream_t stream);
 
-// k tiles per warp: 4 for two row groups (m > 8: their split-halves x fragments need twice the
-// registers), else TRELLM_EXL3_KT (read once): 8 (default) or 4.
-inline int gemv_kt(int m) {
-    static int kt = [] {
+// k tiles per warp: TRELLM_EXL3_KT (read once) up to 8 rows, 8 (default) or 4. Two row groups (m > 8)
+// hold twice the x fragments: KT=8 then runs two blocks per SM (gemv_min_blocks), which pays where the
+// matmul is large (half the k-slices, so half the partial sums written and re-read: at 16 rows, K=4,
+// 4096->14336 49.4 -> 44.3 us, 14336->4096 55.0 -> 50.3, lm_head 346 -> 289) and loses where it is
+// small (4096^2 17.8 -> 22.0: fewer resident warps, twice the x transform per block). So KT=8 when (n/16 column tiles) x (its k-slices)
+// is at least 2048 units (about 8 columns per block on an H200), else 4. TRELLM_GEMV_KT2=4 or 8 forces
+// one. n is the launch's total over its parts: the workspace size and the launcher must agree.
+inline int gemv_kt(int m, int k, int n) {
+    static const int kt = [] {
         const char *e = getenv("TRELLM_EXL3_KT");
         return (e && atoi(e) == 4) ? 4 : 8;
     }();
-    return m > 8 ? 4 : kt;
+    static const int kt_two_groups = [] {
+        const char *e = getenv("TRELLM_GEMV_KT2");
+        const int v = e ? atoi(e) : 0;
+        return v == 4 || v == 8 ? v : 0;
+    }();
+    if (m <= 8) return kt;
+    if (kt_two_groups) return kt_two_groups;
+    const int slices_at_8 = (k / 16 + GEMV_WARPS * 8 - 1) / (GEMV_WARPS * 8);
+    return (int64_t)(n / 16) * slices_at_8 >= 2048 ? 8 : 4;
 }
 
-inline int gemv_slices(int k, int m) {
-    const int slice = GEMV_WARPS * gemv_kt(m);
+inline int gemv_slices(int k, int m, int n) {
+    const int slice = GEMV_WARPS * gemv_kt(m, k, n);
     return (k / 16 + slice - 1) / slice;
+}
+
+// The total output width of a launch's parts.
+inline int parts_n(const MatmulParts &parts) {
+    int n = 0;
+    for (int p = 0; p < parts.count; ++p) n += parts.part[p].n;
+    return n;
 }
 
 template <int K, int CB, int MT, int KT>
 int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     const MatmulArgs &first = parts.part[0];
-    int tiles_n = 0;  // all parts together
-    for (int p = 0; p < parts.count; ++p) tiles_n += parts.part[p].n / 16;
-    const int slices = gemv_slices(first.k, first.m);
+    const int tiles_n = parts_n(parts) / 16;  // all parts together
+    const int slices = gemv_slices(first.k, first.m, parts_n(parts));
     const size_t acc_per_col = (size_t)GEMV_WARPS * 16 * (first.m | 1) * sizeof(float);
     const size_t ring_bytes = GemvPipe<K, KT>::RING_BYTES;
     const size_t xs_bytes = (size_t)first.m * GEMV_WARPS * KT * 16 * sizeof(half);  // the accumulators reuse it
@@ -513,6 +543,11 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
     Plan plan = best_plan(period_override > 0 ? period_override : 0);
     if (period_override < 0 && first.m > 8 && plan.blocks > plan.resident) plan = best_plan(2);
     parts.reduce_period = plan.period;
+    static const int serial_arrivals = [] {
+        const char *e = getenv("TRELLM_GEMV_SERIAL_ARRIVALS");
+        return e && e[0] == '1' ? 1 : 0;
+    }();
+    parts.serial_arrivals = serial_arrivals;
     const int cols = plan.cols;
     int blocks_x = 0;
     for (int p = 0; p < parts.count; ++p) {
@@ -531,9 +566,11 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
 template <int K, int CB>
 int launch_matmul_k(MatmulParts args, int num_sms, cudaStream_t stream) {
     const int m = args.part[0].m;
-    if (m <= 8) return gemv_kt(m) == 4 ? launch_matmul_mt<K, CB, 1, 4>(args, num_sms, stream)
-                                       : launch_matmul_mt<K, CB, 1, 8>(args, num_sms, stream);
-    if (m <= 16) return launch_matmul_mt<K, CB, 2, 4>(args, num_sms, stream);
+    const int kt = gemv_kt(m, args.part[0].k, parts_n(args));
+    if (m <= 8) return kt == 4 ? launch_matmul_mt<K, CB, 1, 4>(args, num_sms, stream)
+                               : launch_matmul_mt<K, CB, 1, 8>(args, num_sms, stream);
+    if (m <= 16) return kt == 8 ? launch_matmul_mt<K, CB, 2, 8>(args, num_sms, stream)
+                                : launch_matmul_mt<K, CB, 2, 4>(args, num_sms, stream);
     return TRELLM_E_UNSUPPORTED;
 }
 
