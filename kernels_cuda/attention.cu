@@ -19,6 +19,24 @@ namespace {
 constexpr int ATT_WARPS = 4;
 constexpr int GMAX = 8;
 
+// Query heads per block: 4 for groups up to 4 (Llama 3: 32 q / 8 kv heads), else GMAX; but 1 when there
+// are few query heads in all and a short cache (single-sequence decode). A block's warps walk their keys
+// one after another (about 3400 instructions per warp at batch 1, 512 keys, G = 4, one warp per
+// scheduler: ncu); four times the blocks with a quarter of the work each, sharing K/V rows through L2,
+// made the 8B decode step 3.400 -> 3.290 ms at 528 keys of capacity (the kernel 8.1 us per layer in the
+// step). Alone, in a graph of attention calls, the same kernel measured slower (b1: 512 keys 13.6 -> 16.0
+// us, 4096 keys 19.8 -> 24.4), so the rule stays where the step was measured: up to 1024 keys.
+// TRELLM_ATTN_ONE_HEAD=0 keeps the grouped blocks (the A/B baseline).
+int heads_per_block(int64_t tokens, int64_t hq, int64_t hkv, int64_t capacity) {
+    static const bool one_head_rule = [] {
+        const char *e = getenv("TRELLM_ATTN_ONE_HEAD");
+        return !(e && e[0] == '0');
+    }();
+    if (one_head_rule && tokens * hq <= 128 && capacity <= 1024) return 1;
+    return hq / hkv <= 4 ? 4 : GMAX;
+}
+int head_chunks_for(int64_t hq, int64_t hkv, int g) { return (int)((hq / hkv + g - 1) / g); }
+
 struct AttnArgs {
     const void *q, *k_pages, *v_pages;
     const int32_t *block_table, *cu_seqlens, *context_lens;
@@ -149,7 +167,7 @@ constexpr int chunks_in_flight(int chunks) {
     return k;
 }
 
-// G: query heads per block (the chunk), 4 for groups up to 4 (Llama 3: 32 q / 8 kv heads), else G.
+// G: query heads per block (the chunk): heads_per_block.
 template <typename T, int DPL, int G>
 __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const AttnArgs a) {
     pdl_trigger();  // the next kernel (an EXL3 GEMV) may start prefetching its weights
@@ -207,6 +225,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
         const int g = idx / D, d = idx % D;
         q_s[g][d] = g < gn ? to_f32(q[((size_t)token * a.hq + kvh * group + g0 + g) * D + d]) * a.scale : 0.f;
     }
+    for (int g = gn; g < G; ++g) p_s[warp][g][lane] = 0.f;  // heads past gn weigh nothing in P.V
     __syncthreads();
 
     float m_run[G], l_run[G], acc[G][DPL];
@@ -290,12 +309,11 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
         }
         __syncwarp();
         // P.V: lane owns dims lane*DPL .. lane*DPL + DPL - 1; keys past the tile's end have p = 0.
+        // Branch-free: p_s is 0 for keys past the tile's end and for heads past gn (zeroed at the start).
         auto add_pv = [&](int key, const float (&vv)[DPL]) {
-            const bool live = key < n_keys;
 #pragma unroll
             for (int g = 0; g < G; ++g) {
-                if (g >= gn) break;
-                const float p = live ? p_s[warp][g][key] : 0.f;
+                const float p = p_s[warp][g][key];
 #pragma unroll
                 for (int i = 0; i < DPL; ++i) acc[g][i] += p * vv[i];
             }
@@ -386,14 +404,13 @@ __global__ void attention_merge_kernel(const AttnArgs a, int head_dim) {
 }
 
 template <typename T>
-int launch_attention(const AttnArgs &a, int64_t tokens, int64_t d, cudaStream_t stream) {
-    const int head_chunks = (a.hq / a.hkv + GMAX - 1) / GMAX;
-    dim3 grid((unsigned)tokens, (unsigned)a.hkv, (unsigned)(head_chunks * a.splits));
-    const bool small_group = a.hq / a.hkv <= 4;  // one chunk either way: the grid is the same
-#define ATT_CASE(DPL)                                                                             \
-    case DPL:                                                                                     \
-        if (small_group) paged_attention_kernel<T, DPL, 4><<<grid, ATT_WARPS * 32, 0, stream>>>(a); \
-        else paged_attention_kernel<T, DPL, GMAX><<<grid, ATT_WARPS * 32, 0, stream>>>(a);          \
+int launch_attention(const AttnArgs &a, int64_t tokens, int64_t d, int g, cudaStream_t stream) {
+    dim3 grid((unsigned)tokens, (unsigned)a.hkv, (unsigned)(head_chunks_for(a.hq, a.hkv, g) * a.splits));
+#define ATT_CASE(DPL)                                                                                        \
+    case DPL:                                                                                                \
+        if (g == 1) paged_attention_kernel<T, DPL, 1><<<grid, ATT_WARPS * 32, 0, stream>>>(a);                 \
+        else if (g == 4) paged_attention_kernel<T, DPL, 4><<<grid, ATT_WARPS * 32, 0, stream>>>(a);            \
+        else paged_attention_kernel<T, DPL, GMAX><<<grid, ATT_WARPS * 32, 0, stream>>>(a);                     \
         break;
     switch (d / 32) {
         ATT_CASE(2) ATT_CASE(3) ATT_CASE(4) ATT_CASE(5) ATT_CASE(6) ATT_CASE(8)
@@ -456,7 +473,7 @@ int64_t min_split_keys() {
 }
 
 // Blocks of the decode kernel instance for (dtype, head_dim, group) that one SM holds; 0 if unknown.
-template <typename T> int attention_blocks_per_sm(int dpl, bool small_group) {
+template <typename T> int attention_blocks_per_sm(int dpl, int g) {
     int b = 0;
     auto occupancy = [&](auto kernel) {
         if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, ATT_WARPS * 32, 0) != cudaSuccess) {
@@ -465,7 +482,11 @@ template <typename T> int attention_blocks_per_sm(int dpl, bool small_group) {
         }
     };
 #define ATT_OCC(DPL) \
-    case DPL: small_group ? occupancy(paged_attention_kernel<T, DPL, 4>) : occupancy(paged_attention_kernel<T, DPL, GMAX>); break;
+    case DPL:                                                                          \
+        if (g == 1) occupancy(paged_attention_kernel<T, DPL, 1>);                      \
+        else if (g == 4) occupancy(paged_attention_kernel<T, DPL, 4>);                 \
+        else occupancy(paged_attention_kernel<T, DPL, GMAX>);                          \
+        break;
     switch (dpl) {
         ATT_OCC(2) ATT_OCC(3) ATT_OCC(4) ATT_OCC(5) ATT_OCC(6) ATT_OCC(8)
         default: break;
@@ -479,10 +500,10 @@ template <typename T> int attention_blocks_per_sm(int dpl, bool small_group) {
 extern "C" int trellm_paged_attention_splits_for(int64_t tokens, int64_t hq, int64_t hkv, int64_t head_dim, int dtype,
                                                  int64_t page_size, int64_t max_blocks, int num_sms) {
     if (tokens <= 0 || hkv <= 0 || hq <= 0) return 1;
-    const int64_t head_chunks = (hq / hkv + GMAX - 1) / GMAX;
-    const int64_t groups = tokens * hkv * head_chunks;  // blocks per split
-    const int64_t sms = num_sms > 0 ? num_sms : 132;
     const int64_t capacity = page_size * max_blocks;
+    const int g = heads_per_block(tokens, hq, hkv, capacity);
+    const int64_t groups = tokens * hkv * head_chunks_for(hq, hkv, g);  // blocks per split
+    const int64_t sms = num_sms > 0 ? num_sms : 132;
     // No more splits than the cache's capacity fills with min_split_keys each.
     const int64_t min_keys = min_split_keys();
     int64_t max_splits = (capacity + min_keys - 1) / min_keys;
@@ -493,14 +514,13 @@ extern "C" int trellm_paged_attention_splits_for(int64_t tokens, int64_t hq, int
     const int dpl = (int)(head_dim / 32);
     if (!(waves && waves[0] == '0') && dpl >= 2 && dpl <= 8 && dtype >= TRELLM_F16 && dtype <= TRELLM_F32) {
         // Asked once per kernel instance (the answer does not change; this runs once per attention call).
-        static int cached[3][9][2] = {};  // [dtype][dpl][small group]; 0: not asked yet, -1: unknown
-        const bool small_group = hq / hkv <= 4;
-        int &c = cached[dtype - TRELLM_F16][dpl][small_group];
+        static int cached[3][9][3] = {};  // [dtype][dpl][G 1, 4, 8]; 0: not asked yet, -1: unknown
+        int &c = cached[dtype - TRELLM_F16][dpl][g == 1 ? 0 : (g == 4 ? 1 : 2)];
         if (c == 0) {
             int b = 0;
-            if (dtype == TRELLM_F16) b = attention_blocks_per_sm<half>(dpl, small_group);
-            else if (dtype == TRELLM_BF16) b = attention_blocks_per_sm<__nv_bfloat16>(dpl, small_group);
-            else b = attention_blocks_per_sm<float>(dpl, small_group);
+            if (dtype == TRELLM_F16) b = attention_blocks_per_sm<half>(dpl, g);
+            else if (dtype == TRELLM_BF16) b = attention_blocks_per_sm<__nv_bfloat16>(dpl, g);
+            else b = attention_blocks_per_sm<float>(dpl, g);
             c = b > 0 ? b : -1;
         }
         per_sm = c;
@@ -551,7 +571,8 @@ extern "C" int trellm_paged_attention(const void *q, const void *k_pages, const 
     a.min_split_keys = (int)min_split_keys();
     a.scale = scale; a.softcap = softcap;
     a.vec16 = (((uintptr_t)k_pages | (uintptr_t)v_pages) & 15) == 0;  // row offsets are multiples of 64 bytes
-    a.counters = splits > 1 ? merge_counters(tokens * hkv * ((hq / hkv + GMAX - 1) / GMAX), stream) : nullptr;
-    TRELLM_DISPATCH_DTYPE(dtype, T, return launch_attention<T>(a, tokens, head_dim, stream));
+    const int g = heads_per_block(tokens, hq, hkv, page_size * max_blocks);
+    a.counters = splits > 1 ? merge_counters(tokens * hkv * head_chunks_for(hq, hkv, g), stream) : nullptr;
+    TRELLM_DISPATCH_DTYPE(dtype, T, return launch_attention<T>(a, tokens, head_dim, g, stream));
     return TRELLM_OK;
 }
