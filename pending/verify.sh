@@ -9,6 +9,7 @@ bench() {
   timeout 40 python3 benchmarks/bench_kernels.py --only attention 2>&1 | grep decode
   timeout 60 python3 benchmarks/bench_kernels.py --only dense 2>&1 | grep "norm \[1,"
   timeout 60 python3 benchmarks/bench_exl3_matmul.py --ks 4 --ms 1 16 2>&1 | grep fused
+  timeout 60 python3 benchmarks/bench_kv_quant.py 2>&1 | grep -v "^#" | tail -8
   timeout 60 python3 benchmarks/bench_decode.py --bits 4 --prompt 16 --profile 2>&1 | grep "head 6\|rms_norm\|paged_att\|exl3_matmul"
 }
 python3 -m trellm.cli build-kernels --arch sm_90 2>&1 | tail -1
