@@ -169,10 +169,10 @@ def test_paged_attention_in_kernel_split_merge(ops, sinks, split_keys, monkeypat
     correctly (the counters reset themselves)."""
     from trellm.kernels_cuda import binding
 
+    f16 = binding.DTYPE_CODES[torch.float16]
     if split_keys is not None:
         monkeypatch.setenv("TRELLM_ATTN_SPLIT_KEYS", split_keys)
         # more than 32: the merge's second lane half (splits 32..63) takes part
-        f16 = binding.DTYPE_CODES[torch.float16]
         assert binding.lib().trellm_paged_attention_splits_for(1, 32, 8, 128, f16, 16, 188, 132) > 32
 
     torch.manual_seed(3)
@@ -184,7 +184,6 @@ def test_paged_attention_in_kernel_split_merge(ops, sinks, split_keys, monkeypat
     cu = torch.tensor([0, 1], device="cuda", dtype=torch.int32)
     lens = torch.tensor([ctx], device="cuda", dtype=torch.int32)
     sink = torch.randn(hq, device="cuda") if sinks else None
-    f16 = binding.DTYPE_CODES[torch.float16]
     assert binding.lib().trellm_paged_attention_splits_for(1, hq, hkv, d, f16, page_size, pages, 132) > 1
     impl = cuda_impl(ops.paged_attention)
     scale = d**-0.5
