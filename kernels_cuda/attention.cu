@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) paged_attention_kernel(const A
     const int group = a.hq / a.hkv;
     const int g0 = chunk * G;
     const int gn = min(G, group - g0);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = warp_index();
 
     __shared__ float q_s[G][D];
     __shared__ float p_s[ATT_WARPS][G][32];

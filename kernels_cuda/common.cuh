@@ -395,6 +395,13 @@ template <typename T> __device__ __forceinline__ T opaque(T v) {
     return v;
 }
 
+// The warp's index in its block, as a value the compiler knows is the same in every lane: shuffled from
+// lane 0 (call it where the warp is converged, at the top of a kernel). From threadIdx.x >> 5 the
+// compiler must assume lanes may differ (it cannot know the block is one-dimensional), so branches and
+// loops on it count as divergent and every __shfl_sync inside them becomes an emulated collective
+// (WARPSYNC.COLLECTIVE ... ENDCOLLECTIVE in the SASS).
+__device__ __forceinline__ int warp_index() { return __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 5), 0); }
+
 // dst as a shared-window address (__cvta_generic_to_shared): loops keep it in one 32-bit register.
 __device__ __forceinline__ void cp_async_16_to(uint32_t smem_dst, const void *gmem_src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_dst), "l"(gmem_src));

@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
     float *acc_all = reinterpret_cast<float *>(smem_raw + P::RING_BYTES);
     __shared__ int last_groups[16];
 
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = warp_index();
     const int tiles_k = k / 16, tiles_n = n / 16;
     const int slice = blockIdx.y, slices = gridDim.y;
     const int j_begin = block_x * cols_per_block;

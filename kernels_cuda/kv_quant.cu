@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(KVQ_THREADS) kv_quantize_kernel(
     const float inv_sqrt_group = 1.0f / 5.656854249492381f;  // torch: x / 5.65.. on CUDA is x * (1 / 5.65..f)
     const int lane = threadIdx.x & 31, q = lane & (KVQ_LANES - 1);
     const int64_t total = tokens * groups_per_row;
-    const int64_t warp = ((int64_t)blockIdx.x * KVQ_THREADS + threadIdx.x) >> 5;
+    const int64_t warp = (int64_t)blockIdx.x * (KVQ_THREADS / 32) + warp_index();  // warp-uniform: see warp_index
     const int64_t warp_stride = ((int64_t)gridDim.x * KVQ_THREADS) >> 5;
     constexpr int64_t kStep = KVQ_GROUPS_PER_WARP * KVQ_QUANT_UNROLL;
     for (int64_t first = warp * kStep; first < total; first += warp_stride * kStep) {
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(KVQ_THREADS) kv_dequantize_kernel(
     const float inv_norm = 1.0f / (float)(5.656854249492381 * (double)(1 << (BITS - 1)));
     const int lane = threadIdx.x & 31, q = lane & (KVQ_LANES - 1);
     const int64_t total = rows * groups_per_row;
-    const int64_t warp = ((int64_t)blockIdx.x * KVQ_THREADS + threadIdx.x) >> 5;
+    const int64_t warp = (int64_t)blockIdx.x * (KVQ_THREADS / 32) + warp_index();  // warp-uniform: see warp_index
     const int64_t warp_stride = ((int64_t)gridDim.x * KVQ_THREADS) >> 5;
     constexpr int64_t kStep = KVQ_GROUPS_PER_WARP * KVQ_DEQUANT_UNROLL;
     for (int64_t first = warp * kStep; first < total; first += warp_stride * kStep) {

@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(MOE_WARPS * 32, 2) moe_exl3_partial_kernel(con
     half *xs = reinterpret_cast<half *>(smem_raw);                                       // [slice_k]
     float *red = reinterpret_cast<float *>(smem_raw + (size_t)slice_k * sizeof(half));   // [warps][128]
 
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = warp_index();
     const int group = blockIdx.x, slice = blockIdx.y;
     const int m = blockIdx.z / a.pairs, p = blockIdx.z % a.pairs;
     float *out = a.partial + (((size_t)slice * a.matrices + m) * a.pairs + p) * a.n + (size_t)group * MOE_GROUP;
@@ -188,7 +188,7 @@ constexpr int FINISH_MAX_WARPS = 32;
 
 __global__ void moe_exl3_finish_kernel(const FinishArgs a, int warps_used) {
     __shared__ float vals[FINISH_MAX_WARPS][MOE_GROUP];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = warp_index();
     const int groups = a.n / MOE_GROUP;
     const int group = blockIdx.x % groups, item = blockIdx.x / groups;
     const int col = group * MOE_GROUP + lane * 4;
@@ -265,7 +265,7 @@ __global__ void moe_dense_pairs_kernel(const T *__restrict__ x, const int64_t *_
                                        const uint64_t *__restrict__ weights, const uint64_t *__restrict__ biases,
                                        T *__restrict__ y, int pairs_per_row, int num_experts, int n, int k) {
     constexpr int VEC = 16 / sizeof(T);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = warp_index();
     const int p = blockIdx.y;
     const int row0 = (blockIdx.x * (blockDim.x / 32) + warp) * DENSE_ROWS_PER_WARP;
     if (row0 >= n) return;
