@@ -167,6 +167,49 @@ __global__ void rms_norm_kernel(const T *__restrict__ x, const T *__restrict__ r
     const T *xr = x + row * dim;
     const T *rr = residual ? residual + row * dim : nullptr;
     T *hr = h_out ? h_out + row * dim : nullptr;
+    __shared__ float partial[32];
+    // The block's sum of squares, in a fixed order (both paths below use it).
+    auto block_rstd = [&](float sumsq) {
+        sumsq = warp_sum(sumsq);
+        if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = sumsq;
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            float s = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
+            s = warp_sum(s);
+            if (threadIdx.x == 0) partial[0] = s;
+        }
+        __syncthreads();
+        return rsqrtf(partial[0] / (float)dim + eps);
+    };
+    if (VEC > 1 && vecs <= blockDim.x) {
+        // One vector per thread (the launcher's choice up to 1024 vectors, e.g. a decode step's rows): h
+        // and the weights stay in registers, and the weights are read before the reduction, so the row
+        // is not read back after its barriers (one dependent memory round trip fewer; the same values).
+        const int64_t i = threadIdx.x;
+        const bool live = i < vecs;
+        float h[VEC] = {}, w[VEC];
+        if (live) {
+            load_vec<T, VEC>(xr + i * VEC, h);
+            if (weight) load_vec<W, VEC>(weight + i * VEC, w);
+            if (rr) {
+                float r[VEC];
+                load_vec<T, VEC>(rr + i * VEC, r);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) h[j] = to_f32(from_f32<T>(h[j] + r[j]));
+                store_vec<T, VEC>(hr + i * VEC, h);
+            }
+        }
+        float sumsq = 0.f;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) sumsq += h[j] * h[j];
+        const float rstd = block_rstd(sumsq);
+        if (live) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) h[j] = weight ? h[j] * rstd * (unit_offset ? 1.f + w[j] : w[j]) : h[j] * rstd;
+            store_vec<T, VEC>(y + row * dim + i * VEC, h);
+        }
+        return;
+    }
     float sumsq = 0.f;
     for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) {
         float h[VEC];
@@ -181,17 +224,7 @@ __global__ void rms_norm_kernel(const T *__restrict__ x, const T *__restrict__ r
 #pragma unroll
         for (int j = 0; j < VEC; ++j) sumsq += h[j] * h[j];
     }
-    __shared__ float partial[32];
-    sumsq = warp_sum(sumsq);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = sumsq;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float s = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
-        s = warp_sum(s);
-        if (threadIdx.x == 0) partial[0] = s;
-    }
-    __syncthreads();
-    const float rstd = rsqrtf(partial[0] / (float)dim + eps);
+    const float rstd = block_rstd(sumsq);
     const T *src = rr ? hr : xr;  // each thread re-reads the h it wrote itself
     T *yr = y + row * dim;
     for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) {
