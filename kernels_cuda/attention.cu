@@ -403,20 +403,35 @@ __global__ void attention_merge_kernel(const AttnArgs a, int head_dim) {
     merge_splits<T>(a, blockIdx.x, blockIdx.y, head_dim);
 }
 
+// Calls f with the decode kernel instance for head_dim = 32 * dpl and g query heads per block (1, 4, or
+// GMAX for anything else): the one place that maps the runtime choice onto a template instance, for the
+// launch and the occupancy query alike. False for an unsupported head_dim.
+template <typename T, typename F> bool with_attention_kernel(int dpl, int g, F &&f) {
+    auto pick = [&](auto dpl_constant) {
+        constexpr int DPL = decltype(dpl_constant)::value;
+        if (g == 1) f(paged_attention_kernel<T, DPL, 1>);
+        else if (g == 4) f(paged_attention_kernel<T, DPL, 4>);
+        else f(paged_attention_kernel<T, DPL, GMAX>);
+        return true;
+    };
+    switch (dpl) {
+        case 2: return pick(std::integral_constant<int, 2>{});
+        case 3: return pick(std::integral_constant<int, 3>{});
+        case 4: return pick(std::integral_constant<int, 4>{});
+        case 5: return pick(std::integral_constant<int, 5>{});
+        case 6: return pick(std::integral_constant<int, 6>{});
+        case 8: return pick(std::integral_constant<int, 8>{});
+        default: return false;
+    }
+}
+
 template <typename T>
 int launch_attention(const AttnArgs &a, int64_t tokens, int64_t d, int g, cudaStream_t stream) {
     dim3 grid((unsigned)tokens, (unsigned)a.hkv, (unsigned)(head_chunks_for(a.hq, a.hkv, g) * a.splits));
-#define ATT_CASE(DPL)                                                                                        \
-    case DPL:                                                                                                \
-        if (g == 1) paged_attention_kernel<T, DPL, 1><<<grid, ATT_WARPS * 32, 0, stream>>>(a);                 \
-        else if (g == 4) paged_attention_kernel<T, DPL, 4><<<grid, ATT_WARPS * 32, 0, stream>>>(a);            \
-        else paged_attention_kernel<T, DPL, GMAX><<<grid, ATT_WARPS * 32, 0, stream>>>(a);                     \
-        break;
-    switch (d / 32) {
-        ATT_CASE(2) ATT_CASE(3) ATT_CASE(4) ATT_CASE(5) ATT_CASE(6) ATT_CASE(8)
-        default: return TRELLM_E_UNSUPPORTED;
-    }
-#undef ATT_CASE
+    const bool known = with_attention_kernel<T>((int)(d / 32), g, [&](auto kernel) {
+        kernel<<<grid, ATT_WARPS * 32, 0, stream>>>(a);
+    });
+    if (!known) return TRELLM_E_UNSUPPORTED;
     TRELLM_LAUNCH_CHECK();
     if (a.splits > 1 && !a.counters) {
         attention_merge_kernel<T><<<dim3((unsigned)tokens, (unsigned)a.hq), 32, 0, stream>>>(a, (int)d);
@@ -481,17 +496,7 @@ template <typename T> int attention_blocks_per_sm(int dpl, int g) {
             b = 0;
         }
     };
-#define ATT_OCC(DPL) \
-    case DPL:                                                                          \
-        if (g == 1) occupancy(paged_attention_kernel<T, DPL, 1>);                      \
-        else if (g == 4) occupancy(paged_attention_kernel<T, DPL, 4>);                 \
-        else occupancy(paged_attention_kernel<T, DPL, GMAX>);                          \
-        break;
-    switch (dpl) {
-        ATT_OCC(2) ATT_OCC(3) ATT_OCC(4) ATT_OCC(5) ATT_OCC(6) ATT_OCC(8)
-        default: break;
-    }
-#undef ATT_OCC
+    with_attention_kernel<T>(dpl, g, occupancy);
     return b;
 }
 
