@@ -99,6 +99,40 @@ template <int K, int KT> struct GemvPipe {
 // fragments, so they get two blocks' budget.
 template <int MT, int KT> constexpr int gemv_min_blocks = (MT == 2 && KT == 8) ? 2 : TRELLM_GEMV_MIN_BLOCKS;
 
+// Phase trace for benchmarks/gemv_phases.cu, compiled in only with -DTRELLM_GEMV_TRACE: thread 0 of each
+// block records the SM clock at each phase boundary, and the global timer, SM id and whether the block
+// finished a group; lane 0 of each warp records three points of the first phases. The harness prints
+// where a launch's time goes. Without the macro the marks are empty statements.
+#ifdef TRELLM_GEMV_TRACE
+constexpr int GEMV_TRACE_MARKS = 8, GEMV_TRACE_BLOCKS = 8192, GEMV_TRACE_WARP_MARKS = 3;
+enum { GEMV_TRACE_START_NS = GEMV_TRACE_MARKS, GEMV_TRACE_END_NS, GEMV_TRACE_SM, GEMV_TRACE_FIELDS };
+__device__ long long gemv_trace[GEMV_TRACE_BLOCKS][GEMV_TRACE_FIELDS];
+// Per warp: its prefetch issued, pdl_wait passed, its x transform done (before the barrier).
+__device__ long long gemv_trace_warps[GEMV_TRACE_BLOCKS][GEMV_WARPS][GEMV_TRACE_WARP_MARKS];
+__device__ __forceinline__ long long global_ns() {
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ int trace_block() { return blockIdx.y * gridDim.x + blockIdx.x; }
+#define GEMV_MARK(i)                                                                                    \
+    do {                                                                                                \
+        if (threadIdx.x == 0 && trace_block() < GEMV_TRACE_BLOCKS) gemv_trace[trace_block()][i] = clock64(); \
+    } while (0)
+#define GEMV_WARP_MARK(i)                                                                               \
+    do {                                                                                                \
+        if ((threadIdx.x & 31) == 0 && trace_block() < GEMV_TRACE_BLOCKS)                               \
+            gemv_trace_warps[trace_block()][threadIdx.x >> 5][i] = clock64();                           \
+    } while (0)
+#else
+#define GEMV_MARK(i) \
+    do {             \
+    } while (0)
+#define GEMV_WARP_MARK(i) \
+    do {                  \
+    } while (0)
+#endif
+
 // One launch: x transform, trellis matmul of the block's (k-slice, column run), partial store, and the
 // last block to arrive at a 128-column group sums the slices and applies H128 * svh (+ bias).
 template <int K, int CB, int MT, int KT>
@@ -108,6 +142,15 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
     const MatmulArgs &args = parts.part[part];
     const int block_x = (int)blockIdx.x - parts.block_begin[part];
     pdl_trigger();
+#ifdef TRELLM_GEMV_TRACE
+    if (threadIdx.x == 0 && trace_block() < GEMV_TRACE_BLOCKS) {
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        gemv_trace[trace_block()][GEMV_TRACE_START_NS] = global_ns();
+        gemv_trace[trace_block()][GEMV_TRACE_SM] = sm;
+    }
+#endif
+    GEMV_MARK(0);
     using G = TileGeom<K>;
     using P = GemvPipe<K, KT>;
     constexpr int SLICE_K = GEMV_WARPS * KT * 16;   // k elements per block slice
@@ -165,9 +208,12 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
     // of each row (all of them when the slice is whole), so its suh is loaded once, with the weights.
     float su[4] = {0.f, 0.f, 0.f, 0.f};
     if (warp < m * slice_chunks) load4_as_f32(args.suh, TRELLM_F16, k0 + (warp % slice_chunks) * 128 + lane * 4, su);
+    GEMV_WARP_MARK(0);
     // Only weights were read so far: from here on x, the workspace and y, which the kernel before
     // may still be using (programmatic dependent launch).
     pdl_wait();
+    GEMV_MARK(1);
+    GEMV_WARP_MARK(1);
 
     for (int job = warp; job < m * slice_chunks; job += GEMV_WARPS) {
         const int row = job / slice_chunks, chunk = job % slice_chunks;
@@ -189,7 +235,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
         dst[0] = __floats2half2_rn(v[0], v[1]);
         dst[1] = __floats2half2_rn(v[2], v[3]);
     }
+    GEMV_WARP_MARK(2);
     __syncthreads();
+    GEMV_MARK(2);
 
     // x fragments (B operand: k x batch rows), one pair of registers per (k tile, group of 8 rows).
     // SPLIT (codebooks with split halves): xf holds x at the even k of the lane's
@@ -222,6 +270,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
         }
     }
     __syncthreads();  // every warp holds its x fragments: xs becomes the accumulators
+    GEMV_MARK(3);
 
     // The lane's words of a tile in a stage: (w0 + q) mod TILE_WORDS, q < NW.
     int w0, r;
@@ -327,6 +376,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
     }
     cp_async_wait<0>();
     __syncthreads();
+    GEMV_MARK(4);
 
     // Phase 2: the warps' sums, this slice's partial sums (valid rows only), stored coalesced along n.
     const int cols = (j_end - j_begin) * 16;
@@ -335,6 +385,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
         args.partial[((size_t)slice * m + row) * n + j_begin * 16 + c] = period > 0 ? red[row * red_stride + c] : warps_sum(c, row);
     }
     __syncthreads();
+    GEMV_MARK(5);
 
     // Phase 3: the last arrival at a 128-column group finishes it. Lane i of warp 0 arrives at the
     // block's i-th group (a run of up to 120 tiles touches at most 16), so the arrivals' round trips
@@ -359,6 +410,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
         arrive(g_begin + lane);
     }
     __syncthreads();
+    GEMV_MARK(6);
     // The finishing work, (group, row) pairs spread over the warps: one row finishes several groups at once.
     for (int job = warp; job < n_groups * m; job += GEMV_WARPS) {
         const int gi = job / m, row = job % m;
@@ -377,6 +429,16 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
             store_from_f32(args.y, args.y_dtype, (size_t)row * n + col + i, o);
         }
     }
+#ifdef TRELLM_GEMV_TRACE
+    __syncthreads();
+    GEMV_MARK(7);
+    if (threadIdx.x == 0 && trace_block() < GEMV_TRACE_BLOCKS) {
+        bool finished = false;
+        for (int gi = 0; gi < n_groups; ++gi) finished |= last_groups[gi] != 0;
+        gemv_trace[trace_block()][GEMV_TRACE_SM] |= (long long)finished << 32;
+        gemv_trace[trace_block()][GEMV_TRACE_END_NS] = global_ns();
+    }
+#endif
 }
 
 // One warp per tile: decode into shared memory, then 16-byte stores (two lanes per tile row).
