@@ -79,6 +79,7 @@ struct MatmulParts {
     // barrier per round): shared memory per column drops from 8 warps' to one result, so more rows fit
     // one wave (the same fixed sum order: bit-stable).
     int reduce_period;
+    int early_stages;     // ring columns requested before pdl_wait (TRELLM_GEMV_EARLY_STAGES, default 1)
     int serial_arrivals;  // 1: thread 0 arrives at the block's groups one after another (TRELLM_GEMV_SERIAL_ARRIVALS=1, the A/B baseline)
 };
 
@@ -199,15 +200,21 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
             src[q] += P::TILE_WORDS;
         }
     };
-#pragma unroll
-    for (int s = 0; s < P::STAGES - 1; ++s) {
-        if (s < ncols) issue_next(s * STAGE_BYTES);
-        cp_async_commit();
-    }
-    // Phase 0: xs = fp16(H128(x * suh)) for this slice. A warp's jobs are chunk `warp % slice_chunks`
-    // of each row (all of them when the slice is whole), so its suh is loaded once, with the weights.
+    // Phase 0 below: xs = fp16(H128(x * suh)) for this slice. A warp's jobs are chunk `warp % slice_chunks`
+    // of each row (all of them when the slice is whole), so its suh is loaded once, ahead of the weights
+    // (behind them it waited for them: one launch alone, 4096->14336, 26.8 -> 25.7 us).
     float su[4] = {0.f, 0.f, 0.f, 0.f};
     if (warp < m * slice_chunks) load4_as_f32(args.suh, TRELLM_F16, k0 + (warp % slice_chunks) * 128 + lane * 4, su);
+    // The first parts.early_stages columns are requested before pdl_wait (while the kernel before may
+    // still run), the rest of the ring after the x transform.
+    const int early = parts.early_stages;
+#pragma unroll
+    for (int s = 0; s < P::STAGES - 1; ++s) {
+        if (s < early) {
+            if (s < ncols) issue_next(s * STAGE_BYTES);
+            cp_async_commit();
+        }
+    }
     GEMV_WARP_MARK(0);
     // Only weights were read so far: from here on x, the workspace and y, which the kernel before
     // may still be using (programmatic dependent launch).
@@ -234,6 +241,13 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
         half2 *dst = reinterpret_cast<half2 *>(xs + (size_t)row * SLICE_K + chunk * 128 + lane * 4);
         dst[0] = __floats2half2_rn(v[0], v[1]);
         dst[1] = __floats2half2_rn(v[2], v[3]);
+    }
+#pragma unroll
+    for (int s = 0; s < P::STAGES - 1; ++s) {
+        if (s >= early) {
+            if (s < ncols) issue_next(s * STAGE_BYTES);
+            cp_async_commit();
+        }
     }
     GEMV_WARP_MARK(2);
     __syncthreads();
@@ -610,6 +624,15 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
         return e && e[0] == '1' ? 1 : 0;
     }();
     parts.serial_arrivals = serial_arrivals;
+    // One column per warp requested before pdl_wait, the rest of the ring after the x transform: fewer
+    // weight requests compete with the kernel before (attention, norms), which is latency-bound. Chained
+    // GEMVs alone do not tell (benchmarks/gemv_phases.cu: equal); the 8B decode step does, 3.297 ->
+    // 3.213 ms (NOTES 2026-12-03f). TRELLM_GEMV_EARLY_STAGES=16 requests the whole ring early (the baseline).
+    static const int early_stages = [] {
+        const char *e = getenv("TRELLM_GEMV_EARLY_STAGES");
+        return e ? max(0, atoi(e)) : 1;
+    }();
+    parts.early_stages = early_stages;
     const int cols = plan.cols;
     int blocks_x = 0;
     for (int p = 0; p < parts.count; ++p) {
