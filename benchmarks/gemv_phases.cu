@@ -154,8 +154,34 @@ void report(const char *label, const Trace &t) {
     printf("\n");
 }
 
+// Microseconds per launch of `launch`, as a graph of CHAIN back-to-back launches replayed 20 times.
+template <typename F> double chained_us_per_launch(cudaStream_t stream, F &&launch) {
+    constexpr int CHAIN = 10, REPS = 20;
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < CHAIN; ++i) launch();
+    CHECK(cudaStreamEndCapture(stream, &graph));
+    CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int i = 0; i < 3; ++i) CHECK(cudaGraphLaunch(exec, stream));
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    CHECK(cudaEventRecord(e0, stream));
+    for (int i = 0; i < REPS; ++i) CHECK(cudaGraphLaunch(exec, stream));
+    CHECK(cudaEventRecord(e1, stream));
+    CHECK(cudaEventSynchronize(e1));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    CHECK(cudaEventDestroy(e0));
+    CHECK(cudaEventDestroy(e1));
+    CHECK(cudaGraphExecDestroy(exec));
+    CHECK(cudaGraphDestroy(graph));
+    return ms * 1e3 / (REPS * CHAIN);
+}
+
 void run_shape(int k, int n, int num_sms, cudaStream_t stream) {
-    constexpr int K = 4, CB = TRELLM_CB_MCG, CHAIN = 10;
+    constexpr int K = 4, CB = TRELLM_CB_MCG;
     const int m = 1;
     const size_t words = (size_t)(k / 16) * (n / 16) * TileGeom<K>::WORDS;
     const int slices = gemv_slices(k, m, n);
@@ -216,49 +242,22 @@ void run_shape(int k, int n, int num_sms, cudaStream_t stream) {
     }
     const Trace t_alone = read_trace(blocks);
 
-    // Chained: a graph of CHAIN launches, replayed.
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < CHAIN; ++i) launch();
-    CHECK(cudaStreamEndCapture(stream, &graph));
-    CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int i = 0; i < 3; ++i) CHECK(cudaGraphLaunch(exec, stream));
-    const int reps = 20;
-    CHECK(cudaEventRecord(e0, stream));
-    for (int i = 0; i < reps; ++i) CHECK(cudaGraphLaunch(exec, stream));
-    CHECK(cudaEventRecord(e1, stream));
-    CHECK(cudaEventSynchronize(e1));
-    float chain_ms;
-    CHECK(cudaEventElapsedTime(&chain_ms, e0, e1));
+    // Chained: a graph of CHAIN launches, replayed; the trace is the last launch's.
+    const double chained_us = chained_us_per_launch(stream, launch);
     const Trace t_chain = read_trace(blocks);
-
-    // The launch floor: CHAIN empty kernels of the same grid, same launch attribute.
-    cudaGraph_t g2;
-    cudaGraphExec_t x2;
-    CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < CHAIN; ++i) CHECK(launch_pdl(empty_kernel, dim3(blocks), dim3(GEMV_WARPS * 32), 0, stream, 0));
-    CHECK(cudaStreamEndCapture(stream, &g2));
-    CHECK(cudaGraphInstantiate(&x2, g2, 0));
-    for (int i = 0; i < 3; ++i) CHECK(cudaGraphLaunch(x2, stream));
-    CHECK(cudaEventRecord(e0, stream));
-    for (int i = 0; i < reps; ++i) CHECK(cudaGraphLaunch(x2, stream));
-    CHECK(cudaEventRecord(e1, stream));
-    CHECK(cudaEventSynchronize(e1));
-    float empty_ms;
-    CHECK(cudaEventElapsedTime(&empty_ms, e0, e1));
+    // The launch floor: empty kernels of the same grid, same launch attribute.
+    const double empty_us = chained_us_per_launch(stream, [&] {
+        CHECK(launch_pdl(empty_kernel, dim3(blocks), dim3(GEMV_WARPS * 32), 0, stream, 0));
+    });
 
     const double ideal_us = words * 4.0 / 4.15e6;  // bytes / (4.15 TB/s measured copy bandwidth) in us
     printf("%d -> %d, 1 row, K=%d: %d blocks (%d k-slices); alone %.2f us (events, median of 20); chained %.2f us "
            "per launch; empty kernels of that grid chained %.2f us; weights at copy bandwidth %.2f us\n",
-           k, n, K, blocks, slices, median(alone), chain_ms * 1e3 / (reps * CHAIN), empty_ms * 1e3 / (reps * CHAIN),
-           ideal_us);
+           k, n, K, blocks, slices, median(alone), chained_us, empty_us, ideal_us);
     report("alone", t_alone);
     report("last of a chain", t_chain);
-    CHECK(cudaGraphExecDestroy(exec));
-    CHECK(cudaGraphDestroy(graph));
-    CHECK(cudaGraphExecDestroy(x2));
-    CHECK(cudaGraphDestroy(g2));
+    CHECK(cudaEventDestroy(e0));
+    CHECK(cudaEventDestroy(e1));
     cudaFree(trellis), cudaFree(x), cudaFree(suh), cudaFree(svh), cudaFree(y), cudaFree(partial), cudaFree(counters);
 }
 
