@@ -205,16 +205,20 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
     // (behind them it waited for them: one launch alone, 4096->14336, 26.8 -> 25.7 us).
     float su[4] = {0.f, 0.f, 0.f, 0.f};
     if (warp < m * slice_chunks) load4_as_f32(args.suh, TRELLM_F16, k0 + (warp % slice_chunks) * 128 + lane * 4, su);
-    // The first parts.early_stages columns are requested before pdl_wait (while the kernel before may
-    // still run), the rest of the ring after the x transform.
+    // The ring's first STAGES-1 columns, one commit group each (the column loop's wait counts them): the
+    // first parts.early_stages requested before pdl_wait (while the kernel before may still run), the
+    // rest after the x transform.
     const int early = parts.early_stages;
+    auto issue_ring = [&](bool before_wait) {
 #pragma unroll
-    for (int s = 0; s < P::STAGES - 1; ++s) {
-        if (s < early) {
-            if (s < ncols) issue_next(s * STAGE_BYTES);
-            cp_async_commit();
+        for (int s = 0; s < P::STAGES - 1; ++s) {
+            if ((s < early) == before_wait) {
+                if (s < ncols) issue_next(s * STAGE_BYTES);
+                cp_async_commit();
+            }
         }
-    }
+    };
+    issue_ring(true);
     GEMV_WARP_MARK(0);
     // Only weights were read so far: from here on x, the workspace and y, which the kernel before
     // may still be using (programmatic dependent launch).
@@ -242,13 +246,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
         dst[0] = __floats2half2_rn(v[0], v[1]);
         dst[1] = __floats2half2_rn(v[2], v[3]);
     }
-#pragma unroll
-    for (int s = 0; s < P::STAGES - 1; ++s) {
-        if (s >= early) {
-            if (s < ncols) issue_next(s * STAGE_BYTES);
-            cp_async_commit();
-        }
-    }
+    issue_ring(false);
     GEMV_WARP_MARK(2);
     __syncthreads();
     GEMV_MARK(2);
