@@ -181,6 +181,15 @@ __global__ void rms_norm_kernel(const T *__restrict__ x, const T *__restrict__ r
         __syncthreads();
         return rsqrtf(partial[0] / (float)dim + eps);
     };
+    // With a residual: h = x + residual for vector i, rounded to the dtype, and stored to h_out.
+    auto add_residual = [&](int64_t i, float (&h)[VEC]) {
+        if (!rr) return;
+        float r[VEC];
+        load_vec<T, VEC>(rr + i * VEC, r);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) h[j] = to_f32(from_f32<T>(h[j] + r[j]));
+        store_vec<T, VEC>(hr + i * VEC, h);
+    };
     if (VEC > 1 && vecs <= blockDim.x) {
         // One vector per thread (the launcher's choice up to 1024 vectors, e.g. a decode step's rows): h
         // and the weights stay in registers, and the weights are read before the reduction, so the row
@@ -191,13 +200,7 @@ __global__ void rms_norm_kernel(const T *__restrict__ x, const T *__restrict__ r
         if (live) {
             load_vec<T, VEC>(xr + i * VEC, h);
             if (weight) load_vec<W, VEC>(weight + i * VEC, w);
-            if (rr) {
-                float r[VEC];
-                load_vec<T, VEC>(rr + i * VEC, r);
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) h[j] = to_f32(from_f32<T>(h[j] + r[j]));
-                store_vec<T, VEC>(hr + i * VEC, h);
-            }
+            add_residual(i, h);
         }
         float sumsq = 0.f;
 #pragma unroll
@@ -214,13 +217,7 @@ __global__ void rms_norm_kernel(const T *__restrict__ x, const T *__restrict__ r
     for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) {
         float h[VEC];
         load_vec<T, VEC>(xr + i * VEC, h);
-        if (rr) {
-            float r[VEC];
-            load_vec<T, VEC>(rr + i * VEC, r);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) h[j] = to_f32(from_f32<T>(h[j] + r[j]));
-            store_vec<T, VEC>(hr + i * VEC, h);
-        }
+        add_residual(i, h);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) sumsq += h[j] * h[j];
     }
