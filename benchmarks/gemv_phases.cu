@@ -108,29 +108,30 @@ void report(const char *label, const Trace &t) {
     printf("  %s: %d blocks, span %.2f us (global timer), blocks started within %.2f us, median block end at %.2f us; "
            "%.3f ns/cycle\n",
            label, t.blocks, (last_end - first) / 1e3, (last_start - first) / 1e3, median(ends), npc);
-    printf("    %-24s %10s %10s %12s %12s\n", "phase", "median us", "max us", "finishers", "last block");
-    for (int p = 0; p < GEMV_TRACE_MARKS - 1; ++p) {
+    // A per-block duration (cycles(b)) in us: its median and maximum over the blocks, its median over the
+    // blocks that finished a group, and the last block's.
+    struct Stats { double median, max, finishers, last; };
+    auto stats = [&](auto cycles) {
         std::vector<double> all, finishers;
         for (int b = 0; b < t.blocks; ++b) {
-            const double us = (t.at(b, p + 1) - t.at(b, p)) * npc / 1e3;
+            const double us = cycles(b) * npc / 1e3;
             all.push_back(us);
             if (t.at(b, GEMV_TRACE_SM) >> 32) finishers.push_back(us);
         }
-        printf("    %-24s %10.2f %10.2f %12.2f %12.2f\n", PHASES[p], median(all), *std::max_element(all.begin(), all.end()),
-               median(finishers), (t.at(last_block, p + 1) - t.at(last_block, p)) * npc / 1e3);
+        return Stats{median(all), *std::max_element(all.begin(), all.end()), median(finishers), cycles(last_block) * npc / 1e3};
+    };
+    printf("    %-24s %10s %10s %12s %12s\n", "phase", "median us", "max us", "finishers", "last block");
+    for (int p = 0; p < GEMV_TRACE_MARKS - 1; ++p) {
+        const Stats st = stats([&](int b) { return (double)(t.at(b, p + 1) - t.at(b, p)); });
+        printf("    %-24s %10.2f %10.2f %12.2f %12.2f\n", PHASES[p], st.median, st.max, st.finishers, st.last);
     }
     printf("    last block %d started at %.2f us\n", last_block, (t.at(last_block, GEMV_TRACE_START_NS) - first) / 1e3);
     // Inside the first phases, per warp: when each warp had issued its prefetch, passed pdl_wait, and
     // reached the x transform's barrier (block-relative, us).
-    auto spread = [&](const char *what, auto value) {
-        std::vector<double> all, finishers;
-        for (int b = 0; b < t.blocks; ++b) {
-            const double us = value(b) * npc / 1e3;
-            all.push_back(us);
-            if (t.at(b, GEMV_TRACE_SM) >> 32) finishers.push_back(us);
-        }
-        printf("    %-44s median %6.2f  max %6.2f  finishers %6.2f  last block %6.2f\n", what, median(all),
-               *std::max_element(all.begin(), all.end()), median(finishers), value(last_block) * npc / 1e3);
+    auto spread = [&](const char *what, auto cycles) {
+        const Stats st = stats(cycles);
+        printf("    %-44s median %6.2f  max %6.2f  finishers %6.2f  last block %6.2f\n", what, st.median, st.max,
+               st.finishers, st.last);
     };
     auto warp_max = [&](int b, int mark) {
         long long v = t.warp_at(b, 0, mark);
