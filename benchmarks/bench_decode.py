@@ -70,9 +70,12 @@ class Model:
             total += sum(nbytes(L[n]) for n in ("q", "k", "v", "o", "gate", "up", "down")) + 4 * HIDDEN
         return total
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, ctx: torch.Tensor, group: bool = True):
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, ctx: torch.Tensor, group: bool = True,
+                qkv_rope: bool = True):
         """One step; ``group``: q/k/v and gate/up each in one ``exl3_matmul_group`` launch and the down
-        projection as ``exl3_matmul_gated`` (as the model does); otherwise one launch per op."""
+        projection as ``exl3_matmul_gated`` (as the model does); otherwise one launch per op.
+        ``qkv_rope`` (with ``group``): RoPE and the KV write inside the q/k/v launch
+        (``exl3_qkv_rope_write_kv``, as the model does), else in a launch of their own."""
         from trellm import ops
         from trellm.ops import exl3
         from trellm.ops.attention import rotary_qk_write_kv
@@ -88,12 +91,17 @@ class Model:
                 x = ops.rms_norm(h, L["norm1"], 1e-5)
             else:
                 x, residual = ops.add_rms_norm(h, residual, L["norm1"], 1e-5)
-            if group:
-                q, k, v = exl3.exl3_matmul_group(x, [(*L[p], None) for p in ("q", "k", "v")], "mcg")
+            qkv = [(*L[p], None) for p in ("q", "k", "v")]
+            if group and qkv_rope:
+                q, _ = exl3.exl3_qkv_rope_write_kv(x, qkv, "mcg", HEAD_DIM, self.cos, self.sin, positions,
+                                                   self.k_pages[i], self.v_pages[i], slots)
             else:
-                q, k, v = (mm(x, *L[p], "mcg") for p in ("q", "k", "v"))
-            q, k, v = q.view(t, HEADS, HEAD_DIM), k.view(t, KV_HEADS, HEAD_DIM), v.view(t, KV_HEADS, HEAD_DIM)
-            q, _ = rotary_qk_write_kv(q, k, v, self.cos, self.sin, positions, self.k_pages[i], self.v_pages[i], slots)
+                if group:
+                    q, k, v = exl3.exl3_matmul_group(x, qkv, "mcg")
+                else:
+                    q, k, v = (mm(x, *L[p], "mcg") for p in ("q", "k", "v"))
+                q, k, v = q.view(t, HEADS, HEAD_DIM), k.view(t, KV_HEADS, HEAD_DIM), v.view(t, KV_HEADS, HEAD_DIM)
+                q, _ = rotary_qk_write_kv(q, k, v, self.cos, self.sin, positions, self.k_pages[i], self.v_pages[i], slots)
             a = ops.paged_attention(q, self.k_pages[i], self.v_pages[i], self.block_table, cu, ctx)
             h = mm(a.view(t, HIDDEN), *L["o"], "mcg")
             x, residual = ops.add_rms_norm(h, residual, L["norm2"], 1e-5)
@@ -134,8 +142,11 @@ def main() -> int:
         pdl = binding.set_pdl(False)
         t_nopdl = time_graph(lambda: model.forward(tok, pos, cu, ctx), reps=20)
         binding.set_pdl(pdl)
+        t_rope_apart = time_graph(lambda: model.forward(tok, pos, cu, ctx, qkv_rope=False), reps=20)
         t_step = time_graph(lambda: model.forward(tok, pos, cu, ctx), reps=20)
         ideal = wb / bw
+        print(f"decode K={K}, RoPE + KV write in a launch of their own: {t_rope_apart * 1e3:.3f} ms/token "
+              f"(inside the q/k/v launch: {t_rope_apart / t_step:.3f}x faster)", flush=True)
         print(f"decode K={K}, one launch per projection: {t_sep * 1e3:.3f} ms/token = {1 / t_sep:.0f} tokens/s; "
               f"grouped q/k/v, gate/up without programmatic dependent launch: {t_nopdl * 1e3:.3f} ms = "
               f"{1 / t_nopdl:.0f} tokens/s (final figure below: {t_sep / t_step:.2f}x and {t_nopdl / t_step:.2f}x faster)", flush=True)

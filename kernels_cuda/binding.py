@@ -305,14 +305,9 @@ def exl3_matmul_small_gated(
 EXL3_MAX_PARTS = 4
 
 
-def exl3_matmul_small_multi(
-    x: torch.Tensor,
-    parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
-    codebook: str,
-    out_dtype: torch.dtype | None = None,
-) -> list[torch.Tensor]:
-    """``exl3_matmul_small`` of one x by 1..4 (trellis, suh, svh, bias) parts of the same K in ONE launch
-    (q/k/v, gate/up): one kernel instead of several small ones, and one wave of blocks across all parts."""
+def _checked_parts(x: torch.Tensor, parts) -> tuple[torch.Tensor, list, list[int], int]:
+    """x and 1..4 (trellis, suh, svh, bias) parts of one K for a one-launch GEMV: checked and 16-byte
+    aligned, with each part's n and the common K."""
     if not 1 <= len(parts) <= EXL3_MAX_PARTS:
         raise KernelArgumentError(f"parts: {len(parts)} given, 1..{EXL3_MAX_PARTS} supported")
     ns, Ks = [], []
@@ -322,26 +317,97 @@ def exl3_matmul_small_multi(
         Ks.append(K)
     if len(set(Ks)) != 1:
         raise KernelArgumentError(f"parts: bits per weight differ ({Ks}); one launch needs one K")
-    m, k = x.shape
-    x = _aligned(x)
-    parts = [(trellis, _aligned(suh), svh, bias) for trellis, suh, svh, bias in parts]
-    dtype = out_dtype or x.dtype
-    ys = [torch.empty(m, n, dtype=dtype, device=x.device) for n in ns]
-    workspace, counters = _gemv_scratch(m, k, sum(ns), x.device)
-    trellises = [_aligned(p[0]) for p in parts]
+    parts = [(_aligned(trellis), _aligned(suh), svh, bias) for trellis, suh, svh, bias in parts]
+    return _aligned(x), parts, ns, Ks[0]
+
+
+def _part_arrays(parts, ys: list[torch.Tensor]) -> list:
+    """The per-part pointer arrays of the C ABI: suh, trellis, svh, bias, y."""
     f = ffi()
-    rc = lib().trellm_exl3_matmul_small_multi(
-        _ptr(x), DTYPE_CODES[x.dtype], len(parts),
+    return [
         f.new("void *[]", [_ptr(p[1]) for p in parts]),
-        f.new("int16_t *[]", [_ptr(t, "int16_t *") for t in trellises]),
+        f.new("int16_t *[]", [_ptr(p[0], "int16_t *") for p in parts]),
         f.new("void *[]", [_ptr(p[2]) for p in parts]),
         f.new("void *[]", [_ptr(p[3]) for p in parts]),
         f.new("void *[]", [_ptr(y) for y in ys]),
-        f.new("int64_t[]", ns), _dtype_code(ys[0], "out_dtype"), _ptr(workspace, "float *"),
-        _ptr(counters, "int32_t *"), counters.numel(), m, k, Ks[0], _codebook_code(codebook),
+    ]
+
+
+def exl3_matmul_small_multi(
+    x: torch.Tensor,
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    codebook: str,
+    out_dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
+    """``exl3_matmul_small`` of one x by 1..4 (trellis, suh, svh, bias) parts of the same K in ONE launch
+    (q/k/v, gate/up): one kernel instead of several small ones, and one wave of blocks across all parts."""
+    x, parts, ns, K = _checked_parts(x, parts)
+    m, k = x.shape
+    dtype = out_dtype or x.dtype
+    ys = [torch.empty(m, n, dtype=dtype, device=x.device) for n in ns]
+    workspace, counters = _gemv_scratch(m, k, sum(ns), x.device)
+    rc = lib().trellm_exl3_matmul_small_multi(
+        _ptr(x), DTYPE_CODES[x.dtype], len(parts), *_part_arrays(parts, ys),
+        ffi().new("int64_t[]", ns), _dtype_code(ys[0], "out_dtype"), _ptr(workspace, "float *"),
+        _ptr(counters, "int32_t *"), counters.numel(), m, k, K, _codebook_code(codebook),
         _num_sms(x.device), _stream(),
     )
     _check(rc, "exl3_matmul_small_multi")
+    return ys
+
+
+def exl3_matmul_small_qkv_rope(
+    x: torch.Tensor,
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    codebook: str,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+    interleaved: bool = False,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    norm_unit_offset: bool = False,
+    k_pages: torch.Tensor | None = None,
+    v_pages: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """The q/k/v projections of x by three parts in one launch, finished as :func:`rotary_qk` finishes
+    them (per-head RMSNorm, RoPE; k and v stored at ``slots`` of the pages when given): [q, k, v], each
+    [m, heads * 128], q and k rotated. 128-wide heads only."""
+    if len(parts) != 3:
+        raise KernelArgumentError(f"parts: {len(parts)} given; q/k/v need 3")
+    expect(x, "x", dtype=(torch.float16, torch.bfloat16), shape=(None, None))
+    x, parts, ns, K = _checked_parts(x, parts)
+    m, k = x.shape
+    if ns[0] % 128 or ns[1] % 128 or ns[2] != ns[1]:
+        raise KernelArgumentError(f"parts: widths {ns} are not q/k/v of 128-wide heads (n_k == n_v)")
+    hkv = ns[1] // 128
+    expect(cos_table, "cos_table", dtype=torch.float32, shape=(None, None), device=x.device)
+    table_len, half = cos_table.shape
+    expect(sin_table, "sin_table", dtype=torch.float32, shape=(table_len, half), device=x.device)
+    if half % 4 or not 0 < 2 * half <= 128 or table_len == 0:
+        raise KernelArgumentError(f"cos_table: shape {list(cos_table.shape)} does not fit 128-wide heads (rotated half a multiple of 4)")
+    expect(positions, "positions", dtype=torch.int64, shape=(m,), device=x.device)
+    if (q_norm is None) != (k_norm is None):
+        raise KernelArgumentError("q_norm / k_norm: give both or neither")
+    expect(q_norm, "q_norm", dtype=x.dtype, shape=(128,), device=x.device, optional=True)
+    expect(k_norm, "k_norm", dtype=x.dtype, shape=(128,), device=x.device, optional=True)
+    if k_pages is not None:
+        expect(k_pages, "k_pages", dtype=x.dtype, shape=(None, None, hkv, 128), device=x.device)
+        expect(v_pages, "v_pages", dtype=x.dtype, shape=tuple(k_pages.shape), device=x.device)
+        expect(slots, "slots", dtype=torch.int64, shape=(m,), device=x.device)
+    ys = [torch.empty(m, n, dtype=x.dtype, device=x.device) for n in ns]
+    workspace, counters = _gemv_scratch(m, k, sum(ns), x.device)
+    rc = lib().trellm_exl3_matmul_small_qkv_rope(
+        _ptr(x), DTYPE_CODES[x.dtype], *_part_arrays(parts, ys), ffi().new("int64_t[]", ns),
+        _ptr(workspace, "float *"), _ptr(counters, "int32_t *"), counters.numel(), m, k, K, _codebook_code(codebook),
+        _ptr(positions, "int64_t *"), _ptr(cos_table, "float *"), _ptr(sin_table, "float *"), table_len, half,
+        int(bool(interleaved)), _ptr(q_norm), _ptr(k_norm), float(norm_eps), int(bool(norm_unit_offset)),
+        _ptr(k_pages), _ptr(v_pages if k_pages is not None else None),
+        _ptr(slots if k_pages is not None else None, "int64_t *"), _num_sms(x.device), _stream(),
+    )
+    _check(rc, "exl3_matmul_small_qkv_rope")
     return ys
 
 

@@ -26,7 +26,7 @@ int exl3_matmul_small_parts(const void *x, const void *x_up, int act, int x_dtyp
                             const int16_t *const *trellis, const void *const *svh, const void *const *bias,
                             void *const *y, const int64_t *n, int y_dtype, float *workspace, int32_t *counters,
                             int64_t counters_len, int64_t m, int64_t k, int K, int codebook, int num_sms,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, const HeadEpilogue *head = nullptr) {
     if (parts < 1 || parts > GEMV_MAX_PARTS) return TRELLM_E_BAD_ARG;
     if (x_up && (act < TRELLM_ACT_SILU || act > TRELLM_ACT_RELU2)) return TRELLM_E_BAD_ARG;
     if (m < 1 || m > 16) return TRELLM_E_BAD_SHAPE;
@@ -34,6 +34,7 @@ int exl3_matmul_small_parts(const void *x, const void *x_up, int act, int x_dtyp
         return TRELLM_E_BAD_DTYPE;
     MatmulParts mp;
     mp.count = parts;
+    mp.head = head ? *head : HeadEpilogue{};
     int64_t groups = 0, partial_offset = 0, n_total = 0;
     for (int p = 0; p < parts; ++p) n_total += n[p];
     const int slices = gemv_slices((int)k, (int)m, (int)n_total);
@@ -78,6 +79,38 @@ extern "C" int trellm_exl3_matmul_small_multi(const void *x, int x_dtype, int pa
                                               int64_t k, int K, int codebook, int num_sms, cudaStream_t stream) {
     return exl3_matmul_small_parts(x, nullptr, 0, x_dtype, parts, suh, trellis, svh, bias, y, n, y_dtype, workspace,
                                    counters, counters_len, m, k, K, codebook, num_sms, stream);
+}
+
+extern "C" int trellm_exl3_matmul_small_qkv_rope(
+    const void *x, int dtype, const void *const *suh, const int16_t *const *trellis, const void *const *svh,
+    const void *const *bias, void *const *y, const int64_t *n, float *workspace, int32_t *counters,
+    int64_t counters_len, int64_t m, int64_t k, int K, int codebook, const int64_t *positions, const float *cos,
+    const float *sin, int64_t table_len, int64_t rot_half, int interleaved, const void *q_norm, const void *k_norm,
+    float norm_eps, int norm_unit_offset, void *k_pages, void *v_pages, const int64_t *slots, int num_sms,
+    cudaStream_t stream) {
+    if (dtype != TRELLM_F16 && dtype != TRELLM_BF16) return TRELLM_E_BAD_DTYPE;
+    if (n[0] <= 0 || n[0] % 128 || n[1] <= 0 || n[1] % 128 || n[2] != n[1]) return TRELLM_E_BAD_SHAPE;
+    if (rot_half <= 0 || rot_half % 4 || 2 * rot_half > 128 || table_len <= 0) return TRELLM_E_BAD_ARG;
+    if (!positions || !cos || !sin || (q_norm == nullptr) != (k_norm == nullptr)) return TRELLM_E_BAD_ARG;
+    if ((k_pages == nullptr) != (v_pages == nullptr) || (k_pages != nullptr) != (slots != nullptr)) return TRELLM_E_BAD_ARG;
+    HeadEpilogue head{};
+    head.enabled = 1;
+    head.positions = positions;
+    head.cos = cos;
+    head.sin = sin;
+    head.table_len = table_len;
+    head.rot_half = (int)rot_half;
+    head.interleaved = interleaved;
+    head.q_norm = q_norm;
+    head.k_norm = k_norm;
+    head.eps = norm_eps;
+    head.unit_offset = norm_unit_offset;
+    head.k_pages = k_pages;
+    head.v_pages = v_pages;
+    head.slots = slots;
+    head.hkv = (int)(n[1] / 128);
+    return exl3_matmul_small_parts(x, nullptr, 0, dtype, 3, suh, trellis, svh, bias, y, n, dtype, workspace, counters,
+                                   counters_len, m, k, K, codebook, num_sms, stream, &head);
 }
 
 extern "C" int trellm_exl3_matmul_small(const void *x, int x_dtype, const void *suh, const int16_t *trellis,

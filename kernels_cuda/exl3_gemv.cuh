@@ -66,6 +66,24 @@ struct MatmulArgs {
     int x_dtype, y_dtype, m, k, n, cols_per_block;
 };
 
+// The q/k/v launch's finishing work for attention (parts 0, 1, 2 = q, k, v; 128-wide heads, so one
+// 128-column group is one head of one row): q and k optionally RMS-normed per head, rotated (RoPE) at
+// positions[row], and k and v also stored at slots[row] of the KV pages, as rotary_qk_write_kv does after
+// a separate GEMV (one launch fewer per layer, and q/k do not go through memory in between).
+struct HeadEpilogue {
+    int enabled;
+    const int64_t *positions;      // [m], clamped into the table
+    const float *cos, *sin;        // [table_len, rot_half]
+    int64_t table_len;
+    int rot_half, interleaved;     // rotated dims 2 * rot_half <= 128, rot_half % 4 == 0
+    const void *q_norm, *k_norm;   // [128] of y_dtype, both or neither
+    float eps;
+    int unit_offset;
+    void *k_pages, *v_pages;       // [pages, page_size, hkv, 128] of y_dtype, or null
+    const int64_t *slots;          // [m]; negative: not stored
+    int hkv;
+};
+
 // Up to GEMV_MAX_PARTS matmuls of the same x (q/k/v, gate/up) in one launch: blocks
 // [block_begin[p], block_begin[p+1]) work on part p. Each part has its own suh, so each block
 // transforms x with its own part's suh (it does that per block anyway).
@@ -79,7 +97,8 @@ struct MatmulParts {
     // barrier per round): shared memory per column drops from 8 warps' to one result, so more rows fit
     // one wave (the same fixed sum order: bit-stable).
     int reduce_period;
-    int early_stages;     // ring columns requested before pdl_wait (TRELLM_GEMV_EARLY_STAGES, default 1)
+    HeadEpilogue head;    // head.enabled: the attention epilogue above (3 parts)
+    int early_stages;     // ring columns requested before pdl_wait (TRELLM_GEMV_EARLY_STAGES, default 0)
     int serial_arrivals;  // 1: thread 0 arrives at the block's groups one after another (TRELLM_GEMV_SERIAL_ARRIVALS=1, the A/B baseline)
 };
 
@@ -133,6 +152,68 @@ __device__ __forceinline__ int trace_block() { return blockIdx.y * gridDim.x + b
     do {                  \
     } while (0)
 #endif
+
+// The attention epilogue for one (head, row): the lane's 4 columns of H128(sum) in v (col = the first).
+// The steps and roundings are rotary_qk_kernel's on the GEMV's rounded output; the per-head sum of
+// squares adds in another order (the lane holds 4 consecutive dims, not every 32nd).
+__device__ __forceinline__ void finish_head(const HeadEpilogue &h, const MatmulArgs &args, int part, float (&v)[4],
+                                            int row, int col, int lane) {
+    const int dt = args.y_dtype;
+    float o[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float y = v[i] * __half2float(args.svh[col + i]);
+        if (args.bias) y += __half2float(args.bias[col + i]);
+        o[i] = round_as(y, dt);  // as the separate GEMV stores it
+    }
+    if (part < 2) {
+        const void *w = part == 0 ? h.q_norm : h.k_norm;
+        if (w) {
+            const float rstd = rsqrtf(warp_sum(o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3]) / 128.f + h.eps);
+            float wv[4];
+            load4_as_f32(w, dt, lane * 4, wv);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o[i] = round_as(o[i] * rstd * (h.unit_offset ? 1.f + wv[i] : wv[i]), dt);
+        }
+        int64_t pos = h.positions[row];
+        pos = pos < 0 ? 0 : pos >= h.table_len ? h.table_len - 1 : pos;
+        const float *c = h.cos + pos * h.rot_half, *s = h.sin + pos * h.rot_half;
+        const int half = h.rot_half, d0 = lane * 4;
+        float r[4];
+        if (h.interleaved) {  // pairs (2j, 2j + 1) within the lane
+#pragma unroll
+            for (int i = 0; i < 4; i += 2) {
+                const int j = (d0 + i) >> 1;
+                const bool rot = d0 + i < 2 * half;
+                r[i] = rot ? o[i] * c[j] - o[i + 1] * s[j] : o[i];
+                r[i + 1] = rot ? o[i + 1] * c[j] + o[i] * s[j] : o[i + 1];
+            }
+        } else {  // NeoX: d pairs with d + half, held by lane + half / 4
+            const int partner = d0 < half ? lane + half / 4 : d0 < 2 * half ? lane - half / 4 : lane;
+            float p[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) p[i] = __shfl_sync(0xffffffffu, o[i], partner);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int d = d0 + i;
+                r[i] = d < half ? o[i] * c[d] - p[i] * s[d] : d < 2 * half ? o[i] * c[d - half] + p[i] * s[d - half] : o[i];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[i] = r[i];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) store_from_f32(args.y, dt, (size_t)row * args.n + col + i, o[i]);
+    if (part > 0 && h.k_pages) {
+        const int64_t slot = h.slots[row];
+        if (slot >= 0) {
+            void *pages = part == 1 ? h.k_pages : h.v_pages;
+            const int64_t at = (slot * h.hkv + col / 128) * 128 + lane * 4;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) store_from_f32(pages, dt, (size_t)(at + i), o[i]);
+        }
+    }
+}
 
 // One launch: x transform, trellis matmul of the block's (k-slice, column run), partial store, and the
 // last block to arrive at a 128-column group sums the slices and applies H128 * svh (+ bias).
@@ -434,6 +515,14 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
             v[0] += p.x; v[1] += p.y; v[2] += p.z; v[3] += p.w;
         }
         warp_hadamard_128(v);
+        if (parts.head.enabled) {
+            // The part again, from a fresh block index: kept from the top, it held a register through the loop.
+            int head_part = 0;
+            const int bx = opaque((int)blockIdx.x);
+            while (head_part + 1 < parts.count && bx >= parts.block_begin[head_part + 1]) ++head_part;
+            finish_head(parts.head, parts.part[head_part], head_part, v, row, col, lane);
+            continue;
+        }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             float o = v[i] * __half2float(args.svh[col + i]);
@@ -622,13 +711,14 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
         return e && e[0] == '1' ? 1 : 0;
     }();
     parts.serial_arrivals = serial_arrivals;
-    // One column per warp requested before pdl_wait, the rest of the ring after the x transform: fewer
-    // weight requests compete with the kernel before (attention, norms), which is latency-bound. Chained
-    // GEMVs alone do not tell (benchmarks/gemv_phases.cu: equal); the 8B decode step does, 3.297 ->
-    // 3.213 ms (NOTES 2026-12-03f). TRELLM_GEMV_EARLY_STAGES=16 requests the whole ring early (the baseline).
+    // No weight column requested before pdl_wait (only suh), the ring after the x transform: weight
+    // requests would compete with the kernel before (attention, norms), which is latency-bound. Chained
+    // GEMVs alone do not tell (benchmarks/gemv_phases.cu: equal); the 8B decode step does: 16 columns
+    // 3.278 ms, 1 column 3.204, none 3.151 (NOTES 2026-12-03f, 2026-12-04a). TRELLM_GEMV_EARLY_STAGES=N
+    // requests N columns per warp early; 16 is the whole ring (the old baseline).
     static const int early_stages = [] {
         const char *e = getenv("TRELLM_GEMV_EARLY_STAGES");
-        return e ? max(0, atoi(e)) : 1;
+        return e ? max(0, atoi(e)) : 0;
     }();
     parts.early_stages = early_stages;
     const int cols = plan.cols;

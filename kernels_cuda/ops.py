@@ -113,11 +113,11 @@ def exl3_matmul_gated(
     return y.reshape(*lead, n)
 
 
-@_exl3.exl3_matmul_group.register("cuda")
-def exl3_matmul_group(x: torch.Tensor, parts, codebook: str) -> list[torch.Tensor]:
+def _gemv_one_launch(x: torch.Tensor, parts) -> bool:
+    """Whether the small-batch GEMV takes x [..., k] by all these parts in one launch: 1..16 rows, one K."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
-    one_launch = (
+    return (
         1 <= len(parts) <= binding.EXL3_MAX_PARTS
         and x.dtype in _FLOATS
         and 1 <= m <= EXL3_GEMV_MAX_ROWS
@@ -125,15 +125,52 @@ def exl3_matmul_group(x: torch.Tensor, parts, codebook: str) -> list[torch.Tenso
         and len({p[0].shape[2] for p in parts}) == 1
         and all(p[0].shape[0] * 16 == k and p[0].shape[1] % 8 == 0 for p in parts)
     )
-    if not one_launch:
+
+
+def _gemv_parts(parts) -> list:
+    """The parts as the GEMV reads them: contiguous trellis, fp16 suh / svh / bias."""
+    return [(trellis.contiguous(), _f16(suh), _f16(svh), _f16(bias)) for trellis, suh, svh, bias in parts]
+
+
+@_exl3.exl3_matmul_group.register("cuda")
+def exl3_matmul_group(x: torch.Tensor, parts, codebook: str) -> list[torch.Tensor]:
+    if not _gemv_one_launch(x, parts):
         return [exl3_matmul(x, trellis, suh, svh, codebook, bias) for trellis, suh, svh, bias in parts]
     lead = x.shape[:-1]
-    ys = binding.exl3_matmul_small_multi(
-        x.reshape(-1, k).contiguous(),
-        [(trellis.contiguous(), _f16(suh), _f16(svh), _f16(bias)) for trellis, suh, svh, bias in parts],
-        codebook,
-    )
+    ys = binding.exl3_matmul_small_multi(x.reshape(-1, x.shape[-1]).contiguous(), _gemv_parts(parts), codebook)
     return [y.reshape(*lead, y.shape[-1]) for y in ys]
+
+
+@_exl3.exl3_qkv_rope_write_kv.register("cuda")
+def exl3_qkv_rope_write_kv(x, parts, codebook, head_dim, cos_table, sin_table, positions, k_pages, v_pages, slots,
+                           interleaved=False, q_norm=None, k_norm=None, norm_eps=1e-6, norm_unit_offset=False):
+    t = x.shape[0]
+    fused = (
+        len(parts) == 3
+        and head_dim == 128
+        and x.dim() == 2
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and _gemv_one_launch(x, parts)
+        and parts[1][0].shape[1] == parts[2][0].shape[1]
+        and cos_table.dim() == 2 and cos_table.shape[1] % 4 == 0 and 0 < 2 * cos_table.shape[1] <= head_dim
+        and sin_table.shape == cos_table.shape and positions.dim() == 1
+        and (q_norm is None) == (k_norm is None)
+        and (q_norm is None or (q_norm.dtype == x.dtype and q_norm.numel() == head_dim and k_norm.dtype == x.dtype
+                                and k_norm.numel() == head_dim))
+        and k_pages.dtype == x.dtype and v_pages.shape == k_pages.shape and v_pages.dtype == x.dtype
+        and k_pages.is_contiguous() and v_pages.is_contiguous()
+        and k_pages.dim() == 4 and k_pages.shape[2:] == (parts[1][0].shape[1] * 16 // head_dim, head_dim)
+    )
+    if not fused:  # the two ops one after the other, each on its own kernels where they apply
+        q, kk, v = (y.reshape(t, -1, head_dim) for y in exl3_matmul_group(x, parts, codebook))
+        return rotary_qk_write_kv(q, kk, v, cos_table, sin_table, positions, k_pages, v_pages, slots, interleaved,
+                                  q_norm, k_norm, norm_eps, norm_unit_offset)
+    c, s, p = _rope_tables(x, cos_table, sin_table, positions)
+    q, kk, _ = binding.exl3_matmul_small_qkv_rope(
+        x.contiguous(), _gemv_parts(parts), codebook, c, s, p, interleaved, _norm_weight(q_norm), _norm_weight(k_norm),
+        norm_eps, norm_unit_offset, k_pages, v_pages, slots.to(device=x.device, dtype=torch.int64).contiguous(),
+    )
+    return q.reshape(t, -1, head_dim), kk.reshape(t, -1, head_dim)
 
 
 @_exl3.trellis_viterbi.register("cuda")

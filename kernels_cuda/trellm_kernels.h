@@ -82,6 +82,21 @@ int trellm_exl3_matmul_small_multi(const void *x, int x_dtype, int parts, const 
                                    int32_t *counters, int64_t counters_len, int64_t m, int64_t k, int K,
                                    int codebook, int num_sms, cudaStream_t stream);
 
+/* The q/k/v projections of trellm_exl3_matmul_small_multi (parts 0, 1, 2; x and y of one dtype, fp16 or
+ * bf16; 128-wide heads: n[0] = 128 * hq, n[1] = n[2] = 128 * hkv) finished as trellm_rotary_qk does it:
+ * q and k (y[0], y[1]) optionally RMS-normed per head with q_norm / k_norm [128] (both or neither), then
+ * rotated at positions[t] of the float32 tables cos/sin [table_len, rot_half] (rot_half % 4 == 0,
+ * 2 * rot_half <= 128); with k_pages != NULL, the rotated k and v also stored at slots[t] (negative = skip)
+ * of k_pages/v_pages [num_pages, page_size, hkv, 128]. One launch. */
+int trellm_exl3_matmul_small_qkv_rope(const void *x, int dtype, const void *const *suh,
+                                      const int16_t *const *trellis, const void *const *svh,
+                                      const void *const *bias, void *const *y, const int64_t *n, float *workspace,
+                                      int32_t *counters, int64_t counters_len, int64_t m, int64_t k, int K,
+                                      int codebook, const int64_t *positions, const float *cos, const float *sin,
+                                      int64_t table_len, int64_t rot_half, int interleaved, const void *q_norm,
+                                      const void *k_norm, float norm_eps, int norm_unit_offset, void *k_pages,
+                                      void *v_pages, const int64_t *slots, int num_sms, cudaStream_t stream);
+
 /* W_hat fp16 [k, n] from the trellis (no Hadamards, no scales). */
 int trellm_exl3_decode_tiles(const int16_t *trellis, void *w_hat, int64_t k, int64_t n, int K, int codebook,
                              cudaStream_t stream);

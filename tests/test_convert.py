@@ -135,3 +135,34 @@ def test_errors_name_the_problem(converted, tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "write_text", full_disk)  # the first write of the job (args.json)
     with pytest.raises(ConversionError, match="disk full"):
         convert(src, tmp_path / "o", tmp_path / "w", 4.0, **FAST)
+
+
+def test_exl3_qkv_route_matches_separate_ops(tmp_path, monkeypatch):
+    # 128-wide heads and unpadded q/k/v: attention takes exl3_qkv_rope_write_kv (one GEMV launch with RoPE
+    # and the KV-page write on CUDA). On CPU it is the references composed, so the tokens and the logits
+    # of a cached decode equal the separate ops' bit for bit, and the route must actually be taken.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trellm.modules.layers import Attention
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "dense")
+    convert(tmp_path / "dense", tmp_path / "q4", tmp_path / "work", 4.0, **FAST)
+    model = trellm.load(tmp_path / "q4", device="cpu", dtype=torch.float32, tokenizer=False)
+    fused_calls = []
+    route = Attention._project_rope_store
+
+    def counted(self, x, batch):
+        q = route(self, x, batch)
+        fused_calls.append(q is not None)
+        return q
+
+    monkeypatch.setattr(Attention, "_project_rope_store", counted)
+    prompt = [5, 17, 99, 3, 42]
+    fused = list(model.generate_ids(prompt, max_new_tokens=6, stop_token_ids=[]))
+    assert any(fused_calls), "the fused q/k/v route was not taken"
+    monkeypatch.setattr(Attention, "_project_rope_store", lambda self, x, batch: None)
+    separate = list(model.generate_ids(prompt, max_new_tokens=6, stop_token_ids=[]))
+    assert fused == separate

@@ -97,6 +97,65 @@ def test_rotary_qk_write_kv(ops, dtype, head_dim):
     assert torch.equal(flat_v[untouched], v_pages_ref.view(-1, hkv, d)[untouched])
 
 
+@pytest.mark.parametrize("norm", [None, "plain", "unit_offset"])
+@pytest.mark.parametrize("rope", ["neox", "gptj", "partial"])
+@pytest.mark.parametrize("K", [4, 2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_exl3_qkv_rope_write_kv(ops, dtype, K, rope, norm):
+    # One GEMV launch that finishes q/k/v as rotary_qk_write_kv does: against the reference, and against
+    # the two separate CUDA ops (GEMV, then the fused RoPE kernel) it replaces; v and the untouched slots
+    # exactly. Rows 1, 5 and 16 (the most the GEMV takes), one negative slot.
+    from test_cuda_ops import _random_layer
+    from trellm.ops.exl3 import exl3_matmul_group, exl3_qkv_rope_write_kv
+
+    torch.manual_seed(2)
+    k_in, hq, hkv, d, page_size, pages = 1024, 4, 2, 128, 16, 4
+    parts = [_random_layer(k_in, n, K) for n in (hq * d, hkv * d, hkv * d)]
+    parts = [(t, suh, svh, bias if i == 0 else None) for i, (t, suh, svh, bias) in enumerate(parts)]
+    half = d // 4 if rope == "partial" else d // 2
+    cos, sin = rope_tables(64, half)
+    kw = {"interleaved": rope == "gptj"}
+    if norm is not None:
+        kw.update(q_norm=torch.randn(d, device="cuda", dtype=dtype), k_norm=torch.randn(d, device="cuda", dtype=dtype),
+                  norm_eps=1e-6, norm_unit_offset=norm == "unit_offset")
+    tol = (1e-2 if dtype == torch.bfloat16 else 3e-3) * (3 if norm else 1)
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, k_in, device="cuda", dtype=dtype)
+        positions = torch.randint(0, 64, (rows,), device="cuda")
+        slots = torch.randperm(pages * page_size, device="cuda")[:rows]
+        slots[-1] = -1 if rows > 1 else slots[-1]
+        caches = [torch.randn(pages, page_size, hkv, d, device="cuda", dtype=dtype) for _ in range(2)]
+        before = [c.clone() for c in caches]
+        ref_caches = [c.clone() for c in caches]
+        sep_caches = [c.clone() for c in caches]
+        q, k = cuda_impl(exl3_qkv_rope_write_kv)(x, parts, "mcg", d, cos, sin, positions, *caches, slots, **kw)
+        q_ref, k_ref = exl3_qkv_rope_write_kv.reference(x.float(), parts, "mcg", d, cos, sin, positions,
+                                                        *[c.float() for c in ref_caches], slots, **kw)
+        assert q.shape == (rows, hq, d) and k.shape == (rows, hkv, d)
+        assert rel_err(q, q_ref) < tol and rel_err(k, k_ref) < tol, (rows, rope, norm)
+        # the same through the two ops it replaces
+        ys = cuda_impl(exl3_matmul_group)(x, parts, "mcg")
+        q_sep, k_sep = cuda_impl(rotary_qk_write_kv_op())(*(y.reshape(rows, -1, d) for y in ys), cos, sin, positions,
+                                                          *sep_caches, slots, **kw)
+        close = 8e-3 if dtype == torch.bfloat16 else 2e-3
+        assert rel_err(q, q_sep) < close and rel_err(k, k_sep) < close, (rows, rope, norm)
+        live = slots >= 0
+        for c, sep, old in zip(caches, sep_caches, before):
+            flat, flat_sep, flat_old = c.view(-1, hkv, d), sep.view(-1, hkv, d), old.view(-1, hkv, d)
+            untouched = torch.ones(flat.shape[0], dtype=torch.bool, device="cuda")
+            untouched[slots[live]] = False
+            assert torch.equal(flat[untouched], flat_old[untouched])
+        v_flat = caches[1].view(-1, hkv, d)
+        assert torch.equal(v_flat[slots[live]], ys[2].reshape(rows, hkv, d)[live]), "v stored as the GEMV computes it"
+        assert torch.equal(caches[0].view(-1, hkv, d)[slots[live]], k[live]), "the cache holds the returned keys"
+
+
+def rotary_qk_write_kv_op():
+    from trellm.ops.attention import rotary_qk_write_kv
+
+    return rotary_qk_write_kv
+
+
 def test_rotary_qk_write_kv_skips_negative_slots(ops):
     from trellm.kernels_cuda import binding
 

@@ -313,15 +313,43 @@ class Attention(Module):
             and self.q_norm.eps == self.k_norm.eps
         )
 
+    def _head_norm_args(self) -> dict:
+        """The per-head QK-norm arguments of the fused RoPE ops (none without a QK-norm)."""
+        if self.q_norm is None:
+            return {}
+        return {
+            "q_norm": self.q_norm.weight, "k_norm": self.k_norm.weight, "norm_eps": self.q_norm.eps,
+            "norm_unit_offset": self.q_norm.unit_offset,
+        }
+
+    def _project_rope_store(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """The rotated q [T, H, D], with k and v rotated and stored in the paged cache, from one
+        ``exl3_qkv_rope_write_kv`` (one GEMV launch on CUDA) when q/k/v are EXL3 layers of one group that
+        need no padding and the cache is a plain paged layer; None otherwise (the caller projects)."""
+        layer = batch.cache.layers[self.layer_idx] if batch.cache is not None else None
+        if type(layer) is not KVCacheLayer or self.clip_qkv is not None or x.dim() != 2:
+            return None
+        linears = (self.q_proj, self.k_proj, self.v_proj)
+        if not all(isinstance(lin, Linear) and type(lin).forward is Linear.forward for lin in linears):
+            return None
+        impls = [lin.impl for lin in linears]
+        first = impls[0]
+        if not hasattr(first, "group_parts") or not all(first.groups_with(i) for i in impls[1:]):
+            return None
+        group = first.group_parts(impls)
+        if group is None:
+            return None
+        cos_table, sin_table = self.rope.tables(batch.max_seq_len, x.device)
+        q, _ = ops.exl3.exl3_qkv_rope_write_kv(
+            x, *group, self.head_dim, cos_table, sin_table, batch.positions, layer.k_pages, layer.v_pages,
+            batch.slots, self.rope.interleaved, **self._head_norm_args(),
+        )
+        return q
+
     def attend_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """:meth:`attend` for q/k not yet head-normed, with QK-norm, RoPE and the KV-page write in one op."""
         cos_table, sin_table = self.rope.tables(batch.max_seq_len, q.device)
-        norm = {}
-        if self.q_norm is not None:
-            norm = {
-                "q_norm": self.q_norm.weight, "k_norm": self.k_norm.weight, "norm_eps": self.q_norm.eps,
-                "norm_unit_offset": self.q_norm.unit_offset,
-            }
+        norm = self._head_norm_args()
         layer = batch.cache.layers[self.layer_idx] if batch.cache is not None else None
         if type(layer) is KVCacheLayer:
             q, k = rotary_qk_write_kv(
@@ -337,7 +365,12 @@ class Attention(Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self._fused_rope(batch):
-            o = self.attend_fused(*self.project_qkv(x, head_norm=False), batch)
+            q = self._project_rope_store(x, batch)
+            if q is not None:
+                layer = batch.cache.layers[self.layer_idx]
+                o = layer.attend(q, batch, self.scale, self.sliding_window, self.softcap)
+            else:
+                o = self.attend_fused(*self.project_qkv(x, head_norm=False), batch)
         else:
             o = self.attend(*self.project_qkv(x), batch)
         return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))

@@ -239,6 +239,40 @@ def exl3_matmul_group(
 
 
 @op
+def exl3_qkv_rope_write_kv(
+    x: torch.Tensor,
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    codebook: str,
+    head_dim: int,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    slots: torch.Tensor,
+    interleaved: bool = False,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    norm_unit_offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention layer's q/k/v projections of x [T, k] (the three parts of :func:`exl3_matmul_group`),
+    split into heads of ``head_dim``, then :func:`rotary_qk_write_kv`: returns the rotated q [T, Hq, D] and
+    k [T, Hkv, D], with k and v stored at ``slots``.
+
+    A backend may do it in one launch (the CUDA GEMV finishes each 128-wide head in the warp that
+    computes it), so q and k never go through memory before they are rotated.
+    """
+    from .attention import rotary_qk_write_kv
+
+    q, k, v = exl3_matmul_group.reference(x, parts, codebook)
+    t = x.shape[0]
+    q, k, v = (y.reshape(t, -1, head_dim) for y in (q, k, v))
+    return rotary_qk_write_kv.reference(q, k, v, cos_table, sin_table, positions, k_pages, v_pages, slots, interleaved,
+                                        q_norm, k_norm, norm_eps, norm_unit_offset)
+
+
+@op
 def exl3_matmul_gated(
     gate: torch.Tensor,
     up: torch.Tensor,

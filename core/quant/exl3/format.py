@@ -128,6 +128,14 @@ class EXL3Linear:
         ys = exl3_matmul_group(first._rows_in(x), [(l.trellis, l.suh, l.svh, l.bias) for l in linears], first.codebook)
         return [l._rows_out(y, x.shape[:-1]) for l, y in zip(linears, ys)]
 
+    @staticmethod
+    def group_parts(linears: "list[EXL3Linear]") -> tuple[list, str] | None:
+        """``(parts, codebook)`` of ``exl3_matmul_group`` for linears that ``groups_with`` the first and need
+        no padding (x and y as they are); None otherwise."""
+        if any(l.padded_in != l.in_features or l.padded_out != l.out_features for l in linears):
+            return None
+        return [(l.trellis, l.suh, l.svh, l.bias) for l in linears], linears[0].codebook
+
     def nbytes(self) -> int:
         ts = (self.trellis, self.suh, self.svh, self.bias)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
