@@ -71,11 +71,14 @@ class Model:
         return total
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, ctx: torch.Tensor, group: bool = True,
-                qkv_rope: bool = True):
+                qkv_rope: bool = True, summed: bool = True):
         """One step; ``group``: q/k/v and gate/up each in one ``exl3_matmul_group`` launch and the down
         projection as ``exl3_matmul_gated`` (as the model does); otherwise one launch per op.
         ``qkv_rope`` (with ``group``): RoPE and the KV write inside the q/k/v launch
-        (``exl3_qkv_rope_write_kv``, as the model does), else in a launch of their own."""
+        (``exl3_qkv_rope_write_kv``, as the model does), else in a launch of their own.
+        ``summed`` (with ``group``): o_proj and down add the residual and sum the squares in their launch
+        (``exl3_matmul_add``, ``exl3_matmul_gated_add``) and q/k/v and gate/up norm their input from those
+        sums (``row_norm``), as the model does; else an ``add_rms_norm`` launch before each block."""
         from trellm import ops
         from trellm.ops import exl3
         from trellm.ops.attention import rotary_qk_write_kv
@@ -84,34 +87,47 @@ class Model:
         t = tokens.shape[0]
         h = self.embed[tokens]
         slots = positions.to(torch.int64)  # one sequence, pages in order
-        residual = None
-        for i, L in enumerate(self.layers):
+        residual, ssq = None, None
+        summed = summed and group
+
+        def pre_norm(h, residual, ssq, weight):
+            """(the block's input, its row_norm or None, the residual stream)."""
+            if summed and ssq is not None:
+                return h, ops.RowNorm(ssq, weight, 1e-5, False), h
             if residual is None:
-                residual = h
-                x = ops.rms_norm(h, L["norm1"], 1e-5)
-            else:
-                x, residual = ops.add_rms_norm(h, residual, L["norm1"], 1e-5)
+                return ops.rms_norm(h, weight, 1e-5), None, h
+            x, residual = ops.add_rms_norm(h, residual, weight, 1e-5)
+            return x, None, residual
+
+        for i, L in enumerate(self.layers):
+            x, norm, residual = pre_norm(h, residual, ssq, L["norm1"])
             qkv = [(*L[p], None) for p in ("q", "k", "v")]
             if group and qkv_rope:
                 q, _ = exl3.exl3_qkv_rope_write_kv(x, qkv, "mcg", HEAD_DIM, self.cos, self.sin, positions,
-                                                   self.k_pages[i], self.v_pages[i], slots)
+                                                   self.k_pages[i], self.v_pages[i], slots, row_norm=norm)
             else:
                 if group:
-                    q, k, v = exl3.exl3_matmul_group(x, qkv, "mcg")
+                    q, k, v = exl3.exl3_matmul_group(x, qkv, "mcg", norm)
                 else:
                     q, k, v = (mm(x, *L[p], "mcg") for p in ("q", "k", "v"))
                 q, k, v = q.view(t, HEADS, HEAD_DIM), k.view(t, KV_HEADS, HEAD_DIM), v.view(t, KV_HEADS, HEAD_DIM)
                 q, _ = rotary_qk_write_kv(q, k, v, self.cos, self.sin, positions, self.k_pages[i], self.v_pages[i], slots)
             a = ops.paged_attention(q, self.k_pages[i], self.v_pages[i], self.block_table, cu, ctx)
-            h = mm(a.view(t, HIDDEN), *L["o"], "mcg")
-            x, residual = ops.add_rms_norm(h, residual, L["norm2"], 1e-5)
+            if summed:
+                h, ssq = exl3.exl3_matmul_add(a.view(t, HIDDEN), *L["o"], "mcg", None, residual)
+            else:
+                h = mm(a.view(t, HIDDEN), *L["o"], "mcg")
+            x, norm, residual = pre_norm(h, residual, ssq, L["norm2"])
             if group:
-                g, u = exl3.exl3_matmul_group(x, [(*L[p], None) for p in ("gate", "up")], "mcg")
-                h = exl3.exl3_matmul_gated(g, u, "silu", *L["down"], "mcg")
+                g, u = exl3.exl3_matmul_group(x, [(*L[p], None) for p in ("gate", "up")], "mcg", norm)
+                if summed:
+                    h, ssq = exl3.exl3_matmul_gated_add(g, u, "silu", *L["down"], "mcg", None, residual)
+                else:
+                    h = exl3.exl3_matmul_gated(g, u, "silu", *L["down"], "mcg")
             else:
                 g, u = mm(x, *L["gate"], "mcg"), mm(x, *L["up"], "mcg")
                 h = mm(ops.gated_activation(g, u, "silu"), *L["down"], "mcg")
-        x, _ = ops.add_rms_norm(h, residual, self.final_norm, 1e-5)
+        x = ops.rms_norm(h, self.final_norm, 1e-5) if summed else ops.add_rms_norm(h, residual, self.final_norm, 1e-5)[0]
         return mm(x[-1:], *self.head, "mcg")
 
 
@@ -143,10 +159,13 @@ def main() -> int:
         t_nopdl = time_graph(lambda: model.forward(tok, pos, cu, ctx), reps=20)
         binding.set_pdl(pdl)
         t_rope_apart = time_graph(lambda: model.forward(tok, pos, cu, ctx, qkv_rope=False), reps=20)
+        t_norm_apart = time_graph(lambda: model.forward(tok, pos, cu, ctx, summed=False), reps=20)
         t_step = time_graph(lambda: model.forward(tok, pos, cu, ctx), reps=20)
         ideal = wb / bw
         print(f"decode K={K}, RoPE + KV write in a launch of their own: {t_rope_apart * 1e3:.3f} ms/token "
               f"(inside the q/k/v launch: {t_rope_apart / t_step:.3f}x faster)", flush=True)
+        print(f"decode K={K}, residual add + RMSNorm in add_rms_norm launches: {t_norm_apart * 1e3:.3f} ms/token "
+              f"(in the GEMVs' finishing step and input transform: {t_norm_apart / t_step:.3f}x faster)", flush=True)
         print(f"decode K={K}, one launch per projection: {t_sep * 1e3:.3f} ms/token = {1 / t_sep:.0f} tokens/s; "
               f"grouped q/k/v, gate/up without programmatic dependent launch: {t_nopdl * 1e3:.3f} ms = "
               f"{1 / t_nopdl:.0f} tokens/s (final figure below: {t_sep / t_step:.2f}x and {t_nopdl / t_step:.2f}x faster)", flush=True)

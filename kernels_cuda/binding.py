@@ -248,6 +248,37 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.data_ptr() % 16 else t
 
 
+def _residual_stream(x: torch.Tensor, y: torch.Tensor, residual=None, row_norm=None) -> tuple:
+    """The C ABI's ``rs`` argument for x [m, k] -> y [m, n], and the ssq_out it fills (None without residual).
+
+    ``residual`` [m, n] (y's dtype) is added to y, whose squares are then summed per row and 128-column group
+    into ssq_out [m, n/128]; ``row_norm`` (ssq [m, k/128] float32, weight [k] of x's dtype or None, eps,
+    unit_offset) makes the input rms_norm(x). The third item keeps what the struct points to alive.
+    """
+    if residual is None and row_norm is None:
+        return ffi().NULL, None, ()
+    (m, k), n = x.shape, y.shape[1]
+    rs = ffi().new("trellm_residual_stream *")
+    ssq_out, keep = None, []
+    if residual is not None:
+        expect(residual, "residual", dtype=y.dtype, shape=(m, n), device=x.device)
+        residual = _aligned(residual)
+        ssq_out = torch.empty(m, n // 128, dtype=torch.float32, device=x.device)
+        rs.residual, rs.ssq_out = _ptr(residual), _ptr(ssq_out, "float *")
+        keep.append(residual)
+    if row_norm is not None:
+        ssq, weight, eps, unit_offset = row_norm
+        expect(ssq, "row_norm.ssq", dtype=torch.float32, shape=(m, k // 128), device=x.device)
+        expect(weight, "row_norm.weight", dtype=x.dtype, shape=(k,), device=x.device, optional=True)
+        if not eps >= 0.0:
+            raise KernelArgumentError(f"row_norm.eps: {eps} is not >= 0")
+        weight = None if weight is None else _aligned(weight)
+        rs.ssq_in, rs.norm_weight = _ptr(ssq, "float *"), _ptr(weight)
+        rs.norm_eps, rs.norm_unit_offset = float(eps), int(bool(unit_offset))
+        keep.append(weight)
+    return rs, ssq_out, keep
+
+
 def exl3_matmul_small(
     x: torch.Tensor,
     trellis: torch.Tensor,
@@ -256,20 +287,26 @@ def exl3_matmul_small(
     codebook: str,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """y [m, n] = H128(H128(x * suh) @ W_hat) * svh (+ bias) in one launch, for 1..16 rows of x [m, k]."""
+    residual: torch.Tensor | None = None,
+):
+    """y [m, n] = H128(H128(x * suh) @ W_hat) * svh (+ bias) in one launch, for 1..16 rows of x [m, k].
+
+    With ``residual`` [m, n]: ``(y + residual, ssq)``, the add rounded as its own op would round it and ssq
+    [m, n/128] float32 the sums of squares of the result per row and 128-column group (see
+    ``exl3_matmul_small_multi``'s ``row_norm``)."""
     n, K = _check_exl3_part(x, trellis, suh, svh, bias)
     trellis, x, suh = _aligned(trellis), _aligned(x), _aligned(suh)
     m, k = x.shape
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    rs, ssq, _keep = _residual_stream(x, y, residual)
     workspace, counters = _gemv_scratch(m, k, n, x.device)
     rc = lib().trellm_exl3_matmul_small(
         _ptr(x), DTYPE_CODES[x.dtype], _ptr(suh), _ptr(trellis, "int16_t *"), _ptr(svh), _ptr(bias), _ptr(y),
         _dtype_code(y, "out_dtype"), _ptr(workspace, "float *"), _ptr(counters, "int32_t *"), counters.numel(),
-        m, k, n, K, _codebook_code(codebook), _num_sms(x.device), _stream(),
+        m, k, n, K, _codebook_code(codebook), rs, _num_sms(x.device), _stream(),
     )
     _check(rc, "exl3_matmul_small")
-    return y
+    return y if residual is None else (y, ssq)
 
 
 def exl3_matmul_small_gated(
@@ -281,9 +318,11 @@ def exl3_matmul_small_gated(
     svh: torch.Tensor,
     codebook: str,
     bias: torch.Tensor | None = None,
-) -> torch.Tensor:
+    residual: torch.Tensor | None = None,
+):
     """``exl3_matmul_small(act(gate) * up, ...)`` in one launch: the GEMV applies the activation in its
-    input transform, rounded as ``gated_activation`` rounds it (the same result, one launch fewer)."""
+    input transform, rounded as ``gated_activation`` rounds it (the same result, one launch fewer).
+    ``residual`` as in :func:`exl3_matmul_small`."""
     n, K = _check_exl3_part(gate, trellis, suh, svh, bias)
     expect(up, "up", dtype=gate.dtype, shape=tuple(gate.shape), device=gate.device)
     if activation not in ACTIVATION_CODES:
@@ -291,15 +330,16 @@ def exl3_matmul_small_gated(
     trellis, gate, up, suh = _aligned(trellis), _aligned(gate), _aligned(up), _aligned(suh)
     m, k = gate.shape
     y = torch.empty(m, n, dtype=gate.dtype, device=gate.device)
+    rs, ssq, _keep = _residual_stream(gate, y, residual)
     workspace, counters = _gemv_scratch(m, k, n, gate.device)
     rc = lib().trellm_exl3_matmul_small_gated(
         _ptr(gate), _ptr(up), ACTIVATION_CODES[activation], DTYPE_CODES[gate.dtype], _ptr(suh),
         _ptr(trellis, "int16_t *"), _ptr(svh), _ptr(bias), _ptr(y), DTYPE_CODES[y.dtype], _ptr(workspace, "float *"),
-        _ptr(counters, "int32_t *"), counters.numel(), m, k, n, K, _codebook_code(codebook), _num_sms(gate.device),
-        _stream(),
+        _ptr(counters, "int32_t *"), counters.numel(), m, k, n, K, _codebook_code(codebook), rs,
+        _num_sms(gate.device), _stream(),
     )
     _check(rc, "exl3_matmul_small_gated")
-    return y
+    return y if residual is None else (y, ssq)
 
 
 EXL3_MAX_PARTS = 4
@@ -338,18 +378,23 @@ def exl3_matmul_small_multi(
     parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
     codebook: str,
     out_dtype: torch.dtype | None = None,
+    row_norm=None,
 ) -> list[torch.Tensor]:
     """``exl3_matmul_small`` of one x by 1..4 (trellis, suh, svh, bias) parts of the same K in ONE launch
-    (q/k/v, gate/up): one kernel instead of several small ones, and one wave of blocks across all parts."""
+    (q/k/v, gate/up): one kernel instead of several small ones, and one wave of blocks across all parts.
+
+    ``row_norm`` (ssq, weight, eps, unit_offset): the parts multiply rms_norm(x) (scaled by weight), the
+    sums of x's squares taken from ssq [m, k/128] (what ``exl3_matmul_small(residual=...)`` returned with x)."""
     x, parts, ns, K = _checked_parts(x, parts)
     m, k = x.shape
     dtype = out_dtype or x.dtype
     ys = [torch.empty(m, n, dtype=dtype, device=x.device) for n in ns]
+    rs, _, _keep = _residual_stream(x, ys[0], row_norm=row_norm)
     workspace, counters = _gemv_scratch(m, k, sum(ns), x.device)
     rc = lib().trellm_exl3_matmul_small_multi(
         _ptr(x), DTYPE_CODES[x.dtype], len(parts), *_part_arrays(parts, ys),
         ffi().new("int64_t[]", ns), _dtype_code(ys[0], "out_dtype"), _ptr(workspace, "float *"),
-        _ptr(counters, "int32_t *"), counters.numel(), m, k, K, _codebook_code(codebook),
+        _ptr(counters, "int32_t *"), counters.numel(), m, k, K, _codebook_code(codebook), rs,
         _num_sms(x.device), _stream(),
     )
     _check(rc, "exl3_matmul_small_multi")
@@ -371,10 +416,12 @@ def exl3_matmul_small_qkv_rope(
     k_pages: torch.Tensor | None = None,
     v_pages: torch.Tensor | None = None,
     slots: torch.Tensor | None = None,
+    row_norm=None,
 ) -> list[torch.Tensor]:
     """The q/k/v projections of x by three parts in one launch, finished as :func:`rotary_qk` finishes
     them (per-head RMSNorm, RoPE; k and v stored at ``slots`` of the pages when given): [q, k, v], each
-    [m, heads * 128], q and k rotated. 128-wide heads only."""
+    [m, heads * 128], q and k rotated. 128-wide heads only. ``row_norm`` as in
+    :func:`exl3_matmul_small_multi`."""
     if len(parts) != 3:
         raise KernelArgumentError(f"parts: {len(parts)} given; q/k/v need 3")
     expect(x, "x", dtype=(torch.float16, torch.bfloat16), shape=(None, None))
@@ -398,6 +445,7 @@ def exl3_matmul_small_qkv_rope(
         expect(v_pages, "v_pages", dtype=x.dtype, shape=tuple(k_pages.shape), device=x.device)
         expect(slots, "slots", dtype=torch.int64, shape=(m,), device=x.device)
     ys = [torch.empty(m, n, dtype=x.dtype, device=x.device) for n in ns]
+    rs, _, _keep = _residual_stream(x, ys[0], row_norm=row_norm)
     workspace, counters = _gemv_scratch(m, k, sum(ns), x.device)
     rc = lib().trellm_exl3_matmul_small_qkv_rope(
         _ptr(x), DTYPE_CODES[x.dtype], *_part_arrays(parts, ys), ffi().new("int64_t[]", ns),
@@ -405,7 +453,7 @@ def exl3_matmul_small_qkv_rope(
         _ptr(positions, "int64_t *"), _ptr(cos_table, "float *"), _ptr(sin_table, "float *"), table_len, half,
         int(bool(interleaved)), _ptr(q_norm), _ptr(k_norm), float(norm_eps), int(bool(norm_unit_offset)),
         _ptr(k_pages), _ptr(v_pages if k_pages is not None else None),
-        _ptr(slots if k_pages is not None else None, "int64_t *"), _num_sms(x.device), _stream(),
+        _ptr(slots if k_pages is not None else None, "int64_t *"), rs, _num_sms(x.device), _stream(),
     )
     _check(rc, "exl3_matmul_small_qkv_rope")
     return ys

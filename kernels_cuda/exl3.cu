@@ -26,7 +26,8 @@ int exl3_matmul_small_parts(const void *x, const void *x_up, int act, int x_dtyp
                             const int16_t *const *trellis, const void *const *svh, const void *const *bias,
                             void *const *y, const int64_t *n, int y_dtype, float *workspace, int32_t *counters,
                             int64_t counters_len, int64_t m, int64_t k, int K, int codebook, int num_sms,
-                            cudaStream_t stream, const HeadEpilogue *head = nullptr) {
+                            cudaStream_t stream, const HeadEpilogue *head = nullptr,
+                            const trellm_residual_stream *rs = nullptr) {
     if (parts < 1 || parts > GEMV_MAX_PARTS) return TRELLM_E_BAD_ARG;
     if (x_up && (act < TRELLM_ACT_SILU || act > TRELLM_ACT_RELU2)) return TRELLM_E_BAD_ARG;
     if (m < 1 || m > 16) return TRELLM_E_BAD_SHAPE;
@@ -35,6 +36,16 @@ int exl3_matmul_small_parts(const void *x, const void *x_up, int act, int x_dtyp
     MatmulParts mp;
     mp.count = parts;
     mp.head = head ? *head : HeadEpilogue{};
+    mp.stream = ResidualStream{};
+    if (rs) {
+#ifdef TRELLM_GEMV_NO_RESIDUAL_STREAM  // the A/B baseline build: the kernel has neither end
+        if (rs->residual || rs->ssq_in) return TRELLM_E_BAD_ARG;
+#endif
+        if (rs->residual && (parts != 1 || head || !rs->ssq_out)) return TRELLM_E_BAD_ARG;
+        if (rs->ssq_in && (x_up || !(rs->norm_eps >= 0.f))) return TRELLM_E_BAD_ARG;
+        mp.stream = ResidualStream{rs->residual, rs->ssq_out, rs->ssq_in, rs->norm_weight, rs->norm_eps,
+                                   rs->norm_unit_offset};
+    }
     int64_t groups = 0, partial_offset = 0, n_total = 0;
     for (int p = 0; p < parts; ++p) n_total += n[p];
     const int slices = gemv_slices((int)k, (int)m, (int)n_total);
@@ -76,9 +87,10 @@ extern "C" int trellm_exl3_matmul_small_multi(const void *x, int x_dtype, int pa
                                               const int16_t *const *trellis, const void *const *svh,
                                               const void *const *bias, void *const *y, const int64_t *n, int y_dtype,
                                               float *workspace, int32_t *counters, int64_t counters_len, int64_t m,
-                                              int64_t k, int K, int codebook, int num_sms, cudaStream_t stream) {
+                                              int64_t k, int K, int codebook, const trellm_residual_stream *rs,
+                                              int num_sms, cudaStream_t stream) {
     return exl3_matmul_small_parts(x, nullptr, 0, x_dtype, parts, suh, trellis, svh, bias, y, n, y_dtype, workspace,
-                                   counters, counters_len, m, k, K, codebook, num_sms, stream);
+                                   counters, counters_len, m, k, K, codebook, num_sms, stream, nullptr, rs);
 }
 
 extern "C" int trellm_exl3_matmul_small_qkv_rope(
@@ -86,7 +98,8 @@ extern "C" int trellm_exl3_matmul_small_qkv_rope(
     const void *const *bias, void *const *y, const int64_t *n, float *workspace, int32_t *counters,
     int64_t counters_len, int64_t m, int64_t k, int K, int codebook, const int64_t *positions, const float *cos,
     const float *sin, int64_t table_len, int64_t rot_half, int interleaved, const void *q_norm, const void *k_norm,
-    float norm_eps, int norm_unit_offset, void *k_pages, void *v_pages, const int64_t *slots, int num_sms,
+    float norm_eps, int norm_unit_offset, void *k_pages, void *v_pages, const int64_t *slots,
+    const trellm_residual_stream *rs, int num_sms,
     cudaStream_t stream) {
     if (dtype != TRELLM_F16 && dtype != TRELLM_BF16) return TRELLM_E_BAD_DTYPE;
     if (n[0] <= 0 || n[0] % 128 || n[1] <= 0 || n[1] % 128 || n[2] != n[1]) return TRELLM_E_BAD_SHAPE;
@@ -110,25 +123,27 @@ extern "C" int trellm_exl3_matmul_small_qkv_rope(
     head.slots = slots;
     head.hkv = (int)(n[1] / 128);
     return exl3_matmul_small_parts(x, nullptr, 0, dtype, 3, suh, trellis, svh, bias, y, n, dtype, workspace, counters,
-                                   counters_len, m, k, K, codebook, num_sms, stream, &head);
+                                   counters_len, m, k, K, codebook, num_sms, stream, &head, rs);
 }
 
 extern "C" int trellm_exl3_matmul_small(const void *x, int x_dtype, const void *suh, const int16_t *trellis,
                                         const void *svh, const void *bias, void *y, int y_dtype, float *workspace,
                                         int32_t *counters, int64_t counters_len, int64_t m, int64_t k, int64_t n,
-                                        int K, int codebook, int num_sms, cudaStream_t stream) {
+                                        int K, int codebook, const trellm_residual_stream *rs, int num_sms,
+                                        cudaStream_t stream) {
     return exl3_matmul_small_parts(x, nullptr, 0, x_dtype, 1, &suh, &trellis, &svh, &bias, &y, &n, y_dtype, workspace,
-                                   counters, counters_len, m, k, K, codebook, num_sms, stream);
+                                   counters, counters_len, m, k, K, codebook, num_sms, stream, nullptr, rs);
 }
 
 extern "C" int trellm_exl3_matmul_small_gated(const void *gate, const void *up, int activation, int x_dtype,
                                               const void *suh, const int16_t *trellis, const void *svh,
                                               const void *bias, void *y, int y_dtype, float *workspace,
                                               int32_t *counters, int64_t counters_len, int64_t m, int64_t k,
-                                              int64_t n, int K, int codebook, int num_sms, cudaStream_t stream) {
+                                              int64_t n, int K, int codebook, const trellm_residual_stream *rs,
+                                              int num_sms, cudaStream_t stream) {
     if (!up) return TRELLM_E_BAD_ARG;
     return exl3_matmul_small_parts(gate, up, activation, x_dtype, 1, &suh, &trellis, &svh, &bias, &y, &n, y_dtype,
-                                   workspace, counters, counters_len, m, k, K, codebook, num_sms, stream);
+                                   workspace, counters, counters_len, m, k, K, codebook, num_sms, stream, nullptr, rs);
 }
 
 extern "C" int trellm_exl3_decode_tiles(const int16_t *trellis, void *w_hat, int64_t k, int64_t n, int K,

@@ -84,6 +84,22 @@ struct HeadEpilogue {
     int hkv;
 };
 
+// The residual stream of a pre-norm block through the GEMVs, so that no RMSNorm launch sits between them:
+// the GEMV that ends a sub-layer (o_proj, down) adds the residual in its finishing warp and sums the squares
+// of each 128-column group of its output, and the GEMV that starts the next sub-layer (q/k/v, gate/up) reads
+// those sums in its input transform (one float per lane, beside the x it loads anyway) and RMS-norms x.
+// The code of both ends shifts the column loop's register allocation (4 bpw, 1 row: 367 -> 372 instructions
+// per column) and costs the step 0.6% where unused; the route gains 1.0-1.4% (NOTES 2026-12-04a). Built with
+// -DTRELLM_GEMV_NO_RESIDUAL_STREAM (TRELLM_NVCC_FLAGS) the kernel has neither end: the A/B baseline.
+struct ResidualStream {
+    const void *residual;     // [m, n] of y_dtype, or null: y = round(round(x W + bias) + residual)
+    float *ssq_out;           // with residual: [m, n / 128], y's sum of squares per row and 128-column group
+    const float *ssq_in;      // [m, k / 128], or null: the input is rms_norm(x), x's squares summed from these
+    const void *norm_weight;  // with ssq_in: [k] of x_dtype, or null (no scale)
+    float norm_eps;
+    int norm_unit_offset;     // scale by 1 + weight (Gemma)
+};
+
 // Up to GEMV_MAX_PARTS matmuls of the same x (q/k/v, gate/up) in one launch: blocks
 // [block_begin[p], block_begin[p+1]) work on part p. Each part has its own suh, so each block
 // transforms x with its own part's suh (it does that per block anyway).
@@ -98,6 +114,7 @@ struct MatmulParts {
     // one wave (the same fixed sum order: bit-stable).
     int reduce_period;
     HeadEpilogue head;    // head.enabled: the attention epilogue above (3 parts)
+    ResidualStream stream;  // the residual add (one part, no head epilogue) and the input norm above
     int early_stages;     // ring columns requested before pdl_wait (TRELLM_GEMV_EARLY_STAGES, default 0)
     int serial_arrivals;  // 1: thread 0 arrives at the block's groups one after another (TRELLM_GEMV_SERIAL_ARRIVALS=1, the A/B baseline)
 };
@@ -312,6 +329,21 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
         const int col = k0 + chunk * 128 + lane * 4;
         float v[4];
         load4_as_f32(args.x, args.x_dtype, (size_t)row * k + col, v);
+#ifndef TRELLM_GEMV_NO_RESIDUAL_STREAM
+        if (parts.stream.ssq_in) {  // rms_norm(x), rounded as the rms_norm kernel rounds it
+            const ResidualStream &st = parts.stream;
+            const int groups = k / 128;
+            float ssq = 0.f, w[4] = {1.f, 1.f, 1.f, 1.f};
+            for (int g = lane; g < groups; g += 32) ssq += __ldcg(st.ssq_in + (size_t)row * groups + g);
+            if (st.norm_weight) load4_as_f32(st.norm_weight, args.x_dtype, col, w);
+            const float rstd = rsqrtf(warp_sum(ssq) / (float)k + st.norm_eps);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float scale = st.norm_weight ? (st.norm_unit_offset ? 1.f + w[i] : w[i]) : 1.f;
+                v[i] = round_as(v[i] * rstd * scale, args.x_dtype);
+            }
+        }
+#endif
         if (args.x_up) {  // rounded as the separate gated_activation kernel rounds: the same x, bit for bit
             float u[4];
             load4_as_f32(args.x_up, args.x_dtype, (size_t)row * k + col, u);
@@ -509,6 +541,11 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
         const int gi = job / m, row = job % m;
         if (!last_groups[gi]) continue;
         const int col = (g_begin + gi) * 128 + lane * 4;
+#ifndef TRELLM_GEMV_NO_RESIDUAL_STREAM
+        const ResidualStream &st = parts.stream;
+        float res[4];
+        if (st.residual) load4_as_f32(st.residual, args.y_dtype, (size_t)row * n + col, res);  // beside the partials
+#endif
         float v[4] = {0.f, 0.f, 0.f, 0.f};
         for (int s = 0; s < slices; ++s) {
             const float4 p = __ldcg(reinterpret_cast<const float4 *>(args.partial + ((size_t)s * m + row) * n + col));
@@ -523,6 +560,22 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
             finish_head(parts.head, parts.part[head_part], head_part, v, row, col, lane);
             continue;
         }
+#ifndef TRELLM_GEMV_NO_RESIDUAL_STREAM
+        if (st.residual) {  // y = x W + residual, each rounded as its own op would round it; y's squares summed
+            float ssq = 0.f;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float o = v[i] * __half2float(args.svh[col + i]);
+                if (args.bias) o += __half2float(args.bias[col + i]);
+                o = round_as(round_as(o, args.y_dtype) + res[i], args.y_dtype);
+                ssq += o * o;
+                store_from_f32(args.y, args.y_dtype, (size_t)row * n + col + i, o);
+            }
+            ssq = warp_sum(ssq);
+            if (lane == 0) st.ssq_out[(size_t)row * (n / 128) + col / 128] = ssq;
+            continue;
+        }
+#endif
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             float o = v[i] * __half2float(args.svh[col + i]);

@@ -113,6 +113,59 @@ def exl3_matmul_gated(
     return y.reshape(*lead, n)
 
 
+def _residual_fits(x: torch.Tensor, k: int, n: int, residual: torch.Tensor) -> bool:
+    """Whether the GEMV adds ``residual`` itself: x [m, k] of 1..16 rows, fp16 / bf16, residual [m, n] alike."""
+    return (
+        x.dim() == 2 and x.shape[1] == k and 1 <= x.shape[0] <= EXL3_GEMV_MAX_ROWS
+        and x.dtype in (torch.float16, torch.bfloat16) and k % 128 == 0 and n % 128 == 0
+        and residual.shape == (x.shape[0], n) and residual.dtype == x.dtype
+    )
+
+
+@_exl3.exl3_matmul_add.register("cuda")
+def exl3_matmul_add(x, trellis, suh, svh, codebook, bias, residual):
+    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+    if not _residual_fits(x, k, n, residual):  # many rows (prefill): no sums; the next norm reads h itself
+        return exl3_matmul(x, trellis, suh, svh, codebook, bias) + residual, None
+    return binding.exl3_matmul_small(x.contiguous(), trellis.contiguous(), _f16(suh), _f16(svh), codebook, _f16(bias),
+                                     residual=residual.contiguous())
+
+
+@_exl3.exl3_matmul_gated_add.register("cuda")
+def exl3_matmul_gated_add(gate, up, activation, trellis, suh, svh, codebook, bias, residual):
+    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+    fused = (
+        _residual_fits(gate, k, n, residual) and up.shape == gate.shape and up.dtype == gate.dtype
+        and activation in binding.ACTIVATION_CODES and gate.shape[0] <= EXL3_GATED_FUSED_MAX_ROWS
+    )
+    if not fused:
+        return exl3_matmul_gated(gate, up, activation, trellis, suh, svh, codebook, bias) + residual, None
+    return binding.exl3_matmul_small_gated(gate.contiguous(), up.contiguous(), activation, trellis.contiguous(),
+                                           _f16(suh), _f16(svh), codebook, _f16(bias), residual=residual.contiguous())
+
+
+def _row_norm_fits(x: torch.Tensor, row_norm) -> bool:
+    """Whether the GEMV norms x [m, k] itself from ``row_norm``'s sums (their shape, the weight's dtype)."""
+    if row_norm is None:
+        return True
+    w = row_norm.weight
+    return (
+        x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16)
+        and row_norm.ssq.shape == (x.shape[0], x.shape[1] // 128) and row_norm.ssq.dtype == torch.float32
+        and row_norm.ssq.is_contiguous()
+        and (w is None or (w.dtype == x.dtype and w.shape == (x.shape[1],)))
+        and row_norm.eps >= 0.0
+    )
+
+
+def _split_row_norm(x: torch.Tensor, row_norm):
+    """(x, row_norm) for the GEMV: unchanged when it norms x itself, else the norm applied here first (the
+    rms_norm kernel) and none left for the GEMV."""
+    if row_norm is None or _row_norm_fits(x, row_norm):
+        return x, row_norm
+    return row_norm.apply(x), None
+
+
 def _gemv_one_launch(x: torch.Tensor, parts) -> bool:
     """Whether the small-batch GEMV takes x [..., k] by all these parts in one launch: 1..16 rows, one K."""
     k = x.shape[-1]
@@ -133,17 +186,22 @@ def _gemv_parts(parts) -> list:
 
 
 @_exl3.exl3_matmul_group.register("cuda")
-def exl3_matmul_group(x: torch.Tensor, parts, codebook: str) -> list[torch.Tensor]:
+def exl3_matmul_group(x: torch.Tensor, parts, codebook: str, row_norm=None) -> list[torch.Tensor]:
     if not _gemv_one_launch(x, parts):
+        if row_norm is not None:
+            x = row_norm.apply(x)
         return [exl3_matmul(x, trellis, suh, svh, codebook, bias) for trellis, suh, svh, bias in parts]
+    x, row_norm = _split_row_norm(x, row_norm)
     lead = x.shape[:-1]
-    ys = binding.exl3_matmul_small_multi(x.reshape(-1, x.shape[-1]).contiguous(), _gemv_parts(parts), codebook)
+    ys = binding.exl3_matmul_small_multi(x.reshape(-1, x.shape[-1]).contiguous(), _gemv_parts(parts), codebook,
+                                         row_norm=row_norm)
     return [y.reshape(*lead, y.shape[-1]) for y in ys]
 
 
 @_exl3.exl3_qkv_rope_write_kv.register("cuda")
 def exl3_qkv_rope_write_kv(x, parts, codebook, head_dim, cos_table, sin_table, positions, k_pages, v_pages, slots,
-                           interleaved=False, q_norm=None, k_norm=None, norm_eps=1e-6, norm_unit_offset=False):
+                           interleaved=False, q_norm=None, k_norm=None, norm_eps=1e-6, norm_unit_offset=False,
+                           row_norm=None):
     t = x.shape[0]
     fused = (
         len(parts) == 3
@@ -162,13 +220,15 @@ def exl3_qkv_rope_write_kv(x, parts, codebook, head_dim, cos_table, sin_table, p
         and k_pages.dim() == 4 and k_pages.shape[2:] == (parts[1][0].shape[1] * 16 // head_dim, head_dim)
     )
     if not fused:  # the two ops one after the other, each on its own kernels where they apply
-        q, kk, v = (y.reshape(t, -1, head_dim) for y in exl3_matmul_group(x, parts, codebook))
+        q, kk, v = (y.reshape(t, -1, head_dim) for y in exl3_matmul_group(x, parts, codebook, row_norm))
         return rotary_qk_write_kv(q, kk, v, cos_table, sin_table, positions, k_pages, v_pages, slots, interleaved,
                                   q_norm, k_norm, norm_eps, norm_unit_offset)
+    x, row_norm = _split_row_norm(x, row_norm)
     c, s, p = _rope_tables(x, cos_table, sin_table, positions)
     q, kk, _ = binding.exl3_matmul_small_qkv_rope(
         x.contiguous(), _gemv_parts(parts), codebook, c, s, p, interleaved, _norm_weight(q_norm), _norm_weight(k_norm),
         norm_eps, norm_unit_offset, k_pages, v_pages, slots.to(device=x.device, dtype=torch.int64).contiguous(),
+        row_norm=row_norm,
     )
     return q.reshape(t, -1, head_dim), kk.reshape(t, -1, head_dim)
 

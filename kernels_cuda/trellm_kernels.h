@@ -58,10 +58,28 @@ int trellm_hadamard_128(const void *x, int x_dtype, void *y, int y_dtype, int64_
  * all zero before the first call (each call leaves them zero). Calls sharing counters must not run
  * concurrently on different streams. */
 int64_t trellm_exl3_matmul_small_workspace(int64_t m, int64_t k, int64_t n);
+
+/* A pre-norm block's residual stream through the small-batch GEMVs, so no RMSNorm launch sits between
+ * them (rs argument below; NULL: neither end).
+ * residual != NULL (one part, no head epilogue: trellm_exl3_matmul_small, _gated): y = round(round(x W + bias)
+ *   + residual) with residual [m, n] of y_dtype, and ssq_out [m, n/128] float32 receives each row's sum of
+ *   squares of y per 128-column group.
+ * ssq_in != NULL (not with gate/up): the input is rms_norm(x) over k, x's squares summed from ssq_in
+ *   [m, k/128] (the ssq_out of the GEMV that produced x), scaled by norm_weight [k] of x_dtype (NULL: no
+ *   scale; by 1 + weight with norm_unit_offset), rounded as trellm_rms_norm rounds it. */
+typedef struct {
+    const void *residual;
+    float *ssq_out;
+    const float *ssq_in;
+    const void *norm_weight;
+    float norm_eps;
+    int norm_unit_offset;
+} trellm_residual_stream;
+
 int trellm_exl3_matmul_small(const void *x, int x_dtype, const void *suh, const int16_t *trellis, const void *svh,
                              const void *bias, void *y, int y_dtype, float *workspace, int32_t *counters,
                              int64_t counters_len, int64_t m, int64_t k, int64_t n, int K, int codebook,
-                             int num_sms, cudaStream_t stream);
+                             const trellm_residual_stream *rs, int num_sms, cudaStream_t stream);
 
 /* The same with x = act(gate) * up (gate, up [m, k] of x_dtype; activation TRELLM_ACT_*), the activation
  * applied in the input transform and rounded as trellm_gated_activation rounds it: a gated MLP's down
@@ -69,7 +87,8 @@ int trellm_exl3_matmul_small(const void *x, int x_dtype, const void *suh, const 
 int trellm_exl3_matmul_small_gated(const void *gate, const void *up, int activation, int x_dtype,
                                    const void *suh, const int16_t *trellis, const void *svh, const void *bias,
                                    void *y, int y_dtype, float *workspace, int32_t *counters, int64_t counters_len,
-                                   int64_t m, int64_t k, int64_t n, int K, int codebook, int num_sms,
+                                   int64_t m, int64_t k, int64_t n, int K, int codebook,
+                                   const trellm_residual_stream *rs, int num_sms,
                                    cudaStream_t stream);
 
 /* The same for 1..4 matmuls of one x (q/k/v, gate/up) in one launch: part p has trellis[p] int16
@@ -80,7 +99,7 @@ int trellm_exl3_matmul_small_multi(const void *x, int x_dtype, int parts, const 
                                    const int16_t *const *trellis, const void *const *svh, const void *const *bias,
                                    void *const *y, const int64_t *n, int y_dtype, float *workspace,
                                    int32_t *counters, int64_t counters_len, int64_t m, int64_t k, int K,
-                                   int codebook, int num_sms, cudaStream_t stream);
+                                   int codebook, const trellm_residual_stream *rs, int num_sms, cudaStream_t stream);
 
 /* The q/k/v projections of trellm_exl3_matmul_small_multi (parts 0, 1, 2; x and y of one dtype, fp16 or
  * bf16; 128-wide heads: n[0] = 128 * hq, n[1] = n[2] = 128 * hkv) finished as trellm_rotary_qk does it:
@@ -95,7 +114,8 @@ int trellm_exl3_matmul_small_qkv_rope(const void *x, int dtype, const void *cons
                                       int codebook, const int64_t *positions, const float *cos, const float *sin,
                                       int64_t table_len, int64_t rot_half, int interleaved, const void *q_norm,
                                       const void *k_norm, float norm_eps, int norm_unit_offset, void *k_pages,
-                                      void *v_pages, const int64_t *slots, int num_sms, cudaStream_t stream);
+                                      void *v_pages, const int64_t *slots, const trellm_residual_stream *rs,
+                                      int num_sms, cudaStream_t stream);
 
 /* W_hat fp16 [k, n] from the trellis (no Hadamards, no scales). */
 int trellm_exl3_decode_tiles(const int16_t *trellis, void *w_hat, int64_t k, int64_t n, int K, int codebook,

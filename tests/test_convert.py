@@ -166,3 +166,56 @@ def test_exl3_qkv_route_matches_separate_ops(tmp_path, monkeypatch):
     monkeypatch.setattr(Attention, "_project_rope_store", lambda self, x, batch: None)
     separate = list(model.generate_ids(prompt, max_new_tokens=6, stop_token_ids=[]))
     assert fused == separate
+
+
+def test_exl3_summed_route_matches_add_rms_norm(tmp_path, monkeypatch):
+    # EXL3 pre-norm blocks run as DecoderLayer._forward_summed: o_proj and down add the residual and sum the
+    # squares (exl3_matmul_add / exl3_matmul_gated_add, one GEMV launch each on CUDA), and the next q/k/v and
+    # gate/up ops norm their input from those sums (row_norm), so no RMSNorm runs between them. On CPU those
+    # are the references composed, so a cached decode gives the add_rms_norm route's tokens, and the route
+    # must actually be taken: every block after the first input norm gets its norm as row sums.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trellm.modules.decoder import DecoderLayer
+    from trellm.ops.exl3 import exl3_matmul_add, exl3_matmul_gated_add, exl3_matmul_group
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "dense")
+    convert(tmp_path / "dense", tmp_path / "q4", tmp_path / "work", 4.0, **FAST)
+    model = trellm.load(tmp_path / "q4", device="cpu", dtype=torch.float32, tokenizer=False)
+    calls = {"add": 0, "gated_add": 0, "normed_from_sums": 0, "group": 0}
+
+    def counting(op, name):
+        reference = op.reference
+
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return reference(*args, **kwargs)
+
+        monkeypatch.setattr(op, "reference", counted)
+
+    counting(exl3_matmul_add, "add")
+    counting(exl3_matmul_gated_add, "gated_add")
+    group_reference = exl3_matmul_group.reference
+
+    def group_counted(x, parts, codebook, row_norm=None):
+        calls["group"] += 1
+        calls["normed_from_sums"] += row_norm is not None
+        return group_reference(x, parts, codebook, row_norm)
+
+    monkeypatch.setattr(exl3_matmul_group, "reference", group_counted)
+    prompt = [7, 1, 200, 33]
+    summed = list(model.generate_ids(prompt, max_new_tokens=6, stop_token_ids=[]))
+    steps = calls["add"] // 2  # forward passes: two blocks each
+    assert steps >= 6 and calls["gated_add"] == calls["add"], calls
+    # per pass, 4 groups (q/k/v and gate/up of 2 blocks); all but the first block's q/k/v norm from sums
+    assert calls["group"] == 4 * steps and calls["normed_from_sums"] == 3 * steps, calls
+
+    monkeypatch.setattr(DecoderLayer, "_projections_add", lambda self: False)
+    for name in calls:
+        calls[name] = 0
+    separate = list(model.generate_ids(prompt, max_new_tokens=6, stop_token_ids=[]))
+    assert calls["add"] == calls["normed_from_sums"] == 0, calls
+    assert summed == separate

@@ -150,6 +150,90 @@ def test_exl3_qkv_rope_write_kv(ops, dtype, K, rope, norm):
         assert torch.equal(caches[0].view(-1, hkv, d)[slots[live]], k[live]), "the cache holds the returned keys"
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_exl3_matmul_add(ops, dtype):
+    # The residual add and the per-group sums of squares in the GEMV's finishing step: the sum exactly as
+    # the GEMV's own output plus the residual (each rounded once), the sums against the result's. Rows 1..16
+    # take the fused kernel; 17 the GEMM path and a torch add, with no sums (the next norm reads h itself).
+    # The gated form fuses at 1 row.
+    from test_cuda_ops import _random_layer
+    from trellm.ops import gated_activation
+    from trellm.ops.dense import group_sum_squares
+    from trellm.ops.exl3 import exl3_matmul, exl3_matmul_add, exl3_matmul_gated, exl3_matmul_gated_add
+
+    torch.manual_seed(5)
+    k_in, n = 1024, 512
+    trellis, suh, svh, bias = _random_layer(k_in, n, 4)
+    for rows in (1, 5, 16, 17):
+        x = torch.randn(rows, k_in, device="cuda", dtype=dtype)
+        residual = torch.randn(rows, n, device="cuda", dtype=dtype) * 4
+        h, ssq = cuda_impl(exl3_matmul_add)(x, trellis, suh, svh, "mcg", bias, residual)
+        h_ref, ssq_ref = exl3_matmul_add.reference(x, trellis, suh, svh, "mcg", bias, residual)
+        y = cuda_impl(exl3_matmul)(x, trellis, suh, svh, "mcg", bias)
+        assert h.dtype == dtype and torch.equal(h, y + residual), rows
+        assert rel_err(h, h_ref) < (1e-2 if dtype == torch.bfloat16 else 3e-3), rows
+        if rows > 16:
+            assert ssq is None
+            continue
+        assert ssq.shape == (rows, n // 128) and ssq.dtype == torch.float32
+        assert rel_err(ssq, group_sum_squares(h)) < 1e-5 and rel_err(ssq, ssq_ref) < 1e-2, rows
+    for rows in (1, 2):
+        gate, up = (torch.randn(rows, k_in, device="cuda", dtype=dtype) for _ in range(2))
+        residual = torch.randn(rows, n, device="cuda", dtype=dtype)
+        h, ssq = cuda_impl(exl3_matmul_gated_add)(gate, up, "silu", trellis, suh, svh, "mcg", None, residual)
+        y = cuda_impl(exl3_matmul_gated)(gate, up, "silu", trellis, suh, svh, "mcg", None)
+        assert torch.equal(h, y + residual), rows
+        assert (ssq is None) if rows > 1 else rel_err(ssq, group_sum_squares(h)) < 1e-5, rows
+        y_sep = cuda_impl(exl3_matmul)(gated_activation(gate, up, "silu"), trellis, suh, svh, "mcg", None)
+        assert torch.equal(y, y_sep)
+
+
+@pytest.mark.parametrize("weight", ["plain", "unit_offset", None])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_exl3_group_row_norm(ops, dtype, weight):
+    # The RMSNorm in the GEMV's input transform from the producer's sums of squares (row_norm): against the
+    # reference and against rms_norm + the GEMV on CUDA (the two launches it replaces), rows 1, 5 and 16;
+    # also the q/k/v launch with RoPE behind. Sums of the wrong shape are refused by name.
+    from test_cuda_ops import _random_layer
+    from trellm.kernels_cuda import binding
+    from trellm.kernels_cuda.binding import KernelArgumentError
+    from trellm.ops import RowNorm, rms_norm
+    from trellm.ops.dense import group_sum_squares
+    from trellm.ops.exl3 import exl3_matmul_group, exl3_qkv_rope_write_kv
+
+    torch.manual_seed(6)
+    k_in, eps, unit = 4096, 1e-5, weight == "unit_offset"
+    parts = [_random_layer(k_in, n, 4) for n in (512, 256)]
+    w = None if weight is None else (torch.randn(k_in, device="cuda") * 0.1 + (0.0 if unit else 1.0)).to(dtype)
+    tol = 1e-2 if dtype == torch.bfloat16 else 3e-3
+    close = 8e-3 if dtype == torch.bfloat16 else 2e-3
+    for rows in (1, 5, 16):
+        h = torch.randn(rows, k_in, device="cuda", dtype=dtype) * 3
+        norm = RowNorm(group_sum_squares(h), w, eps, unit)
+        ys = cuda_impl(exl3_matmul_group)(h, parts, "mcg", norm)
+        ys_ref = exl3_matmul_group.reference(h, parts, "mcg", norm)
+        ys_sep = cuda_impl(exl3_matmul_group)(cuda_impl(rms_norm)(h, w, eps, unit), parts, "mcg")
+        for y, y_ref, y_sep in zip(ys, ys_ref, ys_sep):
+            assert rel_err(y, y_ref) < tol and rel_err(y, y_sep) < close, (rows, weight)
+    d, hkv, page_size, pages = 128, 2, 16, 4
+    qkv = [_random_layer(k_in, n, 4) for n in (4 * d, hkv * d, hkv * d)]
+    cos, sin = rope_tables(64, d // 2)
+    h = torch.randn(3, k_in, device="cuda", dtype=dtype)
+    positions = torch.randint(0, 64, (3,), device="cuda")
+    slots = torch.randperm(pages * page_size, device="cuda")[:3]
+    caches = [torch.randn(pages, page_size, hkv, d, device="cuda", dtype=dtype) for _ in range(2)]
+    sep_caches = [c.clone() for c in caches]
+    q, k = cuda_impl(exl3_qkv_rope_write_kv)(h, qkv, "mcg", d, cos, sin, positions, *caches, slots,
+                                             row_norm=RowNorm(group_sum_squares(h), w, eps, unit))
+    q_sep, k_sep = cuda_impl(exl3_qkv_rope_write_kv)(cuda_impl(rms_norm)(h, w, eps, unit), qkv, "mcg", d, cos, sin,
+                                                     positions, *sep_caches, slots)
+    assert rel_err(q, q_sep) < close and rel_err(k, k_sep) < close
+    for c, sep in zip(caches, sep_caches):
+        assert rel_err(c, sep) < close
+    with pytest.raises(KernelArgumentError, match="row_norm.ssq"):
+        binding.exl3_matmul_small_multi(h, parts[:1], "mcg", row_norm=(torch.zeros(3, 7, device="cuda"), w, eps, unit))
+
+
 def rotary_qk_write_kv_op():
     from trellm.ops.attention import rotary_qk_write_kv
 

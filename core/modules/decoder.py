@@ -27,7 +27,7 @@ from .layers import (
     RotaryEmbedding,
     make_norm,
 )
-from .linear import Linear
+from .linear import HiddenSum, Linear, NormedInput
 
 
 @attrs.frozen
@@ -122,14 +122,22 @@ class DecoderLayer(Module):
         return h + (m * self.residual_multiplier if self.residual_multiplier != 1.0 else m)
 
     def forward_residual(
-        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`forward` on the hidden state ``x + residual`` (``x`` alone when ``residual`` is None),
-        returned unsummed as ``(out, residual)``: each residual add then runs inside the next RMSNorm
-        (one ``add_rms_norm`` launch instead of an add and a norm). Same numbers as ``forward``.
+        self, x: torch.Tensor | HiddenSum, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor | HiddenSum, torch.Tensor | None]:
+        """:meth:`forward` on the hidden state ``x + residual`` (``x`` alone when ``residual`` is None, or a
+        :class:`HiddenSum`), returned unsummed as ``(out, residual)``: each residual add then runs inside the
+        next RMSNorm (one ``add_rms_norm`` launch instead of an add and a norm). Same numbers as ``forward``.
+        A block whose projections add the residual themselves returns ``(HiddenSum, None)`` instead
+        (:meth:`_forward_summed`).
         """
+        if isinstance(x, HiddenSum):  # the previous layer's output, summed (residual is None)
+            if self._projections_add():
+                return self._forward_summed(x, batch), None
+            x = x.h
         if self.parallel or type(self).forward is not DecoderLayer.forward:
             return self.forward(x if residual is None else x + residual, batch), None
+        if self._projections_add():
+            return self._forward_summed(HiddenSum(x if residual is None else x + residual, None), batch), None
         normed, residual = add_norm(self.input_norm, x, residual)
         a = self._norm(self.attn_out_norm, self.attn.forward(normed, batch))
         if self.residual_multiplier != 1.0:
@@ -138,13 +146,43 @@ class DecoderLayer(Module):
         m = self._norm(self.mlp_out_norm, self.mlp.forward(normed, batch))
         return (m * self.residual_multiplier if self.residual_multiplier != 1.0 else m), residual
 
+    def _projections_add(self) -> bool:
+        """Whether this block runs as :meth:`_forward_summed`: a plain pre-norm block (RMSNorms, Attention,
+        GatedMLP, no output norms or multipliers) whose o_proj and down projections add the residual and
+        sum the squares themselves (EXL3)."""
+        return (
+            not self.parallel
+            and type(self).forward is DecoderLayer.forward
+            and self.attn_out_norm is None
+            and self.mlp_out_norm is None
+            and self.residual_multiplier == 1.0
+            and _plain_rms_norm(self.input_norm)
+            and _plain_rms_norm(self.post_attn_norm)
+            and type(self.attn).forward is Attention.forward
+            and type(self.mlp).forward is GatedMLP.forward
+            and hasattr(getattr(self.attn.o_proj, "impl", None), "forward_add")
+            and hasattr(getattr(self.mlp.down_proj, "impl", None), "forward_gated_add")
+        )
+
+    def _forward_summed(self, x: HiddenSum, batch: ForwardBatch) -> HiddenSum:
+        """:meth:`forward` of the hidden state ``x.h``, returned summed with its sums of squares: each
+        sub-layer's last projection adds the residual and sums the squares in its own launch, and the next
+        one's first projections norm their input from those sums (EXL3 on CUDA: no RMSNorm or add launch
+        between the GEMVs). Same numbers as ``forward`` up to the order of the sums of squares."""
+        a = self.attn.forward(NormedInput(x, self.input_norm), batch, residual=x.h)
+        return self.mlp.forward(NormedInput(a, self.post_attn_norm), batch, residual=a.h)
+
+
+def _plain_rms_norm(norm: Module | None) -> bool:
+    return isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward
+
 
 def add_norm(norm: Module | None, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + residual`` (``x`` when residual is None) and ``norm(h)``, as ``(norm(h), h)``; one fused op
     for an RMSNorm."""
     if residual is None:
         return (x if norm is None else norm.forward(x)), x
-    if isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward:
+    if _plain_rms_norm(norm):
         return ops.add_rms_norm(x, residual, norm.weight, norm.eps, norm.unit_offset)
     h = x + residual
     return (h if norm is None else norm.forward(h)), h
@@ -190,16 +228,19 @@ class CausalLM(Module):
     def residual_stream(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The last layer's hidden state as ``(out, residual)`` whose sum it is (residual None: ``out`` is it).
 
-        Layers with ``forward_residual`` hand the residual on unsummed, so every add fuses into a norm.
+        Layers with ``forward_residual`` hand the residual on unsummed, so every add fuses into a norm, or
+        (EXL3 blocks) summed with its sums of squares, so the add and the norm fuse into the GEMVs.
         """
         x, residual = self.embed_tokens(batch), None
         for layer in self.layers:
             if hasattr(layer, "forward_residual"):
                 x, residual = layer.forward_residual(x, residual, batch)
             else:
+                if isinstance(x, HiddenSum):
+                    x = x.h
                 x = layer.forward(x if residual is None else x + residual, batch)
                 residual = None
-        return x, residual
+        return (x.h if isinstance(x, HiddenSum) else x), residual
 
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
         x, residual = self.residual_stream(batch)

@@ -14,7 +14,16 @@ from ..errors import WeightError
 from ..ops.attention import rotary_qk, rotary_qk_write_kv
 from ..ops.dense import activation_fn, xielu
 from .base import LoadContext, Module
-from .linear import DenseLinear, Linear, forward_gated, forward_group
+from .linear import (
+    DenseLinear,
+    HiddenSum,
+    Linear,
+    NormedInput,
+    forward_add,
+    forward_gated,
+    forward_gated_add,
+    forward_group,
+)
 
 
 class Embedding(Module):
@@ -322,10 +331,11 @@ class Attention(Module):
             "norm_unit_offset": self.q_norm.unit_offset,
         }
 
-    def _project_rope_store(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+    def _project_rope_store(self, x: torch.Tensor | NormedInput, batch: ForwardBatch) -> torch.Tensor | None:
         """The rotated q [T, H, D], with k and v rotated and stored in the paged cache, from one
-        ``exl3_qkv_rope_write_kv`` (one GEMV launch on CUDA) when q/k/v are EXL3 layers of one group that
-        need no padding and the cache is a plain paged layer; None otherwise (the caller projects)."""
+        ``exl3_qkv_rope_write_kv`` (one GEMV launch on CUDA, which norms a :class:`NormedInput` too) when
+        q/k/v are EXL3 layers of one group that need no padding and the cache is a plain paged layer; None
+        otherwise (the caller projects)."""
         layer = batch.cache.layers[self.layer_idx] if batch.cache is not None else None
         if type(layer) is not KVCacheLayer or self.clip_qkv is not None or x.dim() != 2:
             return None
@@ -339,10 +349,14 @@ class Attention(Module):
         group = first.group_parts(impls)
         if group is None:
             return None
+        row_norm = None
+        if isinstance(x, NormedInput):
+            row_norm = x.row_norm()
+            x = x.hidden.h if row_norm is not None else x.normed()
         cos_table, sin_table = self.rope.tables(batch.max_seq_len, x.device)
         q, _ = ops.exl3.exl3_qkv_rope_write_kv(
             x, *group, self.head_dim, cos_table, sin_table, batch.positions, layer.k_pages, layer.v_pages,
-            batch.slots, self.rope.interleaved, **self._head_norm_args(),
+            batch.slots, self.rope.interleaved, **self._head_norm_args(), row_norm=row_norm,
         )
         return q
 
@@ -363,7 +377,11 @@ class Attention(Module):
         layer.store(k, v, batch.slots)
         return layer.attend(q, batch, self.scale, self.sliding_window, self.softcap)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor | NormedInput, batch: ForwardBatch, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | HiddenSum:
+        """Attention of x [T, hidden], which may be a :class:`NormedInput` (the q/k/v projections norm it).
+        With ``residual``: ``residual`` + the output, as a :class:`HiddenSum` (the add in o_proj's launch)."""
         if self._fused_rope(batch):
             q = self._project_rope_store(x, batch)
             if q is not None:
@@ -373,7 +391,8 @@ class Attention(Module):
                 o = self.attend_fused(*self.project_qkv(x, head_norm=False), batch)
         else:
             o = self.attend(*self.project_qkv(x), batch)
-        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
+        o = o.reshape(x.shape[0], self.num_heads * self.head_dim)
+        return self.o_proj(o) if residual is None else forward_add(self.o_proj, o, residual)
 
 
 class XIELU(Module):
@@ -422,9 +441,15 @@ class GatedMLP(Module):
             self.up_proj = Linear(f"{key}.up_proj", hidden_size, intermediate_size, bias)
         self.down_proj = Linear(f"{key}.down_proj", intermediate_size, hidden_size, bias)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor | NormedInput, batch: ForwardBatch | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | HiddenSum:
+        """The MLP of x [T, hidden], which may be a :class:`NormedInput` (the gate/up projections norm it).
+        With ``residual``: ``residual`` + the output, as a :class:`HiddenSum` (the add in the down launch)."""
         gate, up = forward_group((self.gate_proj, self.up_proj), x)
-        return forward_gated(self.down_proj, gate, up, self.activation)
+        if residual is None:
+            return forward_gated(self.down_proj, gate, up, self.activation)
+        return forward_gated_add(self.down_proj, gate, up, self.activation, residual)
 
 
 class MLP(Module):

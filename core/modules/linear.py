@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import WeightError
 from .base import LoadContext, Module
+
+if TYPE_CHECKING:
+    from ..ops import RowNorm
 
 
 class DenseLinear:
@@ -76,18 +80,84 @@ class Linear(Module):
         return self.impl.nbytes() if self.impl is not None else 0
 
 
-def forward_group(linears: Sequence[Linear], x: torch.Tensor) -> list[torch.Tensor]:
+class HiddenSum(NamedTuple):
+    """A sub-layer's output added to the residual stream (``h``), with h's float32 sums of squares per row
+    and 128-column group (``ssq`` [rows, hidden / 128]) when the projection that produced h summed them
+    (EXL3: in the GEMV's finishing step): the next RMSNorm then needs no pass of its own over h."""
+
+    h: torch.Tensor
+    ssq: torch.Tensor | None
+
+
+class NormedInput:
+    """A sub-layer's input ``norm(h)`` (an RMSNorm), not computed yet, for a :class:`HiddenSum` h.
+
+    The sub-layer's first projections may norm h in their own input transform from its sums of squares
+    (EXL3 groups on CUDA: inside their one GEMV launch, so no RMSNorm launch runs before them); any other
+    consumer takes :meth:`normed`.
+    """
+
+    def __init__(self, hidden: HiddenSum, norm: Module):
+        self.hidden, self.norm = hidden, norm
+        self._normed: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.hidden.h.shape
+
+    def dim(self) -> int:
+        return self.hidden.h.dim()
+
+    def normed(self) -> torch.Tensor:
+        """The input itself (the norm's own forward, once)."""
+        if self._normed is None:
+            self._normed = self.norm.forward(self.hidden.h)
+        return self._normed
+
+    def row_norm(self) -> "RowNorm | None":
+        """The norm for an op that computes it from the sums (``row_norm=``); None without sums."""
+        from ..ops import RowNorm
+
+        if self.hidden.ssq is None:
+            return None
+        n = self.norm
+        return RowNorm(self.hidden.ssq, n.weight, n.eps, n.unit_offset)
+
+
+def _plain(linear: Linear) -> bool:
+    return isinstance(linear, Linear) and type(linear).forward is Linear.forward
+
+
+def forward_group(linears: Sequence[Linear], x: torch.Tensor | NormedInput) -> list[torch.Tensor]:
     """Several projections of one x (q/k/v, gate/up), in order.
 
     When every implementation can run with the first (``groups_with``, e.g. EXL3 layers of one K),
-    they run through its ``forward_group`` (one kernel launch on CUDA); otherwise one by one.
+    they run through its ``forward_group`` (one kernel launch on CUDA, which also norms a
+    :class:`NormedInput` x from its sums); otherwise one by one.
     """
-    plain = all(isinstance(lin, Linear) and type(lin).forward is Linear.forward for lin in linears)
     impls = [getattr(lin, "impl", None) for lin in linears]
     first = impls[0]
-    if plain and len(impls) > 1 and hasattr(first, "forward_group") and all(first.groups_with(i) for i in impls[1:]):
+    if all(_plain(lin) for lin in linears) and len(impls) > 1 and hasattr(first, "forward_group") and all(
+        first.groups_with(i) for i in impls[1:]
+    ):
+        if isinstance(x, NormedInput):
+            row_norm = x.row_norm()
+            if row_norm is None:
+                return first.forward_group(impls, x.normed())
+            return first.forward_group(impls, x.hidden.h, row_norm=row_norm)
         return first.forward_group(impls, x)
+    if isinstance(x, NormedInput):
+        x = x.normed()
     return [lin(x) for lin in linears]
+
+
+def forward_add(linear: Linear, x: torch.Tensor, residual: torch.Tensor) -> HiddenSum:
+    """``linear(x) + residual``, a sub-layer's last projection and the residual add; with the sums of
+    squares where the implementation computes them (``forward_add``, e.g. EXL3: in the GEMV's finishing step)."""
+    impl = getattr(linear, "impl", None)
+    if _plain(linear) and hasattr(impl, "forward_add"):
+        return HiddenSum(*impl.forward_add(x, residual))
+    return HiddenSum(linear(x) + residual, None)
 
 
 def forward_gated(linear: Linear, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -99,6 +169,16 @@ def forward_gated(linear: Linear, gate: torch.Tensor, up: torch.Tensor, activati
     from .. import ops
 
     impl = getattr(linear, "impl", None)
-    if isinstance(linear, Linear) and type(linear).forward is Linear.forward and hasattr(impl, "forward_gated"):
+    if _plain(linear) and hasattr(impl, "forward_gated"):
         return impl.forward_gated(gate, up, activation)
     return linear(ops.gated_activation(gate, up, activation))
+
+
+def forward_gated_add(linear: Linear, gate: torch.Tensor, up: torch.Tensor, activation: str,
+                      residual: torch.Tensor) -> HiddenSum:
+    """:func:`forward_add` of ``gated_activation(gate, up, activation)`` (``forward_gated_add`` where the
+    implementation has it: one GEMV launch for the activation, the projection and the add)."""
+    impl = getattr(linear, "impl", None)
+    if _plain(linear) and hasattr(impl, "forward_gated_add"):
+        return HiddenSum(*impl.forward_gated_add(gate, up, activation, residual))
+    return HiddenSum(forward_gated(linear, gate, up, activation) + residual, None)

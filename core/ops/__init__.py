@@ -99,6 +99,7 @@ def load_backends() -> None:
 
 # The op catalogue: each module declares its ops with @op. Imported last so ``op`` exists.
 from .dense import (  # noqa: E402,F401
+    RowNorm,
     add_rms_norm,
     gated_activation,
     layer_norm,

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from . import op
+from .dense import RowNorm, group_sum_squares
 
 __all__ = [
     "CODEBOOKS",
@@ -226,15 +227,42 @@ def exl3_matmul(
 
 
 @op
+def exl3_matmul_add(
+    x: torch.Tensor,
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    codebook: str,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``h = exl3_matmul(x, ...) + residual`` (a sub-layer's last projection and the residual add, each
+    rounded to x.dtype) and its sums of squares per row and 128-column group, float32 [rows, n / 128]: the
+    next RMSNorm's input (:class:`RowNorm`). x [rows, k] and residual [rows, n].
+
+    A backend may add the residual and sum the squares in the matmul's finishing step (the CUDA GEMV does,
+    up to 16 rows). Where summing would cost a pass of its own (the CUDA GEMM path for many rows), it may
+    return None for the sums: the next norm then reads h itself.
+    """
+    h = exl3_matmul.reference(x, trellis, suh, svh, codebook, bias) + residual
+    return h, group_sum_squares(h)
+
+
+@op
 def exl3_matmul_group(
     x: torch.Tensor,
     parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
     codebook: str,
+    row_norm: RowNorm | None = None,
 ) -> list[torch.Tensor]:
-    """``exl3_matmul`` of one x by each (trellis, suh, svh, bias) part (q/k/v, gate/up).
+    """``exl3_matmul`` of one x by each (trellis, suh, svh, bias) part (q/k/v, gate/up); with ``row_norm``,
+    of ``row_norm.apply(x)`` (the block's RMSNorm first).
 
-    A backend may run the parts in one launch (the CUDA GEMV does, for equal K and up to 16 rows).
+    A backend may run the parts in one launch (the CUDA GEMV does, for equal K and up to 16 rows), and
+    the norm in its input transform.
     """
+    if row_norm is not None:
+        x = row_norm.apply(x, reference=True)
     return [exl3_matmul.reference(x, trellis, suh, svh, codebook, bias) for trellis, suh, svh, bias in parts]
 
 
@@ -255,17 +283,18 @@ def exl3_qkv_rope_write_kv(
     k_norm: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
     norm_unit_offset: bool = False,
+    row_norm: RowNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """An attention layer's q/k/v projections of x [T, k] (the three parts of :func:`exl3_matmul_group`),
-    split into heads of ``head_dim``, then :func:`rotary_qk_write_kv`: returns the rotated q [T, Hq, D] and
-    k [T, Hkv, D], with k and v stored at ``slots``.
+    """An attention layer's q/k/v projections of x [T, k] (the three parts of :func:`exl3_matmul_group`,
+    ``row_norm`` as there), split into heads of ``head_dim``, then :func:`rotary_qk_write_kv`: returns the
+    rotated q [T, Hq, D] and k [T, Hkv, D], with k and v stored at ``slots``.
 
     A backend may do it in one launch (the CUDA GEMV finishes each 128-wide head in the warp that
     computes it), so q and k never go through memory before they are rotated.
     """
     from .attention import rotary_qk_write_kv
 
-    q, k, v = exl3_matmul_group.reference(x, parts, codebook)
+    q, k, v = exl3_matmul_group.reference(x, parts, codebook, row_norm)
     t = x.shape[0]
     q, k, v = (y.reshape(t, -1, head_dim) for y in (q, k, v))
     return rotary_qk_write_kv.reference(q, k, v, cos_table, sin_table, positions, k_pages, v_pages, slots, interleaved,
@@ -292,6 +321,24 @@ def exl3_matmul_gated(
 
     x = gated_activation.reference(gate, up, activation)
     return exl3_matmul.reference(x, trellis, suh, svh, codebook, bias)
+
+
+@op
+def exl3_matmul_gated_add(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    codebook: str,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`exl3_matmul_add` of ``gated_activation(gate, up, activation)``: a gated MLP's down projection
+    and the residual add, with the sums of squares for the next RMSNorm (or None, as there)."""
+    h = exl3_matmul_gated.reference(gate, up, activation, trellis, suh, svh, codebook, bias) + residual
+    return h, group_sum_squares(h)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,11 +14,14 @@ import torch
 
 from ...errors import WeightError
 
+from ...ops.dense import RowNorm
 from ...ops.exl3 import (
     CODEBOOK_MULTIPLIERS,
     exl3_decode_tiles,
     exl3_matmul,
+    exl3_matmul_add,
     exl3_matmul_gated,
+    exl3_matmul_gated_add,
     exl3_matmul_group,
     hadamard_128,
 )
@@ -111,6 +114,27 @@ class EXL3Linear:
                               self.codebook, self.bias)
         return self._rows_out(y, gate.shape[:-1])
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(self(x) + residual, its sums of squares per row and 128-column group)`` through
+        ``exl3_matmul_add`` (the CUDA GEMV adds and sums in its finishing step); the sums are None for a padded
+        layer, whose 128-column groups are not the output's."""
+        if self.padded_in != self.in_features or self.padded_out != self.out_features:
+            return self.forward(x) + residual, None
+        lead = x.shape[:-1]
+        h, ssq = exl3_matmul_add(x.reshape(-1, x.shape[-1]), self.trellis, self.suh, self.svh, self.codebook, self.bias,
+                                 residual.reshape(-1, residual.shape[-1]))
+        return h.reshape(*lead, h.shape[-1]), ssq
+
+    def forward_gated_add(self, gate: torch.Tensor, up: torch.Tensor, activation: str,
+                          residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward_add` of ``act(gate) * up`` through ``exl3_matmul_gated_add``."""
+        if self.padded_in != self.in_features or self.padded_out != self.out_features:
+            return self.forward_gated(gate, up, activation) + residual, None
+        lead = gate.shape[:-1]
+        h, ssq = exl3_matmul_gated_add(self._rows_in(gate), self._rows_in(up), activation, self.trellis, self.suh,
+                                       self.svh, self.codebook, self.bias, residual.reshape(-1, residual.shape[-1]))
+        return h.reshape(*lead, h.shape[-1]), ssq
+
     def groups_with(self, other: object) -> bool:
         """Whether ``forward_group`` can run this and ``other`` on one x together (same K, codebook, k)."""
         return (
@@ -122,10 +146,14 @@ class EXL3Linear:
         )
 
     @staticmethod
-    def forward_group(linears: "list[EXL3Linear]", x: torch.Tensor) -> list[torch.Tensor]:
-        """Each linear applied to x, through one ``exl3_matmul_group`` (one GEMV launch on CUDA)."""
+    def forward_group(linears: "list[EXL3Linear]", x: torch.Tensor, row_norm: RowNorm | None = None) -> list[torch.Tensor]:
+        """Each linear applied to x (to ``row_norm.apply(x)`` with a norm), through one ``exl3_matmul_group``
+        (one GEMV launch on CUDA, which norms x in it too)."""
         first = linears[0]  # groups_with: every linear has its padded_in and codebook
-        ys = exl3_matmul_group(first._rows_in(x), [(l.trellis, l.suh, l.svh, l.bias) for l in linears], first.codebook)
+        if row_norm is not None and first.padded_in != first.in_features:
+            x, row_norm = row_norm.apply(x), None  # the GEMV reads padded rows; the sums are the real ones'
+        ys = exl3_matmul_group(first._rows_in(x), [(l.trellis, l.suh, l.svh, l.bias) for l in linears], first.codebook,
+                               row_norm)
         return [l._rows_out(y, x.shape[:-1]) for l, y in zip(linears, ys)]
 
     @staticmethod
