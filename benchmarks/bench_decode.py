@@ -10,6 +10,7 @@ lm_head) captured in one CUDA graph and replayed; tokens/s is printed next to th
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -155,9 +156,11 @@ def main() -> int:
         from trellm.kernels_cuda import binding
 
         t_sep = time_graph(lambda: model.forward(tok, pos, cu, ctx, group=False), reps=20)
-        pdl = binding.set_pdl(False)
+        binding.set_pdl(False)
         t_nopdl = time_graph(lambda: model.forward(tok, pos, cu, ctx), reps=20)
-        binding.set_pdl(pdl)
+        # Back to the default (on unless TRELLM_PDL=0). set_pdl returns the NEW state: restoring with what
+        # set_pdl(False) returned left PDL off for every later graph (NOTES 2026-12-04a).
+        binding.set_pdl(os.environ.get("TRELLM_PDL", "1") != "0")
         t_rope_apart = time_graph(lambda: model.forward(tok, pos, cu, ctx, qkv_rope=False), reps=20)
         t_norm_apart = time_graph(lambda: model.forward(tok, pos, cu, ctx, summed=False), reps=20)
         t_step = time_graph(lambda: model.forward(tok, pos, cu, ctx), reps=20)

@@ -164,7 +164,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def set_pdl(enabled: bool) -> bool:
-    """Programmatic dependent launch of the EXL3 GEMV on/off (on by default on sm_90+); returns the state."""
+    """Programmatic dependent launch of the EXL3 GEMV on/off (on by default on sm_90+, off with
+    TRELLM_PDL=0); returns the NEW state (False where the GPU has none), not the previous one."""
     return bool(lib().trellm_set_pdl(int(enabled)))
 
 
