@@ -137,20 +137,28 @@ def test_errors_name_the_problem(converted, tmp_path, monkeypatch):
         convert(src, tmp_path / "o", tmp_path / "w", 4.0, **FAST)
 
 
-def test_exl3_qkv_route_matches_separate_ops(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def head128_exl3_llama(tmp_path_factory):
+    """A 2-layer Llama with 128-wide heads, converted to 4 bpw once for this module: the shapes the fused
+    decode routes of the CUDA GEMV take (one 128-column group is one head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("head128")
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    LlamaForCausalLM(cfg).save_pretrained(root / "dense")
+    convert(root / "dense", root / "q4", root / "work", 4.0, **FAST)
+    return trellm.load(root / "q4", device="cpu", dtype=torch.float32, tokenizer=False)
+
+
+def test_exl3_qkv_route_matches_separate_ops(head128_exl3_llama, monkeypatch):
     # 128-wide heads and unpadded q/k/v: attention takes exl3_qkv_rope_write_kv (one GEMV launch with RoPE
     # and the KV-page write on CUDA). On CPU it is the references composed, so the tokens and the logits
     # of a cached decode equal the separate ops' bit for bit, and the route must actually be taken.
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from trellm.modules.layers import Attention
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "dense")
-    convert(tmp_path / "dense", tmp_path / "q4", tmp_path / "work", 4.0, **FAST)
-    model = trellm.load(tmp_path / "q4", device="cpu", dtype=torch.float32, tokenizer=False)
+    model = head128_exl3_llama
     fused_calls = []
     route = Attention._project_rope_store
 
@@ -168,23 +176,16 @@ def test_exl3_qkv_route_matches_separate_ops(tmp_path, monkeypatch):
     assert fused == separate
 
 
-def test_exl3_summed_route_matches_add_rms_norm(tmp_path, monkeypatch):
+def test_exl3_summed_route_matches_add_rms_norm(head128_exl3_llama, monkeypatch):
     # EXL3 pre-norm blocks run as DecoderLayer._forward_summed: o_proj and down add the residual and sum the
     # squares (exl3_matmul_add / exl3_matmul_gated_add, one GEMV launch each on CUDA), and the next q/k/v and
     # gate/up ops norm their input from those sums (row_norm), so no RMSNorm runs between them. On CPU those
     # are the references composed, so a cached decode gives the add_rms_norm route's tokens, and the route
     # must actually be taken: every block after the first input norm gets its norm as row sums.
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from trellm.modules.decoder import DecoderLayer
     from trellm.ops.exl3 import exl3_matmul_add, exl3_matmul_gated_add, exl3_matmul_group
 
-    torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "dense")
-    convert(tmp_path / "dense", tmp_path / "q4", tmp_path / "work", 4.0, **FAST)
-    model = trellm.load(tmp_path / "q4", device="cpu", dtype=torch.float32, tokenizer=False)
+    model = head128_exl3_llama
     calls = {"add": 0, "gated_add": 0, "normed_from_sums": 0, "group": 0}
 
     def counting(op, name):
