@@ -92,8 +92,9 @@ class Model:
         summed = summed and group
 
         def pre_norm(h, residual, ssq, weight):
-            """(the block's input, its row_norm or None, the residual stream)."""
-            if summed and ssq is not None:
+            """(the block's input, its row_norm or None, the residual stream). residual None: h is the
+            whole hidden state (the embeddings, or a summed projection's output)."""
+            if residual is None and ssq is not None:
                 return h, ops.RowNorm(ssq, weight, 1e-5, False), h
             if residual is None:
                 return ops.rms_norm(h, weight, 1e-5), None, h
@@ -116,6 +117,7 @@ class Model:
             a = ops.paged_attention(q, self.k_pages[i], self.v_pages[i], self.block_table, cu, ctx)
             if summed:
                 h, ssq = exl3.exl3_matmul_add(a.view(t, HIDDEN), *L["o"], "mcg", None, residual)
+                residual = None  # h holds it now (ssq None past 16 rows: the next norm reads h itself)
             else:
                 h = mm(a.view(t, HIDDEN), *L["o"], "mcg")
             x, norm, residual = pre_norm(h, residual, ssq, L["norm2"])
@@ -123,12 +125,16 @@ class Model:
                 g, u = exl3.exl3_matmul_group(x, [(*L[p], None) for p in ("gate", "up")], "mcg", norm)
                 if summed:
                     h, ssq = exl3.exl3_matmul_gated_add(g, u, "silu", *L["down"], "mcg", None, residual)
+                    residual = None
                 else:
                     h = exl3.exl3_matmul_gated(g, u, "silu", *L["down"], "mcg")
             else:
                 g, u = mm(x, *L["gate"], "mcg"), mm(x, *L["up"], "mcg")
                 h = mm(ops.gated_activation(g, u, "silu"), *L["down"], "mcg")
-        x = ops.rms_norm(h, self.final_norm, 1e-5) if summed else ops.add_rms_norm(h, residual, self.final_norm, 1e-5)[0]
+        if residual is None:
+            x = ops.rms_norm(h, self.final_norm, 1e-5)
+        else:
+            x, _ = ops.add_rms_norm(h, residual, self.final_norm, 1e-5)
         return mm(x[-1:], *self.head, "mcg")
 
 
