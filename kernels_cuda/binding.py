@@ -402,6 +402,27 @@ def exl3_matmul_small_multi(
     return ys
 
 
+def _check_rope_args(dtype, device, tokens: int, hkv: int, d: int, cos_table, sin_table, positions, q_norm, k_norm,
+                     k_pages, v_pages, slots) -> tuple[int, int]:
+    """The RoPE, per-head norm and KV-page arguments of the fused RoPE launches (``rotary_qk`` and the
+    q/k/v GEMV's epilogue), for ``tokens`` rows of ``hkv`` kv heads of ``d`` dims: (table_len, rotated half)."""
+    expect(cos_table, "cos_table", dtype=torch.float32, shape=(None, None), device=device)
+    table_len, half = cos_table.shape
+    expect(sin_table, "sin_table", dtype=torch.float32, shape=(table_len, half), device=device)
+    if table_len == 0:
+        raise KernelArgumentError(f"cos_table: shape {list(cos_table.shape)} holds no positions")
+    expect(positions, "positions", dtype=torch.int64, shape=(tokens,), device=device)
+    if (q_norm is None) != (k_norm is None):
+        raise KernelArgumentError("q_norm / k_norm: give both or neither")
+    expect(q_norm, "q_norm", dtype=dtype, shape=(d,), device=device, optional=True)
+    expect(k_norm, "k_norm", dtype=dtype, shape=(d,), device=device, optional=True)
+    if k_pages is not None:
+        expect(k_pages, "k_pages", dtype=dtype, shape=(None, None, hkv, d), device=device)
+        expect(v_pages, "v_pages", dtype=dtype, shape=tuple(k_pages.shape), device=device)
+        expect(slots, "slots", dtype=torch.int64, shape=(tokens,), device=device)
+    return table_len, half
+
+
 def exl3_matmul_small_qkv_rope(
     x: torch.Tensor,
     parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
@@ -431,20 +452,10 @@ def exl3_matmul_small_qkv_rope(
     if ns[0] % 128 or ns[1] % 128 or ns[2] != ns[1]:
         raise KernelArgumentError(f"parts: widths {ns} are not q/k/v of 128-wide heads (n_k == n_v)")
     hkv = ns[1] // 128
-    expect(cos_table, "cos_table", dtype=torch.float32, shape=(None, None), device=x.device)
-    table_len, half = cos_table.shape
-    expect(sin_table, "sin_table", dtype=torch.float32, shape=(table_len, half), device=x.device)
-    if half % 4 or not 0 < 2 * half <= 128 or table_len == 0:
+    table_len, half = _check_rope_args(x.dtype, x.device, m, hkv, 128, cos_table, sin_table, positions, q_norm,
+                                       k_norm, k_pages, v_pages, slots)
+    if half % 4 or not 0 < 2 * half <= 128:
         raise KernelArgumentError(f"cos_table: shape {list(cos_table.shape)} does not fit 128-wide heads (rotated half a multiple of 4)")
-    expect(positions, "positions", dtype=torch.int64, shape=(m,), device=x.device)
-    if (q_norm is None) != (k_norm is None):
-        raise KernelArgumentError("q_norm / k_norm: give both or neither")
-    expect(q_norm, "q_norm", dtype=x.dtype, shape=(128,), device=x.device, optional=True)
-    expect(k_norm, "k_norm", dtype=x.dtype, shape=(128,), device=x.device, optional=True)
-    if k_pages is not None:
-        expect(k_pages, "k_pages", dtype=x.dtype, shape=(None, None, hkv, 128), device=x.device)
-        expect(v_pages, "v_pages", dtype=x.dtype, shape=tuple(k_pages.shape), device=x.device)
-        expect(slots, "slots", dtype=torch.int64, shape=(m,), device=x.device)
     ys = [torch.empty(m, n, dtype=x.dtype, device=x.device) for n in ns]
     rs, _, _keep = _residual_stream(x, ys[0], row_norm=row_norm)
     workspace, counters = _gemv_scratch(m, k, sum(ns), x.device)
@@ -946,21 +957,12 @@ def rotary_qk(
         raise KernelArgumentError(f"q: head_dim {d} exceeds the kernel's {ROPE_MAX_HEAD_DIM}")
     expect(k, "k", dtype=q.dtype, shape=(tokens, None, d), device=q.device)
     hkv = k.shape[1]
-    expect(cos_table, "cos_table", dtype=torch.float32, shape=(None, None), device=q.device)
-    table_len, half = cos_table.shape
-    expect(sin_table, "sin_table", dtype=torch.float32, shape=(table_len, half), device=q.device)
-    if 2 * half > d or table_len == 0:
+    table_len, half = _check_rope_args(q.dtype, q.device, tokens, hkv, d, cos_table, sin_table, positions, q_norm,
+                                       k_norm, k_pages, v_pages, slots)
+    if 2 * half > d:
         raise KernelArgumentError(f"cos_table: shape {list(cos_table.shape)} does not fit head_dim {d}")
-    expect(positions, "positions", dtype=torch.int64, shape=(tokens,), device=q.device)
-    if (q_norm is None) != (k_norm is None):
-        raise KernelArgumentError("q_norm / k_norm: give both or neither")
-    expect(q_norm, "q_norm", dtype=q.dtype, shape=(d,), device=q.device, optional=True)
-    expect(k_norm, "k_norm", dtype=q.dtype, shape=(d,), device=q.device, optional=True)
     if k_pages is not None:
-        expect(k_pages, "k_pages", dtype=q.dtype, shape=(None, None, hkv, d), device=q.device)
-        expect(v_pages, "v_pages", dtype=q.dtype, shape=tuple(k_pages.shape), device=q.device)
         expect(v, "v", dtype=q.dtype, shape=(tokens, hkv, d), device=q.device)
-        expect(slots, "slots", dtype=torch.int64, shape=(tokens,), device=q.device)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     rc = lib().trellm_rotary_qk(
         _ptr(q), _ptr(k), _ptr(q_out), _ptr(k_out), _ptr(positions, "int64_t *"), _ptr(cos_table, "float *"),
