@@ -23,6 +23,7 @@ from .linear import (
     forward_gated,
     forward_gated_add,
     forward_group,
+    plain_linear,
 )
 
 
@@ -340,7 +341,7 @@ class Attention(Module):
         if type(layer) is not KVCacheLayer or self.clip_qkv is not None or x.dim() != 2:
             return None
         linears = (self.q_proj, self.k_proj, self.v_proj)
-        if not all(isinstance(lin, Linear) and type(lin).forward is Linear.forward for lin in linears):
+        if not all(plain_linear(lin) for lin in linears):
             return None
         impls = [lin.impl for lin in linears]
         first = impls[0]

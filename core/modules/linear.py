@@ -124,7 +124,9 @@ class NormedInput:
         return RowNorm(self.hidden.ssq, n.weight, n.eps, n.unit_offset)
 
 
-def _plain(linear: Linear) -> bool:
+def plain_linear(linear: object) -> bool:
+    """Whether ``linear`` is a :class:`Linear` whose forward is Linear's: its implementation's fused paths
+    (``forward_group``, ``forward_add``, ...) then compute exactly what its forward would."""
     return isinstance(linear, Linear) and type(linear).forward is Linear.forward
 
 
@@ -137,7 +139,7 @@ def forward_group(linears: Sequence[Linear], x: torch.Tensor | NormedInput) -> l
     """
     impls = [getattr(lin, "impl", None) for lin in linears]
     first = impls[0]
-    if all(_plain(lin) for lin in linears) and len(impls) > 1 and hasattr(first, "forward_group") and all(
+    if all(plain_linear(lin) for lin in linears) and len(impls) > 1 and hasattr(first, "forward_group") and all(
         first.groups_with(i) for i in impls[1:]
     ):
         if isinstance(x, NormedInput):
@@ -155,7 +157,7 @@ def forward_add(linear: Linear, x: torch.Tensor, residual: torch.Tensor) -> Hidd
     """``linear(x) + residual``, a sub-layer's last projection and the residual add; with the sums of
     squares where the implementation computes them (``forward_add``, e.g. EXL3: in the GEMV's finishing step)."""
     impl = getattr(linear, "impl", None)
-    if _plain(linear) and hasattr(impl, "forward_add"):
+    if plain_linear(linear) and hasattr(impl, "forward_add"):
         return HiddenSum(*impl.forward_add(x, residual))
     return HiddenSum(linear(x) + residual, None)
 
@@ -169,7 +171,7 @@ def forward_gated(linear: Linear, gate: torch.Tensor, up: torch.Tensor, activati
     from .. import ops
 
     impl = getattr(linear, "impl", None)
-    if _plain(linear) and hasattr(impl, "forward_gated"):
+    if plain_linear(linear) and hasattr(impl, "forward_gated"):
         return impl.forward_gated(gate, up, activation)
     return linear(ops.gated_activation(gate, up, activation))
 
@@ -179,6 +181,6 @@ def forward_gated_add(linear: Linear, gate: torch.Tensor, up: torch.Tensor, acti
     """:func:`forward_add` of ``gated_activation(gate, up, activation)`` (``forward_gated_add`` where the
     implementation has it: one GEMV launch for the activation, the projection and the add)."""
     impl = getattr(linear, "impl", None)
-    if _plain(linear) and hasattr(impl, "forward_gated_add"):
+    if plain_linear(linear) and hasattr(impl, "forward_gated_add"):
         return HiddenSum(*impl.forward_gated_add(gate, up, activation, residual))
     return HiddenSum(forward_gated(linear, gate, up, activation) + residual, None)

@@ -89,6 +89,12 @@ class EXL3Linear:
     def bits(self) -> int:
         return self.trellis.shape[2] // 16
 
+    @property
+    def unpadded(self) -> bool:
+        """Whether the stored dims are the module's: x and y pass as they are, and each 128-column group of
+        the output is the module's own."""
+        return self.padded_in == self.in_features and self.padded_out == self.out_features
+
     def _rows_in(self, x: torch.Tensor) -> torch.Tensor:
         """x as [rows, padded_in] (zero-padded when the stored k is padded)."""
         x2 = x.reshape(-1, x.shape[-1])
@@ -118,7 +124,7 @@ class EXL3Linear:
         """``(self(x) + residual, its sums of squares per row and 128-column group)`` through
         ``exl3_matmul_add`` (the CUDA GEMV adds and sums in its finishing step); the sums are None for a padded
         layer, whose 128-column groups are not the output's."""
-        if self.padded_in != self.in_features or self.padded_out != self.out_features:
+        if not self.unpadded:
             return self.forward(x) + residual, None
         lead = x.shape[:-1]
         h, ssq = exl3_matmul_add(x.reshape(-1, x.shape[-1]), self.trellis, self.suh, self.svh, self.codebook, self.bias,
@@ -128,7 +134,7 @@ class EXL3Linear:
     def forward_gated_add(self, gate: torch.Tensor, up: torch.Tensor, activation: str,
                           residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward_add` of ``act(gate) * up`` through ``exl3_matmul_gated_add``."""
-        if self.padded_in != self.in_features or self.padded_out != self.out_features:
+        if not self.unpadded:
             return self.forward_gated(gate, up, activation) + residual, None
         lead = gate.shape[:-1]
         h, ssq = exl3_matmul_gated_add(self._rows_in(gate), self._rows_in(up), activation, self.trellis, self.suh,
@@ -160,7 +166,7 @@ class EXL3Linear:
     def group_parts(linears: "list[EXL3Linear]") -> tuple[list, str] | None:
         """``(parts, codebook)`` of ``exl3_matmul_group`` for linears that ``groups_with`` the first and need
         no padding (x and y as they are); None otherwise."""
-        if any(l.padded_in != l.in_features or l.padded_out != l.out_features for l in linears):
+        if not all(l.unpadded for l in linears):
             return None
         return [(l.trellis, l.suh, l.svh, l.bias) for l in linears], linears[0].codebook
 
