@@ -138,8 +138,8 @@ def exl3_matmul_gated_add(gate, up, activation, trellis, suh, svh, codebook, bia
         _residual_fits(gate, k, n, residual) and up.shape == gate.shape and up.dtype == gate.dtype
         and activation in binding.ACTIVATION_CODES and gate.shape[0] <= EXL3_GATED_FUSED_MAX_ROWS
     )
-    if not fused:
-        return exl3_matmul_gated(gate, up, activation, trellis, suh, svh, codebook, bias) + residual, None
+    if not fused:  # 2..16 rows: the activation's own launch, then the GEMV adds the residual and sums (1 launch)
+        return exl3_matmul_add(gated_activation(gate, up, activation), trellis, suh, svh, codebook, bias, residual)
     return binding.exl3_matmul_small_gated(gate.contiguous(), up.contiguous(), activation, trellis.contiguous(),
                                            _f16(suh), _f16(svh), codebook, _f16(bias), residual=residual.contiguous())
 
