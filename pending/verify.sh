@@ -1,20 +1,16 @@
-# One device call (about 5 minutes, carry .whl). Every step figure here has PDL on (the bench bug of
-# 2026-12-04a kept it off before). 1) main: TRELLM_GEMV_EARLY_STAGES swept (it only matters with PDL and was
-# chosen without), interleaved twice; 2) both patches applied (branch gpu-pending, in this order): their
-# tests, then the step with TRELLM_PDL_SMALL=0 / 1 interleaved; 3) every cuda test. Land the patch only if its tests pass
-# and the step says so; set the early-stages default from 1); then delete this folder (and branch gpu-pending).
+# One device call (about 7 minutes, carry .whl): the decode's `>> 16` shifts moved from the integer ALU to
+# the FMA pipe (TRELLM_GEMV_FMA_SHIFTS = 0 / 2 / 3 / 4 of the four per 8 states at K = 4 and 8; at K = 2 of
+# eight). SASS (hot column loop, K=4, 1 row, KT=8, ALU / FMA-pipe instructions): 0 = 134 / 105, 2 = 119 / 120,
+# 4 = 104 / 136. 1) build the four variants at once; 2) the exl3 cuda tests with F=4; 3) the GEMV alone at
+# K = 4 and 2, 1 row, per variant; 4) the decode step, 4 and 2 bpw, variants interleaved twice.
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -1
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
-python3 -m trellm.cli build-kernels --arch sm_90 2>&1 | tail -1
-for r in 1 2; do for e in 0 1 2 4 16; do TRELLM_GEMV_EARLY_STAGES=$e timeout 60 python3 pending/step.py 4 "early=$e"; done; done 2>&1 | grep step | tee $OUT/early.txt
-timeout 60 python3 pending/step.py 2 "main" 2>&1 | grep step | tee -a $OUT/early.txt
-# Prefill, 2048 tokens: since the residual stream (4e1d032) a prefill block runs an add and an rms_norm where
-# it ran one add_rms_norm (the GEMM path returns no sums), unmeasured; the README says 28,100-28,800 tokens/s.
-timeout 120 python3 benchmarks/bench_decode.py --bits 4 2>&1 | grep "prefill\|(head" | tee $OUT/prefill.txt
-for p in pdl-small-dependents gated-add-rows; do git apply pending/$p.patch || patch -p1 -s < pending/$p.patch; done
-python3 -m trellm.cli build-kernels --arch sm_90 2>&1 | tail -1
-timeout 150 python3 -m pytest -q -m cuda tests/test_cuda_fused.py tests/test_cuda_ops.py -k "attention or norm or rotary or kv or activation or matmul_add" -p no:cacheprovider 2>&1 | tail -3 | tee $OUT/t1.txt
-for r in 1 2; do for s in 0 1; do TRELLM_PDL_SMALL=$s timeout 60 python3 pending/step.py 4 "pdl_small=$s"; done; done 2>&1 | grep step | tee $OUT/small.txt
-timeout 60 python3 benchmarks/bench_decode.py --bits 4 --prompt 16 --profile 2>&1 | grep -A8 "  kernel\|(head" | tee $OUT/prof.txt
-timeout 200 python3 -m pytest -q -m cuda tests/ -p no:cacheprovider 2>&1 | tail -3 | tee $OUT/all.txt
+nvcc --version | tail -1 > $OUT/nvcc.txt
+t0=$(date +%s)
+for F in 2 3 4; do TRELLM_NVCC_FLAGS="-DTRELLM_GEMV_FMA_SHIFTS=$F" python3 -m trellm.cli build-kernels --arch sm_90 > $OUT/build$F.txt 2>&1 & done
+python3 -m trellm.cli build-kernels --arch sm_90 2>&1 | tail -1; wait
+echo "builds: $(( $(date +%s) - t0 )) s" | tee $OUT/builds.txt
+TRELLM_NVCC_FLAGS="-DTRELLM_GEMV_FMA_SHIFTS=4" timeout 200 python3 -m pytest -q -m cuda tests/test_cuda_ops.py tests/test_cuda_fused.py -k "exl3 or matmul or moe" -p no:cacheprovider 2>&1 | tail -3 | tee $OUT/tests_f4.txt
+for F in 0 2 3 4; do echo "== F=$F"; TRELLM_NVCC_FLAGS="-DTRELLM_GEMV_FMA_SHIFTS=$F" timeout 90 python3 benchmarks/bench_exl3_matmul.py --ks 4 2 --ms 1 2>&1 | grep -v "^#" | tail -12; done 2>&1 | tee $OUT/gemv.txt
+for r in 1 2; do for b in 4 2; do for F in 0 2 3 4; do TRELLM_NVCC_FLAGS="-DTRELLM_GEMV_FMA_SHIFTS=$F" timeout 60 python3 benchmarks/bench_step.py $b "F=$F"; done; done; done 2>&1 | grep step | tee $OUT/step.txt

@@ -1,12 +1,15 @@
 """Time one decode step of bench_decode's model (PDL on unless TRELLM_PDL=0), the graph captured first in
 a fresh process: the A/B unit for knobs read at launch (env) or baked into a build (TRELLM_NVCC_FLAGS).
 
-    python pending/step.py BITS [LABEL]
+    python benchmarks/bench_step.py BITS [LABEL]
+
+Knobs compared this way (NOTES): TRELLM_GEMV_EARLY_STAGES, TRELLM_PDL, TRELLM_NVCC_FLAGS=-DTRELLM_GEMV_FMA_SHIFTS=N.
+Run variants interleaved (A B A B), each in its own process: one process's clocks and allocator drift.
 """
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from bench_decode import Model  # noqa: E402
 from common import time_graph  # noqa: E402
