@@ -149,24 +149,8 @@ __device__ __forceinline__ uint32_t mad_lo(uint32_t a, uint32_t b, uint32_t c) {
     asm("mad.lo.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
 }
-// w >> 16 as a multiply-high on the FMA pipe (IMAD.HI) instead of a shift on the integer ALU: the GEMV's
-// decode keeps the ALU near saturation while the FMA pipe has room (NOTES 2026-12-04b). The factor 2^16
-// comes from constant memory, whose value the compiler does not fold: with an immediate, ptxas turns the
-// multiply back into LEA.HI, an ALU op again (IMAD takes a constant-bank operand: no register, no load).
-static __constant__ uint32_t k_shr16_factor = 65536u;
-__device__ __forceinline__ uint32_t shr16_on_fma(uint32_t w) { return __umulhi(w, k_shr16_factor); }
-// How many of the decode's `>> 16` per eight states go to the FMA pipe (shr16_on_fma): K = 4 and 8 have
-// four (one per packed pair), K = 2 eight (one per state). Tuning knob, TRELLM_NVCC_FLAGS.
-#ifndef TRELLM_GEMV_FMA_SHIFTS
-#define TRELLM_GEMV_FMA_SHIFTS 0
-#endif
-template <bool ON_FMA> __device__ __forceinline__ uint32_t shr16(uint32_t w) {
-    if constexpr (ON_FMA) return shr16_on_fma(w);
-    else return w >> 16;
-}
-template <int CB, bool HI_ON_FMA = false>
-__device__ __forceinline__ void cb_hash_packed(uint32_t w, uint32_t &h_lo, uint32_t &h_hi) {
-    const uint32_t hi = shr16<HI_ON_FMA>(w);
+template <int CB> __device__ __forceinline__ void cb_hash_packed(uint32_t w, uint32_t &h_lo, uint32_t &h_hi) {
+    const uint32_t hi = w >> 16;
     h_hi = cb_hash<CB>(hi);
     h_lo = mad_lo(hi, 0u - (cb_mult<CB> << 16), mad_lo(w, cb_mult<CB>, cb_add<CB>));
 }
@@ -325,31 +309,25 @@ template <int K, int CB> __device__ __forceinline__ void lane_hashes(const uint3
                                                                     uint32_t (&h)[8]) {
     if constexpr (K == 4 && TRELLM_GEMV_PACKED_HASH) {
         // state e is (raw[0]:raw[1]) >> (28 - 4e): windows at shifts 0/4/8/12 hold (7, 3) (6, 2) (5, 1) (4, 0).
-        constexpr int F = TRELLM_GEMV_FMA_SHIFTS;
         const uint32_t lo = raw[1], hi = raw[0];
-        cb_hash_packed<CB, (F > 0)>(lo, h[7], h[3]);
-        cb_hash_packed<CB, (F > 1)>(__funnelshift_r(lo, hi, 4), h[6], h[2]);
-        cb_hash_packed<CB, (F > 2)>(__funnelshift_r(lo, hi, 8), h[5], h[1]);
-        cb_hash_packed<CB, (F > 3)>(__funnelshift_r(lo, hi, 12), h[4], h[0]);
+        cb_hash_packed<CB>(lo, h[7], h[3]);
+        cb_hash_packed<CB>(__funnelshift_r(lo, hi, 4), h[6], h[2]);
+        cb_hash_packed<CB>(__funnelshift_r(lo, hi, 8), h[5], h[1]);
+        cb_hash_packed<CB>(__funnelshift_r(lo, hi, 12), h[4], h[0]);
     } else if constexpr (K == 8 && TRELLM_GEMV_PACKED_HASH) {
         // state e is (raw[0]:raw[1]:raw[2]) >> (56 - 8e): raw[2] holds (7, 5), raw[1] (3, 1), and the windows
         // 8 bits up hold (6, 4) and (2, 0).
-        constexpr int F = TRELLM_GEMV_FMA_SHIFTS;
-        cb_hash_packed<CB, (F > 0)>(raw[2], h[7], h[5]);
-        cb_hash_packed<CB, (F > 1)>(__funnelshift_r(raw[2], raw[1], 8), h[6], h[4]);
-        cb_hash_packed<CB, (F > 2)>(raw[1], h[3], h[1]);
-        cb_hash_packed<CB, (F > 3)>(__funnelshift_r(raw[1], raw[0], 8), h[2], h[0]);
+        cb_hash_packed<CB>(raw[2], h[7], h[5]);
+        cb_hash_packed<CB>(__funnelshift_r(raw[2], raw[1], 8), h[6], h[4]);
+        cb_hash_packed<CB>(raw[1], h[3], h[1]);
+        cb_hash_packed<CB>(__funnelshift_r(raw[1], raw[0], 8), h[2], h[0]);
     } else if constexpr (K == 2 && TRELLM_GEMV_PACKED_HASH) {
         // state e is bits [16 - 2e, 32 - 2e) of the normalised word v: (v << 2e) >> 16, the left shift
         // as a multiply on the FMA pipe, 9 ALU ops per 8 states instead of 12.
-        constexpr int F = TRELLM_GEMV_FMA_SHIFTS;
         const uint32_t v = __funnelshift_l(raw[1], raw[0], r);
-        h[0] = cb_hash<CB>(shr16<(F > 7)>(v));
+        h[0] = cb_hash<CB>(v >> 16);
 #pragma unroll
-        for (int e = 1; e < 8; ++e) {
-            const uint32_t shifted = mad_lo(v, 1u << (2 * e), 0u);
-            h[e] = cb_hash<CB>(F >= e ? shr16_on_fma(shifted) : shifted >> 16);
-        }
+        for (int e = 1; e < 8; ++e) h[e] = cb_hash<CB>(mad_lo(v, 1u << (2 * e), 0u) >> 16);
     } else {
         uint32_t st[8];
         lane_states<K>(raw, r, st);
