@@ -4,7 +4,9 @@ For each (k -> n, K, M): the whole op (input Hadamard*suh, matmul, output Hadama
 graph replay over enough weight copies to miss the L2; effective GB/s = weight bytes / time; the
 limit is weight bytes / the copy bandwidth measured in the same run; bf16 is torch F.linear on
 weights of the same shape (also rotated past the L2). ``path``: "fused" is the one-launch small-batch
-kernel (M <= 32), "cublas" decodes W_hat to fp16 and multiplies with cuBLAS.
+kernel (M <= 16), "mid" decodes the trellis in registers against tensor-core fragments of x (M <= 64),
+"cublas" decodes W_hat to fp16 and multiplies with cuBLAS. ``--routes`` also times every route that can
+take each M (gemv_us, mid_us, cublas_us): the A/B of the three in one process.
 
     python benchmarks/bench_exl3_matmul.py [--quick] [--csv out.csv] [--plot out.png]
 
@@ -35,6 +37,7 @@ def main() -> int:
     ap.add_argument("--codebook", default="mcg", choices=["3inst", "mcg", "mul1"])
     ap.add_argument("--ks", type=int, nargs="*")
     ap.add_argument("--ms", type=int, nargs="*")
+    ap.add_argument("--routes", action="store_true", help="also time each route (GEMV, mid, decode + cuBLAS) that can take M")
     ap.add_argument("--csv", type=Path)
     ap.add_argument("--plot", type=Path, help="save speed-up and %% of copy bandwidth vs rows here (needs matplotlib)")
     args = ap.parse_args()
@@ -74,7 +77,8 @@ def main() -> int:
                         cuda_ops.exl3_matmul(x, t, suh, svh, args.codebook)
 
                 t_exl3 = time_graph(run_exl3) / nc
-                path = "fused" if m <= cuda_ops.EXL3_GEMV_MAX_ROWS else "cublas"
+                path = "fused" if m <= cuda_ops.EXL3_GEMV_MAX_ROWS else "mid" if m <= cuda_ops.EXL3_MID_MAX_ROWS else "cublas"
+                routes = time_routes(x, layers, args.codebook) if args.routes else {}
                 key = (k, n, m)
                 if key not in bf16_cache:
                     xb = x.to(torch.bfloat16)
@@ -91,12 +95,13 @@ def main() -> int:
                     gbps=tbytes / t_exl3 / 1e9, pct=100 * tbytes / t_exl3 / bw,
                     limit_us=tbytes / bw * 1e6, bf16_us=t_bf16 * 1e6,
                     bf16_gbps=wb_bf16 / t_bf16 / 1e9, speedup=t_bf16 / t_exl3,
+                    **{f"{r}_us": t * 1e6 for r, t in routes.items()},
                 )
                 rows.append(row)
                 print(
                     f"{k:>9} {n:>9} {K:>9} {m:>9} {row['exl3_us']:>9.1f} {path:>9} {row['gbps']:>9.0f} "
                     f"{row['pct']:>8.0f}% {row['limit_us']:>9.1f} {row['bf16_us']:>9.1f} {row['bf16_gbps']:>9.0f} "
-                    f"{row['speedup']:>8.2f}x",
+                    f"{row['speedup']:>8.2f}x" + "".join(f"  {r} {t * 1e6:.1f} us" for r, t in routes.items()),
                     flush=True,
                 )
             del layers
@@ -104,12 +109,31 @@ def main() -> int:
         torch.cuda.empty_cache()
     if args.csv:
         with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(key for row in rows for key in row)))  # routes vary by M
             w.writeheader()
             w.writerows(rows)
     if args.plot:
         plot_rows(rows, args.plot, f"{dev}, codebook {args.codebook}")
     return 0
+
+
+def time_routes(x: torch.Tensor, layers: list, codebook: str) -> dict[str, float]:
+    """Seconds per matmul of each route that can take x's rows: the GEMV (<= 16), mid (<= 64), decode + cuBLAS."""
+    from trellm.kernels_cuda import binding
+
+    m = x.shape[0]
+    routes = {}
+    if m <= binding.EXL3_SMALL_MAX_ROWS:
+        routes["gemv"] = lambda t, suh, svh: binding.exl3_matmul_small(x, t, suh, svh, codebook)
+    if m <= binding.EXL3_MID_MAX_ROWS:
+        routes["mid"] = lambda t, suh, svh: binding.exl3_matmul_mid(x, t, suh, svh, codebook)
+
+    def cublas(t, suh, svh):
+        xh = binding.hadamard_128(x, pre=suh, out_dtype=torch.float16)
+        return binding.hadamard_128(xh @ binding.exl3_decode_tiles(t, codebook), post=svh, out_dtype=x.dtype)
+
+    routes["cublas"] = cublas
+    return {name: time_graph(lambda f=f: [f(*layer) for layer in layers]) / len(layers) for name, f in routes.items()}
 
 
 def plot_rows(rows: list[dict], path: Path, title: str = "") -> bool:

@@ -310,6 +310,37 @@ def exl3_matmul_small(
     return y if residual is None else (y, ssq)
 
 
+EXL3_MID_MAX_ROWS = 64
+
+
+def exl3_matmul_mid(
+    x: torch.Tensor,
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    codebook: str,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """y [m, n] = H128(H128(x * suh) @ W_hat) * svh (+ bias) for 1..64 rows of x [m, k], the trellis decoded in
+    registers against tensor-core fragments of x (three launches; the route for a batched decode step)."""
+    n, K = _check_exl3_part(x, trellis, suh, svh, bias)
+    trellis, x, suh = _aligned(trellis), _aligned(x), _aligned(suh)
+    m, k = x.shape
+    if not 1 <= m <= EXL3_MID_MAX_ROWS:
+        raise KernelArgumentError(f"x: {m} rows, expected 1..{EXL3_MID_MAX_ROWS}")
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    sms = _num_sms(x.device)
+    workspace = torch.empty(lib().trellm_exl3_matmul_mid_workspace(m, k, n, sms), dtype=torch.float32, device=x.device)
+    rc = lib().trellm_exl3_matmul_mid(
+        _ptr(x), DTYPE_CODES[x.dtype], _ptr(suh), _ptr(trellis, "int16_t *"), _ptr(svh), _ptr(bias), _ptr(y),
+        _dtype_code(y, "out_dtype"), _ptr(workspace, "float *"), workspace.numel(), m, k, n, K,
+        _codebook_code(codebook), sms, _stream(),
+    )
+    _check(rc, "exl3_matmul_mid")
+    return y
+
+
 def exl3_matmul_small_gated(
     gate: torch.Tensor,
     up: torch.Tensor,

@@ -1,5 +1,5 @@
-// EXL3 C entry points: the fused small-batch matmul, tile decode, codebook decode.
-#include "exl3_gemv.cuh"
+// EXL3 C entry points: the fused small-batch matmul, the mid-size matmul, tile decode, codebook decode.
+#include "exl3_gemm_mid.cuh"
 
 using namespace trellm;
 
@@ -144,6 +144,98 @@ extern "C" int trellm_exl3_matmul_small_gated(const void *gate, const void *up, 
     if (!up) return TRELLM_E_BAD_ARG;
     return exl3_matmul_small_parts(gate, up, activation, x_dtype, 1, &suh, &trellis, &svh, &bias, &y, &n, y_dtype,
                                    workspace, counters, counters_len, m, k, K, codebook, num_sms, stream, nullptr, rs);
+}
+
+// The mid-size matmul's pack and finish launches (exl3_gemm_mid.cuh has the matmul between them).
+namespace trellm {
+
+// Launch 1: one warp per (row of the padded G*8, 128-wide chunk of k).
+__global__ void exl3_mid_pack_kernel(const void *__restrict__ x, int x_dtype, const half *__restrict__ suh,
+                                     uint32_t *__restrict__ xp, int m, int k, int groups) {
+    const int lane = threadIdx.x & 31;
+    const int job = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+    const int chunks = k / 128;
+    if (job >= groups * 8 * chunks) return;
+    const int row = job / chunks, kk0 = (job % chunks) * 128 + lane * 4;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (row < m) {
+        load4_as_f32(x, x_dtype, (size_t)row * k + kk0, v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] *= __half2float(suh[kk0 + i]);
+    }
+    warp_hadamard_128(v);  // every lane takes part (rows past m are zero)
+    const int g = row / 8, fragment_lane_row = (row % 8) * 4;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int kk = kk0 + i, t = kk / 16, c = kk % 16;
+        const int fragment_lane = fragment_lane_row + (c % 8) / 2, q = (c & 1) * 2 + (c >= 8);
+        const uint16_t h = __half_as_ushort(__float2half_rn(v[i]));
+        xp[(((size_t)t * groups + g) * 32 + fragment_lane) * 4 + q] = (uint32_t)h * 0x10001u;
+    }
+}
+
+// Launch 3: one warp per (row, 128-column group).
+__global__ void exl3_mid_finish_kernel(const float *__restrict__ partial, int slices, int m, int n,
+                                       const half *__restrict__ svh, const half *__restrict__ bias, void *y,
+                                       int y_dtype) {
+    const int lane = threadIdx.x & 31;
+    const int job = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+    if (job >= m * (n / 128)) return;
+    const int row = job / (n / 128), col = (job % (n / 128)) * 128 + lane * 4;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s = 0; s < slices; ++s) {
+        const float4 p = *reinterpret_cast<const float4 *>(partial + ((size_t)s * m + row) * n + col);
+        v[0] += p.x; v[1] += p.y; v[2] += p.z; v[3] += p.w;
+    }
+    warp_hadamard_128(v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float o = v[i] * __half2float(svh[col + i]);
+        if (bias) o += __half2float(bias[col + i]);
+        store_from_f32(y, y_dtype, (size_t)row * n + col + i, o);
+    }
+}
+
+}  // namespace trellm
+
+extern "C" int64_t trellm_exl3_matmul_mid_workspace(int64_t m, int64_t k, int64_t n, int num_sms) {
+    if (m < 1 || m > MID_MAX_ROWS || k <= 0 || n <= 0 || k % 128 || n % 128) return 0;
+    return mid_workspace_floats((int)m, (int)k, (int)n, num_sms);
+}
+
+extern "C" int trellm_exl3_matmul_mid(const void *x, int x_dtype, const void *suh, const int16_t *trellis,
+                                      const void *svh, const void *bias, void *y, int y_dtype, float *workspace,
+                                      int64_t workspace_len, int64_t m, int64_t k, int64_t n, int K, int codebook,
+                                      int num_sms, cudaStream_t stream) {
+    int rc = check_exl3_dims(k, n, K, codebook);
+    if (rc) return rc;
+    if (m < 1 || m > MID_MAX_ROWS) return TRELLM_E_BAD_SHAPE;
+    if (x_dtype < TRELLM_F16 || x_dtype > TRELLM_F32 || y_dtype < TRELLM_F16 || y_dtype > TRELLM_F32)
+        return TRELLM_E_BAD_DTYPE;
+    if (reinterpret_cast<uintptr_t>(trellis) % 16 || reinterpret_cast<uintptr_t>(workspace) % 16) return TRELLM_E_BAD_ARG;
+    if (workspace_len < mid_workspace_floats((int)m, (int)k, (int)n, num_sms)) return TRELLM_E_BAD_ARG;
+    const int groups = mid_groups((int)m);
+    const int per_slice = mid_tiles_per_slice((int)m, (int)k, (int)n, num_sms);
+    const int slices = mid_slices((int)m, (int)k, (int)n, num_sms);
+    uint32_t *xp = reinterpret_cast<uint32_t *>(workspace);
+    float *partial = workspace + k * groups * 8;
+    const int pack_jobs = groups * 8 * (int)(k / 128);
+    exl3_mid_pack_kernel<<<(pack_jobs + 7) / 8, 256, 0, stream>>>(x, x_dtype, static_cast<const half *>(suh), xp,
+                                                                   (int)m, (int)k, groups);
+    TRELLM_LAUNCH_CHECK();
+    const MidArgs args{xp, reinterpret_cast<const uint32_t *>(trellis), partial, (int)m, (int)k, (int)n, per_slice};
+    switch (codebook) {
+        case 0: rc = launch_exl3_matmul_mid<0>(args, K, groups, slices, stream); break;
+        case 1: rc = launch_exl3_matmul_mid<1>(args, K, groups, slices, stream); break;
+        default: rc = launch_exl3_matmul_mid<2>(args, K, groups, slices, stream); break;
+    }
+    if (rc) return rc;
+    const int finish_jobs = (int)(m * (n / 128));
+    exl3_mid_finish_kernel<<<(finish_jobs + 7) / 8, 256, 0, stream>>>(partial, slices, (int)m, (int)n,
+                                                                       static_cast<const half *>(svh),
+                                                                       static_cast<const half *>(bias), y, y_dtype);
+    TRELLM_LAUNCH_CHECK();
+    return TRELLM_OK;
 }
 
 extern "C" int trellm_exl3_decode_tiles(const int16_t *trellis, void *w_hat, int64_t k, int64_t n, int K,

@@ -7,6 +7,7 @@ unsupported head size) falls back to the op's torch reference rather than failin
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -25,6 +26,10 @@ binding.lib()
 # decoded to fp16 and multiplied by cuBLAS, whose cost is then shared by all rows. Measured on the H200:
 # the fused kernel at 32 rows (4 mma per tile, 1 block per SM) was 3x slower than decode + cuBLAS.
 EXL3_GEMV_MAX_ROWS = binding.EXL3_SMALL_MAX_ROWS
+# Rows up to which exl3_matmul decodes the trellis in registers (binding.exl3_matmul_mid) instead of
+# decoding W_hat to fp16 for cuBLAS. TRELLM_EXL3_MID_MAX_ROWS=16 turns the mid-size route off (the A/B
+# baseline of benchmarks/bench_exl3_matmul.py).
+EXL3_MID_MAX_ROWS = min(int(os.environ.get("TRELLM_EXL3_MID_MAX_ROWS", binding.EXL3_MID_MAX_ROWS)), binding.EXL3_MID_MAX_ROWS)
 # Rows up to which a gated MLP's down projection applies the activation inside the GEMV's input
 # transform. Measured on the H200 (14336 -> 4096, 4 bpw): 1.02x over the two kernels at 1 row, but
 # 0.76x at 8 rows and 0.64x at 16, so more rows take gated_activation + the GEMV (NOTES, 2026-12-03d).
@@ -75,6 +80,8 @@ def exl3_matmul(
     suh16, svh16, bias16 = _f16(suh), _f16(svh), _f16(bias)
     if m <= EXL3_GEMV_MAX_ROWS:
         y = binding.exl3_matmul_small(x2, trellis.contiguous(), suh16, svh16, codebook, bias16)
+    elif m <= EXL3_MID_MAX_ROWS:
+        y = binding.exl3_matmul_mid(x2, trellis.contiguous(), suh16, svh16, codebook, bias16)
     else:
         xh = binding.hadamard_128(x2, pre=suh16, out_dtype=torch.float16)
         w_hat = binding.exl3_decode_tiles(trellis.contiguous(), codebook)

@@ -152,7 +152,30 @@ def test_exl3_matmul_gemv_all_k(ops, K, codebook, k, rows):
         assert rel_err(y, ref) < 3e-3, (m, K, codebook)
 
 
-@pytest.mark.parametrize("m", [1, 2, 7, 9, 16, 17, 32, 33, 100])
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+@pytest.mark.parametrize("K", range(1, 9))
+def test_exl3_matmul_mid_all_k(kb, ops, K, codebook):
+    # The mid-size route (trellis decoded in registers against packed x fragments): every K and codebook,
+    # row counts for each of its row-group sizes (2, 4, 8 groups of 8), k split into several slices.
+    k, n = 2048, 384
+    trellis, suh, svh, bias = _random_layer(k, n, K)
+    for m in (1, 9, 17, 33, 64):
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        y = kb.exl3_matmul_mid(x, trellis, suh, svh, codebook, bias)
+        ref = ops.exl3.exl3_matmul.reference(x.float(), trellis, suh, svh, codebook, bias)
+        assert y.dtype == torch.float16 and y.shape == (m, n)
+        assert rel_err(y, ref) < 3e-3, (m, K, codebook)
+
+
+def test_exl3_matmul_mid_rejects_bad_rows(kb):
+    from trellm.kernels_cuda.binding import KernelArgumentError
+
+    trellis, suh, svh, _ = _random_layer(256, 128, 4)
+    with pytest.raises(KernelArgumentError, match="65 rows"):
+        kb.exl3_matmul_mid(torch.zeros(65, 256, device="cuda", dtype=torch.float16), trellis, suh, svh, "mcg")
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 9, 16, 17, 32, 33, 64, 65, 100])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_exl3_matmul_rows_and_dtypes(ops, m, dtype):
     k, n, K = 4096, 1024, 4
@@ -370,13 +393,14 @@ def test_dispatch_picks_cuda(ops):
 
 def test_exl3_matmul_wide_layer_paths_agree(ops):
     # A wide layer makes the fused kernel walk runs of several 128-column groups per block; the
-    # decode + cuBLAS path (M > 32, built on the bit-exact tile decoder) is the cross-check.
+    # decode + cuBLAS path (M > 64, built on the bit-exact tile decoder) is the cross-check for it and
+    # for the mid-size route (17..64 rows).
     k, n = 4096, 36864
     trellis, suh, svh, bias = _random_layer(k, n, 2)
-    x = torch.randn(40, k, device="cuda", dtype=torch.float16)
+    x = torch.randn(80, k, device="cuda", dtype=torch.float16)
     fn = cuda_impl(ops.exl3.exl3_matmul)
     y_wide = fn(x, trellis, suh, svh, "3inst", bias)
-    for rows in (1, 8, 16):
+    for rows in (1, 8, 16, 40, 64):
         y = fn(x[:rows], trellis, suh, svh, "3inst", bias)
         assert rel_err(y, y_wide[:rows]) < 2e-3, rows
 
