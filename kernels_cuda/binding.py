@@ -220,6 +220,7 @@ def _counters(device: torch.device, groups: int) -> torch.Tensor:
 
 
 EXL3_SMALL_MAX_ROWS = 16
+EXL3_MID_MAX_ROWS = 64  # trellm_exl3_matmul_mid (MID_MAX_ROWS in exl3_gemm_mid.cuh)
 
 
 def _gemv_scratch(m: int, k: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,15 +229,16 @@ def _gemv_scratch(m: int, k: int, n: int, device: torch.device) -> tuple[torch.T
     return workspace, _counters(device, n // 128)
 
 
-def _check_exl3_part(x: torch.Tensor, trellis: torch.Tensor, suh, svh, bias, name: str = "") -> tuple[int, int]:
-    """Validate one (trellis, suh, svh, bias) against x [m, k]; returns (n, K)."""
+def _check_exl3_part(x: torch.Tensor, trellis: torch.Tensor, suh, svh, bias, name: str = "",
+                     max_rows: int = EXL3_SMALL_MAX_ROWS, route: str = "the fused small-batch path") -> tuple[int, int]:
+    """Validate one (trellis, suh, svh, bias) against x [m, k] of 1..max_rows rows; returns (n, K)."""
     k, n, K = _trellis_dims(trellis)
     if k % 128 or n % 128:
         raise KernelArgumentError(f"{name}trellis: k={k}, n={n} must be multiples of 128")
     expect(x, "x", dtype=_FLOATS, shape=(None, k), device=trellis.device)
     m = x.shape[0]
-    if not 1 <= m <= EXL3_SMALL_MAX_ROWS:
-        raise KernelArgumentError(f"x: {m} rows; the fused small-batch path takes 1..{EXL3_SMALL_MAX_ROWS}")
+    if not 1 <= m <= max_rows:
+        raise KernelArgumentError(f"x: {m} rows; {route} takes 1..{max_rows}")
     expect(suh, f"{name}suh", dtype=torch.float16, shape=(k,), device=x.device)
     expect(svh, f"{name}svh", dtype=torch.float16, shape=(n,), device=x.device)
     expect(bias, f"{name}bias", dtype=torch.float16, shape=(n,), device=x.device, optional=True)
@@ -310,9 +312,6 @@ def exl3_matmul_small(
     return y if residual is None else (y, ssq)
 
 
-EXL3_MID_MAX_ROWS = 64
-
-
 def exl3_matmul_mid(
     x: torch.Tensor,
     trellis: torch.Tensor,
@@ -324,11 +323,9 @@ def exl3_matmul_mid(
 ) -> torch.Tensor:
     """y [m, n] = H128(H128(x * suh) @ W_hat) * svh (+ bias) for 1..64 rows of x [m, k], the trellis decoded in
     registers against tensor-core fragments of x (three launches; the route for a batched decode step)."""
-    n, K = _check_exl3_part(x, trellis, suh, svh, bias)
+    n, K = _check_exl3_part(x, trellis, suh, svh, bias, max_rows=EXL3_MID_MAX_ROWS, route="the mid-size matmul")
     trellis, x, suh = _aligned(trellis), _aligned(x), _aligned(suh)
     m, k = x.shape
-    if not 1 <= m <= EXL3_MID_MAX_ROWS:
-        raise KernelArgumentError(f"x: {m} rows, expected 1..{EXL3_MID_MAX_ROWS}")
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     sms = _num_sms(x.device)
     workspace = torch.empty(lib().trellm_exl3_matmul_mid_workspace(m, k, n, sms), dtype=torch.float32, device=x.device)
