@@ -72,14 +72,15 @@ class Model:
         return total
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, ctx: torch.Tensor, group: bool = True,
-                qkv_rope: bool = True, summed: bool = True):
+                qkv_rope: bool = True, summed: bool = True, all_logits: bool = False):
         """One step; ``group``: q/k/v and gate/up each in one ``exl3_matmul_group`` launch and the down
         projection as ``exl3_matmul_gated`` (as the model does); otherwise one launch per op.
         ``qkv_rope`` (with ``group``): RoPE and the KV write inside the q/k/v launch
         (``exl3_qkv_rope_write_kv``, as the model does), else in a launch of their own.
         ``summed`` (with ``group``): o_proj and down add the residual and sum the squares in their launch
         (``exl3_matmul_add``, ``exl3_matmul_gated_add``) and q/k/v and gate/up norm their input from those
-        sums (``row_norm``), as the model does; else an ``add_rms_norm`` launch before each block."""
+        sums (``row_norm``), as the model does; else an ``add_rms_norm`` launch before each block.
+        ``all_logits``: the head for every row (a batched decode step: one row per sequence), else the last."""
         from trellm import ops
         from trellm.ops import exl3
         from trellm.ops.attention import rotary_qk_write_kv
@@ -135,7 +136,7 @@ class Model:
             x = ops.rms_norm(h, self.final_norm, 1e-5)
         else:
             x, _ = ops.add_rms_norm(h, residual, self.final_norm, 1e-5)
-        return mm(x[-1:], *self.head, "mcg")
+        return mm(x if all_logits else x[-1:], *self.head, "mcg")
 
 
 def main() -> int:

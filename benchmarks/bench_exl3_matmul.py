@@ -4,7 +4,7 @@ For each (k -> n, K, M): the whole op (input Hadamard*suh, matmul, output Hadama
 graph replay over enough weight copies to miss the L2; effective GB/s = weight bytes / time; the
 limit is weight bytes / the copy bandwidth measured in the same run; bf16 is torch F.linear on
 weights of the same shape (also rotated past the L2). ``path``: "fused" is the one-launch small-batch
-kernel (M <= 16), "mid" decodes the trellis in registers against tensor-core fragments of x (M <= 64),
+kernel (M <= 8), "mid" decodes the trellis in registers against tensor-core fragments of x (9..64),
 "cublas" decodes W_hat to fp16 and multiplies with cuBLAS. ``--routes`` also times every route that can
 take each M (gemv_us, mid_us, cublas_us): the A/B of the three in one process.
 
@@ -77,7 +77,8 @@ def main() -> int:
                         cuda_ops.exl3_matmul(x, t, suh, svh, args.codebook)
 
                 t_exl3 = time_graph(run_exl3) / nc
-                path = "fused" if m <= cuda_ops.EXL3_GEMV_MAX_ROWS else "mid" if m <= cuda_ops.EXL3_MID_MAX_ROWS else "cublas"
+                path = ("fused" if m < cuda_ops.EXL3_MID_MIN_ROWS else "mid" if m <= cuda_ops.EXL3_MID_MAX_ROWS
+                        else "cublas")
                 routes = time_routes(x, layers, args.codebook) if args.routes else {}
                 key = (k, n, m)
                 if key not in bf16_cache:

@@ -22,14 +22,19 @@ from . import binding
 # load_backends() falls back to the references instead of failing at the first op call.
 binding.lib()
 
-# Rows up to this go through the fused one-launch matmul (one pass over the trellis); above it W_hat is
-# decoded to fp16 and multiplied by cuBLAS, whose cost is then shared by all rows. Measured on the H200:
-# the fused kernel at 32 rows (4 mma per tile, 1 block per SM) was 3x slower than decode + cuBLAS.
+# Rows up to this can go through the fused one-launch GEMV (one pass over the trellis, with the fused
+# epilogues: groups, residual adds, RoPE). Measured on the H200: its first version at 32 rows (4 mma per
+# tile, 1 block per SM) was 3x slower than decode + cuBLAS.
 EXL3_GEMV_MAX_ROWS = binding.EXL3_SMALL_MAX_ROWS
-# Rows up to which exl3_matmul decodes the trellis in registers (binding.exl3_matmul_mid) instead of
-# decoding W_hat to fp16 for cuBLAS. TRELLM_EXL3_MID_MAX_ROWS=16 turns the mid-size route off (the A/B
-# baseline of benchmarks/bench_exl3_matmul.py).
-EXL3_MID_MAX_ROWS = min(int(os.environ.get("TRELLM_EXL3_MID_MAX_ROWS", binding.EXL3_MID_MAX_ROWS)), binding.EXL3_MID_MAX_ROWS)
+# Rows that exl3_matmul sends to the mid-size route (binding.exl3_matmul_mid: the trellis decoded in registers
+# against tensor-core fragments of x) rather than the GEMV (<= 8 rows) or decode-to-fp16 + cuBLAS (> 64). On
+# the H200, 4 bpw: 1.4x the GEMV at 16 rows (4096->14336 32.3 vs 45.1 us), 2.2x decode + cuBLAS at 32 (41.4
+# vs 92.1 us); at 8 rows the GEMV is as fast or faster (NOTES 2026-12-04b). TRELLM_EXL3_MID=0: the route off
+# (GEMV up to 16 rows, cuBLAS above), the A/B baseline. The fused ops (groups, residual adds) keep the GEMV
+# up to 16 rows.
+_MID_ON = os.environ.get("TRELLM_EXL3_MID", "1") != "0"
+EXL3_MID_MIN_ROWS = 9 if _MID_ON else EXL3_GEMV_MAX_ROWS + 1
+EXL3_MID_MAX_ROWS = binding.EXL3_MID_MAX_ROWS if _MID_ON else EXL3_GEMV_MAX_ROWS
 # Rows up to which a gated MLP's down projection applies the activation inside the GEMV's input
 # transform. Measured on the H200 (14336 -> 4096, 4 bpw): 1.02x over the two kernels at 1 row, but
 # 0.76x at 8 rows and 0.64x at 16, so more rows take gated_activation + the GEMV (NOTES, 2026-12-03d).
@@ -78,7 +83,7 @@ def exl3_matmul(
     if m == 0:
         return x.new_empty(*lead, n)
     suh16, svh16, bias16 = _f16(suh), _f16(svh), _f16(bias)
-    if m <= EXL3_GEMV_MAX_ROWS:
+    if m < EXL3_MID_MIN_ROWS:
         y = binding.exl3_matmul_small(x2, trellis.contiguous(), suh16, svh16, codebook, bias16)
     elif m <= EXL3_MID_MAX_ROWS:
         y = binding.exl3_matmul_mid(x2, trellis.contiguous(), suh16, svh16, codebook, bias16)
