@@ -4,7 +4,7 @@ For each (k -> n, K, M): the whole op (input Hadamard*suh, matmul, output Hadama
 graph replay over enough weight copies to miss the L2; effective GB/s = weight bytes / time; the
 limit is weight bytes / the copy bandwidth measured in the same run; bf16 is torch F.linear on
 weights of the same shape (also rotated past the L2). ``path``: "fused" is the one-launch small-batch
-kernel (M <= 8), "mid" decodes the trellis in registers against tensor-core fragments of x (9..64),
+kernel (M <= 16), "mid" decodes the trellis in registers against tensor-core fragments of x (17..64),
 "cublas" decodes W_hat to fp16 and multiplies with cuBLAS. ``--routes`` also times every route that can
 take each M (gemv_us, mid_us, cublas_us): the A/B of the three in one process.
 

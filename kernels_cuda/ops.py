@@ -27,13 +27,13 @@ binding.lib()
 # tile, 1 block per SM) was 3x slower than decode + cuBLAS.
 EXL3_GEMV_MAX_ROWS = binding.EXL3_SMALL_MAX_ROWS
 # Rows that exl3_matmul sends to the mid-size route (binding.exl3_matmul_mid: the trellis decoded in registers
-# against tensor-core fragments of x) rather than the GEMV (<= 8 rows) or decode-to-fp16 + cuBLAS (> 64). On
-# the H200, 4 bpw: 1.4x the GEMV at 16 rows (4096->14336 32.3 vs 45.1 us), 2.2x decode + cuBLAS at 32 (41.4
-# vs 92.1 us); at 8 rows the GEMV is as fast or faster (NOTES 2026-12-04b). TRELLM_EXL3_MID=0: the route off
-# (GEMV up to 16 rows, cuBLAS above), the A/B baseline. The fused ops (groups, residual adds) keep the GEMV
-# up to 16 rows.
+# against tensor-core fragments of x) rather than decode-to-fp16 + cuBLAS (> 64 rows). On the H200, 4 bpw:
+# 2.2x decode + cuBLAS at 32 rows (4096->14336 41.4 vs 92.1 us); the 8B decode step at batch 32 1.85x, at 64
+# 1.27x (NOTES 2026-12-04b). Alone it also beats the GEMV at 9..16 rows (1.2-1.5x), but the GEMV keeps them:
+# the fused ops (groups, residual adds, RoPE) run there and their tests hold them bit-equal to this op.
+# TRELLM_EXL3_MID=0: the route off (decode + cuBLAS above 16 rows), the A/B baseline.
 _MID_ON = os.environ.get("TRELLM_EXL3_MID", "1") != "0"
-EXL3_MID_MIN_ROWS = 9 if _MID_ON else EXL3_GEMV_MAX_ROWS + 1
+EXL3_MID_MIN_ROWS = EXL3_GEMV_MAX_ROWS + 1
 EXL3_MID_MAX_ROWS = binding.EXL3_MID_MAX_ROWS if _MID_ON else EXL3_GEMV_MAX_ROWS
 # Rows up to which a gated MLP's down projection applies the activation inside the GEMV's input
 # transform. Measured on the H200 (14336 -> 4096, 4 bpw): 1.02x over the two kernels at 1 row, but
