@@ -39,8 +39,15 @@ def main() -> int:
     ap.add_argument("--ms", type=int, nargs="*")
     ap.add_argument("--routes", action="store_true", help="also time each route (GEMV, mid, decode + cuBLAS) that can take M")
     ap.add_argument("--csv", type=Path)
-    ap.add_argument("--plot", type=Path, help="save speed-up and %% of copy bandwidth vs rows here (needs matplotlib)")
+    ap.add_argument("--plot", type=Path, help="save speed-up and %% of copy bandwidth vs rows here (needs matplotlib); "
+                    "with --routes, each route's time vs rows")
+    ap.add_argument("--replot", type=Path, metavar="CSV", help="draw --plot from a saved --csv (no GPU needed)")
+    ap.add_argument("--title", default=None, help="the plot's title (default: the GPU, or the CSV's name)")
     args = ap.parse_args()
+    if args.replot:
+        rows = read_rows(args.replot)
+        drawn = (plot_routes if "cublas_us" in rows[0] else plot_rows)(rows, args.plot, args.title or args.replot.name)
+        return 0 if drawn else 1
 
     from trellm.kernels_cuda import ops as cuda_ops
 
@@ -114,8 +121,22 @@ def main() -> int:
             w.writeheader()
             w.writerows(rows)
     if args.plot:
-        plot_rows(rows, args.plot, f"{dev}, codebook {args.codebook}")
+        (plot_routes if args.routes else plot_rows)(rows, args.plot, args.title or f"{dev}, codebook {args.codebook}")
     return 0
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a saved --csv, numbers as numbers (empty cells, a route that cannot take M, dropped)."""
+    def value(v: str):
+        try:
+            return int(v)
+        except ValueError:
+            try:
+                return float(v)
+            except ValueError:
+                return v
+    with open(path, newline="") as f:
+        return [{k: value(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
 
 def time_routes(x: torch.Tensor, layers: list, codebook: str) -> dict[str, float]:
@@ -135,6 +156,41 @@ def time_routes(x: torch.Tensor, layers: list, codebook: str) -> dict[str, float
 
     routes["cublas"] = cublas
     return {name: time_graph(lambda f=f: [f(*layer) for layer in layers]) / len(layers) for name, f in routes.items()}
+
+
+ROUTE_STYLES = {"gemv_us": ("GEMV (<= 16 rows)", "o-"), "mid_us": ("mid (<= 64 rows)", "s-"),
+                "cublas_us": ("decode + cuBLAS", "^-"), "bf16_us": ("bf16 F.linear", "k--")}
+
+
+def plot_routes(rows: list[dict], path: Path, title: str = "", bits: int = 4) -> bool:
+    """Microseconds vs rows M for each route of a --routes run (one panel per shape, at ``bits`` per weight),
+    bf16 F.linear dashed. Returns False (and says so) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    rows = [r for r in rows if r["K"] == bits]
+    shapes = list(dict.fromkeys((r["k"], r["n"]) for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(3.6 * len(shapes), 3.6), squeeze=False)
+    for col, (k, n) in enumerate(shapes):
+        ax = axes[0][col]
+        pts = sorted((r for r in rows if (r["k"], r["n"]) == (k, n)), key=lambda r: r["M"])
+        for key, (label, style) in ROUTE_STYLES.items():
+            xy = [(r["M"], r[key]) for r in pts if key in r]
+            if xy:
+                ax.plot([p[0] for p in xy], [p[1] for p in xy], style, ms=3, label=label)
+        ax.set_title(f"{k} -> {n}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("rows M")
+        ax.set_ylim(bottom=0)
+    axes[0][0].set_ylabel(f"us per matmul, {bits} bpw")
+    axes[0][-1].legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot saved to {path}")
+    return True
 
 
 def plot_rows(rows: list[dict], path: Path, title: str = "") -> bool:

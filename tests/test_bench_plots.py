@@ -22,6 +22,34 @@ def _load(name: str):
         sys.path.remove(str(BENCH))
 
 
+def test_exl3_routes_plot_redraws_from_a_saved_csv(tmp_path):
+    # --routes --csv writes one row per (shape, K, M) with a column per route that can take M; --replot draws
+    # the time of each route vs rows from that file alone.
+    pytest.importorskip("matplotlib")
+    bench = _load("bench_exl3_matmul")
+    import csv
+
+    rows = []
+    for k, n in ((4096, 4096), (4096, 14336)):
+        for K in (2, 4):
+            for m in (1, 16, 32, 64):
+                row = dict(k=k, n=n, K=K, M=m, bf16_us=14.0, cublas_us=30.0 + m / 8)
+                if m <= 16:
+                    row["gemv_us"] = 10.0 + m
+                row["mid_us"] = 13.0 + m / 4
+                rows.append(row)
+    saved = tmp_path / "routes.csv"
+    with open(saved, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(key for row in rows for key in row)))
+        w.writeheader()
+        w.writerows(rows)
+    back = bench.read_rows(saved)
+    assert back[0]["M"] == 1 and back[0]["gemv_us"] == 11.0 and "gemv_us" not in back[2]  # numbers, gaps dropped
+    out = tmp_path / "routes.png"
+    assert bench.plot_routes(back, out, "test")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_exl3_matmul_plot_has_a_panel_per_shape_and_a_line_per_bitrate(tmp_path):
     pytest.importorskip("matplotlib")
     bench = _load("bench_exl3_matmul")
