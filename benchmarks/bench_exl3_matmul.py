@@ -162,6 +162,17 @@ ROUTE_STYLES = {"gemv_us": ("GEMV (<= 16 rows)", "o-"), "mid_us": ("mid (<= 64 r
                 "cublas_us": ("decode + cuBLAS", "^-"), "bf16_us": ("bf16 F.linear", "k--")}
 
 
+def save_figure(plt, fig, path: Path, title: str) -> bool:
+    """Title, tight layout, save, close: the end of every plot here."""
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot saved to {path}")
+    return True
+
+
 def plot_routes(rows: list[dict], path: Path, title: str = "", bits: int = 4) -> bool:
     """Microseconds vs rows M for each route of a --routes run (one panel per shape, at ``bits`` per weight),
     bf16 F.linear dashed. Returns False (and says so) without matplotlib."""
@@ -184,13 +195,7 @@ def plot_routes(rows: list[dict], path: Path, title: str = "", bits: int = 4) ->
         ax.set_ylim(bottom=0)
     axes[0][0].set_ylabel(f"us per matmul, {bits} bpw")
     axes[0][-1].legend(fontsize="small")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"plot saved to {path}")
-    return True
+    return save_figure(plt, fig, path, title)
 
 
 def plot_rows(rows: list[dict], path: Path, title: str = "") -> bool:
@@ -217,13 +222,7 @@ def plot_rows(rows: list[dict], path: Path, title: str = "") -> bool:
     axes[0][0].set_ylabel("speed-up over bf16 F.linear")
     axes[1][0].set_ylabel("% of copy bandwidth")
     axes[0][-1].legend(fontsize="small")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"plot saved to {path}")
-    return True
+    return save_figure(plt, fig, path, title)
 
 
 if __name__ == "__main__":
