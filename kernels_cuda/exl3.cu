@@ -215,8 +215,8 @@ extern "C" int trellm_exl3_matmul_mid(const void *x, int x_dtype, const void *su
     if (reinterpret_cast<uintptr_t>(trellis) % 16 || reinterpret_cast<uintptr_t>(workspace) % 16) return TRELLM_E_BAD_ARG;
     if (workspace_len < mid_workspace_floats((int)m, (int)k, (int)n, num_sms)) return TRELLM_E_BAD_ARG;
     const int groups = mid_groups((int)m);
-    const int per_slice = mid_tiles_per_slice((int)m, (int)k, (int)n, num_sms);
-    const int slices = mid_slices((int)m, (int)k, (int)n, num_sms);
+    const int per_slice = mid_tiles_per_slice((int)k, (int)n, num_sms);
+    const int slices = mid_slices((int)k, (int)n, num_sms);
     uint32_t *xp = reinterpret_cast<uint32_t *>(workspace);
     float *partial = workspace + k * groups * 8;
     const int pack_jobs = groups * 8 * (int)(k / 128);

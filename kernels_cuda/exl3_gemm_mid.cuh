@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(MID_WARPS * 32, 2) exl3_matmul_mid_kernel(cons
 inline int mid_groups(int m) { return m <= 16 ? 2 : m <= 32 ? 4 : 8; }
 
 // Tiles of k per slice: enough slices that the grid fills the GPU at 2 blocks per SM, in whole chunks.
-inline int mid_tiles_per_slice(int m, int k, int n, int num_sms) {
+inline int mid_tiles_per_slice(int k, int n, int num_sms) {
     const int tiles_k = k / 16, groups_n = n / 128;
     const int resident = 2 * (num_sms > 0 ? num_sms : 132);
     const int slices = max(1, min(tiles_k / MID_CHUNK_TILES, (resident + groups_n - 1) / groups_n));
@@ -140,14 +140,14 @@ inline int mid_tiles_per_slice(int m, int k, int n, int num_sms) {
     return (per + MID_CHUNK_TILES - 1) / MID_CHUNK_TILES * MID_CHUNK_TILES;
 }
 
-inline int mid_slices(int m, int k, int n, int num_sms) {
-    const int per = mid_tiles_per_slice(m, k, n, num_sms);
+inline int mid_slices(int k, int n, int num_sms) {
+    const int per = mid_tiles_per_slice(k, n, num_sms);
     return (k / 16 + per - 1) / per;
 }
 
 // Floats of workspace: the packed x (4 bytes per element of the padded rows) and the partials.
 inline int64_t mid_workspace_floats(int m, int k, int n, int num_sms) {
-    return (int64_t)k * mid_groups(m) * 8 + (int64_t)mid_slices(m, k, n, num_sms) * m * n;
+    return (int64_t)k * mid_groups(m) * 8 + (int64_t)mid_slices(k, n, num_sms) * m * n;
 }
 
 template <int K, int CB, int G>
@@ -178,20 +178,16 @@ int launch_mid_k(const MidArgs &args, int G, int slices, cudaStream_t stream) {
 template <int CB>
 int launch_exl3_matmul_mid(const MidArgs &args, int K, int G, int slices, cudaStream_t stream);
 
+// The K dispatch for one codebook (CB_VALUE, defined by the including exl3_cb*.cu, as for the GEMV's).
 #define TRELLM_DEFINE_MID_LAUNCHERS(CB_VALUE)                                                                 \
     template <>                                                                                             \
     int launch_exl3_matmul_mid<CB_VALUE>(const MidArgs &args, int K, int G, int slices, cudaStream_t stream) { \
         switch (K) {                                                                                        \
-            case 1: return launch_mid_k<1, CB_VALUE>(args, G, slices, stream);                              \
-            case 2: return launch_mid_k<2, CB_VALUE>(args, G, slices, stream);                              \
-            case 3: return launch_mid_k<3, CB_VALUE>(args, G, slices, stream);                              \
-            case 4: return launch_mid_k<4, CB_VALUE>(args, G, slices, stream);                              \
-            case 5: return launch_mid_k<5, CB_VALUE>(args, G, slices, stream);                              \
-            case 6: return launch_mid_k<6, CB_VALUE>(args, G, slices, stream);                              \
-            case 7: return launch_mid_k<7, CB_VALUE>(args, G, slices, stream);                              \
-            case 8: return launch_mid_k<8, CB_VALUE>(args, G, slices, stream);                              \
+            TRELLM_FOR_EACH_K(_MID_CASE)                                                                    \
             default: return TRELLM_E_BAD_ARG;                                                               \
         }                                                                                                   \
     }
+#define _MID_CASE(KV) \
+    case KV: return launch_mid_k<KV, CB_VALUE>(args, G, slices, stream);
 
 }  // namespace trellm
