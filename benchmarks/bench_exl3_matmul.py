@@ -116,13 +116,18 @@ def main() -> int:
         del w_bf16
         torch.cuda.empty_cache()
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(key for row in rows for key in row)))  # routes vary by M
-            w.writeheader()
-            w.writerows(rows)
+        write_rows(args.csv, rows)
     if args.plot:
         (plot_routes if args.routes else plot_rows)(rows, args.plot, args.title or f"{dev}, codebook {args.codebook}")
     return 0
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """The rows as CSV, one column per key any row has (the route columns vary with M; read_rows reads it)."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(key for row in rows for key in row)))
+        w.writeheader()
+        w.writerows(rows)
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -142,6 +147,7 @@ def read_rows(path: Path) -> list[dict]:
 def time_routes(x: torch.Tensor, layers: list, codebook: str) -> dict[str, float]:
     """Seconds per matmul of each route that can take x's rows: the GEMV (<= 16), mid (<= 64), decode + cuBLAS."""
     from trellm.kernels_cuda import binding
+    from trellm.kernels_cuda import ops as cuda_ops
 
     m = x.shape[0]
     routes = {}
@@ -149,12 +155,7 @@ def time_routes(x: torch.Tensor, layers: list, codebook: str) -> dict[str, float
         routes["gemv"] = lambda t, suh, svh: binding.exl3_matmul_small(x, t, suh, svh, codebook)
     if m <= binding.EXL3_MID_MAX_ROWS:
         routes["mid"] = lambda t, suh, svh: binding.exl3_matmul_mid(x, t, suh, svh, codebook)
-
-    def cublas(t, suh, svh):
-        xh = binding.hadamard_128(x, pre=suh, out_dtype=torch.float16)
-        return binding.hadamard_128(xh @ binding.exl3_decode_tiles(t, codebook), post=svh, out_dtype=x.dtype)
-
-    routes["cublas"] = cublas
+    routes["cublas"] = lambda t, suh, svh: cuda_ops.exl3_matmul_decoded(x, t, suh, svh, codebook)
     return {name: time_graph(lambda f=f: [f(*layer) for layer in layers]) / len(layers) for name, f in routes.items()}
 
 

@@ -88,11 +88,17 @@ def exl3_matmul(
     elif m <= EXL3_MID_MAX_ROWS:
         y = binding.exl3_matmul_mid(x2, trellis.contiguous(), suh16, svh16, codebook, bias16)
     else:
-        xh = binding.hadamard_128(x2, pre=suh16, out_dtype=torch.float16)
-        w_hat = binding.exl3_decode_tiles(trellis.contiguous(), codebook)
-        acc = torch.matmul(xh, w_hat)
-        y = binding.hadamard_128(acc, post=svh16, bias=bias16, out_dtype=x.dtype)
+        y = exl3_matmul_decoded(x2, trellis.contiguous(), suh16, svh16, codebook, bias16)
     return y.reshape(*lead, n)
+
+
+def exl3_matmul_decoded(x2: torch.Tensor, trellis: torch.Tensor, suh16: torch.Tensor, svh16: torch.Tensor,
+                        codebook: str, bias16: torch.Tensor | None = None) -> torch.Tensor:
+    """exl3_matmul past EXL3_MID_MAX_ROWS rows of x2 [m, k]: W_hat decoded to fp16 (the bit-exact tile decoder),
+    multiplied by cuBLAS, then H128 * svh + bias; the decode's cost is shared by all rows."""
+    xh = binding.hadamard_128(x2, pre=suh16, out_dtype=torch.float16)
+    acc = torch.matmul(xh, binding.exl3_decode_tiles(trellis, codebook))
+    return binding.hadamard_128(acc, post=svh16, bias=bias16, out_dtype=x2.dtype)
 
 
 @_exl3.exl3_matmul_gated.register("cuda")

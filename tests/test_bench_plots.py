@@ -27,8 +27,6 @@ def test_exl3_routes_plot_redraws_from_a_saved_csv(tmp_path):
     # the time of each route vs rows from that file alone.
     pytest.importorskip("matplotlib")
     bench = _load("bench_exl3_matmul")
-    import csv
-
     rows = []
     for k, n in ((4096, 4096), (4096, 14336)):
         for K in (2, 4):
@@ -39,10 +37,7 @@ def test_exl3_routes_plot_redraws_from_a_saved_csv(tmp_path):
                 row["mid_us"] = 13.0 + m / 4
                 rows.append(row)
     saved = tmp_path / "routes.csv"
-    with open(saved, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(key for row in rows for key in row)))
-        w.writeheader()
-        w.writerows(rows)
+    bench.write_rows(saved, rows)
     back = bench.read_rows(saved)
     assert back[0]["M"] == 1 and back[0]["gemv_us"] == 11.0 and "gemv_us" not in back[2]  # numbers, gaps dropped
     out = tmp_path / "routes.png"
