@@ -323,19 +323,31 @@ def exl3_matmul_mid(
 ) -> torch.Tensor:
     """y [m, n] = H128(H128(x * suh) @ W_hat) * svh (+ bias) for 1..64 rows of x [m, k], the trellis decoded in
     registers against tensor-core fragments of x (three launches; the route for a batched decode step)."""
-    n, K = _check_exl3_part(x, trellis, suh, svh, bias, max_rows=EXL3_MID_MAX_ROWS, route="the mid-size matmul")
-    trellis, x, suh = _aligned(trellis), _aligned(x), _aligned(suh)
+    return exl3_matmul_mid_multi(x, [(trellis, suh, svh, bias)], codebook, out_dtype)[0]
+
+
+def exl3_matmul_mid_multi(
+    x: torch.Tensor,
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    codebook: str,
+    out_dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
+    """``exl3_matmul_mid`` of one x by 1..4 (trellis, suh, svh, bias) parts of the same K in one call (three
+    launches for all parts, q/k/v or gate/up), the work of every part split evenly over one wave of blocks."""
+    x, parts, ns, K = _checked_parts(x, parts, max_rows=EXL3_MID_MAX_ROWS, route="the mid-size matmul")
     m, k = x.shape
-    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    dtype = out_dtype or x.dtype
+    ys = [torch.empty(m, n, dtype=dtype, device=x.device) for n in ns]
     sms = _num_sms(x.device)
-    workspace = torch.empty(lib().trellm_exl3_matmul_mid_workspace(m, k, n, sms), dtype=torch.float32, device=x.device)
+    n_array = ffi().new("int64_t[]", ns)
+    workspace = torch.empty(lib().trellm_exl3_matmul_mid_workspace(m, k, len(parts), n_array, sms),
+                            dtype=torch.float32, device=x.device)
     rc = lib().trellm_exl3_matmul_mid(
-        _ptr(x), DTYPE_CODES[x.dtype], _ptr(suh), _ptr(trellis, "int16_t *"), _ptr(svh), _ptr(bias), _ptr(y),
-        _dtype_code(y, "out_dtype"), _ptr(workspace, "float *"), workspace.numel(), m, k, n, K,
-        _codebook_code(codebook), sms, _stream(),
+        _ptr(x), DTYPE_CODES[x.dtype], len(parts), *_part_arrays(parts, ys), n_array, _dtype_code(ys[0], "out_dtype"),
+        _ptr(workspace, "float *"), workspace.numel(), m, k, K, _codebook_code(codebook), sms, _stream(),
     )
     _check(rc, "exl3_matmul_mid")
-    return y
+    return ys
 
 
 def exl3_matmul_small_gated(
@@ -374,14 +386,15 @@ def exl3_matmul_small_gated(
 EXL3_MAX_PARTS = 4
 
 
-def _checked_parts(x: torch.Tensor, parts) -> tuple[torch.Tensor, list, list[int], int]:
-    """x and 1..4 (trellis, suh, svh, bias) parts of one K for a one-launch GEMV: checked and 16-byte
-    aligned, with each part's n and the common K."""
+def _checked_parts(x: torch.Tensor, parts, max_rows: int = EXL3_SMALL_MAX_ROWS,
+                   route: str = "the fused small-batch path") -> tuple[torch.Tensor, list, list[int], int]:
+    """x and 1..4 (trellis, suh, svh, bias) parts of one K for one call of the GEMV (or the mid-size matmul):
+    checked and 16-byte aligned, with each part's n and the common K."""
     if not 1 <= len(parts) <= EXL3_MAX_PARTS:
         raise KernelArgumentError(f"parts: {len(parts)} given, 1..{EXL3_MAX_PARTS} supported")
     ns, Ks = [], []
     for i, (trellis, suh, svh, bias) in enumerate(parts):
-        n, K = _check_exl3_part(x, trellis, suh, svh, bias, f"part {i}: ")
+        n, K = _check_exl3_part(x, trellis, suh, svh, bias, f"part {i}: ", max_rows, route)
         ns.append(n)
         Ks.append(K)
     if len(set(Ks)) != 1:

@@ -149,91 +149,131 @@ extern "C" int trellm_exl3_matmul_small_gated(const void *gate, const void *up, 
 // The mid-size matmul's pack and finish launches (exl3_gemm_mid.cuh has the matmul between them).
 namespace trellm {
 
-// Launch 1: one warp per (row of the padded G*8, 128-wide chunk of k).
-__global__ void exl3_mid_pack_kernel(const void *__restrict__ x, int x_dtype, const half *__restrict__ suh,
-                                     uint32_t *__restrict__ xp, int m, int k, int groups) {
+// Launch 1: one warp per (part, row of the padded G*8, 128-wide chunk of k).
+__global__ void exl3_mid_pack_kernel(const MidArgs a) {
     const int lane = threadIdx.x & 31;
     const int job = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
-    const int chunks = k / 128;
-    if (job >= groups * 8 * chunks) return;
-    const int row = job / chunks, kk0 = (job % chunks) * 128 + lane * 4;
+    const int chunks = a.k / 128, rows = a.groups * 8;
+    if (job >= a.parts * rows * chunks) return;
+    const int part = job / (rows * chunks), row = job / chunks % rows, kk0 = (job % chunks) * 128 + lane * 4;
+    const MidPart p = mid_part(a, part);
     float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (row < m) {
-        load4_as_f32(x, x_dtype, (size_t)row * k + kk0, v);
+    if (row < a.m) {
+        load4_as_f32(a.x, a.x_dtype, (size_t)row * a.k + kk0, v);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] *= __half2float(suh[kk0 + i]);
+        for (int i = 0; i < 4; ++i) v[i] *= __half2float(p.suh[kk0 + i]);
     }
     warp_hadamard_128(v);  // every lane takes part (rows past m are zero)
+    // The B fragment of (k tile t, row group g): lane 4(row % 8) + (c % 8) / 2 holds (x[c], x[c + 1]) in its
+    // first word for c < 8, in its second for c >= 8 (c = k % 16, even c in the low half).
     const int g = row / 8, fragment_lane_row = (row % 8) * 4;
+    uint16_t *xp16 = reinterpret_cast<uint16_t *>(p.xp);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int kk = kk0 + i, t = kk / 16, c = kk % 16;
-        const int fragment_lane = fragment_lane_row + (c % 8) / 2, q = (c & 1) * 2 + (c >= 8);
-        const uint16_t h = __half_as_ushort(__float2half_rn(v[i]));
-        xp[(((size_t)t * groups + g) * 32 + fragment_lane) * 4 + q] = (uint32_t)h * 0x10001u;
+        const int fragment_lane = fragment_lane_row + (c % 8) / 2, word = c >= 8;
+        xp16[((((size_t)t * a.groups + g) * 32 + fragment_lane) * 2 + word) * 2 + (c & 1)] =
+            __half_as_ushort(__float2half_rn(v[i]));
     }
 }
 
-// Launch 3: one warp per (row, 128-column group).
-__global__ void exl3_mid_finish_kernel(const float *__restrict__ partial, int slices, int m, int n,
-                                       const half *__restrict__ svh, const half *__restrict__ bias, void *y,
-                                       int y_dtype) {
+// Launch 3: one warp per (row, 128-column group of any part): the group's partials in block order.
+__global__ void exl3_mid_finish_kernel(const MidArgs a) {
     const int lane = threadIdx.x & 31;
     const int job = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
-    if (job >= m * (n / 128)) return;
-    const int row = job / (n / 128), col = (job % (n / 128)) * 128 + lane * 4;
+    const int all_groups = a.group_begin[a.parts];
+    if (job >= a.m * all_groups) return;
+    const int row = job / all_groups, global_group = job % all_groups, chunks_k = a.k / 128;
+    int group;
+    const MidPart p = mid_part_of(a, global_group, group);
+    const int col = group * 128 + lane * 4;
+    const int first = mid_block_of(global_group * chunks_k, a.units, a.blocks);
+    const int pieces = mid_block_of((global_group + 1) * chunks_k - 1, a.units, a.blocks) - first + 1;
     float v[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s = 0; s < slices; ++s) {
-        const float4 p = *reinterpret_cast<const float4 *>(partial + ((size_t)s * m + row) * n + col);
-        v[0] += p.x; v[1] += p.y; v[2] += p.z; v[3] += p.w;
+    for (int s = 0; s < pieces; ++s) {
+        const float4 q = *reinterpret_cast<const float4 *>(p.partial + ((size_t)s * a.m + row) * p.n + col);
+        v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
     }
     warp_hadamard_128(v);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        float o = v[i] * __half2float(svh[col + i]);
-        if (bias) o += __half2float(bias[col + i]);
-        store_from_f32(y, y_dtype, (size_t)row * n + col + i, o);
+        float o = v[i] * __half2float(p.svh[col + i]);
+        if (p.bias) o += __half2float(p.bias[col + i]);
+        store_from_f32(p.y, a.y_dtype, (size_t)row * p.n + col + i, o);
     }
 }
 
 }  // namespace trellm
 
-extern "C" int64_t trellm_exl3_matmul_mid_workspace(int64_t m, int64_t k, int64_t n, int num_sms) {
-    if (m < 1 || m > MID_MAX_ROWS || k <= 0 || n <= 0 || k % 128 || n % 128) return 0;
-    return mid_workspace_floats((int)m, (int)k, (int)n, num_sms);
+extern "C" int64_t trellm_exl3_matmul_mid_workspace(int64_t m, int64_t k, int parts, const int64_t *n, int num_sms) {
+    if (m < 1 || m > MID_MAX_ROWS || k <= 0 || k % 128 || k > INT32_MAX / 2 || parts < 1 || parts > MID_MAX_PARTS)
+        return 0;
+    int64_t total_n = 0;
+    for (int p = 0; p < parts; ++p) {
+        if (n[p] <= 0 || n[p] % 128) return 0;
+        total_n += n[p];
+    }
+    if (total_n / 128 * (k / 128) > INT32_MAX / 2) return 0;
+    return mid_workspace_floats((int)m, (int)k, parts, total_n, num_sms);
 }
 
-extern "C" int trellm_exl3_matmul_mid(const void *x, int x_dtype, const void *suh, const int16_t *trellis,
-                                      const void *svh, const void *bias, void *y, int y_dtype, float *workspace,
-                                      int64_t workspace_len, int64_t m, int64_t k, int64_t n, int K, int codebook,
-                                      int num_sms, cudaStream_t stream) {
-    int rc = check_exl3_dims(k, n, K, codebook);
-    if (rc) return rc;
+extern "C" int trellm_exl3_matmul_mid(const void *x, int x_dtype, int parts, const void *const *suh,
+                                      const int16_t *const *trellis, const void *const *svh,
+                                      const void *const *bias, void *const *y, const int64_t *n, int y_dtype,
+                                      float *workspace, int64_t workspace_len, int64_t m, int64_t k, int K,
+                                      int codebook, int num_sms, cudaStream_t stream) {
+    if (parts < 1 || parts > MID_MAX_PARTS) return TRELLM_E_BAD_ARG;
     if (m < 1 || m > MID_MAX_ROWS) return TRELLM_E_BAD_SHAPE;
     if (x_dtype < TRELLM_F16 || x_dtype > TRELLM_F32 || y_dtype < TRELLM_F16 || y_dtype > TRELLM_F32)
         return TRELLM_E_BAD_DTYPE;
-    if (reinterpret_cast<uintptr_t>(trellis) % 16 || reinterpret_cast<uintptr_t>(workspace) % 16) return TRELLM_E_BAD_ARG;
-    if (workspace_len < mid_workspace_floats((int)m, (int)k, (int)n, num_sms)) return TRELLM_E_BAD_ARG;
-    const int groups = mid_groups((int)m);
-    const int per_slice = mid_tiles_per_slice((int)k, (int)n, num_sms);
-    const int slices = mid_slices((int)k, (int)n, num_sms);
-    uint32_t *xp = reinterpret_cast<uint32_t *>(workspace);
-    float *partial = workspace + k * groups * 8;
-    const int pack_jobs = groups * 8 * (int)(k / 128);
-    exl3_mid_pack_kernel<<<(pack_jobs + 7) / 8, 256, 0, stream>>>(x, x_dtype, static_cast<const half *>(suh), xp,
-                                                                   (int)m, (int)k, groups);
+    const int64_t need = trellm_exl3_matmul_mid_workspace(m, k, parts, n, num_sms);
+    if (need == 0) return TRELLM_E_BAD_SHAPE;
+    if (workspace_len < need || reinterpret_cast<uintptr_t>(workspace) % 16) return TRELLM_E_BAD_ARG;
+    MidArgs a{};
+    a.parts = parts;
+    a.x = x;
+    a.x_dtype = x_dtype;
+    a.y_dtype = y_dtype;
+    a.m = (int)m;
+    a.k = (int)k;
+    a.groups = mid_groups((int)m);
+    int64_t total_n = 0;
+    for (int p = 0; p < parts; ++p) {
+        const int rc = check_exl3_dims(k, n[p], K, codebook);
+        if (rc) return rc;
+        if (reinterpret_cast<uintptr_t>(trellis[p]) % 16) return TRELLM_E_BAD_ARG;
+        a.group_begin[p] = (int)(total_n / 128);
+        total_n += n[p];
+    }
+    for (int p = parts; p <= MID_MAX_PARTS; ++p) a.group_begin[p] = (int)(total_n / 128);
+    a.units = a.group_begin[parts] * (a.k / 128);
+    a.blocks = mid_blocks(a.units, a.k / 128, num_sms);
+    const int pieces = mid_pieces(a.k / 128, a.units, a.blocks);
+    float *partial = workspace + (int64_t)parts * k * a.groups * 4;
+    for (int p = 0; p < parts; ++p) {
+        MidPart &q = a.part[p];
+        q.trellis = reinterpret_cast<const uint32_t *>(trellis[p]);
+        q.suh = static_cast<const half *>(suh[p]);
+        q.svh = static_cast<const half *>(svh[p]);
+        q.bias = static_cast<const half *>(bias[p]);
+        q.y = y[p];
+        q.xp = reinterpret_cast<uint32_t *>(workspace) + (int64_t)p * k * a.groups * 4;
+        q.partial = partial;
+        q.n = (int)n[p];
+        partial += (int64_t)pieces * m * n[p];
+    }
+    const int pack_jobs = parts * a.groups * 8 * (a.k / 128);
+    exl3_mid_pack_kernel<<<(pack_jobs + 7) / 8, 256, 0, stream>>>(a);
     TRELLM_LAUNCH_CHECK();
-    const MidArgs args{xp, reinterpret_cast<const uint32_t *>(trellis), partial, (int)m, (int)k, (int)n, per_slice};
+    int rc;
     switch (codebook) {
-        case 0: rc = launch_exl3_matmul_mid<0>(args, K, groups, slices, stream); break;
-        case 1: rc = launch_exl3_matmul_mid<1>(args, K, groups, slices, stream); break;
-        default: rc = launch_exl3_matmul_mid<2>(args, K, groups, slices, stream); break;
+        case 0: rc = launch_exl3_matmul_mid<0>(a, K, stream); break;
+        case 1: rc = launch_exl3_matmul_mid<1>(a, K, stream); break;
+        default: rc = launch_exl3_matmul_mid<2>(a, K, stream); break;
     }
     if (rc) return rc;
-    const int finish_jobs = (int)(m * (n / 128));
-    exl3_mid_finish_kernel<<<(finish_jobs + 7) / 8, 256, 0, stream>>>(partial, slices, (int)m, (int)n,
-                                                                       static_cast<const half *>(svh),
-                                                                       static_cast<const half *>(bias), y, y_dtype);
+    const int finish_jobs = a.m * a.group_begin[parts];
+    exl3_mid_finish_kernel<<<(finish_jobs + 7) / 8, 256, 0, stream>>>(a);
     TRELLM_LAUNCH_CHECK();
     return TRELLM_OK;
 }

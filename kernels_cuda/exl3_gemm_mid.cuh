@@ -2,70 +2,168 @@
 // and multiplied on the tensor cores against x fragments staged in shared memory, so W_hat never goes
 // through memory. Above 16 rows the only route before was decode-to-fp16 + cuBLAS, which writes and
 // re-reads W_hat in fp16 (four times the 4 bpw trellis each way): about 0.4x bf16 F.linear on the H200.
+// One call takes 1..4 matmuls of the same x (q/k/v, gate/up), like the GEMV's MatmulParts.
 //
 // Three launches (trellm_exl3_matmul_mid):
-//   1. pack: xp = fp16(H128(x * suh)) in the split-halves B-fragment layout [k/16][G][32 lanes][4 x uint32]
-//      (G row groups of 8, rows past m zero): lane l's four words of (k tile t, group g) are the duplicated
-//      halves x[t*16 + c], x[.. + 8], x[.. + 1], x[.. + 9] of row 8g + l/4, c = 2(l%4) -- exactly the
-//      registers the GEMV builds with byte_perms (xf, xo), so one 16-byte shared load feeds both mmas;
-//   2. the matmul: block (c, s) = 128-column output group c (warp w owns column tile 8c + w) times k-slice s.
-//      Per chunk of 8 k tiles, the block's x fragments and each warp's trellis words come in by cp.async
-//      (two buffers) while the chunk before is decoded; each warp keeps its 16 columns x 8G rows in
-//      registers and stores them once as fp32 partials [s][m][n]. Warps split columns, not k, so there is
-//      no cross-warp reduction and no shared accumulator (the 9..16-row GEMV's bound, NOTES 2026-12-03c);
-//   3. finish: one warp per (row, 128-column group): the slices summed, H128, * svh (+ bias), y.
+//   1. pack: per part, xp = fp16(H128(x * suh)) in the tensor-core B-fragment layout [k/16][G][32 lanes][2 x
+//      uint32] (G row groups of 8, rows past m zero): lane l's two words of (k tile t, group g) are the pairs
+//      (x[t*16 + c], x[.. + 1]) and (x[.. + 8], x[.. + 9]) of row 8g + l/4, c = 2(l%4), so one 8-byte shared
+//      load is the mma's B operand;
+//   2. the matmul. The work is a list of units, (128-column output group, chunk of 8 k tiles), group-major
+//      over all parts, split evenly over one wave of blocks (stream-K): block b takes the units
+//      [b * units / blocks, (b + 1) * units / blocks), so every SM gets the same work whatever the shape (a
+//      grid of whole k-slices left 1.27 waves at 4096->14336). In a unit, warp w owns column tile 8c + w of
+//      group c; the unit's x fragments (shared by the warps) and each warp's trellis words come in by
+//      cp.async, several units ahead (MidGeom::STAGES), while the unit before is decoded; the weights are
+//      paired into fp16 as the bit-exact decoder does, one mma per row group. Each warp keeps its 16
+//      columns x 8G rows in registers across the block's units of one group and stores them once, as fp32
+//      partial number (b - the group's first block) of that group. Warps split columns, not k: no cross-warp reduction
+//      and no shared accumulator (the 9..16-row GEMV's bound, NOTES 2026-12-03c);
+//   3. finish: one warp per (row, 128-column group): the group's partials summed in block order (a fixed
+//      order: bit-stable), H128, * svh (+ bias), y.
 #pragma once
 
 #include "exl3_gemv.cuh"
 
 namespace trellm {
 
-constexpr int MID_WARPS = 8;       // one output group of 128 columns per block
-constexpr int MID_CHUNK_TILES = 8; // k tiles per pipeline chunk (k % 128 == 0, so chunks are whole)
+constexpr int MID_WARPS = 8;       // one output group of 128 columns per unit
+constexpr int MID_CHUNK_TILES = 8; // k tiles per unit (k % 128 == 0, so chunks are whole)
 constexpr int MID_MAX_ROWS = 64;
+constexpr int MID_MAX_PARTS = 4;
+constexpr int MID_BLOCKS_PER_SM = 2;  // the matmul kernel's launch bound: one wave is this many blocks per SM
 
+// Shared memory per block for the pipeline: 2 blocks per SM on the H100/H200 (227 KB), 1 on sm_86/89 (99 KB).
+constexpr int MID_SMEM_BUDGET = 96 * 1024;
+
+// A unit's shared-memory stage: the x fragments of its 8 k tiles (all row groups; 8 bytes per lane per group
+// and tile) and each warp's trellis words. As many stages as the budget holds, 2..8: a unit's decode is
+// shorter than a DRAM round trip under load, so one unit ahead (the first version) left the warps waiting.
 template <int K, int G> struct MidGeom {
     static constexpr int TILE_BYTES = TileGeom<K>::WORDS * 4;
     static constexpr int TRELLIS_CHUNK_BYTES = MID_CHUNK_TILES * TILE_BYTES;  // per warp
-    static constexpr int X_CHUNK_BYTES = MID_CHUNK_TILES * G * 32 * 16;       // per block
+    static constexpr int X_CHUNK_BYTES = MID_CHUNK_TILES * G * 32 * 8;        // per block
     static constexpr int BUFFER_BYTES = X_CHUNK_BYTES + MID_WARPS * TRELLIS_CHUNK_BYTES;
-    static constexpr size_t SMEM_BYTES = 2 * (size_t)BUFFER_BYTES;
+    static constexpr int FIT = MID_SMEM_BUDGET / BUFFER_BYTES;
+    static constexpr int STAGES = FIT < 2 ? 2 : (FIT > 8 ? 8 : FIT);
+    static constexpr size_t SMEM_BYTES = (size_t)STAGES * BUFFER_BYTES;
 };
 
-struct MidArgs {
-    const uint32_t *xp;       // packed x fragments, [k/16][G][32][4]
+struct MidPart {
     const uint32_t *trellis;  // [k/16][n/16][8K] words
-    float *partial;           // [slices][m][n]
-    int m, k, n, tiles_per_slice;
+    const half *suh, *svh;    // [k], [n]
+    const half *bias;         // [n] or null
+    void *y;                  // [m, n] of y_dtype
+    uint32_t *xp;             // x packed with this part's suh, [k/16][G][32][2]
+    float *partial;           // [pieces][m][n]
+    int n;
 };
+
+// Everything the three launches read: the parts, and the split of the units over the blocks.
+struct MidArgs {
+    MidPart part[MID_MAX_PARTS];
+    int group_begin[MID_MAX_PARTS + 1];  // part p's 128-column groups are [group_begin[p], group_begin[p + 1])
+    int parts;
+    const void *x;
+    int x_dtype, y_dtype, m, k, groups;  // groups: G, the row groups of 8
+    int units, blocks;                   // units = group_begin[parts] * k / 128
+};
+
+// Block b's first unit; and the block that holds unit u (the largest b with mid_unit_begin(b) <= u).
+__host__ __device__ __forceinline__ int mid_unit_begin(int b, int units, int blocks) {
+    return (int)((long long)b * units / blocks);
+}
+__host__ __device__ __forceinline__ int mid_block_of(int u, int units, int blocks) {
+    return (int)(((long long)(u + 1) * blocks - 1) / units);
+}
+
+// Part p of the call, selected with constant indices so the argument struct stays in parameter space (a
+// dynamic index would copy it to local memory); and the part of a global 128-column group, with the group's
+// index inside it.
+__device__ __forceinline__ MidPart mid_part(const MidArgs &a, int p) {
+    MidPart part = a.part[0];
+#pragma unroll
+    for (int q = 1; q < MID_MAX_PARTS; ++q)
+        if (p == q) part = a.part[q];
+    return part;
+}
+__device__ __forceinline__ MidPart mid_part_of(const MidArgs &a, int global_group, int &group) {
+    MidPart p = a.part[0];
+    int begin = 0;
+#pragma unroll
+    for (int q = 1; q < MID_MAX_PARTS; ++q) {
+        if (q < a.parts && global_group >= a.group_begin[q]) {
+            p = a.part[q];
+            begin = a.group_begin[q];
+        }
+    }
+    group = global_group - begin;
+    return p;
+}
 
 // Launches 1 and 3 (pack, finish) are in exl3.cu, beside the entry point.
 
-// Launch 2: see the top of the file. 2 blocks per SM: 96 KB of buffers at most (G = 8, K = 8).
+// Where a block's walk over its units stands: the unit's 128-column group (global, over all parts) and k
+// chunk, and the part's pointers at that unit. Advanced by a step per unit (no division in the loop: a
+// division per unit cost the first stream-K version 15-20% at lm_head, NOTES 2026-12-04c).
+template <int K, int G> struct MidCursor {
+    int group, chunk;           // global group, chunk of k
+    int local_group, n;         // the group inside its part, the part's n
+    const uint32_t *trellis;    // this warp's first word of (chunk, column tile)
+    const unsigned char *x;     // the chunk's packed x fragments
+    float *partial;             // the part's partials
+
+    __device__ __forceinline__ void enter_group(const MidArgs &a, int warp) {
+        const MidPart p = mid_part_of(a, group, local_group);
+        n = p.n;
+        trellis = p.trellis + ((size_t)chunk * MID_CHUNK_TILES * (n / 16) + local_group * MID_WARPS + warp) * TileGeom<K>::WORDS;
+        x = reinterpret_cast<const unsigned char *>(p.xp) + (size_t)chunk * MidGeom<K, G>::X_CHUNK_BYTES;
+        partial = p.partial;
+    }
+    __device__ __forceinline__ void start(const MidArgs &a, int u, int chunks_k, int warp) {
+        group = u / chunks_k;
+        chunk = u - group * chunks_k;
+        enter_group(a, warp);
+    }
+    __device__ __forceinline__ void next(const MidArgs &a, int chunks_k, int warp) {
+        if (++chunk == chunks_k) {
+            chunk = 0;
+            ++group;
+            enter_group(a, warp);
+        } else {
+            trellis += (size_t)MID_CHUNK_TILES * (n / 16) * TileGeom<K>::WORDS;
+            x += MidGeom<K, G>::X_CHUNK_BYTES;
+        }
+    }
+};
+
+// Launch 2: see the top of the file.
 template <int K, int CB, int G>
-__global__ void __launch_bounds__(MID_WARPS * 32, 2) exl3_matmul_mid_kernel(const MidArgs a) {
+__global__ void __launch_bounds__(MID_WARPS * 32, MID_BLOCKS_PER_SM) exl3_matmul_mid_kernel(const MidArgs a) {
     using Geo = MidGeom<K, G>;
     using TG = TileGeom<K>;
+    constexpr int S = Geo::STAGES;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int lane = threadIdx.x & 31, warp = warp_index();
-    const int tiles_k = a.k / 16, tiles_n = a.n / 16;
-    const int j = blockIdx.x * MID_WARPS + warp;  // this warp's column tile
-    const int t_begin = blockIdx.y * a.tiles_per_slice;
-    const int chunks = (min(t_begin + a.tiles_per_slice, tiles_k) - t_begin) / MID_CHUNK_TILES;
+    const int chunks_k = a.k / 128;
+    const int u_begin = mid_unit_begin(blockIdx.x, a.units, a.blocks);
+    const int count = mid_unit_begin(blockIdx.x + 1, a.units, a.blocks) - u_begin;
     const uint32_t smem_base = (uint32_t)__cvta_generic_to_shared(smem_raw);
+    MidCursor<K, G> fetch, work;  // the unit being requested, the unit being decoded
+    fetch.start(a, u_begin, chunks_k, warp);
+    work = fetch;
 
-    auto issue = [&](int chunk, int buffer) {
-        const int t0 = t_begin + chunk * MID_CHUNK_TILES;
-        const uint32_t base = smem_base + buffer * Geo::BUFFER_BYTES;
-        const unsigned char *xsrc = reinterpret_cast<const unsigned char *>(a.xp) + (size_t)t0 * G * 32 * 16;
+    // Request the fetch cursor's unit into stage `stage` (one cp.async group per unit, committed by the caller).
+    auto issue = [&](int stage) {
+        const uint32_t base = smem_base + stage * Geo::BUFFER_BYTES;
         for (int o = threadIdx.x * 16; o < Geo::X_CHUNK_BYTES; o += MID_WARPS * 32 * 16)
-            cp_async_16_to(base + o, xsrc + o);
+            cp_async_16_to(base + o, fetch.x + o);
         const uint32_t ring = base + Geo::X_CHUNK_BYTES + warp * Geo::TRELLIS_CHUNK_BYTES;
         constexpr int PIECES = Geo::TILE_BYTES / 16;  // 16-byte pieces per tile
+        const size_t tile_row = (size_t)(fetch.n / 16) * TG::WORDS;  // words from one k tile to the next
         for (int q = lane; q < MID_CHUNK_TILES * PIECES; q += 32) {
             const int tt = q / PIECES, piece = q % PIECES;
-            const uint32_t *src = a.trellis + ((size_t)(t0 + tt) * tiles_n + j) * TG::WORDS + piece * 4;
-            cp_async_16_to(ring + q * 16, src);
+            cp_async_16_to(ring + q * 16, fetch.trellis + tt * tile_row + piece * 4);
         }
     };
 
@@ -75,83 +173,108 @@ __global__ void __launch_bounds__(MID_WARPS * 32, 2) exl3_matmul_mid_kernel(cons
 #pragma unroll
     for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f;
 
-    if (chunks > 0) issue(0, 0);
-    cp_async_commit();
-    for (int chunk = 0; chunk < chunks; ++chunk) {
-        if (chunk + 1 < chunks) issue(chunk + 1, (chunk + 1) & 1);
+    // Units 0..S-2 in flight before the loop; each iteration waits for its own, then requests the unit S-1
+    // ahead into the stage read in the iteration before (every warp is past it: the barrier).
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        if (s < count) {
+            if (s > 0) fetch.next(a, chunks_k, warp);
+            issue(s);
+        }
         cp_async_commit();
-        cp_async_wait<1>();
+    }
+    int stage = 0, refill = S - 1;
+    for (int i = 0; i < count; ++i) {
+        cp_async_wait<S - 2>();
         __syncthreads();
-        const unsigned char *buf = smem_raw + (chunk & 1) * Geo::BUFFER_BYTES;
-        const uint4 *xs = reinterpret_cast<const uint4 *>(buf);
+        if (i + S - 1 < count) {
+            fetch.next(a, chunks_k, warp);
+            issue(refill);
+        }
+        cp_async_commit();
+        refill = refill + 1 == S ? 0 : refill + 1;
+        const unsigned char *buf = smem_raw + stage * Geo::BUFFER_BYTES;
+        stage = stage + 1 == S ? 0 : stage + 1;
+        const uint2 *xs = reinterpret_cast<const uint2 *>(buf);
         const uint32_t *ring = reinterpret_cast<const uint32_t *>(buf + Geo::X_CHUNK_BYTES + warp * Geo::TRELLIS_CHUNK_BYTES);
 #pragma unroll 2
         for (int tt = 0; tt < MID_CHUNK_TILES; ++tt) {
             uint32_t raw[TG::NW];
 #pragma unroll
             for (int q = 0; q < TG::NW; ++q) raw[q] = ring[tt * TG::WORDS + (w0 + q) % TG::WORDS];
-            if constexpr (CB != TRELLM_CB_MUL1) {
-                uint32_t even[4], odd[4];
-                tile_fragments_split<K, CB>(raw, r, even, odd);
+            // The weights as fp16 (halves paired and added, as the bit-exact decoder does): one mma per row
+            // group. The GEMV's split halves (two mmas against duplicated x) would double the tensor-core work,
+            // which bounds this kernel at 4..8 row groups.
+            uint32_t frag[4];
+            tile_fragment<K, CB>(raw, r, frag);
 #pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    const uint4 xv = xs[(tt * G + g) * 32 + lane];
-                    mma_16816(acc[g], even, xv.x, xv.y);
-                    mma_16816(acc[g], odd, xv.z, xv.w);
-                }
-            } else {
-                uint32_t frag[4];
-                tile_fragment<K, CB>(raw, r, frag);
-#pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    const uint4 xv = xs[(tt * G + g) * 32 + lane];
-                    mma_16816(acc[g], frag, __byte_perm(xv.x, xv.z, 0x5410), __byte_perm(xv.y, xv.w, 0x5410));
-                }
+            for (int g = 0; g < G; ++g) {
+                const uint2 xv = xs[(tt * G + g) * 32 + lane];
+                mma_16816(acc[g], frag, xv.x, xv.y);
             }
         }
-        __syncthreads();  // the buffer is refilled by the issue two chunks on
-    }
-    // acc[g]: (n = lane/4, rows 8g + 2(lane%4) + {0, 1}) and (n = lane/4 + 8, the same rows)
-    float *part = a.partial + (size_t)blockIdx.y * a.m * a.n;
-    const int n0 = j * 16 + lane / 4;
+        if (i + 1 == count || work.chunk + 1 == chunks_k) {
+            // The block's last unit of this group: its partial, numbered from the group's first block.
+            // acc[g]: (n = lane/4, rows 8g + 2(lane%4) + {0, 1}) and (n = lane/4 + 8, the same rows)
+            const int piece = blockIdx.x - mid_block_of(work.group * chunks_k, a.units, a.blocks);
+            float *part = work.partial + (size_t)piece * a.m * work.n;
+            const int n0 = (work.local_group * MID_WARPS + warp) * 16 + lane / 4;
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const int r0 = g * 8 + (lane % 4) * 2;
-        if (r0 < a.m) {
-            part[(size_t)r0 * a.n + n0] = acc[g][0];
-            part[(size_t)r0 * a.n + n0 + 8] = acc[g][2];
+            for (int g = 0; g < G; ++g) {
+                const int r0 = g * 8 + (lane % 4) * 2;
+                if (r0 < a.m) {
+                    part[(size_t)r0 * work.n + n0] = acc[g][0];
+                    part[(size_t)r0 * work.n + n0 + 8] = acc[g][2];
+                }
+                if (r0 + 1 < a.m) {
+                    part[(size_t)(r0 + 1) * work.n + n0] = acc[g][1];
+                    part[(size_t)(r0 + 1) * work.n + n0 + 8] = acc[g][3];
+                }
+                acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f;
+            }
         }
-        if (r0 + 1 < a.m) {
-            part[(size_t)(r0 + 1) * a.n + n0] = acc[g][1];
-            part[(size_t)(r0 + 1) * a.n + n0 + 8] = acc[g][3];
-        }
+        if (i + 1 < count) work.next(a, chunks_k, warp);
     }
 }
 
 // Row groups of 8 for m rows: 2, 4 or 8 (the instantiated sizes).
 inline int mid_groups(int m) { return m <= 16 ? 2 : m <= 32 ? 4 : 8; }
 
-// Tiles of k per slice: enough slices that the grid fills the GPU at 2 blocks per SM, in whole chunks.
-inline int mid_tiles_per_slice(int k, int n, int num_sms) {
-    const int tiles_k = k / 16, groups_n = n / 128;
-    const int resident = 2 * (num_sms > 0 ? num_sms : 132);
-    const int slices = max(1, min(tiles_k / MID_CHUNK_TILES, (resident + groups_n - 1) / groups_n));
-    const int per = (tiles_k + slices - 1) / slices;
-    return (per + MID_CHUNK_TILES - 1) / MID_CHUNK_TILES * MID_CHUNK_TILES;
+// Blocks of the matmul launch: one wave at MID_BLOCKS_PER_SM (fewer when there are fewer units).
+// TRELLM_MID_SLICED=1 gives the grid of the first version instead (each block about one k-slice of one group,
+// slices enough to fill a wave; 1.27 waves at 4096->14336): the A/B baseline of the even split.
+inline int mid_blocks(int units, int chunks_k, int num_sms) {
+    const int wave = MID_BLOCKS_PER_SM * (num_sms > 0 ? num_sms : 132);
+    static const bool sliced = [] {
+        const char *v = getenv("TRELLM_MID_SLICED");
+        return v && atoi(v) == 1;
+    }();
+    if (sliced) {
+        const int groups_n = units / chunks_k;
+        const int slices = max(1, min(chunks_k, (wave + groups_n - 1) / groups_n));
+        const int per = (chunks_k + slices - 1) / slices;
+        return groups_n * ((chunks_k + per - 1) / per);
+    }
+    return units < wave ? units : wave;
 }
 
-inline int mid_slices(int k, int n, int num_sms) {
-    const int per = mid_tiles_per_slice(k, n, num_sms);
-    return (k / 16 + per - 1) / per;
+// Partials a group may need: a group's chunks_k units meet at most ceil(chunks_k / the fewest units of a
+// block) + 1 blocks.
+inline int mid_pieces(int chunks_k, int units, int blocks) {
+    const int fewest = units / blocks;
+    return (chunks_k + fewest - 1) / fewest + 1;
 }
 
-// Floats of workspace: the packed x (4 bytes per element of the padded rows) and the partials.
-inline int64_t mid_workspace_floats(int m, int k, int n, int num_sms) {
-    return (int64_t)k * mid_groups(m) * 8 + (int64_t)mid_slices(k, n, num_sms) * m * n;
+// Floats of workspace for total_n columns over `parts` parts: each part's packed x (fp16 per element of the
+// padded rows) and the partials.
+inline int64_t mid_workspace_floats(int m, int k, int parts, int64_t total_n, int num_sms) {
+    const int chunks_k = k / 128, units = (int)(total_n / 128) * chunks_k;
+    const int blocks = mid_blocks(units, chunks_k, num_sms);
+    return (int64_t)parts * k * mid_groups(m) * 4 + (int64_t)mid_pieces(chunks_k, units, blocks) * m * total_n;
 }
 
 template <int K, int CB, int G>
-int launch_mid_matmul(const MidArgs &args, int slices, cudaStream_t stream) {
+int launch_mid_matmul(const MidArgs &args, cudaStream_t stream) {
     auto kernel = exl3_matmul_mid_kernel<K, CB, G>;
     constexpr size_t smem = MidGeom<K, G>::SMEM_BYTES;
     static cudaError_t configured = cudaErrorNotReady;
@@ -160,34 +283,34 @@ int launch_mid_matmul(const MidArgs &args, int slices, cudaStream_t stream) {
         if (configured != cudaSuccess) cudaGetLastError();
     }
     if (configured != cudaSuccess) return TRELLM_E_UNSUPPORTED;  // more shared memory than this GPU gives a block
-    kernel<<<dim3(args.n / 128, slices), MID_WARPS * 32, smem, stream>>>(args);
+    kernel<<<args.blocks, MID_WARPS * 32, smem, stream>>>(args);
     TRELLM_LAUNCH_CHECK();
     return TRELLM_OK;
 }
 
 template <int K, int CB>
-int launch_mid_k(const MidArgs &args, int G, int slices, cudaStream_t stream) {
-    switch (G) {
-        case 2: return launch_mid_matmul<K, CB, 2>(args, slices, stream);
-        case 4: return launch_mid_matmul<K, CB, 4>(args, slices, stream);
-        case 8: return launch_mid_matmul<K, CB, 8>(args, slices, stream);
+int launch_mid_k(const MidArgs &args, cudaStream_t stream) {
+    switch (args.groups) {
+        case 2: return launch_mid_matmul<K, CB, 2>(args, stream);
+        case 4: return launch_mid_matmul<K, CB, 4>(args, stream);
+        case 8: return launch_mid_matmul<K, CB, 8>(args, stream);
         default: return TRELLM_E_BAD_ARG;
     }
 }
 
 template <int CB>
-int launch_exl3_matmul_mid(const MidArgs &args, int K, int G, int slices, cudaStream_t stream);
+int launch_exl3_matmul_mid(const MidArgs &args, int K, cudaStream_t stream);
 
 // The K dispatch for one codebook (CB_VALUE, defined by the including exl3_cb*.cu, as for the GEMV's).
 #define TRELLM_DEFINE_MID_LAUNCHERS(CB_VALUE)                                                                 \
     template <>                                                                                             \
-    int launch_exl3_matmul_mid<CB_VALUE>(const MidArgs &args, int K, int G, int slices, cudaStream_t stream) { \
+    int launch_exl3_matmul_mid<CB_VALUE>(const MidArgs &args, int K, cudaStream_t stream) {                   \
         switch (K) {                                                                                        \
             TRELLM_FOR_EACH_K(_MID_CASE)                                                                    \
             default: return TRELLM_E_BAD_ARG;                                                               \
         }                                                                                                   \
     }
 #define _MID_CASE(KV) \
-    case KV: return launch_mid_k<KV, CB_VALUE>(args, G, slices, stream);
+    case KV: return launch_mid_k<KV, CB_VALUE>(args, stream);
 
 }  // namespace trellm

@@ -35,6 +35,9 @@ EXL3_GEMV_MAX_ROWS = binding.EXL3_SMALL_MAX_ROWS
 _MID_ON = os.environ.get("TRELLM_EXL3_MID", "1") != "0"
 EXL3_MID_MIN_ROWS = EXL3_GEMV_MAX_ROWS + 1
 EXL3_MID_MAX_ROWS = binding.EXL3_MID_MAX_ROWS if _MID_ON else EXL3_GEMV_MAX_ROWS
+# exl3_matmul_group at 17..64 rows: all parts in one mid-size call (three launches, one wave of blocks over
+# every part) rather than one call per part. TRELLM_EXL3_MID_GROUP=0: one call per part, the A/B baseline.
+_MID_GROUP_ON = os.environ.get("TRELLM_EXL3_MID_GROUP", "1") != "0"
 # Rows up to which a gated MLP's down projection applies the activation inside the GEMV's input
 # transform. Measured on the H200 (14336 -> 4096, 4 bpw): 1.02x over the two kernels at 1 row, but
 # 0.76x at 8 rows and 0.64x at 16, so more rows take gated_activation + the GEMV (NOTES, 2026-12-03d).
@@ -184,18 +187,24 @@ def _split_row_norm(x: torch.Tensor, row_norm):
     return row_norm.apply(x), None
 
 
-def _gemv_one_launch(x: torch.Tensor, parts) -> bool:
-    """Whether the small-batch GEMV takes x [..., k] by all these parts in one launch: 1..16 rows, one K."""
+def _one_call(x: torch.Tensor, parts, min_rows: int, max_rows: int) -> bool:
+    """Whether x [..., k] by all these parts goes to one call of a multi-part route: min_rows..max_rows rows,
+    one K, k and every n multiples of 128."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     return (
         1 <= len(parts) <= binding.EXL3_MAX_PARTS
         and x.dtype in _FLOATS
-        and 1 <= m <= EXL3_GEMV_MAX_ROWS
+        and min_rows <= m <= max_rows
         and k % 128 == 0
         and len({p[0].shape[2] for p in parts}) == 1
         and all(p[0].shape[0] * 16 == k and p[0].shape[1] % 8 == 0 for p in parts)
     )
+
+
+def _gemv_one_launch(x: torch.Tensor, parts) -> bool:
+    """Whether the small-batch GEMV takes x [..., k] by all these parts in one launch: 1..16 rows, one K."""
+    return _one_call(x, parts, 1, EXL3_GEMV_MAX_ROWS)
 
 
 def _gemv_parts(parts) -> list:
@@ -205,15 +214,18 @@ def _gemv_parts(parts) -> list:
 
 @_exl3.exl3_matmul_group.register("cuda")
 def exl3_matmul_group(x: torch.Tensor, parts, codebook: str, row_norm=None) -> list[torch.Tensor]:
-    if not _gemv_one_launch(x, parts):
-        if row_norm is not None:
-            x = row_norm.apply(x)
-        return [exl3_matmul(x, trellis, suh, svh, codebook, bias) for trellis, suh, svh, bias in parts]
-    x, row_norm = _split_row_norm(x, row_norm)
     lead = x.shape[:-1]
-    ys = binding.exl3_matmul_small_multi(x.reshape(-1, x.shape[-1]).contiguous(), _gemv_parts(parts), codebook,
-                                         row_norm=row_norm)
-    return [y.reshape(*lead, y.shape[-1]) for y in ys]
+    if _gemv_one_launch(x, parts):
+        x, row_norm = _split_row_norm(x, row_norm)
+        ys = binding.exl3_matmul_small_multi(x.reshape(-1, x.shape[-1]).contiguous(), _gemv_parts(parts), codebook,
+                                             row_norm=row_norm)
+        return [y.reshape(*lead, y.shape[-1]) for y in ys]
+    if row_norm is not None:
+        x = row_norm.apply(x)
+    if _MID_GROUP_ON and _one_call(x, parts, EXL3_MID_MIN_ROWS, EXL3_MID_MAX_ROWS):
+        ys = binding.exl3_matmul_mid_multi(x.reshape(-1, x.shape[-1]).contiguous(), _gemv_parts(parts), codebook)
+        return [y.reshape(*lead, y.shape[-1]) for y in ys]
+    return [exl3_matmul(x, trellis, suh, svh, codebook, bias) for trellis, suh, svh, bias in parts]
 
 
 @_exl3.exl3_qkv_rope_write_kv.register("cuda")

@@ -81,15 +81,18 @@ int trellm_exl3_matmul_small(const void *x, int x_dtype, const void *suh, const 
                              int64_t counters_len, int64_t m, int64_t k, int64_t n, int K, int codebook,
                              const trellm_residual_stream *rs, int num_sms, cudaStream_t stream);
 
-/* EXL3 matmul for 1..64 rows (a batched decode step; the route above 16 rows): the same y as
- * trellm_exl3_matmul_small, in three launches (x packed into tensor-core fragments, the trellis decoded in
- * registers against them, the k-slices summed with H128 * svh + bias). workspace: float32 of
- * trellm_exl3_matmul_mid_workspace(m, k, n, num_sms) elements (0: the shape is not supported), 16-byte
- * aligned; no counters, no state between calls. */
-int64_t trellm_exl3_matmul_mid_workspace(int64_t m, int64_t k, int64_t n, int num_sms);
-int trellm_exl3_matmul_mid(const void *x, int x_dtype, const void *suh, const int16_t *trellis, const void *svh,
-                           const void *bias, void *y, int y_dtype, float *workspace, int64_t workspace_len,
-                           int64_t m, int64_t k, int64_t n, int K, int codebook, int num_sms, cudaStream_t stream);
+/* EXL3 matmul for 1..64 rows (a batched decode step; the route above 16 rows) of x by 1..4 parts, as
+ * trellm_exl3_matmul_small_multi takes them (trellis[p] int16 [k/16, n[p]/16, 16*K], suh[p], svh[p], bias[p]
+ * (may be NULL), y[p] [m, n[p]]; one K and codebook): the same y, in three launches (x packed into
+ * tensor-core fragments per part, the trellis decoded in registers against them with the work split evenly
+ * over one wave of blocks, the partials summed with H128 * svh + bias). workspace: float32 of
+ * trellm_exl3_matmul_mid_workspace(m, k, parts, n, num_sms) elements (0: the shape is not supported),
+ * 16-byte aligned; no counters, no state between calls. */
+int64_t trellm_exl3_matmul_mid_workspace(int64_t m, int64_t k, int parts, const int64_t *n, int num_sms);
+int trellm_exl3_matmul_mid(const void *x, int x_dtype, int parts, const void *const *suh,
+                           const int16_t *const *trellis, const void *const *svh, const void *const *bias,
+                           void *const *y, const int64_t *n, int y_dtype, float *workspace, int64_t workspace_len,
+                           int64_t m, int64_t k, int K, int codebook, int num_sms, cudaStream_t stream);
 
 /* The same with x = act(gate) * up (gate, up [m, k] of x_dtype; activation TRELLM_ACT_*), the activation
  * applied in the input transform and rounded as trellm_gated_activation rounds it: a gated MLP's down

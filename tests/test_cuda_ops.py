@@ -167,12 +167,53 @@ def test_exl3_matmul_mid_all_k(kb, ops, K, codebook):
         assert rel_err(y, ref) < 3e-3, (m, K, codebook)
 
 
+@pytest.mark.parametrize("codebook", ["3inst", "mul1"])
+@pytest.mark.parametrize("K", [2, 4])
+def test_exl3_matmul_mid_multi_parts(kb, ops, K, codebook):
+    # Several parts in one call, the units of all parts split evenly over one wave of blocks: k = 4096 and
+    # 48 groups (q/k/v-like) make ~6 units per block, so blocks cross group and part boundaries and a group's
+    # sum meets up to three blocks' partials; k = 512 with 3 groups leaves one unit per block. Against the
+    # reference and against one call per part (other block boundaries, so close, not bit-equal).
+    for k, ns in ((4096, (4096, 1024, 1024)), (512, (128, 256))):
+        parts = [_random_layer(k, n, K) for n in ns]
+        parts = [(t, suh, svh, bias if i != 1 else None) for i, (t, suh, svh, bias) in enumerate(parts)]
+        for m in (17, 40, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ys = kb.exl3_matmul_mid_multi(x, parts, codebook)
+            assert [tuple(y.shape) for y in ys] == [(m, n) for n in ns] and all(y.dtype == x.dtype for y in ys)
+            for (trellis, suh, svh, bias), y in zip(parts, ys):
+                ref = ops.exl3.exl3_matmul.reference(x.float(), trellis, suh, svh, codebook, bias)
+                alone = kb.exl3_matmul_mid(x, trellis, suh, svh, codebook, bias)
+                assert rel_err(y, ref) < 1e-2 and rel_err(y, alone) < 8e-3, (k, m, K, codebook)
+
+
+def test_exl3_matmul_group_mid_rows(ops):
+    # exl3_matmul_group above the GEMV's 16 rows: one mid-size call for all parts, with the row norm applied
+    # first; leading dims kept.
+    from trellm.ops import RowNorm
+    from trellm.ops.dense import group_sum_squares
+
+    parts = [_random_layer(1024, n, 4) for n in (512, 256)]
+    for rows in (24, 64):
+        h = torch.randn(2, rows // 2, 1024, device="cuda", dtype=torch.float16)
+        norm = RowNorm(group_sum_squares(h.reshape(rows, -1)), None, 1e-6, False)
+        for row_norm in (None, norm):
+            ys = cuda_impl(ops.exl3.exl3_matmul_group)(h, parts, "mcg", row_norm)
+            ys_ref = ops.exl3.exl3_matmul_group.reference(h.float(), parts, "mcg", row_norm)
+            for y, y_ref in zip(ys, ys_ref):
+                assert y.shape == (2, rows // 2, y_ref.shape[-1]) and rel_err(y, y_ref) < 3e-3, (rows, row_norm)
+
+
 def test_exl3_matmul_mid_rejects_bad_rows(kb):
     from trellm.kernels_cuda.binding import KernelArgumentError
 
     trellis, suh, svh, _ = _random_layer(256, 128, 4)
     with pytest.raises(KernelArgumentError, match="65 rows"):
         kb.exl3_matmul_mid(torch.zeros(65, 256, device="cuda", dtype=torch.float16), trellis, suh, svh, "mcg")
+    other = _random_layer(256, 128, 3)
+    with pytest.raises(KernelArgumentError, match="bits per weight differ"):
+        kb.exl3_matmul_mid_multi(torch.zeros(20, 256, device="cuda", dtype=torch.float16),
+                                 [(trellis, suh, svh, None), other], "mcg")
 
 
 @pytest.mark.parametrize("m", [1, 2, 7, 9, 16, 17, 32, 33, 64, 65, 100])
