@@ -149,8 +149,11 @@ extern "C" int trellm_exl3_matmul_small_gated(const void *gate, const void *up, 
 // The mid-size matmul's pack and finish launches (exl3_gemm_mid.cuh has the matmul between them).
 namespace trellm {
 
-// Launch 1: one warp per (part, row of the padded G*8, 128-wide chunk of k).
+// Launch 1: one warp per (part, row of the padded G*8, 128-wide chunk of k). A programmatic dependent of
+// whatever wrote x, and it lets the matmul start at once (its trellis requests do not need the pack).
 __global__ void exl3_mid_pack_kernel(const MidArgs a) {
+    pdl_trigger();
+    pdl_wait();
     const int lane = threadIdx.x & 31;
     const int job = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
     const int chunks = a.k / 128, rows = a.groups * 8;
@@ -179,6 +182,8 @@ __global__ void exl3_mid_pack_kernel(const MidArgs a) {
 
 // Launch 3: one warp per (row, 128-column group of any part): the group's partials in block order.
 __global__ void exl3_mid_finish_kernel(const MidArgs a) {
+    pdl_trigger();
+    pdl_wait();
     const int lane = threadIdx.x & 31;
     const int job = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
     const int all_groups = a.group_begin[a.parts];
@@ -263,8 +268,8 @@ extern "C" int trellm_exl3_matmul_mid(const void *x, int x_dtype, int parts, con
         partial += (int64_t)pieces * m * n[p];
     }
     const int pack_jobs = parts * a.groups * 8 * (a.k / 128);
-    exl3_mid_pack_kernel<<<(pack_jobs + 7) / 8, 256, 0, stream>>>(a);
-    TRELLM_LAUNCH_CHECK();
+    const cudaError_t err = launch_pdl(exl3_mid_pack_kernel, dim3((pack_jobs + 7) / 8), dim3(256), 0, stream, a);
+    if (err != cudaSuccess) return (int)err;
     int rc;
     switch (codebook) {
         case 0: rc = launch_exl3_matmul_mid<0>(a, K, stream); break;
@@ -273,9 +278,8 @@ extern "C" int trellm_exl3_matmul_mid(const void *x, int x_dtype, int parts, con
     }
     if (rc) return rc;
     const int finish_jobs = a.m * a.group_begin[parts];
-    exl3_mid_finish_kernel<<<(finish_jobs + 7) / 8, 256, 0, stream>>>(a);
-    TRELLM_LAUNCH_CHECK();
-    return TRELLM_OK;
+    const cudaError_t fin = launch_pdl(exl3_mid_finish_kernel, dim3((finish_jobs + 7) / 8), dim3(256), 0, stream, a);
+    return fin == cudaSuccess ? TRELLM_OK : (int)fin;
 }
 
 extern "C" int trellm_exl3_decode_tiles(const int16_t *trellis, void *w_hat, int64_t k, int64_t n, int K,

@@ -4,7 +4,7 @@
 // re-reads W_hat in fp16 (four times the 4 bpw trellis each way): about 0.4x bf16 F.linear on the H200.
 // One call takes 1..4 matmuls of the same x (q/k/v, gate/up), like the GEMV's MatmulParts.
 //
-// Three launches (trellm_exl3_matmul_mid):
+// Three launches (trellm_exl3_matmul_mid), each a programmatic dependent of the one before:
 //   1. pack: per part, xp = fp16(H128(x * suh)) in the tensor-core B-fragment layout [k/16][G][32 lanes][2 x
 //      uint32] (G row groups of 8, rows past m zero): lane l's two words of (k tile t, group g) are the pairs
 //      (x[t*16 + c], x[.. + 1]) and (x[.. + 8], x[.. + 9]) of row 8g + l/4, c = 2(l%4), so one 8-byte shared
@@ -20,7 +20,9 @@
 //      partial number (b - the group's first block) of that group. Warps split columns, not k: no cross-warp reduction
 //      and no shared accumulator (the 9..16-row GEMV's bound, NOTES 2026-12-03c);
 //   3. finish: one warp per (row, 128-column group): the group's partials summed in block order (a fixed
-//      order: bit-stable), H128, * svh (+ bias), y.
+//      order: bit-stable), H128, * svh (+ bias), y. (Finishing a group in the block that completes it, as
+//      the GEMV does, was slower: 4096->14336 at 32 rows 36.5 -> 41.6 us, the block's pipeline stalled on
+//      the partials' round trips, NOTES 2026-12-04c.)
 #pragma once
 
 #include "exl3_gemv.cuh"
@@ -137,7 +139,9 @@ template <int K, int G> struct MidCursor {
     }
 };
 
-// Launch 2: see the top of the file.
+// Launch 2: see the top of the file. The first stages' trellis words are requested before pdl_wait (they do
+// not depend on the pack), x and every global write after; the finish may launch once every block is past
+// its loop.
 template <int K, int CB, int G>
 __global__ void __launch_bounds__(MID_WARPS * 32, MID_BLOCKS_PER_SM) exl3_matmul_mid_kernel(const MidArgs a) {
     using Geo = MidGeom<K, G>;
@@ -153,17 +157,25 @@ __global__ void __launch_bounds__(MID_WARPS * 32, MID_BLOCKS_PER_SM) exl3_matmul
     fetch.start(a, u_begin, chunks_k, warp);
     work = fetch;
 
-    // Request the fetch cursor's unit into stage `stage` (one cp.async group per unit, committed by the caller).
-    auto issue = [&](int stage) {
-        const uint32_t base = smem_base + stage * Geo::BUFFER_BYTES;
-        for (int o = threadIdx.x * 16; o < Geo::X_CHUNK_BYTES; o += MID_WARPS * 32 * 16)
-            cp_async_16_to(base + o, fetch.x + o);
-        const uint32_t ring = base + Geo::X_CHUNK_BYTES + warp * Geo::TRELLIS_CHUNK_BYTES;
-        constexpr int PIECES = Geo::TILE_BYTES / 16;  // 16-byte pieces per tile
+    // Request the fetch cursor's unit into stage `stage`: x fragments (16 bytes per thread per copy) and this
+    // warp's trellis words (2K 16-byte pieces per tile); compile-time trip counts.
+    auto issue_x = [&](int stage, const unsigned char *x_chunk) {
+        const uint32_t base = smem_base + stage * Geo::BUFFER_BYTES + threadIdx.x * 16;
+        constexpr int STEP = MID_WARPS * 32 * 16, COPIES = (Geo::X_CHUNK_BYTES + STEP - 1) / STEP;
+#pragma unroll
+        for (int c = 0; c < COPIES; ++c)
+            if (Geo::X_CHUNK_BYTES % STEP == 0 || threadIdx.x * 16 + c * STEP < Geo::X_CHUNK_BYTES)
+                cp_async_16_to(base + c * STEP, x_chunk + threadIdx.x * 16 + c * STEP);
+    };
+    auto issue_trellis = [&](int stage) {
+        const uint32_t ring = smem_base + stage * Geo::BUFFER_BYTES + Geo::X_CHUNK_BYTES + warp * Geo::TRELLIS_CHUNK_BYTES;
+        constexpr int PIECES = Geo::TILE_BYTES / 16, ALL = MID_CHUNK_TILES * PIECES, COPIES = (ALL + 31) / 32;
         const size_t tile_row = (size_t)(fetch.n / 16) * TG::WORDS;  // words from one k tile to the next
-        for (int q = lane; q < MID_CHUNK_TILES * PIECES; q += 32) {
-            const int tt = q / PIECES, piece = q % PIECES;
-            cp_async_16_to(ring + q * 16, fetch.trellis + tt * tile_row + piece * 4);
+#pragma unroll
+        for (int c = 0; c < COPIES; ++c) {
+            const int q = lane + c * 32;
+            if (ALL % 32 == 0 || q < ALL)
+                cp_async_16_to(ring + q * 16, fetch.trellis + (q / PIECES) * tile_row + (q % PIECES) * 4);
         }
     };
 
@@ -173,15 +185,29 @@ __global__ void __launch_bounds__(MID_WARPS * 32, MID_BLOCKS_PER_SM) exl3_matmul
 #pragma unroll
     for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f;
 
-    // Units 0..S-2 in flight before the loop; each iteration waits for its own, then requests the unit S-1
-    // ahead into the stage read in the iteration before (every warp is past it: the barrier).
+    // Units 0..S-2 in flight before the loop (their trellis words before pdl_wait, their x after, each a
+    // cp.async group: the loop's wait counts the later x groups as the newest); each iteration waits for its
+    // own unit, then requests the unit S-1 ahead into the stage read in the iteration before (every warp is
+    // past it: the barrier).
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
         if (s < count) {
             if (s > 0) fetch.next(a, chunks_k, warp);
-            issue(s);
+            issue_trellis(s);
         }
         cp_async_commit();
+    }
+    pdl_wait();
+    {
+        MidCursor<K, G> early = work;
+#pragma unroll
+        for (int s = 0; s < S - 1; ++s) {
+            if (s < count) {
+                if (s > 0) early.next(a, chunks_k, warp);
+                issue_x(s, early.x);
+            }
+            cp_async_commit();
+        }
     }
     int stage = 0, refill = S - 1;
     for (int i = 0; i < count; ++i) {
@@ -189,7 +215,8 @@ __global__ void __launch_bounds__(MID_WARPS * 32, MID_BLOCKS_PER_SM) exl3_matmul
         __syncthreads();
         if (i + S - 1 < count) {
             fetch.next(a, chunks_k, warp);
-            issue(refill);
+            issue_x(refill, fetch.x);
+            issue_trellis(refill);
         }
         cp_async_commit();
         refill = refill + 1 == S ? 0 : refill + 1;
@@ -235,6 +262,7 @@ __global__ void __launch_bounds__(MID_WARPS * 32, MID_BLOCKS_PER_SM) exl3_matmul
         }
         if (i + 1 < count) work.next(a, chunks_k, warp);
     }
+    pdl_trigger();
 }
 
 // Row groups of 8 for m rows: 2, 4 or 8 (the instantiated sizes).
@@ -283,9 +311,8 @@ int launch_mid_matmul(const MidArgs &args, cudaStream_t stream) {
         if (configured != cudaSuccess) cudaGetLastError();
     }
     if (configured != cudaSuccess) return TRELLM_E_UNSUPPORTED;  // more shared memory than this GPU gives a block
-    kernel<<<args.blocks, MID_WARPS * 32, smem, stream>>>(args);
-    TRELLM_LAUNCH_CHECK();
-    return TRELLM_OK;
+    const cudaError_t err = launch_pdl(kernel, dim3(args.blocks), dim3(MID_WARPS * 32), smem, stream, args);
+    return err == cudaSuccess ? TRELLM_OK : (int)err;
 }
 
 template <int K, int CB>

@@ -84,8 +84,8 @@ int trellm_exl3_matmul_small(const void *x, int x_dtype, const void *suh, const 
 /* EXL3 matmul for 1..64 rows (a batched decode step; the route above 16 rows) of x by 1..4 parts, as
  * trellm_exl3_matmul_small_multi takes them (trellis[p] int16 [k/16, n[p]/16, 16*K], suh[p], svh[p], bias[p]
  * (may be NULL), y[p] [m, n[p]]; one K and codebook): the same y, in three launches (x packed into
- * tensor-core fragments per part, the trellis decoded in registers against them with the work split evenly
- * over one wave of blocks, the partials summed with H128 * svh + bias). workspace: float32 of
+ * tensor-core fragments per part; the trellis decoded in registers against them, the work split evenly over
+ * one wave of blocks; the partials summed with H128 * svh + bias). workspace: float32 of
  * trellm_exl3_matmul_mid_workspace(m, k, parts, n, num_sms) elements (0: the shape is not supported),
  * 16-byte aligned; no counters, no state between calls. */
 int64_t trellm_exl3_matmul_mid_workspace(int64_t m, int64_t k, int parts, const int64_t *n, int num_sms);
