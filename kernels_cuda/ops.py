@@ -22,21 +22,23 @@ from . import binding
 # load_backends() falls back to the references instead of failing at the first op call.
 binding.lib()
 
-# Rows up to this can go through the fused one-launch GEMV (one pass over the trellis, with the fused
-# epilogues: groups, residual adds, RoPE). Measured on the H200: its first version at 32 rows (4 mma per
-# tile, 1 block per SM) was 3x slower than decode + cuBLAS.
-EXL3_GEMV_MAX_ROWS = binding.EXL3_SMALL_MAX_ROWS
-# Rows that exl3_matmul sends to the mid-size route (binding.exl3_matmul_mid: the trellis decoded in registers
-# against tensor-core fragments of x) rather than decode-to-fp16 + cuBLAS (> 64 rows). On the H200, 4 bpw:
-# 2.2x decode + cuBLAS at 32 rows (4096->14336 41.4 vs 92.1 us); the 8B decode step at batch 32 1.85x, at 64
-# 1.27x (NOTES 2026-12-04b). Alone it also beats the GEMV at 9..16 rows (1.2-1.5x), but the GEMV keeps them:
-# the fused ops (groups, residual adds, RoPE) run there and their tests hold them bit-equal to this op.
-# TRELLM_EXL3_MID=0: the route off (decode + cuBLAS above 16 rows), the A/B baseline.
+# The mid-size route (binding.exl3_matmul_mid: the trellis decoded in registers against tensor-core fragments
+# of x) for 9..64 rows, rather than the GEMV (<= 16 rows) or decode-to-fp16 + cuBLAS (> 64 rows). On the H200,
+# 4 bpw, 2026-12-04c: against decode + cuBLAS 2.6x at 32 rows (4096->14336 34.0 vs 89.0 us, bf16 F.linear
+# 33.2); against the GEMV at 16 rows 1.5x (29.6 vs 44.1 us; lm_head 204.5 vs 289.7), a tie at 8 rows (29.0
+# vs 28.9), so the GEMV keeps 1..8 rows. The 8B decode step at batch 16 6.80 ms with the GEMV (slower than
+# batch 32's 6.01). Rows the GEMV takes also take its fused epilogues (residual add, RMSNorm, RoPE + KV
+# write); the mid route's rows run those as kernels of their own. NOTES 2026-12-04c.
+# TRELLM_EXL3_MID=0: the mid route off (the GEMV to 16 rows, decode + cuBLAS above), the A/B baseline;
+# TRELLM_EXL3_GEMV_MAX_ROWS=1..16: where the GEMV stops (default 8, 16 with the mid route off).
 _MID_ON = os.environ.get("TRELLM_EXL3_MID", "1") != "0"
+EXL3_GEMV_MAX_ROWS = int(os.environ.get("TRELLM_EXL3_GEMV_MAX_ROWS", "8" if _MID_ON else str(binding.EXL3_SMALL_MAX_ROWS)))
+if not 1 <= EXL3_GEMV_MAX_ROWS <= binding.EXL3_SMALL_MAX_ROWS:
+    raise ValueError(f"TRELLM_EXL3_GEMV_MAX_ROWS={EXL3_GEMV_MAX_ROWS}: the GEMV takes 1..{binding.EXL3_SMALL_MAX_ROWS} rows")
 EXL3_MID_MIN_ROWS = EXL3_GEMV_MAX_ROWS + 1
 EXL3_MID_MAX_ROWS = binding.EXL3_MID_MAX_ROWS if _MID_ON else EXL3_GEMV_MAX_ROWS
-# exl3_matmul_group at 17..64 rows: all parts in one mid-size call (three launches, one wave of blocks over
-# every part) rather than one call per part. TRELLM_EXL3_MID_GROUP=0: one call per part, the A/B baseline.
+# exl3_matmul_group above the GEMV's rows: all parts in one mid-size call (three launches, one wave of blocks
+# over every part) rather than one call per part. TRELLM_EXL3_MID_GROUP=0: one call per part, the A/B baseline.
 _MID_GROUP_ON = os.environ.get("TRELLM_EXL3_MID_GROUP", "1") != "0"
 # Rows up to which a gated MLP's down projection applies the activation inside the GEMV's input
 # transform. Measured on the H200 (14336 -> 4096, 4 bpw): 1.02x over the two kernels at 1 row, but
@@ -135,7 +137,7 @@ def exl3_matmul_gated(
 
 
 def _residual_fits(x: torch.Tensor, k: int, n: int, residual: torch.Tensor) -> bool:
-    """Whether the GEMV adds ``residual`` itself: x [m, k] of 1..16 rows, fp16 / bf16, residual [m, n] alike."""
+    """Whether the GEMV adds ``residual`` itself: x [m, k] of the GEMV's rows, fp16 / bf16, residual [m, n] alike."""
     return (
         x.dim() == 2 and x.shape[1] == k and 1 <= x.shape[0] <= EXL3_GEMV_MAX_ROWS
         and x.dtype in (torch.float16, torch.bfloat16) and k % 128 == 0 and n % 128 == 0
@@ -159,7 +161,7 @@ def exl3_matmul_gated_add(gate, up, activation, trellis, suh, svh, codebook, bia
         _residual_fits(gate, k, n, residual) and up.shape == gate.shape and up.dtype == gate.dtype
         and activation in binding.ACTIVATION_CODES and gate.shape[0] <= EXL3_GATED_FUSED_MAX_ROWS
     )
-    if not fused:  # 2..16 rows: the activation's own launch, then the GEMV adds the residual and sums (1 launch)
+    if not fused:  # 2..8 rows: the activation's own launch, then the GEMV adds the residual and sums (1 launch)
         return exl3_matmul_add(gated_activation(gate, up, activation), trellis, suh, svh, codebook, bias, residual)
     return binding.exl3_matmul_small_gated(gate.contiguous(), up.contiguous(), activation, trellis.contiguous(),
                                            _f16(suh), _f16(svh), codebook, _f16(bias), residual=residual.contiguous())
@@ -203,7 +205,7 @@ def _one_call(x: torch.Tensor, parts, min_rows: int, max_rows: int) -> bool:
 
 
 def _gemv_one_launch(x: torch.Tensor, parts) -> bool:
-    """Whether the small-batch GEMV takes x [..., k] by all these parts in one launch: 1..16 rows, one K."""
+    """Whether the small-batch GEMV takes x [..., k] by all these parts in one launch: its rows, one K."""
     return _one_call(x, parts, 1, EXL3_GEMV_MAX_ROWS)
 
 

@@ -104,7 +104,8 @@ def test_rotary_qk_write_kv(ops, dtype, head_dim):
 def test_exl3_qkv_rope_write_kv(ops, dtype, K, rope, norm):
     # One GEMV launch that finishes q/k/v as rotary_qk_write_kv does: against the reference, and against
     # the two separate CUDA ops (GEMV, then the fused RoPE kernel) it replaces; v and the untouched slots
-    # exactly. Rows 1, 5 and 16 (the most the GEMV takes), one negative slot.
+    # exactly. Rows 1, 5, 8 (the most the op gives the GEMV by default) and 16 (the mid route, then the RoPE
+    # kernel), one negative slot.
     from test_cuda_ops import _random_layer
     from trellm.ops.exl3 import exl3_matmul_group, exl3_qkv_rope_write_kv
 
@@ -119,7 +120,7 @@ def test_exl3_qkv_rope_write_kv(ops, dtype, K, rope, norm):
         kw.update(q_norm=torch.randn(d, device="cuda", dtype=dtype), k_norm=torch.randn(d, device="cuda", dtype=dtype),
                   norm_eps=1e-6, norm_unit_offset=norm == "unit_offset")
     tol = (1e-2 if dtype == torch.bfloat16 else 3e-3) * (3 if norm else 1)
-    for rows in (1, 5, 16):
+    for rows in (1, 5, 8, 16):
         x = torch.randn(rows, k_in, device="cuda", dtype=dtype)
         positions = torch.randint(0, 64, (rows,), device="cuda")
         slots = torch.randperm(pages * page_size, device="cuda")[:rows]
@@ -153,11 +154,12 @@ def test_exl3_qkv_rope_write_kv(ops, dtype, K, rope, norm):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_exl3_matmul_add(ops, dtype):
     # The residual add and the per-group sums of squares in the GEMV's finishing step: the sum exactly as
-    # the GEMV's own output plus the residual (each rounded once), the sums against the result's. Rows 1..16
-    # take the fused kernel; 17 the GEMM path and a torch add, with no sums (the next norm reads h itself).
-    # The gated form takes the activation in the GEMV at 1 row, in a launch of its own at 2..16 (the GEMV
-    # still adds and sums), and has no sums at 17.
+    # the GEMV's own output plus the residual (each rounded once), the sums against the result's. The GEMV's
+    # rows (1..8 by default) take the fused kernel; more the mid-size matmul and a torch add, with no sums (the
+    # next norm reads h itself). The gated form takes the activation in the GEMV at 1 row, in a launch of its
+    # own above (the GEMV still adds and sums), and has no sums past the GEMV's rows.
     from test_cuda_ops import _random_layer
+    from trellm.kernels_cuda.ops import EXL3_GEMV_MAX_ROWS
     from trellm.ops import gated_activation
     from trellm.ops.dense import group_sum_squares
     from trellm.ops.exl3 import exl3_matmul, exl3_matmul_add, exl3_matmul_gated, exl3_matmul_gated_add
@@ -173,7 +175,7 @@ def test_exl3_matmul_add(ops, dtype):
         y = cuda_impl(exl3_matmul)(x, trellis, suh, svh, "mcg", bias)
         assert h.dtype == dtype and torch.equal(h, y + residual), rows
         assert rel_err(h, h_ref) < (1e-2 if dtype == torch.bfloat16 else 3e-3), rows
-        if rows > 16:
+        if rows > EXL3_GEMV_MAX_ROWS:
             assert ssq is None
             continue
         assert ssq.shape == (rows, n // 128) and ssq.dtype == torch.float32
@@ -184,7 +186,7 @@ def test_exl3_matmul_add(ops, dtype):
         h, ssq = cuda_impl(exl3_matmul_gated_add)(gate, up, "silu", trellis, suh, svh, "mcg", None, residual)
         y = cuda_impl(exl3_matmul_gated)(gate, up, "silu", trellis, suh, svh, "mcg", None)
         assert torch.equal(h, y + residual), rows
-        assert (ssq is None) if rows > 16 else rel_err(ssq, group_sum_squares(h)) < 1e-5, rows
+        assert (ssq is None) if rows > EXL3_GEMV_MAX_ROWS else rel_err(ssq, group_sum_squares(h)) < 1e-5, rows
         y_sep = cuda_impl(exl3_matmul)(gated_activation(gate, up, "silu"), trellis, suh, svh, "mcg", None)
         assert torch.equal(y, y_sep)
 

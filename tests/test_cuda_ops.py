@@ -140,13 +140,14 @@ def test_golden_vectors(ops):
 @pytest.mark.parametrize("codebook", CODEBOOKS)
 @pytest.mark.parametrize("K", range(1, 9))
 @pytest.mark.parametrize("k, rows", [(512, (1, 5, 8)), (2048, (1, 5, 16))], ids=["one-slice", "sliced-k"])
-def test_exl3_matmul_gemv_all_k(ops, K, codebook, k, rows):
+def test_exl3_matmul_gemv_all_k(kb, ops, K, codebook, k, rows):
+    # The GEMV itself at every row count it takes (the op routes 9..16 rows to the mid-size matmul by default).
     # k = 2048: two or four k-slices, whose sums meet in the epilogue (global partials and arrival counters).
     n = 384
     trellis, suh, svh, bias = _random_layer(k, n, K)
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        y = cuda_impl(ops.exl3.exl3_matmul)(x, trellis, suh, svh, codebook, bias)
+        y = kb.exl3_matmul_small(x, trellis, suh, svh, codebook, bias)
         ref = ops.exl3.exl3_matmul.reference(x.float(), trellis, suh, svh, codebook, bias)
         assert y.dtype == torch.float16 and y.shape == (m, n)
         assert rel_err(y, ref) < 3e-3, (m, K, codebook)
@@ -232,8 +233,8 @@ def test_exl3_matmul_rows_and_dtypes(ops, m, dtype):
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "relu"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_exl3_matmul_gated(kb, ops, activation, dtype):
-    # The down projection of act(gate) * up: 1..16 rows take the GEMV (where it may apply the activation
-    # in its input transform), more rows the decode + cuBLAS path.
+    # The down projection of act(gate) * up: the GEMV's rows (where it may apply the activation in its input
+    # transform), then the mid-size route.
     k, n, K = 4096, 1024, 4
     trellis, suh, svh, bias = _random_layer(k, n, K)
     for m in (1, 5, 16, 40):
@@ -249,7 +250,9 @@ def test_exl3_matmul_gated(kb, ops, activation, dtype):
         assert torch.equal(y, composed), (m, activation)
         if m <= 16:  # the fused GEMV itself at every row count it takes, whatever the op routes there
             fused = kb.exl3_matmul_small_gated(gate, up, activation, trellis, suh, svh, "mcg", bias)
-            assert torch.equal(fused, composed), (m, activation)
+            gemv = kb.exl3_matmul_small(cuda_impl(ops.gated_activation)(gate, up, activation), trellis, suh, svh,
+                                        "mcg", bias)
+            assert torch.equal(fused, gemv), (m, activation)
 
 
 @pytest.mark.parametrize("codebook", CODEBOOKS)
