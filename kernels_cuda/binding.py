@@ -320,10 +320,13 @@ def exl3_matmul_mid(
     codebook: str,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+    residual: torch.Tensor | None = None,
+):
     """y [m, n] = H128(H128(x * suh) @ W_hat) * svh (+ bias) for 1..64 rows of x [m, k], the trellis decoded in
-    registers against tensor-core fragments of x (three launches; the route for a batched decode step)."""
-    return exl3_matmul_mid_multi(x, [(trellis, suh, svh, bias)], codebook, out_dtype)[0]
+    registers against tensor-core fragments of x (three launches; the route for a batched decode step).
+    ``residual`` as in :func:`exl3_matmul_small`: returns (y, ssq) then."""
+    ys, ssq = _mid_call(x, [(trellis, suh, svh, bias)], codebook, out_dtype, residual=residual)
+    return ys[0] if residual is None else (ys[0], ssq)
 
 
 def exl3_matmul_mid_multi(
@@ -331,23 +334,31 @@ def exl3_matmul_mid_multi(
     parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
     codebook: str,
     out_dtype: torch.dtype | None = None,
+    row_norm=None,
 ) -> list[torch.Tensor]:
     """``exl3_matmul_mid`` of one x by 1..4 (trellis, suh, svh, bias) parts of the same K in one call (three
-    launches for all parts, q/k/v or gate/up), the work of every part split evenly over one wave of blocks."""
+    launches for all parts, q/k/v or gate/up), the work of every part split evenly over one wave of blocks.
+    ``row_norm`` as in :func:`exl3_matmul_small_multi` (the pack launch norms x)."""
+    return _mid_call(x, parts, codebook, out_dtype, row_norm=row_norm)[0]
+
+
+def _mid_call(x, parts, codebook, out_dtype, residual=None, row_norm=None) -> tuple[list, torch.Tensor | None]:
+    """One trellm_exl3_matmul_mid call: the outputs, and the sums of squares when ``residual`` is given."""
     x, parts, ns, K = _checked_parts(x, parts, max_rows=EXL3_MID_MAX_ROWS, route="the mid-size matmul")
     m, k = x.shape
     dtype = out_dtype or x.dtype
     ys = [torch.empty(m, n, dtype=dtype, device=x.device) for n in ns]
+    rs, ssq, _keep = _residual_stream(x, ys[0], residual, row_norm)
     sms = _num_sms(x.device)
     n_array = ffi().new("int64_t[]", ns)
     workspace = torch.empty(lib().trellm_exl3_matmul_mid_workspace(m, k, len(parts), n_array, sms),
                             dtype=torch.float32, device=x.device)
     rc = lib().trellm_exl3_matmul_mid(
         _ptr(x), DTYPE_CODES[x.dtype], len(parts), *_part_arrays(parts, ys), n_array, _dtype_code(ys[0], "out_dtype"),
-        _ptr(workspace, "float *"), workspace.numel(), m, k, K, _codebook_code(codebook), sms, _stream(),
+        _ptr(workspace, "float *"), workspace.numel(), m, k, K, _codebook_code(codebook), rs, sms, _stream(),
     )
     _check(rc, "exl3_matmul_mid")
-    return ys
+    return ys, ssq
 
 
 def exl3_matmul_small_gated(

@@ -163,6 +163,7 @@ __global__ void exl3_mid_pack_kernel(const MidArgs a) {
     float v[4] = {0.f, 0.f, 0.f, 0.f};
     if (row < a.m) {
         load4_as_f32(a.x, a.x_dtype, (size_t)row * a.k + kk0, v);
+        if (a.stream.ssq_in) stream_norm_input(a.stream, a.x_dtype, a.k, row, kk0, lane, v);
 #pragma unroll
         for (int i = 0; i < 4; ++i) v[i] *= __half2float(p.suh[kk0 + i]);
     }
@@ -200,6 +201,12 @@ __global__ void exl3_mid_finish_kernel(const MidArgs a) {
         v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
     }
     warp_hadamard_128(v);
+    if (a.stream.residual) {
+        float res[4];
+        load4_as_f32(a.stream.residual, a.y_dtype, (size_t)row * p.n + col, res);
+        stream_add_output(a.stream, p.y, a.y_dtype, p.svh, p.bias, p.n, row, col, lane, v, res);
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         float o = v[i] * __half2float(p.svh[col + i]);
@@ -226,8 +233,11 @@ extern "C" int trellm_exl3_matmul_mid(const void *x, int x_dtype, int parts, con
                                       const int16_t *const *trellis, const void *const *svh,
                                       const void *const *bias, void *const *y, const int64_t *n, int y_dtype,
                                       float *workspace, int64_t workspace_len, int64_t m, int64_t k, int K,
-                                      int codebook, int num_sms, cudaStream_t stream) {
+                                      int codebook, const trellm_residual_stream *rs, int num_sms,
+                                      cudaStream_t stream) {
     if (parts < 1 || parts > MID_MAX_PARTS) return TRELLM_E_BAD_ARG;
+    if (rs && rs->residual && (parts != 1 || !rs->ssq_out)) return TRELLM_E_BAD_ARG;
+    if (rs && rs->ssq_in && !(rs->norm_eps >= 0.f)) return TRELLM_E_BAD_ARG;
     if (m < 1 || m > MID_MAX_ROWS) return TRELLM_E_BAD_SHAPE;
     if (x_dtype < TRELLM_F16 || x_dtype > TRELLM_F32 || y_dtype < TRELLM_F16 || y_dtype > TRELLM_F32)
         return TRELLM_E_BAD_DTYPE;
@@ -242,6 +252,8 @@ extern "C" int trellm_exl3_matmul_mid(const void *x, int x_dtype, int parts, con
     a.m = (int)m;
     a.k = (int)k;
     a.groups = mid_groups((int)m);
+    if (rs) a.stream = ResidualStream{rs->residual, rs->ssq_out, rs->ssq_in, rs->norm_weight, rs->norm_eps,
+                                      rs->norm_unit_offset};
     int64_t total_n = 0;
     for (int p = 0; p < parts; ++p) {
         const int rc = check_exl3_dims(k, n[p], K, codebook);

@@ -69,6 +69,7 @@ struct MidArgs {
     const void *x;
     int x_dtype, y_dtype, m, k, groups;  // groups: G, the row groups of 8
     int units, blocks;                   // units = group_begin[parts] * k / 128
+    ResidualStream stream;               // the input norm (pack) and the residual add (finish; one part)
 };
 
 // Block b's first unit; and the block that holds unit u (the largest b with mid_unit_begin(b) <= u).

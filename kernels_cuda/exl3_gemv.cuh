@@ -100,6 +100,41 @@ struct ResidualStream {
     int norm_unit_offset;     // scale by 1 + weight (Gemma)
 };
 
+// The residual stream's two ends for one lane's 4 consecutive values, shared by the GEMV and the mid-size
+// matmul. Input: v (x at row, col..col + 3) becomes rms_norm(x), x's squares summed from the producer's ssq
+// (k / 128 floats per row), rounded as the rms_norm kernel rounds it.
+__device__ __forceinline__ void stream_norm_input(const ResidualStream &st, int x_dtype, int k, int row, int col,
+                                                  int lane, float (&v)[4]) {
+    const int groups = k / 128;
+    float ssq = 0.f, w[4] = {1.f, 1.f, 1.f, 1.f};
+    for (int g = lane; g < groups; g += 32) ssq += __ldcg(st.ssq_in + (size_t)row * groups + g);
+    if (st.norm_weight) load4_as_f32(st.norm_weight, x_dtype, col, w);
+    const float rstd = rsqrtf(warp_sum(ssq) / (float)k + st.norm_eps);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float scale = st.norm_weight ? (st.norm_unit_offset ? 1.f + w[i] : w[i]) : 1.f;
+        v[i] = round_as(v[i] * rstd * scale, x_dtype);
+    }
+}
+
+// Output: y = x W + residual at row, col..col + 3 of a 128-column group (the warp holds the group), each
+// rounded as its own op would round it, stored, and the group's sum of squares of y stored by lane 0.
+__device__ __forceinline__ void stream_add_output(const ResidualStream &st, void *y, int y_dtype, const half *svh,
+                                                  const half *bias, int n, int row, int col, int lane,
+                                                  const float (&v)[4], const float (&res)[4]) {
+    float ssq = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float o = v[i] * __half2float(svh[col + i]);
+        if (bias) o += __half2float(bias[col + i]);
+        o = round_as(round_as(o, y_dtype) + res[i], y_dtype);
+        ssq += o * o;
+        store_from_f32(y, y_dtype, (size_t)row * n + col + i, o);
+    }
+    ssq = warp_sum(ssq);
+    if (lane == 0) st.ssq_out[(size_t)row * (n / 128) + col / 128] = ssq;
+}
+
 // Up to GEMV_MAX_PARTS matmuls of the same x (q/k/v, gate/up) in one launch: blocks
 // [block_begin[p], block_begin[p+1]) work on part p. Each part has its own suh, so each block
 // transforms x with its own part's suh (it does that per block anyway).
@@ -330,19 +365,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
         float v[4];
         load4_as_f32(args.x, args.x_dtype, (size_t)row * k + col, v);
 #ifndef TRELLM_GEMV_NO_RESIDUAL_STREAM
-        if (parts.stream.ssq_in) {  // rms_norm(x), rounded as the rms_norm kernel rounds it
-            const ResidualStream &st = parts.stream;
-            const int groups = k / 128;
-            float ssq = 0.f, w[4] = {1.f, 1.f, 1.f, 1.f};
-            for (int g = lane; g < groups; g += 32) ssq += __ldcg(st.ssq_in + (size_t)row * groups + g);
-            if (st.norm_weight) load4_as_f32(st.norm_weight, args.x_dtype, col, w);
-            const float rstd = rsqrtf(warp_sum(ssq) / (float)k + st.norm_eps);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float scale = st.norm_weight ? (st.norm_unit_offset ? 1.f + w[i] : w[i]) : 1.f;
-                v[i] = round_as(v[i] * rstd * scale, args.x_dtype);
-            }
-        }
+        if (parts.stream.ssq_in) stream_norm_input(parts.stream, args.x_dtype, k, row, col, lane, v);
 #endif
         if (args.x_up) {  // rounded as the separate gated_activation kernel rounds: the same x, bit for bit
             float u[4];
@@ -561,18 +584,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
             continue;
         }
 #ifndef TRELLM_GEMV_NO_RESIDUAL_STREAM
-        if (st.residual) {  // y = x W + residual, each rounded as its own op would round it; y's squares summed
-            float ssq = 0.f;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                float o = v[i] * __half2float(args.svh[col + i]);
-                if (args.bias) o += __half2float(args.bias[col + i]);
-                o = round_as(round_as(o, args.y_dtype) + res[i], args.y_dtype);
-                ssq += o * o;
-                store_from_f32(args.y, args.y_dtype, (size_t)row * n + col + i, o);
-            }
-            ssq = warp_sum(ssq);
-            if (lane == 0) st.ssq_out[(size_t)row * (n / 128) + col / 128] = ssq;
+        if (st.residual) {
+            stream_add_output(st, args.y, args.y_dtype, args.svh, args.bias, n, row, col, lane, v, res);
             continue;
         }
 #endif

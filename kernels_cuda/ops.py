@@ -40,6 +40,12 @@ EXL3_MID_MAX_ROWS = binding.EXL3_MID_MAX_ROWS if _MID_ON else EXL3_GEMV_MAX_ROWS
 # exl3_matmul_group above the GEMV's rows: all parts in one mid-size call (three launches, one wave of blocks
 # over every part) rather than one call per part. TRELLM_EXL3_MID_GROUP=0: one call per part, the A/B baseline.
 _MID_GROUP_ON = os.environ.get("TRELLM_EXL3_MID_GROUP", "1") != "0"
+# The residual stream through the mid route too (its finish adds the residual and sums the squares, its pack
+# norms x from those sums), so a 9..64-row step keeps no add or RMSNorm launch between matmuls, as the GEMV's
+# rows do. TRELLM_EXL3_MID_STREAM=0: the add and the norm as kernels of their own, the A/B baseline.
+_MID_STREAM_ON = os.environ.get("TRELLM_EXL3_MID_STREAM", "1") != "0"
+# The most rows whose matmul adds the residual itself and returns the sums of squares (exl3_matmul_add).
+EXL3_STREAM_MAX_ROWS = EXL3_MID_MAX_ROWS if _MID_STREAM_ON else EXL3_GEMV_MAX_ROWS
 # Rows up to which a gated MLP's down projection applies the activation inside the GEMV's input
 # transform. Measured on the H200 (14336 -> 4096, 4 bpw): 1.02x over the two kernels at 1 row, but
 # 0.76x at 8 rows and 0.64x at 16, so more rows take gated_activation + the GEMV (NOTES, 2026-12-03d).
@@ -136,10 +142,12 @@ def exl3_matmul_gated(
     return y.reshape(*lead, n)
 
 
-def _residual_fits(x: torch.Tensor, k: int, n: int, residual: torch.Tensor) -> bool:
-    """Whether the GEMV adds ``residual`` itself: x [m, k] of the GEMV's rows, fp16 / bf16, residual [m, n] alike."""
+def _residual_fits(x: torch.Tensor, k: int, n: int, residual: torch.Tensor, min_rows: int = 1,
+                   max_rows: int = EXL3_GEMV_MAX_ROWS) -> bool:
+    """Whether the matmul adds ``residual`` itself: x [m, k] of min_rows..max_rows rows (the GEMV's by default),
+    fp16 / bf16, residual [m, n] alike."""
     return (
-        x.dim() == 2 and x.shape[1] == k and 1 <= x.shape[0] <= EXL3_GEMV_MAX_ROWS
+        x.dim() == 2 and x.shape[1] == k and min_rows <= x.shape[0] <= max_rows
         and x.dtype in (torch.float16, torch.bfloat16) and k % 128 == 0 and n % 128 == 0
         and residual.shape == (x.shape[0], n) and residual.dtype == x.dtype
     )
@@ -148,6 +156,9 @@ def _residual_fits(x: torch.Tensor, k: int, n: int, residual: torch.Tensor) -> b
 @_exl3.exl3_matmul_add.register("cuda")
 def exl3_matmul_add(x, trellis, suh, svh, codebook, bias, residual):
     k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+    if _MID_STREAM_ON and _residual_fits(x, k, n, residual, EXL3_MID_MIN_ROWS, EXL3_MID_MAX_ROWS):
+        return binding.exl3_matmul_mid(x.contiguous(), trellis.contiguous(), _f16(suh), _f16(svh), codebook,
+                                       _f16(bias), residual=residual.contiguous())
     if not _residual_fits(x, k, n, residual):  # many rows (prefill): no sums; the next norm reads h itself
         return exl3_matmul(x, trellis, suh, svh, codebook, bias) + residual, None
     return binding.exl3_matmul_small(x.contiguous(), trellis.contiguous(), _f16(suh), _f16(svh), codebook, _f16(bias),
@@ -181,9 +192,14 @@ def _row_norm_fits(x: torch.Tensor, row_norm) -> bool:
     )
 
 
+def _normed(x: torch.Tensor, row_norm) -> torch.Tensor:
+    """x, or rms_norm(x) as ``row_norm`` describes it (the rms_norm kernel)."""
+    return x if row_norm is None else row_norm.apply(x)
+
+
 def _split_row_norm(x: torch.Tensor, row_norm):
-    """(x, row_norm) for the GEMV: unchanged when it norms x itself, else the norm applied here first (the
-    rms_norm kernel) and none left for the GEMV."""
+    """(x, row_norm) for the GEMV or the mid-size pack: unchanged when it norms x itself, else the norm applied
+    here first (the rms_norm kernel) and none left for the matmul."""
     if row_norm is None or _row_norm_fits(x, row_norm):
         return x, row_norm
     return row_norm.apply(x), None
@@ -222,11 +238,12 @@ def exl3_matmul_group(x: torch.Tensor, parts, codebook: str, row_norm=None) -> l
         ys = binding.exl3_matmul_small_multi(x.reshape(-1, x.shape[-1]).contiguous(), _gemv_parts(parts), codebook,
                                              row_norm=row_norm)
         return [y.reshape(*lead, y.shape[-1]) for y in ys]
-    if row_norm is not None:
-        x = row_norm.apply(x)
     if _MID_GROUP_ON and _one_call(x, parts, EXL3_MID_MIN_ROWS, EXL3_MID_MAX_ROWS):
-        ys = binding.exl3_matmul_mid_multi(x.reshape(-1, x.shape[-1]).contiguous(), _gemv_parts(parts), codebook)
+        x, row_norm = _split_row_norm(x, row_norm) if _MID_STREAM_ON else (_normed(x, row_norm), None)
+        ys = binding.exl3_matmul_mid_multi(x.reshape(-1, x.shape[-1]).contiguous(), _gemv_parts(parts), codebook,
+                                           row_norm=row_norm)
         return [y.reshape(*lead, y.shape[-1]) for y in ys]
+    x = _normed(x, row_norm)
     return [exl3_matmul(x, trellis, suh, svh, codebook, bias) for trellis, suh, svh, bias in parts]
 
 

@@ -87,12 +87,14 @@ int trellm_exl3_matmul_small(const void *x, int x_dtype, const void *suh, const 
  * tensor-core fragments per part; the trellis decoded in registers against them, the work split evenly over
  * one wave of blocks; the partials summed with H128 * svh + bias). workspace: float32 of
  * trellm_exl3_matmul_mid_workspace(m, k, parts, n, num_sms) elements (0: the shape is not supported),
- * 16-byte aligned; no counters, no state between calls. */
+ * 16-byte aligned; no counters, no state between calls. rs as for trellm_exl3_matmul_small (NULL: neither
+ * end): the residual add with one part, the input norm with any. */
 int64_t trellm_exl3_matmul_mid_workspace(int64_t m, int64_t k, int parts, const int64_t *n, int num_sms);
 int trellm_exl3_matmul_mid(const void *x, int x_dtype, int parts, const void *const *suh,
                            const int16_t *const *trellis, const void *const *svh, const void *const *bias,
                            void *const *y, const int64_t *n, int y_dtype, float *workspace, int64_t workspace_len,
-                           int64_t m, int64_t k, int K, int codebook, int num_sms, cudaStream_t stream);
+                           int64_t m, int64_t k, int K, int codebook, const trellm_residual_stream *rs, int num_sms,
+                           cudaStream_t stream);
 
 /* The same with x = act(gate) * up (gate, up [m, k] of x_dtype; activation TRELLM_ACT_*), the activation
  * applied in the input transform and rounded as trellm_gated_activation rounds it: a gated MLP's down

@@ -154,12 +154,12 @@ def test_exl3_qkv_rope_write_kv(ops, dtype, K, rope, norm):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_exl3_matmul_add(ops, dtype):
     # The residual add and the per-group sums of squares in the GEMV's finishing step: the sum exactly as
-    # the GEMV's own output plus the residual (each rounded once), the sums against the result's. The GEMV's
-    # rows (1..8 by default) take the fused kernel; more the mid-size matmul and a torch add, with no sums (the
-    # next norm reads h itself). The gated form takes the activation in the GEMV at 1 row, in a launch of its
-    # own above (the GEMV still adds and sums), and has no sums past the GEMV's rows.
+    # the matmul's own output plus the residual (each rounded once), the sums against the result's. The GEMV's
+    # rows (1..8 by default) and the mid-size matmul's (9..64) add in their finishing step; more rows take
+    # decode + cuBLAS and a torch add, with no sums (the next norm reads h itself). The gated form takes the
+    # activation in the GEMV at 1 row, in a launch of its own above (the matmul still adds and sums).
     from test_cuda_ops import _random_layer
-    from trellm.kernels_cuda.ops import EXL3_GEMV_MAX_ROWS
+    from trellm.kernels_cuda.ops import EXL3_STREAM_MAX_ROWS
     from trellm.ops import gated_activation
     from trellm.ops.dense import group_sum_squares
     from trellm.ops.exl3 import exl3_matmul, exl3_matmul_add, exl3_matmul_gated, exl3_matmul_gated_add
@@ -167,7 +167,7 @@ def test_exl3_matmul_add(ops, dtype):
     torch.manual_seed(5)
     k_in, n = 1024, 512
     trellis, suh, svh, bias = _random_layer(k_in, n, 4)
-    for rows in (1, 5, 16, 17):
+    for rows in (1, 5, 16, 17, 70):
         x = torch.randn(rows, k_in, device="cuda", dtype=dtype)
         residual = torch.randn(rows, n, device="cuda", dtype=dtype) * 4
         h, ssq = cuda_impl(exl3_matmul_add)(x, trellis, suh, svh, "mcg", bias, residual)
@@ -175,20 +175,51 @@ def test_exl3_matmul_add(ops, dtype):
         y = cuda_impl(exl3_matmul)(x, trellis, suh, svh, "mcg", bias)
         assert h.dtype == dtype and torch.equal(h, y + residual), rows
         assert rel_err(h, h_ref) < (1e-2 if dtype == torch.bfloat16 else 3e-3), rows
-        if rows > EXL3_GEMV_MAX_ROWS:
+        if rows > EXL3_STREAM_MAX_ROWS:
             assert ssq is None
             continue
         assert ssq.shape == (rows, n // 128) and ssq.dtype == torch.float32
         assert rel_err(ssq, group_sum_squares(h)) < 1e-5 and rel_err(ssq, ssq_ref) < 1e-2, rows
-    for rows in (1, 2, 17):
+    for rows in (1, 2, 17, 70):
         gate, up = (torch.randn(rows, k_in, device="cuda", dtype=dtype) for _ in range(2))
         residual = torch.randn(rows, n, device="cuda", dtype=dtype)
         h, ssq = cuda_impl(exl3_matmul_gated_add)(gate, up, "silu", trellis, suh, svh, "mcg", None, residual)
         y = cuda_impl(exl3_matmul_gated)(gate, up, "silu", trellis, suh, svh, "mcg", None)
         assert torch.equal(h, y + residual), rows
-        assert (ssq is None) if rows > EXL3_GEMV_MAX_ROWS else rel_err(ssq, group_sum_squares(h)) < 1e-5, rows
+        assert (ssq is None) if rows > EXL3_STREAM_MAX_ROWS else rel_err(ssq, group_sum_squares(h)) < 1e-5, rows
         y_sep = cuda_impl(exl3_matmul)(gated_activation(gate, up, "silu"), trellis, suh, svh, "mcg", None)
         assert torch.equal(y, y_sep)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_exl3_matmul_mid_residual_stream(ops, dtype):
+    # Both ends of the residual stream in the mid-size matmul: the finish adds the residual (bit-equal to its own
+    # output plus the residual) and sums the squares; the pack norms x from those sums (against rms_norm and the
+    # same matmul). Rows 24 and 64; a row norm of the wrong shape is refused by name.
+    from test_cuda_ops import _random_layer
+    from trellm.kernels_cuda import binding
+    from trellm.kernels_cuda.binding import KernelArgumentError
+    from trellm.ops import rms_norm
+    from trellm.ops.dense import group_sum_squares
+
+    torch.manual_seed(8)
+    k_in, n = 1024, 1024
+    o_proj = _random_layer(k_in, n, 4)
+    qk = [_random_layer(n, m, 4) for m in (512, 256)]
+    w = (torch.randn(n, device="cuda") * 0.1 + 1.0).to(dtype)
+    close = 8e-3 if dtype == torch.bfloat16 else 2e-3
+    for rows in (24, 64):
+        x = torch.randn(rows, k_in, device="cuda", dtype=dtype)
+        residual = torch.randn(rows, n, device="cuda", dtype=dtype) * 4
+        h, ssq = binding.exl3_matmul_mid(x, *o_proj[:3], "mcg", o_proj[3], residual=residual)
+        assert torch.equal(h, binding.exl3_matmul_mid(x, *o_proj[:3], "mcg", o_proj[3]) + residual), rows
+        assert ssq.shape == (rows, n // 128) and rel_err(ssq, group_sum_squares(h)) < 1e-5, rows
+        ys = binding.exl3_matmul_mid_multi(h, qk, "mcg", row_norm=(ssq, w, 1e-5, False))
+        ys_sep = binding.exl3_matmul_mid_multi(cuda_impl(rms_norm)(h, w, 1e-5), qk, "mcg")
+        for y, y_sep in zip(ys, ys_sep):
+            assert rel_err(y, y_sep) < close, rows
+    with pytest.raises(KernelArgumentError, match="row_norm.ssq"):
+        binding.exl3_matmul_mid_multi(h, qk, "mcg", row_norm=(torch.zeros(rows, 3, device="cuda"), w, 1e-5, False))
 
 
 @pytest.mark.parametrize("weight", ["plain", "unit_offset", None])
