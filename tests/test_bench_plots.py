@@ -59,3 +59,29 @@ def test_exl3_matmul_plot_has_a_panel_per_shape_and_a_line_per_bitrate(tmp_path)
 
     h, w = matplotlib.image.imread(out).shape[:2]
     assert w > h  # two shapes side by side, two rows of panels
+
+
+def test_step_sweep_plot_from_printed_lines_and_csv(tmp_path):
+    # bench_step.py prints one line per run; --replot turns logs of such lines (or a saved --csv) into tokens/s
+    # vs batch, a line per label; lines that are not results are skipped.
+    pytest.importorskip("matplotlib")
+    bench = _load("bench_step")
+    log = tmp_path / "steps.log"
+    log.write_text(
+        "/root/.cache/trellm/kernels/libtrellm_kernels-sm_90.so\n"
+        "stream step K=4 batch 16: 4.843 ms = 3304 tokens/s\n"
+        "nostream step K=4 batch 16: 4.994 ms = 3204 tokens/s\n"
+        "stream step K=4 batch 32: 5.939 ms = 5388 tokens/s\n"
+        "stream step K=4 batch 32: 5.941 ms = 5386 tokens/s\n"
+        " step K=2 batch 1: 3.050 ms = 328 tokens/s\n"
+    )
+    rows = bench.read_rows(log)
+    assert [(r["label"], r["batch"]) for r in rows] == [
+        ("stream", 16), ("nostream", 16), ("stream", 32), ("stream", 32), ("K=2", 1)]
+    assert rows[0]["ms"] == 4.843 and rows[0]["tokens_s"] == 3304 and rows[0]["K"] == 4
+    saved = tmp_path / "steps.csv"
+    bench.write_rows(saved, rows)
+    assert bench.read_rows(saved) == rows
+    out = tmp_path / "steps.png"
+    assert bench.plot_batches(rows, out, "test")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
