@@ -5,7 +5,8 @@
 // One call takes 1..4 matmuls of the same x (q/k/v, gate/up), like the GEMV's MatmulParts.
 //
 // Three launches (trellm_exl3_matmul_mid), each a programmatic dependent of the one before:
-//   1. pack: per part, xp = fp16(H128(x * suh)) in the tensor-core B-fragment layout [k/16][G][32 lanes][2 x
+//   1. pack: per part, xp = fp16(H128(x * suh)) (x RMS-normed first with the residual stream's sums, as the
+//      GEMV's input transform does) in the tensor-core B-fragment layout [k/16][G][32 lanes][2 x
 //      uint32] (G row groups of 8, rows past m zero): lane l's two words of (k tile t, group g) are the pairs
 //      (x[t*16 + c], x[.. + 1]) and (x[.. + 8], x[.. + 9]) of row 8g + l/4, c = 2(l%4), so one 8-byte shared
 //      load is the mma's B operand;
@@ -17,10 +18,11 @@
 //      cp.async, several units ahead (MidGeom::STAGES), while the unit before is decoded; the weights are
 //      paired into fp16 as the bit-exact decoder does, one mma per row group. Each warp keeps its 16
 //      columns x 8G rows in registers across the block's units of one group and stores them once, as fp32
-//      partial number (b - the group's first block) of that group. Warps split columns, not k: no cross-warp reduction
-//      and no shared accumulator (the 9..16-row GEMV's bound, NOTES 2026-12-03c);
+//      partial number (b - the group's first block) of that group. Warps split columns, not k: no
+//      cross-warp reduction and no shared accumulator (the 9..16-row GEMV's bound, NOTES 2026-12-03c);
 //   3. finish: one warp per (row, 128-column group): the group's partials summed in block order (a fixed
-//      order: bit-stable), H128, * svh (+ bias), y. (Finishing a group in the block that completes it, as
+//      order: bit-stable), H128, * svh (+ bias), y (+ the residual, its squares summed for the next norm,
+//      as the GEMV's finishing warp does). (Finishing a group in the block that completes it, as
 //      the GEMV does, was slower: 4096->14336 at 32 rows 36.5 -> 41.6 us, the block's pipeline stalled on
 //      the partials' round trips, NOTES 2026-12-04c.)
 #pragma once
