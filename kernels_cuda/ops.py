@@ -32,9 +32,15 @@ binding.lib()
 # TRELLM_EXL3_MID=0: the mid route off (the GEMV to 16 rows, decode + cuBLAS above), the A/B baseline;
 # TRELLM_EXL3_GEMV_MAX_ROWS=1..16: where the GEMV stops (default 8, 16 with the mid route off).
 _MID_ON = os.environ.get("TRELLM_EXL3_MID", "1") != "0"
-EXL3_GEMV_MAX_ROWS = int(os.environ.get("TRELLM_EXL3_GEMV_MAX_ROWS", "8" if _MID_ON else str(binding.EXL3_SMALL_MAX_ROWS)))
-if not 1 <= EXL3_GEMV_MAX_ROWS <= binding.EXL3_SMALL_MAX_ROWS:
-    raise ValueError(f"TRELLM_EXL3_GEMV_MAX_ROWS={EXL3_GEMV_MAX_ROWS}: the GEMV takes 1..{binding.EXL3_SMALL_MAX_ROWS} rows")
+def _gemv_max_rows() -> int:
+    """TRELLM_EXL3_GEMV_MAX_ROWS, checked: a bad value names the variable."""
+    text = os.environ.get("TRELLM_EXL3_GEMV_MAX_ROWS", "8" if _MID_ON else str(binding.EXL3_SMALL_MAX_ROWS))
+    if not text.strip().isdigit() or not 1 <= int(text) <= binding.EXL3_SMALL_MAX_ROWS:
+        raise ValueError(f"TRELLM_EXL3_GEMV_MAX_ROWS={text!r}: the GEMV takes 1..{binding.EXL3_SMALL_MAX_ROWS} rows")
+    return int(text)
+
+
+EXL3_GEMV_MAX_ROWS = _gemv_max_rows()
 EXL3_MID_MIN_ROWS = EXL3_GEMV_MAX_ROWS + 1
 EXL3_MID_MAX_ROWS = binding.EXL3_MID_MAX_ROWS if _MID_ON else EXL3_GEMV_MAX_ROWS
 # exl3_matmul_group above the GEMV's rows: all parts in one mid-size call (three launches, one wave of blocks
