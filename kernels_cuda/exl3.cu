@@ -189,7 +189,7 @@ __global__ void exl3_mid_finish_kernel(const MidArgs a) {
     const int job = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
     const int all_groups = a.group_begin[a.parts];
     if (job >= a.m * all_groups) return;
-    const int row = job / all_groups, global_group = job % all_groups, chunks_k = a.k / 128;
+    const int row = job / all_groups, global_group = job % all_groups, chunks_k = a.k / MID_UNIT_K;
     int group;
     const MidPart p = mid_part_of(a, global_group, group);
     const int col = group * 128 + lane * 4;
@@ -225,7 +225,7 @@ extern "C" int64_t trellm_exl3_matmul_mid_workspace(int64_t m, int64_t k, int pa
         if (n[p] <= 0 || n[p] % 128) return 0;
         total_n += n[p];
     }
-    if (total_n / 128 * (k / 128) > INT32_MAX / 2) return 0;
+    if (k % MID_UNIT_K || total_n / 128 * (k / MID_UNIT_K) > INT32_MAX / 2) return 0;
     return mid_workspace_floats((int)m, (int)k, parts, total_n, num_sms);
 }
 
@@ -263,9 +263,9 @@ extern "C" int trellm_exl3_matmul_mid(const void *x, int x_dtype, int parts, con
         total_n += n[p];
     }
     for (int p = parts; p <= MID_MAX_PARTS; ++p) a.group_begin[p] = (int)(total_n / 128);
-    a.units = a.group_begin[parts] * (a.k / 128);
-    a.blocks = mid_blocks(a.units, a.k / 128, num_sms);
-    const int pieces = mid_pieces(a.k / 128, a.units, a.blocks);
+    a.units = a.group_begin[parts] * (a.k / MID_UNIT_K);
+    a.blocks = mid_blocks(a.units, a.k / MID_UNIT_K, num_sms);
+    const int pieces = mid_pieces(a.k / MID_UNIT_K, a.units, a.blocks);
     float *partial = workspace + (int64_t)parts * k * a.groups * 4;
     for (int p = 0; p < parts; ++p) {
         MidPart &q = a.part[p];

@@ -32,7 +32,15 @@
 namespace trellm {
 
 constexpr int MID_WARPS = 8;       // one output group of 128 columns per unit
-constexpr int MID_CHUNK_TILES = 8; // k tiles per unit (k % 128 == 0, so chunks are whole)
+// k tiles per unit. 8 by default (k % 128 == 0, so every shape's chunks are whole); build with
+// TRELLM_NVCC_FLAGS="-DTRELLM_MID_CHUNK_TILES=16" to halve the per-unit work (copies, barrier, cursor: about 25
+// of the 80 instructions issued per tile, NOTES 2026-12-04c), for shapes with k % 256 == 0 only (others are
+// refused). Not measured yet.
+#ifndef TRELLM_MID_CHUNK_TILES
+#define TRELLM_MID_CHUNK_TILES 8
+#endif
+constexpr int MID_CHUNK_TILES = TRELLM_MID_CHUNK_TILES;
+constexpr int MID_UNIT_K = 16 * MID_CHUNK_TILES;  // k values per unit
 constexpr int MID_MAX_ROWS = 64;
 constexpr int MID_MAX_PARTS = 4;
 constexpr int MID_BLOCKS_PER_SM = 2;  // the matmul kernel's launch bound: one wave is this many blocks per SM
@@ -70,7 +78,7 @@ struct MidArgs {
     int parts;
     const void *x;
     int x_dtype, y_dtype, m, k, groups;  // groups: G, the row groups of 8
-    int units, blocks;                   // units = group_begin[parts] * k / 128
+    int units, blocks;                   // units = group_begin[parts] * k / MID_UNIT_K
     ResidualStream stream;               // the input norm (pack) and the residual add (finish; one part)
 };
 
@@ -152,7 +160,7 @@ __global__ void __launch_bounds__(MID_WARPS * 32, MID_BLOCKS_PER_SM) exl3_matmul
     constexpr int S = Geo::STAGES;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int lane = threadIdx.x & 31, warp = warp_index();
-    const int chunks_k = a.k / 128;
+    const int chunks_k = a.k / MID_UNIT_K;
     const int u_begin = mid_unit_begin(blockIdx.x, a.units, a.blocks);
     const int count = mid_unit_begin(blockIdx.x + 1, a.units, a.blocks) - u_begin;
     const uint32_t smem_base = (uint32_t)__cvta_generic_to_shared(smem_raw);
@@ -299,7 +307,7 @@ inline int mid_pieces(int chunks_k, int units, int blocks) {
 // Floats of workspace for total_n columns over `parts` parts: each part's packed x (fp16 per element of the
 // padded rows) and the partials.
 inline int64_t mid_workspace_floats(int m, int k, int parts, int64_t total_n, int num_sms) {
-    const int chunks_k = k / 128, units = (int)(total_n / 128) * chunks_k;
+    const int chunks_k = k / MID_UNIT_K, units = (int)(total_n / 128) * chunks_k;
     const int blocks = mid_blocks(units, chunks_k, num_sms);
     return (int64_t)parts * k * mid_groups(m) * 4 + (int64_t)mid_pieces(chunks_k, units, blocks) * m * total_n;
 }
