@@ -43,10 +43,19 @@ constexpr int MID_CHUNK_TILES = TRELLM_MID_CHUNK_TILES;
 constexpr int MID_UNIT_K = 16 * MID_CHUNK_TILES;  // k values per unit
 constexpr int MID_MAX_ROWS = 64;
 constexpr int MID_MAX_PARTS = 4;
-constexpr int MID_BLOCKS_PER_SM = 2;  // the matmul kernel's launch bound: one wave is this many blocks per SM
+// The matmul kernel's launch bound: one wave is this many blocks per SM. Build with
+// TRELLM_NVCC_FLAGS="-DTRELLM_MID_BLOCKS_PER_SM=3" for 24 warps per SM (64 KB of stages, at most 80
+// registers per thread: every instantiation fits without spilling, by the build's resource report), to hide
+// more of the decode's latency (ncu: 68% issue-active at 4 warps per scheduler, NOTES 2026-12-04c). Not
+// measured yet.
+#ifndef TRELLM_MID_BLOCKS_PER_SM
+#define TRELLM_MID_BLOCKS_PER_SM 2
+#endif
+constexpr int MID_BLOCKS_PER_SM = TRELLM_MID_BLOCKS_PER_SM;
 
-// Shared memory per block for the pipeline: 2 blocks per SM on the H100/H200 (227 KB), 1 on sm_86/89 (99 KB).
-constexpr int MID_SMEM_BUDGET = 96 * 1024;
+// Shared memory per block for the pipeline: 96 KB at 2 blocks per SM on the H100/H200 (227 KB; 1 block on
+// sm_86/89, 99 KB).
+constexpr int MID_SMEM_BUDGET = 192 * 1024 / MID_BLOCKS_PER_SM;
 
 // A unit's shared-memory stage: the x fragments of its 8 k tiles (all row groups; 8 bytes per lane per group
 // and tile) and each warp's trellis words. As many stages as the budget holds, 2..8: a unit's decode is
