@@ -32,6 +32,8 @@ binding.lib()
 # TRELLM_EXL3_MID=0: the mid route off (the GEMV to 16 rows, decode + cuBLAS above), the A/B baseline;
 # TRELLM_EXL3_GEMV_MAX_ROWS=1..16: where the GEMV stops (default 8, 16 with the mid route off).
 _MID_ON = os.environ.get("TRELLM_EXL3_MID", "1") != "0"
+
+
 def _gemv_max_rows() -> int:
     """TRELLM_EXL3_GEMV_MAX_ROWS, checked: a bad value names the variable."""
     text = os.environ.get("TRELLM_EXL3_GEMV_MAX_ROWS", "8" if _MID_ON else str(binding.EXL3_SMALL_MAX_ROWS))
@@ -232,7 +234,7 @@ def _gemv_one_launch(x: torch.Tensor, parts) -> bool:
 
 
 def _gemv_parts(parts) -> list:
-    """The parts as the GEMV reads them: contiguous trellis, fp16 suh / svh / bias."""
+    """The parts as the GEMV and the mid-size matmul read them: contiguous trellis, fp16 suh / svh / bias."""
     return [(trellis.contiguous(), _f16(suh), _f16(svh), _f16(bias)) for trellis, suh, svh, bias in parts]
 
 
