@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copies_for, copy_bandwidth, l2_bytes, pyplot, time_graph  # noqa: E402
+from common import copies_for, copy_bandwidth, l2_bytes, pyplot, save_figure, time_graph  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]
 KS = [2, 3, 4, 5, 6, 8]
@@ -161,17 +161,6 @@ def time_routes(x: torch.Tensor, layers: list, codebook: str) -> dict[str, float
 
 ROUTE_STYLES = {"gemv_us": ("GEMV (<= 16 rows)", "o-"), "mid_us": ("mid (<= 64 rows)", "s-"),
                 "cublas_us": ("decode + cuBLAS", "^-"), "bf16_us": ("bf16 F.linear", "k--")}
-
-
-def save_figure(plt, fig, path: Path, title: str) -> bool:
-    """Title, tight layout, save, close: the end of every plot here."""
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"plot saved to {path}")
-    return True
 
 
 def plot_routes(rows: list[dict], path: Path, title: str = "", bits: int = 4) -> bool:

@@ -175,7 +175,7 @@ def main() -> None:
         print(f"{n:5d} {row['wall_s']:8.2f} {row['tok_s']:8.2f} {row['decode_tok_s']:13.2f} {row['step_ms']:8.3f} "
               f"{row['ttft_s']:8.2f}  {row['decode_path']}", flush=True)
     if args.plot:
-        from common import pyplot  # benchmarks/common.py, next to this script
+        from common import pyplot, save_figure  # benchmarks/common.py, next to this script
 
         plt = pyplot()
         if plt is None:
@@ -188,9 +188,7 @@ def main() -> None:
         ax.set_ylabel("generated tokens/s")
         ax.set_title(f"{lm.model_dir.name} on {lm.device}")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print(f"plot saved to {args.plot}")
+        save_figure(plt, fig, args.plot)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def read_rows(path: Path) -> list[dict]:
 def plot_batches(rows: list[dict], path: Path, title: str = "") -> bool:
     """Tokens/s and step time vs batch size, a line per label (several runs of one point: their mean).
     Returns False (and says so) without matplotlib."""
-    from common import pyplot
+    from common import pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -97,13 +97,7 @@ def plot_batches(rows: list[dict], path: Path, title: str = "") -> bool:
         ax.set_ylabel(name)
         ax.grid(True, alpha=0.3)
     ax_tps.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"plot saved to {path}")
-    return True
+    return save_figure(plt, fig, path, title)
 
 
 def sweep(bits: int, batches: list[int], label: str) -> list[dict]:

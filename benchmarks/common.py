@@ -129,3 +129,14 @@ def pyplot():
         print("matplotlib is not installed: no plot")
         return None
     return plt
+
+
+def save_figure(plt, fig, path, title: str = "") -> bool:
+    """Title (if any), tight layout, save, close: the end of every benchmark plot."""
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot saved to {path}")
+    return True
