@@ -13,6 +13,12 @@ int check_exl3_dims(int64_t k, int64_t n, int K, int codebook) {
     return TRELLM_OK;
 }
 
+// The kernels' ResidualStream from the C ABI's rs (NULL: neither end), for the GEMV and the mid-size matmul.
+ResidualStream residual_stream(const trellm_residual_stream *rs) {
+    if (!rs) return ResidualStream{};
+    return ResidualStream{rs->residual, rs->ssq_out, rs->ssq_in, rs->norm_weight, rs->norm_eps, rs->norm_unit_offset};
+}
+
 }  // namespace
 
 extern "C" int64_t trellm_exl3_matmul_small_workspace(int64_t m, int64_t k, int64_t n) {
@@ -36,16 +42,14 @@ int exl3_matmul_small_parts(const void *x, const void *x_up, int act, int x_dtyp
     MatmulParts mp;
     mp.count = parts;
     mp.head = head ? *head : HeadEpilogue{};
-    mp.stream = ResidualStream{};
     if (rs) {
 #ifdef TRELLM_GEMV_NO_RESIDUAL_STREAM  // the A/B baseline build: the kernel has neither end
         if (rs->residual || rs->ssq_in) return TRELLM_E_BAD_ARG;
 #endif
         if (rs->residual && (parts != 1 || head || !rs->ssq_out)) return TRELLM_E_BAD_ARG;
         if (rs->ssq_in && (x_up || !(rs->norm_eps >= 0.f))) return TRELLM_E_BAD_ARG;
-        mp.stream = ResidualStream{rs->residual, rs->ssq_out, rs->ssq_in, rs->norm_weight, rs->norm_eps,
-                                   rs->norm_unit_offset};
     }
+    mp.stream = residual_stream(rs);
     int64_t groups = 0, partial_offset = 0, n_total = 0;
     for (int p = 0; p < parts; ++p) n_total += n[p];
     const int slices = gemv_slices((int)k, (int)m, (int)n_total);
@@ -252,8 +256,7 @@ extern "C" int trellm_exl3_matmul_mid(const void *x, int x_dtype, int parts, con
     a.m = (int)m;
     a.k = (int)k;
     a.groups = mid_groups((int)m);
-    if (rs) a.stream = ResidualStream{rs->residual, rs->ssq_out, rs->ssq_in, rs->norm_weight, rs->norm_eps,
-                                      rs->norm_unit_offset};
+    a.stream = residual_stream(rs);
     int64_t total_n = 0;
     for (int p = 0; p < parts; ++p) {
         const int rc = check_exl3_dims(k, n[p], K, codebook);
