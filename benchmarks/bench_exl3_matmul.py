@@ -31,12 +31,25 @@ KS = [2, 3, 4, 5, 6, 8]
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
+def parse_shape(text: str) -> tuple[int, int]:
+    """"4096x14336" -> (4096, 14336): k (in features) by n (out features), both multiples of 128."""
+    try:
+        k, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: expected KxN, e.g. 4096x14336") from None
+    if k <= 0 or n <= 0 or k % 128 or n % 128:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: k and n must be positive multiples of 128")
+    return k, n
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="K=4 and 2 only, M in 1,4,8,16,32,256")
     ap.add_argument("--codebook", default="mcg", choices=["3inst", "mcg", "mul1"])
     ap.add_argument("--ks", type=int, nargs="*")
     ap.add_argument("--ms", type=int, nargs="*")
+    ap.add_argument("--shapes", nargs="*", metavar="KxN", type=parse_shape,
+                    help="only these shapes, e.g. 4096x14336 (default: the five Llama-3.1-8B shapes)")
     ap.add_argument("--routes", action="store_true", help="also time each route (GEMV, mid, decode + cuBLAS) that can take M")
     ap.add_argument("--csv", type=Path)
     ap.add_argument("--plot", type=Path, help="save speed-up and %% of copy bandwidth vs rows here (needs matplotlib); "
@@ -61,7 +74,7 @@ def main() -> int:
     print(" ".join(f"{h:>9}" for h in header), flush=True)
     rows = []
     bf16_cache: dict[tuple[int, int, int], float] = {}
-    for k, n in SHAPES:
+    for k, n in args.shapes or SHAPES:
         wb_bf16 = k * n * 2
         nb = copies_for(wb_bf16, l2)
         w_bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(nb)]

@@ -60,6 +60,8 @@ constexpr int MID_SMEM_BUDGET = 192 * 1024 / MID_BLOCKS_PER_SM;
 // A unit's shared-memory stage: the x fragments of its 8 k tiles (all row groups; 8 bytes per lane per group
 // and tile) and each warp's trellis words. As many stages as the budget holds, 2..8: a unit's decode is
 // shorter than a DRAM round trip under load, so one unit ahead (the first version) left the warps waiting.
+// (Up to 16, so that the small stages of K <= 2 fill the budget too, measured no faster than 8 with the
+// occupancy pinned: mid_launch_smem.)
 template <int K, int G> struct MidGeom {
     static constexpr int TILE_BYTES = TileGeom<K>::WORDS * 4;
     static constexpr int TRELLIS_CHUNK_BYTES = MID_CHUNK_TILES * TILE_BYTES;  // per warp
@@ -321,10 +323,29 @@ inline int64_t mid_workspace_floats(int m, int k, int parts, int64_t total_n, in
     return (int64_t)parts * k * mid_groups(m) * 4 + (int64_t)mid_pieces(chunks_k, units, blocks) * m * total_n;
 }
 
+// Dynamic shared memory for a launch whose stages take stages_bytes: at least enough that no more than
+// MID_BLOCKS_PER_SM blocks fit an SM. The grid is one wave of MID_BLOCKS_PER_SM blocks per SM, each with the
+// same work; where the stages were small and the registers allowed a third block (K <= 2 at 2 row groups: 8
+// stages of 6-8 KB), the scheduler put three blocks on some SMs and left others idle, and those shapes ran
+// 27% slower than K = 4 (NOTES 2026-12-04d). Never more than a block may have (sm_86/89 fit one block anyway).
+// TRELLM_MID_PIN=0 launches with the stages' bytes alone (the A/B baseline).
+inline size_t mid_launch_smem(size_t stages_bytes) {
+    const char *pin = getenv("TRELLM_MID_PIN");
+    if (pin && atoi(pin) == 0) return stages_bytes;
+    int dev = 0, per_sm = 0, reserved = 0, optin = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+    cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    const long long one_too_many = (long long)per_sm / (MID_BLOCKS_PER_SM + 1) - reserved + 1;
+    const size_t pinned = (size_t)(one_too_many < optin ? one_too_many : optin);
+    return stages_bytes > pinned ? stages_bytes : pinned;
+}
+
 template <int K, int CB, int G>
 int launch_mid_matmul(const MidArgs &args, cudaStream_t stream) {
     auto kernel = exl3_matmul_mid_kernel<K, CB, G>;
-    constexpr size_t smem = MidGeom<K, G>::SMEM_BYTES;
+    static const size_t smem = mid_launch_smem(MidGeom<K, G>::SMEM_BYTES);
     static cudaError_t configured = cudaErrorNotReady;
     if (configured == cudaErrorNotReady) {
         configured = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
