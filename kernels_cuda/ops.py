@@ -23,20 +23,21 @@ from . import binding
 binding.lib()
 
 # The mid-size route (binding.exl3_matmul_mid: the trellis decoded in registers against tensor-core fragments
-# of x) for 9..64 rows, rather than the GEMV (<= 16 rows) or decode-to-fp16 + cuBLAS (> 64 rows). On the H200,
+# of x) for 6..64 rows, rather than the GEMV (<= 16 rows) or decode-to-fp16 + cuBLAS (> 64 rows). On the H200,
 # 4 bpw, 2026-12-04c: against decode + cuBLAS 2.6x at 32 rows (4096->14336 34.0 vs 89.0 us, bf16 F.linear
-# 33.2); against the GEMV at 16 rows 1.5x (29.6 vs 44.1 us; lm_head 204.5 vs 289.7), a tie at 8 rows (29.0
-# vs 28.9), so the GEMV keeps 1..8 rows. The 8B decode step at batch 16 6.80 ms with the GEMV (slower than
-# batch 32's 6.01). Rows the GEMV takes also take its fused epilogues (residual add, RMSNorm, RoPE + KV
-# write); the mid route's rows run those as kernels of their own. NOTES 2026-12-04c.
+# 33.2); against the GEMV at 16 rows 1.5x (29.6 vs 44.1 us; lm_head 204.5 vs 289.7). At 8 rows the two tie
+# alone (29.0 vs 28.9), but the 8B decode step is faster on the mid route from batch 6 (4 bpw 4.66 -> 4.44 ms,
+# 2 bpw 4.87 -> 4.36; batch 8 5.02 -> 4.46 and 5.20 -> 4.40) and slower at batch 5 (3.91 -> 4.43 ms), so the
+# GEMV keeps 1..5 rows (NOTES 2026-12-04d). Rows the GEMV takes also take its fused epilogues (residual add,
+# RMSNorm, RoPE + KV write); the mid route's rows run RoPE + KV write as a kernel of its own.
 # TRELLM_EXL3_MID=0: the mid route off (the GEMV to 16 rows, decode + cuBLAS above), the A/B baseline;
-# TRELLM_EXL3_GEMV_MAX_ROWS=1..16: where the GEMV stops (default 8, 16 with the mid route off).
+# TRELLM_EXL3_GEMV_MAX_ROWS=1..16: where the GEMV stops (default 5, 16 with the mid route off).
 _MID_ON = os.environ.get("TRELLM_EXL3_MID", "1") != "0"
 
 
 def _gemv_max_rows() -> int:
     """TRELLM_EXL3_GEMV_MAX_ROWS, checked: a bad value names the variable."""
-    text = os.environ.get("TRELLM_EXL3_GEMV_MAX_ROWS", "8" if _MID_ON else str(binding.EXL3_SMALL_MAX_ROWS))
+    text = os.environ.get("TRELLM_EXL3_GEMV_MAX_ROWS", "5" if _MID_ON else str(binding.EXL3_SMALL_MAX_ROWS))
     if not text.strip().isdigit() or not 1 <= int(text) <= binding.EXL3_SMALL_MAX_ROWS:
         raise ValueError(f"TRELLM_EXL3_GEMV_MAX_ROWS={text!r}: the GEMV takes 1..{binding.EXL3_SMALL_MAX_ROWS} rows")
     return int(text)
@@ -49,7 +50,7 @@ EXL3_MID_MAX_ROWS = binding.EXL3_MID_MAX_ROWS if _MID_ON else EXL3_GEMV_MAX_ROWS
 # over every part) rather than one call per part. TRELLM_EXL3_MID_GROUP=0: one call per part, the A/B baseline.
 _MID_GROUP_ON = os.environ.get("TRELLM_EXL3_MID_GROUP", "1") != "0"
 # The residual stream through the mid route too (its finish adds the residual and sums the squares, its pack
-# norms x from those sums), so a 9..64-row step keeps no add or RMSNorm launch between matmuls, as the GEMV's
+# norms x from those sums), so a 6..64-row step keeps no add or RMSNorm launch between matmuls, as the GEMV's
 # rows do. TRELLM_EXL3_MID_STREAM=0: the add and the norm as kernels of their own, the A/B baseline.
 _MID_STREAM_ON = os.environ.get("TRELLM_EXL3_MID_STREAM", "1") != "0"
 # The most rows whose matmul adds the residual itself and returns the sums of squares (exl3_matmul_add).
@@ -180,7 +181,7 @@ def exl3_matmul_gated_add(gate, up, activation, trellis, suh, svh, codebook, bia
         _residual_fits(gate, k, n, residual) and up.shape == gate.shape and up.dtype == gate.dtype
         and activation in binding.ACTIVATION_CODES and gate.shape[0] <= EXL3_GATED_FUSED_MAX_ROWS
     )
-    if not fused:  # 2..8 rows: the activation's own launch, then the GEMV adds the residual and sums (1 launch)
+    if not fused:  # 2..5 rows: the activation's own launch, then the GEMV adds the residual and sums (1 launch)
         return exl3_matmul_add(gated_activation(gate, up, activation), trellis, suh, svh, codebook, bias, residual)
     return binding.exl3_matmul_small_gated(gate.contiguous(), up.contiguous(), activation, trellis.contiguous(),
                                            _f16(suh), _f16(svh), codebook, _f16(bias), residual=residual.contiguous())

@@ -155,7 +155,7 @@ def test_exl3_qkv_rope_write_kv(ops, dtype, K, rope, norm):
 def test_exl3_matmul_add(ops, dtype):
     # The residual add and the per-group sums of squares in the GEMV's finishing step: the sum exactly as
     # the matmul's own output plus the residual (each rounded once), the sums against the result's. The GEMV's
-    # rows (1..8 by default) and the mid-size matmul's (9..64) add in their finishing step; more rows take
+    # rows (1..5 by default) and the mid-size matmul's (6..64) add in their finishing step; more rows take
     # decode + cuBLAS and a torch add, with no sums (the next norm reads h itself). The gated form takes the
     # activation in the GEMV at 1 row, in a launch of its own above (the matmul still adds and sums).
     from test_cuda_ops import _random_layer
@@ -167,7 +167,7 @@ def test_exl3_matmul_add(ops, dtype):
     torch.manual_seed(5)
     k_in, n = 1024, 512
     trellis, suh, svh, bias = _random_layer(k_in, n, 4)
-    for rows in (1, 5, 16, 17, 70):
+    for rows in (1, 5, 6, 16, 17, 70):
         x = torch.randn(rows, k_in, device="cuda", dtype=dtype)
         residual = torch.randn(rows, n, device="cuda", dtype=dtype) * 4
         h, ssq = cuda_impl(exl3_matmul_add)(x, trellis, suh, svh, "mcg", bias, residual)
