@@ -287,8 +287,15 @@ __global__ void __launch_bounds__(MID_WARPS * 32, MID_BLOCKS_PER_SM) exl3_matmul
     pdl_trigger();
 }
 
-// Row groups of 8 for m rows: 2, 4 or 8 (the instantiated sizes).
-inline int mid_groups(int m) { return m <= 16 ? 2 : m <= 32 ? 4 : 8; }
+// Row groups of 8 for m rows: 1, 2, 4 or 8 (the instantiated sizes). One group since the route starts at 6 rows
+// (half the mmas and x fragments of two); TRELLM_MID_ONE_GROUP=0 runs 1..8 rows as two groups, the A/B baseline.
+inline int mid_groups(int m) {
+    static const bool one_group = [] {
+        const char *v = getenv("TRELLM_MID_ONE_GROUP");
+        return !(v && atoi(v) == 0);
+    }();
+    return m <= 8 && one_group ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8;
+}
 
 // Blocks of the matmul launch: one wave at MID_BLOCKS_PER_SM (fewer when there are fewer units).
 // TRELLM_MID_SLICED=1 gives the grid of the first version instead (each block about one k-slice of one group,
@@ -359,6 +366,7 @@ int launch_mid_matmul(const MidArgs &args, cudaStream_t stream) {
 template <int K, int CB>
 int launch_mid_k(const MidArgs &args, cudaStream_t stream) {
     switch (args.groups) {
+        case 1: return launch_mid_matmul<K, CB, 1>(args, stream);
         case 2: return launch_mid_matmul<K, CB, 2>(args, stream);
         case 4: return launch_mid_matmul<K, CB, 4>(args, stream);
         case 8: return launch_mid_matmul<K, CB, 8>(args, stream);

@@ -195,7 +195,7 @@ def test_exl3_matmul_add(ops, dtype):
 def test_exl3_matmul_mid_residual_stream(ops, dtype):
     # Both ends of the residual stream in the mid-size matmul: the finish adds the residual (bit-equal to its own
     # output plus the residual) and sums the squares; the pack norms x from those sums (against rms_norm and the
-    # same matmul). Rows 24 and 64; a row norm of the wrong shape is refused by name.
+    # same matmul). Rows 6, 24 and 64; a row norm of the wrong shape is refused by name.
     from test_cuda_ops import _random_layer
     from trellm.kernels_cuda import binding
     from trellm.kernels_cuda.binding import KernelArgumentError
@@ -208,7 +208,7 @@ def test_exl3_matmul_mid_residual_stream(ops, dtype):
     qk = [_random_layer(n, m, 4) for m in (512, 256)]
     w = (torch.randn(n, device="cuda") * 0.1 + 1.0).to(dtype)
     close = 8e-3 if dtype == torch.bfloat16 else 2e-3
-    for rows in (24, 64):
+    for rows in (6, 24, 64):
         x = torch.randn(rows, k_in, device="cuda", dtype=dtype)
         residual = torch.randn(rows, n, device="cuda", dtype=dtype) * 4
         h, ssq = binding.exl3_matmul_mid(x, *o_proj[:3], "mcg", o_proj[3], residual=residual)

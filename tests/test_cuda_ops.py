@@ -157,10 +157,11 @@ def test_exl3_matmul_gemv_all_k(kb, ops, K, codebook, k, rows):
 @pytest.mark.parametrize("K", range(1, 9))
 def test_exl3_matmul_mid_all_k(kb, ops, K, codebook):
     # The mid-size route (trellis decoded in registers against packed x fragments): every K and codebook,
-    # row counts for each of its row-group sizes (2, 4, 8 groups of 8), k split into several slices.
+    # row counts for each of its row-group sizes (1, 2, 4, 8 groups of 8) and their edges, k split into several
+    # slices.
     k, n = 2048, 384
     trellis, suh, svh, bias = _random_layer(k, n, K)
-    for m in (1, 9, 17, 33, 64):
+    for m in (1, 6, 8, 9, 16, 17, 33, 64):
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         y = kb.exl3_matmul_mid(x, trellis, suh, svh, codebook, bias)
         ref = ops.exl3.exl3_matmul.reference(x.float(), trellis, suh, svh, codebook, bias)
@@ -178,7 +179,7 @@ def test_exl3_matmul_mid_multi_parts(kb, ops, K, codebook):
     for k, ns in ((4096, (4096, 1024, 1024)), (512, (128, 256))):
         parts = [_random_layer(k, n, K) for n in ns]
         parts = [(t, suh, svh, bias if i != 1 else None) for i, (t, suh, svh, bias) in enumerate(parts)]
-        for m in (17, 40, 64):
+        for m in (7, 17, 40, 64):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ys = kb.exl3_matmul_mid_multi(x, parts, codebook)
             assert [tuple(y.shape) for y in ys] == [(m, n) for n in ns] and all(y.dtype == x.dtype for y in ys)
@@ -189,13 +190,13 @@ def test_exl3_matmul_mid_multi_parts(kb, ops, K, codebook):
 
 
 def test_exl3_matmul_group_mid_rows(ops):
-    # exl3_matmul_group above the GEMV's 16 rows: one mid-size call for all parts, with the row norm applied
+    # exl3_matmul_group above the GEMV's rows: one mid-size call for all parts, with the row norm applied
     # first; leading dims kept.
     from trellm.ops import RowNorm
     from trellm.ops.dense import group_sum_squares
 
     parts = [_random_layer(1024, n, 4) for n in (512, 256)]
-    for rows in (24, 64):
+    for rows in (6, 24, 64):
         h = torch.randn(2, rows // 2, 1024, device="cuda", dtype=torch.float16)
         norm = RowNorm(group_sum_squares(h.reshape(rows, -1)), None, 1e-6, False)
         for row_norm in (None, norm):
