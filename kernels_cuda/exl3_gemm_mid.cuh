@@ -35,7 +35,8 @@ constexpr int MID_WARPS = 8;       // one output group of 128 columns per unit
 // k tiles per unit. 8 by default (k % 128 == 0, so every shape's chunks are whole); build with
 // TRELLM_NVCC_FLAGS="-DTRELLM_MID_CHUNK_TILES=16" to halve the per-unit work (copies, barrier, cursor: about 25
 // of the 80 instructions issued per tile, NOTES 2026-12-04c), for shapes with k % 256 == 0 only (others are
-// refused). Not measured yet.
+// refused). Measured (NOTES 2026-12-04d): 1-3% faster at 8..32 rows, 1-2% slower at 64; not the default, which
+// takes every k % 128 == 0.
 #ifndef TRELLM_MID_CHUNK_TILES
 #define TRELLM_MID_CHUNK_TILES 8
 #endif
@@ -46,8 +47,8 @@ constexpr int MID_MAX_PARTS = 4;
 // The matmul kernel's launch bound: one wave is this many blocks per SM. Build with
 // TRELLM_NVCC_FLAGS="-DTRELLM_MID_BLOCKS_PER_SM=3" for 24 warps per SM (64 KB of stages, at most 80
 // registers per thread: every instantiation fits without spilling, by the build's resource report), to hide
-// more of the decode's latency (ncu: 68% issue-active at 4 warps per scheduler, NOTES 2026-12-04c). Not
-// measured yet.
+// more of the decode's latency (ncu: 68% issue-active at 4 warps per scheduler, NOTES 2026-12-04c). Measured
+// no faster than 2 (NOTES 2026-12-04d).
 #ifndef TRELLM_MID_BLOCKS_PER_SM
 #define TRELLM_MID_BLOCKS_PER_SM 2
 #endif
