@@ -496,10 +496,43 @@ def exl3_matmul_small_qkv_rope(
     them (per-head RMSNorm, RoPE; k and v stored at ``slots`` of the pages when given): [q, k, v], each
     [m, heads * 128], q and k rotated. 128-wide heads only. ``row_norm`` as in
     :func:`exl3_matmul_small_multi`."""
+    return _qkv_rope_call("small", x, parts, codebook, cos_table, sin_table, positions, interleaved, q_norm, k_norm,
+                          norm_eps, norm_unit_offset, k_pages, v_pages, slots, row_norm)
+
+
+def exl3_matmul_mid_qkv_rope(
+    x: torch.Tensor,
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    codebook: str,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+    interleaved: bool = False,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    norm_unit_offset: bool = False,
+    k_pages: torch.Tensor | None = None,
+    v_pages: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
+    row_norm=None,
+) -> list[torch.Tensor]:
+    """:func:`exl3_matmul_small_qkv_rope` on the mid-size route (1..64 rows, three launches): the finish launch
+    applies the per-head norm, RoPE and the KV-page stores, so no RoPE launch follows."""
+    return _qkv_rope_call("mid", x, parts, codebook, cos_table, sin_table, positions, interleaved, q_norm, k_norm,
+                          norm_eps, norm_unit_offset, k_pages, v_pages, slots, row_norm)
+
+
+def _qkv_rope_call(route, x, parts, codebook, cos_table, sin_table, positions, interleaved, q_norm, k_norm, norm_eps,
+                   norm_unit_offset, k_pages, v_pages, slots, row_norm) -> list[torch.Tensor]:
+    """One trellm_exl3_matmul_{small,mid}_qkv_rope call (route "small" or "mid"), its arguments checked."""
     if len(parts) != 3:
         raise KernelArgumentError(f"parts: {len(parts)} given; q/k/v need 3")
     expect(x, "x", dtype=(torch.float16, torch.bfloat16), shape=(None, None))
-    x, parts, ns, K = _checked_parts(x, parts)
+    if route == "mid":
+        x, parts, ns, K = _checked_parts(x, parts, max_rows=EXL3_MID_MAX_ROWS, route="the mid-size matmul")
+    else:
+        x, parts, ns, K = _checked_parts(x, parts)
     m, k = x.shape
     if ns[0] % 128 or ns[1] % 128 or ns[2] != ns[1]:
         raise KernelArgumentError(f"parts: widths {ns} are not q/k/v of 128-wide heads (n_k == n_v)")
@@ -510,16 +543,25 @@ def exl3_matmul_small_qkv_rope(
         raise KernelArgumentError(f"cos_table: shape {list(cos_table.shape)} does not fit 128-wide heads (rotated half a multiple of 4)")
     ys = [torch.empty(m, n, dtype=x.dtype, device=x.device) for n in ns]
     rs, _, _keep = _residual_stream(x, ys[0], row_norm=row_norm)
-    workspace, counters = _gemv_scratch(m, k, sum(ns), x.device)
-    rc = lib().trellm_exl3_matmul_small_qkv_rope(
-        _ptr(x), DTYPE_CODES[x.dtype], *_part_arrays(parts, ys), ffi().new("int64_t[]", ns),
-        _ptr(workspace, "float *"), _ptr(counters, "int32_t *"), counters.numel(), m, k, K, _codebook_code(codebook),
+    sms = _num_sms(x.device)
+    n_array = ffi().new("int64_t[]", ns)
+    if route == "mid":
+        workspace = torch.empty(lib().trellm_exl3_matmul_mid_workspace(m, k, 3, n_array, sms), dtype=torch.float32,
+                                device=x.device)
+        scratch = (_ptr(workspace, "float *"), workspace.numel())
+        call = lib().trellm_exl3_matmul_mid_qkv_rope
+    else:
+        workspace, counters = _gemv_scratch(m, k, sum(ns), x.device)
+        scratch = (_ptr(workspace, "float *"), _ptr(counters, "int32_t *"), counters.numel())
+        call = lib().trellm_exl3_matmul_small_qkv_rope
+    rc = call(
+        _ptr(x), DTYPE_CODES[x.dtype], *_part_arrays(parts, ys), n_array, *scratch, m, k, K, _codebook_code(codebook),
         _ptr(positions, "int64_t *"), _ptr(cos_table, "float *"), _ptr(sin_table, "float *"), table_len, half,
         int(bool(interleaved)), _ptr(q_norm), _ptr(k_norm), float(norm_eps), int(bool(norm_unit_offset)),
         _ptr(k_pages), _ptr(v_pages if k_pages is not None else None),
-        _ptr(slots if k_pages is not None else None, "int64_t *"), rs, _num_sms(x.device), _stream(),
+        _ptr(slots if k_pages is not None else None, "int64_t *"), rs, sms, _stream(),
     )
-    _check(rc, "exl3_matmul_small_qkv_rope")
+    _check(rc, f"exl3_matmul_{route}_qkv_rope")
     return ys
 
 

@@ -97,20 +97,19 @@ extern "C" int trellm_exl3_matmul_small_multi(const void *x, int x_dtype, int pa
                                    counters, counters_len, m, k, K, codebook, num_sms, stream, nullptr, rs);
 }
 
-extern "C" int trellm_exl3_matmul_small_qkv_rope(
-    const void *x, int dtype, const void *const *suh, const int16_t *const *trellis, const void *const *svh,
-    const void *const *bias, void *const *y, const int64_t *n, float *workspace, int32_t *counters,
-    int64_t counters_len, int64_t m, int64_t k, int K, int codebook, const int64_t *positions, const float *cos,
-    const float *sin, int64_t table_len, int64_t rot_half, int interleaved, const void *q_norm, const void *k_norm,
-    float norm_eps, int norm_unit_offset, void *k_pages, void *v_pages, const int64_t *slots,
-    const trellm_residual_stream *rs, int num_sms,
-    cudaStream_t stream) {
+namespace {
+
+// The attention epilogue of a q/k/v call (both routes' *_qkv_rope entries), its arguments checked.
+int qkv_head_epilogue(int dtype, const int64_t *n, const int64_t *positions, const float *cos, const float *sin,
+                      int64_t table_len, int64_t rot_half, int interleaved, const void *q_norm, const void *k_norm,
+                      float norm_eps, int norm_unit_offset, void *k_pages, void *v_pages, const int64_t *slots,
+                      HeadEpilogue &head) {
     if (dtype != TRELLM_F16 && dtype != TRELLM_BF16) return TRELLM_E_BAD_DTYPE;
     if (n[0] <= 0 || n[0] % 128 || n[1] <= 0 || n[1] % 128 || n[2] != n[1]) return TRELLM_E_BAD_SHAPE;
     if (rot_half <= 0 || rot_half % 4 || 2 * rot_half > 128 || table_len <= 0) return TRELLM_E_BAD_ARG;
     if (!positions || !cos || !sin || (q_norm == nullptr) != (k_norm == nullptr)) return TRELLM_E_BAD_ARG;
     if ((k_pages == nullptr) != (v_pages == nullptr) || (k_pages != nullptr) != (slots != nullptr)) return TRELLM_E_BAD_ARG;
-    HeadEpilogue head{};
+    head = HeadEpilogue{};
     head.enabled = 1;
     head.positions = positions;
     head.cos = cos;
@@ -126,6 +125,23 @@ extern "C" int trellm_exl3_matmul_small_qkv_rope(
     head.v_pages = v_pages;
     head.slots = slots;
     head.hkv = (int)(n[1] / 128);
+    return TRELLM_OK;
+}
+
+}  // namespace
+
+extern "C" int trellm_exl3_matmul_small_qkv_rope(
+    const void *x, int dtype, const void *const *suh, const int16_t *const *trellis, const void *const *svh,
+    const void *const *bias, void *const *y, const int64_t *n, float *workspace, int32_t *counters,
+    int64_t counters_len, int64_t m, int64_t k, int K, int codebook, const int64_t *positions, const float *cos,
+    const float *sin, int64_t table_len, int64_t rot_half, int interleaved, const void *q_norm, const void *k_norm,
+    float norm_eps, int norm_unit_offset, void *k_pages, void *v_pages, const int64_t *slots,
+    const trellm_residual_stream *rs, int num_sms,
+    cudaStream_t stream) {
+    HeadEpilogue head;
+    const int rc = qkv_head_epilogue(dtype, n, positions, cos, sin, table_len, rot_half, interleaved, q_norm, k_norm,
+                                     norm_eps, norm_unit_offset, k_pages, v_pages, slots, head);
+    if (rc) return rc;
     return exl3_matmul_small_parts(x, nullptr, 0, dtype, 3, suh, trellis, svh, bias, y, n, dtype, workspace, counters,
                                    counters_len, m, k, K, codebook, num_sms, stream, &head, rs);
 }
@@ -194,8 +210,8 @@ __global__ void exl3_mid_finish_kernel(const MidArgs a) {
     const int all_groups = a.group_begin[a.parts];
     if (job >= a.m * all_groups) return;
     const int row = job / all_groups, global_group = job % all_groups, chunks_k = a.k / MID_UNIT_K;
-    int group;
-    const MidPart p = mid_part_of(a, global_group, group);
+    int group, part;
+    const MidPart p = mid_part_of(a, global_group, group, part);
     const int col = group * 128 + lane * 4;
     const int first = mid_block_of(global_group * chunks_k, a.units, a.blocks);
     const int pieces = mid_block_of((global_group + 1) * chunks_k - 1, a.units, a.blocks) - first + 1;
@@ -205,6 +221,10 @@ __global__ void exl3_mid_finish_kernel(const MidArgs a) {
         v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
     }
     warp_hadamard_128(v);
+    if (a.head.enabled) {
+        finish_head(a.head, p, a.y_dtype, part, v, row, col, lane);
+        return;
+    }
     if (a.stream.residual) {
         float res[4];
         load4_as_f32(a.stream.residual, a.y_dtype, (size_t)row * p.n + col, res);
@@ -233,13 +253,15 @@ extern "C" int64_t trellm_exl3_matmul_mid_workspace(int64_t m, int64_t k, int pa
     return mid_workspace_floats((int)m, (int)k, parts, total_n, num_sms);
 }
 
-extern "C" int trellm_exl3_matmul_mid(const void *x, int x_dtype, int parts, const void *const *suh,
-                                      const int16_t *const *trellis, const void *const *svh,
-                                      const void *const *bias, void *const *y, const int64_t *n, int y_dtype,
-                                      float *workspace, int64_t workspace_len, int64_t m, int64_t k, int K,
-                                      int codebook, const trellm_residual_stream *rs, int num_sms,
-                                      cudaStream_t stream) {
-    if (parts < 1 || parts > MID_MAX_PARTS) return TRELLM_E_BAD_ARG;
+namespace {
+
+// The mid-size matmul of x by 1..4 parts (three launches); head: the q/k/v attention epilogue (3 parts) or null.
+int exl3_matmul_mid_parts(const void *x, int x_dtype, int parts, const void *const *suh,
+                          const int16_t *const *trellis, const void *const *svh, const void *const *bias,
+                          void *const *y, const int64_t *n, int y_dtype, float *workspace, int64_t workspace_len,
+                          int64_t m, int64_t k, int K, int codebook, const trellm_residual_stream *rs, int num_sms,
+                          cudaStream_t stream, const HeadEpilogue *head) {
+    if (parts < 1 || parts > MID_MAX_PARTS || (head && parts != 3)) return TRELLM_E_BAD_ARG;
     if (rs && rs->residual && (parts != 1 || !rs->ssq_out)) return TRELLM_E_BAD_ARG;
     if (rs && rs->ssq_in && !(rs->norm_eps >= 0.f)) return TRELLM_E_BAD_ARG;
     if (m < 1 || m > MID_MAX_ROWS) return TRELLM_E_BAD_SHAPE;
@@ -257,6 +279,7 @@ extern "C" int trellm_exl3_matmul_mid(const void *x, int x_dtype, int parts, con
     a.k = (int)k;
     a.groups = mid_groups((int)m);
     a.stream = residual_stream(rs);
+    a.head = head ? *head : HeadEpilogue{};
     int64_t total_n = 0;
     for (int p = 0; p < parts; ++p) {
         const int rc = check_exl3_dims(k, n[p], K, codebook);
@@ -295,6 +318,33 @@ extern "C" int trellm_exl3_matmul_mid(const void *x, int x_dtype, int parts, con
     const int finish_jobs = a.m * a.group_begin[parts];
     const cudaError_t fin = launch_pdl(exl3_mid_finish_kernel, dim3((finish_jobs + 7) / 8), dim3(256), 0, stream, a);
     return fin == cudaSuccess ? TRELLM_OK : (int)fin;
+}
+
+}  // namespace
+
+extern "C" int trellm_exl3_matmul_mid(const void *x, int x_dtype, int parts, const void *const *suh,
+                                      const int16_t *const *trellis, const void *const *svh,
+                                      const void *const *bias, void *const *y, const int64_t *n, int y_dtype,
+                                      float *workspace, int64_t workspace_len, int64_t m, int64_t k, int K,
+                                      int codebook, const trellm_residual_stream *rs, int num_sms,
+                                      cudaStream_t stream) {
+    return exl3_matmul_mid_parts(x, x_dtype, parts, suh, trellis, svh, bias, y, n, y_dtype, workspace, workspace_len,
+                                 m, k, K, codebook, rs, num_sms, stream, nullptr);
+}
+
+extern "C" int trellm_exl3_matmul_mid_qkv_rope(
+    const void *x, int dtype, const void *const *suh, const int16_t *const *trellis, const void *const *svh,
+    const void *const *bias, void *const *y, const int64_t *n, float *workspace, int64_t workspace_len, int64_t m,
+    int64_t k, int K, int codebook, const int64_t *positions, const float *cos, const float *sin, int64_t table_len,
+    int64_t rot_half, int interleaved, const void *q_norm, const void *k_norm, float norm_eps, int norm_unit_offset,
+    void *k_pages, void *v_pages, const int64_t *slots, const trellm_residual_stream *rs, int num_sms,
+    cudaStream_t stream) {
+    HeadEpilogue head;
+    const int rc = qkv_head_epilogue(dtype, n, positions, cos, sin, table_len, rot_half, interleaved, q_norm, k_norm,
+                                     norm_eps, norm_unit_offset, k_pages, v_pages, slots, head);
+    if (rc) return rc;
+    return exl3_matmul_mid_parts(x, dtype, 3, suh, trellis, svh, bias, y, n, dtype, workspace, workspace_len, m, k, K,
+                                 codebook, rs, num_sms, stream, &head);
 }
 
 extern "C" int trellm_exl3_decode_tiles(const int16_t *trellis, void *w_hat, int64_t k, int64_t n, int K,

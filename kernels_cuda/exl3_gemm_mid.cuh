@@ -21,10 +21,10 @@
 //      partial number (b - the group's first block) of that group. Warps split columns, not k: no
 //      cross-warp reduction and no shared accumulator (the 9..16-row GEMV's bound, NOTES 2026-12-03c);
 //   3. finish: one warp per (row, 128-column group): the group's partials summed in block order (a fixed
-//      order: bit-stable), H128, * svh (+ bias), y (+ the residual, its squares summed for the next norm,
-//      as the GEMV's finishing warp does). (Finishing a group in the block that completes it, as
-//      the GEMV does, was slower: 4096->14336 at 32 rows 36.5 -> 41.6 us, the block's pipeline stalled on
-//      the partials' round trips, NOTES 2026-12-04c.)
+//      order: bit-stable), H128, * svh (+ bias), y (+ the residual, its squares summed for the next norm; or,
+//      for q/k/v, the per-head norm, RoPE and KV-page stores: both as the GEMV's finishing warp does).
+//      (Finishing a group in the block that completes it, as the GEMV does, was slower: 4096->14336 at 32 rows
+//      36.5 -> 41.6 us, the block's pipeline stalled on the partials' round trips, NOTES 2026-12-04c.)
 #pragma once
 
 #include "exl3_gemv.cuh"
@@ -92,6 +92,7 @@ struct MidArgs {
     int x_dtype, y_dtype, m, k, groups;  // groups: G, the row groups of 8
     int units, blocks;                   // units = group_begin[parts] * k / MID_UNIT_K
     ResidualStream stream;               // the input norm (pack) and the residual add (finish; one part)
+    HeadEpilogue head;                   // head.enabled: q/k/v (3 parts) finished for attention, as the GEMV's
 };
 
 // Block b's first unit; and the block that holds unit u (the largest b with mid_unit_begin(b) <= u).
@@ -112,14 +113,16 @@ __device__ __forceinline__ MidPart mid_part(const MidArgs &a, int p) {
         if (p == q) part = a.part[q];
     return part;
 }
-__device__ __forceinline__ MidPart mid_part_of(const MidArgs &a, int global_group, int &group) {
+__device__ __forceinline__ MidPart mid_part_of(const MidArgs &a, int global_group, int &group, int &index) {
     MidPart p = a.part[0];
     int begin = 0;
+    index = 0;
 #pragma unroll
     for (int q = 1; q < MID_MAX_PARTS; ++q) {
         if (q < a.parts && global_group >= a.group_begin[q]) {
             p = a.part[q];
             begin = a.group_begin[q];
+            index = q;
         }
     }
     group = global_group - begin;
@@ -139,7 +142,8 @@ template <int K, int G> struct MidCursor {
     float *partial;             // the part's partials
 
     __device__ __forceinline__ void enter_group(const MidArgs &a, int warp) {
-        const MidPart p = mid_part_of(a, group, local_group);
+        int index;
+        const MidPart p = mid_part_of(a, group, local_group, index);
         n = p.n;
         trellis = p.trellis + ((size_t)chunk * MID_CHUNK_TILES * (n / 16) + local_group * MID_WARPS + warp) * TileGeom<K>::WORDS;
         x = reinterpret_cast<const unsigned char *>(p.xp) + (size_t)chunk * MidGeom<K, G>::X_CHUNK_BYTES;

@@ -205,17 +205,18 @@ __device__ __forceinline__ int trace_block() { return blockIdx.y * gridDim.x + b
     } while (0)
 #endif
 
-// The attention epilogue for one (head, row): the lane's 4 columns of H128(sum) in v (col = the first).
-// The steps and roundings are rotary_qk_kernel's on the GEMV's rounded output; the per-head sum of
-// squares adds in another order (the lane holds 4 consecutive dims, not every 32nd).
-__device__ __forceinline__ void finish_head(const HeadEpilogue &h, const MatmulArgs &args, int part, float (&v)[4],
+// The attention epilogue for one (head, row) of part `part` (0, 1, 2 = q, k, v; output out.y [rows, out.n] of
+// dtype dt): the lane's 4 columns of H128(sum) in v (col = the first). The steps and roundings are rotary_qk_kernel's
+// on the matmul's rounded output; the per-head sum of squares adds in another order (the lane holds 4
+// consecutive dims, not every 32nd). The GEMV's finishing warp and the mid-size matmul's finish both end here.
+template <class Out>  // MatmulArgs or MidPart: svh, bias, y, n
+__device__ __forceinline__ void finish_head(const HeadEpilogue &h, const Out &out, int dt, int part, float (&v)[4],
                                             int row, int col, int lane) {
-    const int dt = args.y_dtype;
     float o[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        float y = v[i] * __half2float(args.svh[col + i]);
-        if (args.bias) y += __half2float(args.bias[col + i]);
+        float y = v[i] * __half2float(out.svh[col + i]);
+        if (out.bias) y += __half2float(out.bias[col + i]);
         o[i] = round_as(y, dt);  // as the separate GEMV stores it
     }
     if (part < 2) {
@@ -255,7 +256,7 @@ __device__ __forceinline__ void finish_head(const HeadEpilogue &h, const MatmulA
         for (int i = 0; i < 4; ++i) o[i] = r[i];
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) store_from_f32(args.y, dt, (size_t)row * args.n + col + i, o[i]);
+    for (int i = 0; i < 4; ++i) store_from_f32(out.y, dt, (size_t)row * out.n + col + i, o[i]);
     if (part > 0 && h.k_pages) {
         const int64_t slot = h.slots[row];
         if (slot >= 0) {
@@ -580,7 +581,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
             int head_part = 0;
             const int bx = opaque((int)blockIdx.x);
             while (head_part + 1 < parts.count && bx >= parts.block_begin[head_part + 1]) ++head_part;
-            finish_head(parts.head, parts.part[head_part], head_part, v, row, col, lane);
+            finish_head(parts.head, parts.part[head_part], parts.part[head_part].y_dtype, head_part, v, row, col, lane);
             continue;
         }
 #ifndef TRELLM_GEMV_NO_RESIDUAL_STREAM

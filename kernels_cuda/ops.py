@@ -28,8 +28,8 @@ binding.lib()
 # 33.2); against the GEMV at 16 rows 1.5x (29.6 vs 44.1 us; lm_head 204.5 vs 289.7). At 8 rows the two tie
 # alone (29.0 vs 28.9), but the 8B decode step is faster on the mid route from batch 6 (4 bpw 4.66 -> 4.44 ms,
 # 2 bpw 4.87 -> 4.36; batch 8 5.02 -> 4.46 and 5.20 -> 4.40) and slower at batch 5 (3.91 -> 4.43 ms), so the
-# GEMV keeps 1..5 rows (NOTES 2026-12-04d). Rows the GEMV takes also take its fused epilogues (residual add,
-# RMSNorm, RoPE + KV write); the mid route's rows run RoPE + KV write as a kernel of its own.
+# GEMV keeps 1..5 rows (NOTES 2026-12-04d). Both routes run the fused epilogues (residual add, RMSNorm, RoPE +
+# KV write) in their finishing step.
 # TRELLM_EXL3_MID=0: the mid route off (the GEMV to 16 rows, decode + cuBLAS above), the A/B baseline;
 # TRELLM_EXL3_GEMV_MAX_ROWS=1..16: where the GEMV stops (default 5, 16 with the mid route off).
 _MID_ON = os.environ.get("TRELLM_EXL3_MID", "1") != "0"
@@ -53,6 +53,10 @@ _MID_GROUP_ON = os.environ.get("TRELLM_EXL3_MID_GROUP", "1") != "0"
 # norms x from those sums), so a 6..64-row step keeps no add or RMSNorm launch between matmuls, as the GEMV's
 # rows do. TRELLM_EXL3_MID_STREAM=0: the add and the norm as kernels of their own, the A/B baseline.
 _MID_STREAM_ON = os.environ.get("TRELLM_EXL3_MID_STREAM", "1") != "0"
+# exl3_qkv_rope_write_kv on the mid route's rows: its finish launch applies the per-head norm, RoPE and the
+# KV-page stores, as the GEMV's finishing warp does (one RoPE launch fewer per layer). TRELLM_EXL3_MID_HEAD=0:
+# exl3_matmul_group, then the RoPE + KV-write kernel, the A/B baseline.
+_MID_HEAD_ON = os.environ.get("TRELLM_EXL3_MID_HEAD", "1") != "0"
 # The most rows whose matmul adds the residual itself and returns the sums of squares (exl3_matmul_add).
 EXL3_STREAM_MAX_ROWS = EXL3_MID_MAX_ROWS if _MID_STREAM_ON else EXL3_GEMV_MAX_ROWS
 # Rows up to which a gated MLP's down projection applies the activation inside the GEMV's input
@@ -261,12 +265,14 @@ def exl3_qkv_rope_write_kv(x, parts, codebook, head_dim, cos_table, sin_table, p
                            interleaved=False, q_norm=None, k_norm=None, norm_eps=1e-6, norm_unit_offset=False,
                            row_norm=None):
     t = x.shape[0]
+    gemv = _gemv_one_launch(x, parts)
+    mid = not gemv and _MID_HEAD_ON and _one_call(x, parts, EXL3_MID_MIN_ROWS, EXL3_MID_MAX_ROWS)
     fused = (
         len(parts) == 3
         and head_dim == 128
         and x.dim() == 2
         and x.dtype in (torch.float16, torch.bfloat16)
-        and _gemv_one_launch(x, parts)
+        and (gemv or mid)
         and parts[1][0].shape[1] == parts[2][0].shape[1]
         and cos_table.dim() == 2 and cos_table.shape[1] % 4 == 0 and 0 < 2 * cos_table.shape[1] <= head_dim
         and sin_table.shape == cos_table.shape and positions.dim() == 1
@@ -281,9 +287,12 @@ def exl3_qkv_rope_write_kv(x, parts, codebook, head_dim, cos_table, sin_table, p
         q, kk, v = (y.reshape(t, -1, head_dim) for y in exl3_matmul_group(x, parts, codebook, row_norm))
         return rotary_qk_write_kv(q, kk, v, cos_table, sin_table, positions, k_pages, v_pages, slots, interleaved,
                                   q_norm, k_norm, norm_eps, norm_unit_offset)
-    x, row_norm = _split_row_norm(x, row_norm)
+    if gemv or _MID_STREAM_ON:
+        x, row_norm = _split_row_norm(x, row_norm)
+    else:
+        x, row_norm = _normed(x, row_norm), None
     c, s, p = _rope_tables(x, cos_table, sin_table, positions)
-    q, kk, _ = binding.exl3_matmul_small_qkv_rope(
+    q, kk, _ = (binding.exl3_matmul_small_qkv_rope if gemv else binding.exl3_matmul_mid_qkv_rope)(
         x.contiguous(), _gemv_parts(parts), codebook, c, s, p, interleaved, _norm_weight(q_norm), _norm_weight(k_norm),
         norm_eps, norm_unit_offset, k_pages, v_pages, slots.to(device=x.device, dtype=torch.int64).contiguous(),
         row_norm=row_norm,

@@ -132,6 +132,18 @@ int trellm_exl3_matmul_small_qkv_rope(const void *x, int dtype, const void *cons
                                       void *v_pages, const int64_t *slots, const trellm_residual_stream *rs,
                                       int num_sms, cudaStream_t stream);
 
+/* The q/k/v projections on the mid-size route (1..64 rows), finished for attention as
+ * trellm_exl3_matmul_small_qkv_rope finishes them (its arguments, with the mid route's workspace and no
+ * counters); the epilogue runs in the finish launch. */
+int trellm_exl3_matmul_mid_qkv_rope(const void *x, int dtype, const void *const *suh, const int16_t *const *trellis,
+                                    const void *const *svh, const void *const *bias, void *const *y, const int64_t *n,
+                                    float *workspace, int64_t workspace_len, int64_t m, int64_t k, int K, int codebook,
+                                    const int64_t *positions, const float *cos, const float *sin, int64_t table_len,
+                                    int64_t rot_half, int interleaved, const void *q_norm, const void *k_norm,
+                                    float norm_eps, int norm_unit_offset, void *k_pages, void *v_pages,
+                                    const int64_t *slots, const trellm_residual_stream *rs, int num_sms,
+                                    cudaStream_t stream);
+
 /* W_hat fp16 [k, n] from the trellis (no Hadamards, no scales). */
 int trellm_exl3_decode_tiles(const int16_t *trellis, void *w_hat, int64_t k, int64_t n, int K, int codebook,
                              cudaStream_t stream);

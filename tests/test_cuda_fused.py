@@ -102,10 +102,10 @@ def test_rotary_qk_write_kv(ops, dtype, head_dim):
 @pytest.mark.parametrize("K", [4, 2])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_exl3_qkv_rope_write_kv(ops, dtype, K, rope, norm):
-    # One GEMV launch that finishes q/k/v as rotary_qk_write_kv does: against the reference, and against
-    # the two separate CUDA ops (GEMV, then the fused RoPE kernel) it replaces; v and the untouched slots
-    # exactly. Rows 1, 5, 8 (the most the op gives the GEMV by default) and 16 (the mid route, then the RoPE
-    # kernel), one negative slot.
+    # One matmul call that finishes q/k/v as rotary_qk_write_kv does: against the reference, and against the
+    # two separate CUDA ops (exl3_matmul_group, then the fused RoPE kernel) it replaces; v and the untouched
+    # slots exactly. Rows 1 and 5 (the GEMV's finishing warp, by default) and 6, 16, 40 (the mid route's finish
+    # launch), one negative slot.
     from test_cuda_ops import _random_layer
     from trellm.ops.exl3 import exl3_matmul_group, exl3_qkv_rope_write_kv
 
@@ -120,7 +120,7 @@ def test_exl3_qkv_rope_write_kv(ops, dtype, K, rope, norm):
         kw.update(q_norm=torch.randn(d, device="cuda", dtype=dtype), k_norm=torch.randn(d, device="cuda", dtype=dtype),
                   norm_eps=1e-6, norm_unit_offset=norm == "unit_offset")
     tol = (1e-2 if dtype == torch.bfloat16 else 3e-3) * (3 if norm else 1)
-    for rows in (1, 5, 8, 16):
+    for rows in (1, 5, 6, 16, 40):
         x = torch.randn(rows, k_in, device="cuda", dtype=dtype)
         positions = torch.randint(0, 64, (rows,), device="cuda")
         slots = torch.randperm(pages * page_size, device="cuda")[:rows]
@@ -147,8 +147,29 @@ def test_exl3_qkv_rope_write_kv(ops, dtype, K, rope, norm):
             untouched[slots[live]] = False
             assert torch.equal(flat[untouched], flat_old[untouched])
         v_flat = caches[1].view(-1, hkv, d)
-        assert torch.equal(v_flat[slots[live]], ys[2].reshape(rows, hkv, d)[live]), "v stored as the GEMV computes it"
+        assert torch.equal(v_flat[slots[live]], ys[2].reshape(rows, hkv, d)[live]), "v stored as the matmul computes it"
         assert torch.equal(caches[0].view(-1, hkv, d)[slots[live]], k[live]), "the cache holds the returned keys"
+
+
+def test_exl3_qkv_rope_calls_refuse_bad_input(ops):
+    # Both routes' q/k/v calls refuse, by name, what they cannot finish: two parts, widths that are not 128-wide
+    # heads, more rows than the route takes.
+    from test_cuda_ops import _random_layer
+    from trellm.kernels_cuda import binding
+    from trellm.kernels_cuda.binding import KernelArgumentError
+
+    qkv = [_random_layer(256, n, 4) for n in (256, 128, 128)]
+    cos, sin = rope_tables(16, 64)
+    for call, max_rows in ((binding.exl3_matmul_small_qkv_rope, 16), (binding.exl3_matmul_mid_qkv_rope, 64)):
+        x = torch.randn(4, 256, device="cuda", dtype=torch.float16)
+        pos = torch.zeros(4, dtype=torch.int64, device="cuda")
+        with pytest.raises(KernelArgumentError, match="q/k/v need 3"):
+            call(x, qkv[:2], "mcg", cos, sin, pos)
+        with pytest.raises(KernelArgumentError, match="128-wide heads"):
+            call(x, [qkv[0], qkv[1], _random_layer(256, 256, 4)], "mcg", cos, sin, pos)
+        many = torch.randn(max_rows + 1, 256, device="cuda", dtype=torch.float16)
+        with pytest.raises(KernelArgumentError, match="rows"):
+            call(many, qkv, "mcg", cos, sin, torch.zeros(max_rows + 1, dtype=torch.int64, device="cuda"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -227,7 +248,7 @@ def test_exl3_matmul_mid_residual_stream(ops, dtype):
 def test_exl3_group_row_norm(ops, dtype, weight):
     # The RMSNorm in the GEMV's input transform from the producer's sums of squares (row_norm): against the
     # reference and against rms_norm + the GEMV on CUDA (the two launches it replaces), rows 1, 5 and 16;
-    # also the q/k/v launch with RoPE behind. Sums of the wrong shape are refused by name.
+    # also the q/k/v call with RoPE behind, on both routes. Sums of the wrong shape are refused by name.
     from test_cuda_ops import _random_layer
     from trellm.kernels_cuda import binding
     from trellm.kernels_cuda.binding import KernelArgumentError
@@ -252,18 +273,19 @@ def test_exl3_group_row_norm(ops, dtype, weight):
     d, hkv, page_size, pages = 128, 2, 16, 4
     qkv = [_random_layer(k_in, n, 4) for n in (4 * d, hkv * d, hkv * d)]
     cos, sin = rope_tables(64, d // 2)
-    h = torch.randn(3, k_in, device="cuda", dtype=dtype)
-    positions = torch.randint(0, 64, (3,), device="cuda")
-    slots = torch.randperm(pages * page_size, device="cuda")[:3]
-    caches = [torch.randn(pages, page_size, hkv, d, device="cuda", dtype=dtype) for _ in range(2)]
-    sep_caches = [c.clone() for c in caches]
-    q, k = cuda_impl(exl3_qkv_rope_write_kv)(h, qkv, "mcg", d, cos, sin, positions, *caches, slots,
-                                             row_norm=RowNorm(group_sum_squares(h), w, eps, unit))
-    q_sep, k_sep = cuda_impl(exl3_qkv_rope_write_kv)(cuda_impl(rms_norm)(h, w, eps, unit), qkv, "mcg", d, cos, sin,
-                                                     positions, *sep_caches, slots)
-    assert rel_err(q, q_sep) < close and rel_err(k, k_sep) < close
-    for c, sep in zip(caches, sep_caches):
-        assert rel_err(c, sep) < close
+    for rows in (3, 12):  # the GEMV's finishing warp, the mid route's finish launch
+        h = torch.randn(rows, k_in, device="cuda", dtype=dtype)
+        positions = torch.randint(0, 64, (rows,), device="cuda")
+        slots = torch.randperm(pages * page_size, device="cuda")[:rows]
+        caches = [torch.randn(pages, page_size, hkv, d, device="cuda", dtype=dtype) for _ in range(2)]
+        sep_caches = [c.clone() for c in caches]
+        q, k = cuda_impl(exl3_qkv_rope_write_kv)(h, qkv, "mcg", d, cos, sin, positions, *caches, slots,
+                                                 row_norm=RowNorm(group_sum_squares(h), w, eps, unit))
+        q_sep, k_sep = cuda_impl(exl3_qkv_rope_write_kv)(cuda_impl(rms_norm)(h, w, eps, unit), qkv, "mcg", d, cos,
+                                                         sin, positions, *sep_caches, slots)
+        assert rel_err(q, q_sep) < close and rel_err(k, k_sep) < close, rows
+        for c, sep in zip(caches, sep_caches):
+            assert rel_err(c, sep) < close, rows
     with pytest.raises(KernelArgumentError, match="row_norm.ssq"):
         binding.exl3_matmul_small_multi(h, parts[:1], "mcg", row_norm=(torch.zeros(3, 7, device="cuda"), w, eps, unit))
 
