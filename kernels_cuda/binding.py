@@ -475,7 +475,7 @@ def _check_rope_args(dtype, device, tokens: int, hkv: int, d: int, cos_table, si
     return table_len, half
 
 
-def exl3_matmul_small_qkv_rope(
+def exl3_matmul_qkv_rope(
     x: torch.Tensor,
     parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
     codebook: str,
@@ -491,41 +491,15 @@ def exl3_matmul_small_qkv_rope(
     v_pages: torch.Tensor | None = None,
     slots: torch.Tensor | None = None,
     row_norm=None,
+    route: str = "small",
 ) -> list[torch.Tensor]:
-    """The q/k/v projections of x by three parts in one launch, finished as :func:`rotary_qk` finishes
-    them (per-head RMSNorm, RoPE; k and v stored at ``slots`` of the pages when given): [q, k, v], each
-    [m, heads * 128], q and k rotated. 128-wide heads only. ``row_norm`` as in
-    :func:`exl3_matmul_small_multi`."""
-    return _qkv_rope_call("small", x, parts, codebook, cos_table, sin_table, positions, interleaved, q_norm, k_norm,
-                          norm_eps, norm_unit_offset, k_pages, v_pages, slots, row_norm)
-
-
-def exl3_matmul_mid_qkv_rope(
-    x: torch.Tensor,
-    parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
-    codebook: str,
-    cos_table: torch.Tensor,
-    sin_table: torch.Tensor,
-    positions: torch.Tensor,
-    interleaved: bool = False,
-    q_norm: torch.Tensor | None = None,
-    k_norm: torch.Tensor | None = None,
-    norm_eps: float = 1e-6,
-    norm_unit_offset: bool = False,
-    k_pages: torch.Tensor | None = None,
-    v_pages: torch.Tensor | None = None,
-    slots: torch.Tensor | None = None,
-    row_norm=None,
-) -> list[torch.Tensor]:
-    """:func:`exl3_matmul_small_qkv_rope` on the mid-size route (1..64 rows, three launches): the finish launch
-    applies the per-head norm, RoPE and the KV-page stores, so no RoPE launch follows."""
-    return _qkv_rope_call("mid", x, parts, codebook, cos_table, sin_table, positions, interleaved, q_norm, k_norm,
-                          norm_eps, norm_unit_offset, k_pages, v_pages, slots, row_norm)
-
-
-def _qkv_rope_call(route, x, parts, codebook, cos_table, sin_table, positions, interleaved, q_norm, k_norm, norm_eps,
-                   norm_unit_offset, k_pages, v_pages, slots, row_norm) -> list[torch.Tensor]:
-    """One trellm_exl3_matmul_{small,mid}_qkv_rope call (route "small" or "mid"), its arguments checked."""
+    """The q/k/v projections of x by three parts in one call, finished as :func:`rotary_qk` finishes them
+    (per-head RMSNorm, RoPE; k and v stored at ``slots`` of the pages when given): [q, k, v], each
+    [m, heads * 128], q and k rotated. 128-wide heads only. ``row_norm`` as in :func:`exl3_matmul_small_multi`.
+    ``route``: "small", the GEMV (1..16 rows, one launch, its finishing warp does the epilogue), or "mid", the
+    mid-size matmul (1..64 rows, three launches, its finish launch does it)."""
+    if route not in ("small", "mid"):
+        raise KernelArgumentError(f"route {route!r}: expected 'small' or 'mid'")
     if len(parts) != 3:
         raise KernelArgumentError(f"parts: {len(parts)} given; q/k/v need 3")
     expect(x, "x", dtype=(torch.float16, torch.bfloat16), shape=(None, None))
@@ -561,7 +535,7 @@ def _qkv_rope_call(route, x, parts, codebook, cos_table, sin_table, positions, i
         _ptr(k_pages), _ptr(v_pages if k_pages is not None else None),
         _ptr(slots if k_pages is not None else None, "int64_t *"), rs, sms, _stream(),
     )
-    _check(rc, f"exl3_matmul_{route}_qkv_rope")
+    _check(rc, f"exl3_matmul_qkv_rope ({route})")
     return ys
 
 

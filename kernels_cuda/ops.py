@@ -292,10 +292,10 @@ def exl3_qkv_rope_write_kv(x, parts, codebook, head_dim, cos_table, sin_table, p
     else:
         x, row_norm = _normed(x, row_norm), None
     c, s, p = _rope_tables(x, cos_table, sin_table, positions)
-    q, kk, _ = (binding.exl3_matmul_small_qkv_rope if gemv else binding.exl3_matmul_mid_qkv_rope)(
+    q, kk, _ = binding.exl3_matmul_qkv_rope(
         x.contiguous(), _gemv_parts(parts), codebook, c, s, p, interleaved, _norm_weight(q_norm), _norm_weight(k_norm),
         norm_eps, norm_unit_offset, k_pages, v_pages, slots.to(device=x.device, dtype=torch.int64).contiguous(),
-        row_norm=row_norm,
+        row_norm=row_norm, route="small" if gemv else "mid",
     )
     return q.reshape(t, -1, head_dim), kk.reshape(t, -1, head_dim)
 

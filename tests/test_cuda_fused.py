@@ -160,7 +160,10 @@ def test_exl3_qkv_rope_calls_refuse_bad_input(ops):
 
     qkv = [_random_layer(256, n, 4) for n in (256, 128, 128)]
     cos, sin = rope_tables(16, 64)
-    for call, max_rows in ((binding.exl3_matmul_small_qkv_rope, 16), (binding.exl3_matmul_mid_qkv_rope, 64)):
+    for route, max_rows in (("small", 16), ("mid", 64)):
+        def call(*args):
+            return binding.exl3_matmul_qkv_rope(*args, route=route)
+
         x = torch.randn(4, 256, device="cuda", dtype=torch.float16)
         pos = torch.zeros(4, dtype=torch.int64, device="cuda")
         with pytest.raises(KernelArgumentError, match="q/k/v need 3"):
@@ -170,6 +173,8 @@ def test_exl3_qkv_rope_calls_refuse_bad_input(ops):
         many = torch.randn(max_rows + 1, 256, device="cuda", dtype=torch.float16)
         with pytest.raises(KernelArgumentError, match="rows"):
             call(many, qkv, "mcg", cos, sin, torch.zeros(max_rows + 1, dtype=torch.int64, device="cuda"))
+    with pytest.raises(KernelArgumentError, match="route 'large'"):
+        binding.exl3_matmul_qkv_rope(x, qkv, "mcg", cos, sin, pos, route="large")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
