@@ -342,17 +342,27 @@ def exl3_matmul_mid_multi(
     return _mid_call(x, parts, codebook, out_dtype, row_norm=row_norm)[0]
 
 
+def _checked_mid_parts(x: torch.Tensor, parts) -> tuple[torch.Tensor, list, list[int], int]:
+    """:func:`_checked_parts` for one call of the mid-size matmul (up to 64 rows)."""
+    return _checked_parts(x, parts, max_rows=EXL3_MID_MAX_ROWS, route="the mid-size matmul")
+
+
+def _mid_workspace(m: int, k: int, n_array, parts: int, sms: int, device: torch.device) -> torch.Tensor:
+    """The float32 workspace of one mid-size call (packed x and the partials; its size from the library)."""
+    return torch.empty(lib().trellm_exl3_matmul_mid_workspace(m, k, parts, n_array, sms), dtype=torch.float32,
+                       device=device)
+
+
 def _mid_call(x, parts, codebook, out_dtype, residual=None, row_norm=None) -> tuple[list, torch.Tensor | None]:
     """One trellm_exl3_matmul_mid call: the outputs, and the sums of squares when ``residual`` is given."""
-    x, parts, ns, K = _checked_parts(x, parts, max_rows=EXL3_MID_MAX_ROWS, route="the mid-size matmul")
+    x, parts, ns, K = _checked_mid_parts(x, parts)
     m, k = x.shape
     dtype = out_dtype or x.dtype
     ys = [torch.empty(m, n, dtype=dtype, device=x.device) for n in ns]
     rs, ssq, _keep = _residual_stream(x, ys[0], residual, row_norm)
     sms = _num_sms(x.device)
     n_array = ffi().new("int64_t[]", ns)
-    workspace = torch.empty(lib().trellm_exl3_matmul_mid_workspace(m, k, len(parts), n_array, sms),
-                            dtype=torch.float32, device=x.device)
+    workspace = _mid_workspace(m, k, n_array, len(parts), sms, x.device)
     rc = lib().trellm_exl3_matmul_mid(
         _ptr(x), DTYPE_CODES[x.dtype], len(parts), *_part_arrays(parts, ys), n_array, _dtype_code(ys[0], "out_dtype"),
         _ptr(workspace, "float *"), workspace.numel(), m, k, K, _codebook_code(codebook), rs, sms, _stream(),
@@ -503,10 +513,7 @@ def exl3_matmul_qkv_rope(
     if len(parts) != 3:
         raise KernelArgumentError(f"parts: {len(parts)} given; q/k/v need 3")
     expect(x, "x", dtype=(torch.float16, torch.bfloat16), shape=(None, None))
-    if route == "mid":
-        x, parts, ns, K = _checked_parts(x, parts, max_rows=EXL3_MID_MAX_ROWS, route="the mid-size matmul")
-    else:
-        x, parts, ns, K = _checked_parts(x, parts)
+    x, parts, ns, K = _checked_mid_parts(x, parts) if route == "mid" else _checked_parts(x, parts)
     m, k = x.shape
     if ns[0] % 128 or ns[1] % 128 or ns[2] != ns[1]:
         raise KernelArgumentError(f"parts: widths {ns} are not q/k/v of 128-wide heads (n_k == n_v)")
@@ -520,8 +527,7 @@ def exl3_matmul_qkv_rope(
     sms = _num_sms(x.device)
     n_array = ffi().new("int64_t[]", ns)
     if route == "mid":
-        workspace = torch.empty(lib().trellm_exl3_matmul_mid_workspace(m, k, 3, n_array, sms), dtype=torch.float32,
-                                device=x.device)
+        workspace = _mid_workspace(m, k, n_array, 3, sms, x.device)
         scratch = (_ptr(workspace, "float *"), workspace.numel())
         call = lib().trellm_exl3_matmul_mid_qkv_rope
     else:

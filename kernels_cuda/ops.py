@@ -205,15 +205,11 @@ def _row_norm_fits(x: torch.Tensor, row_norm) -> bool:
     )
 
 
-def _normed(x: torch.Tensor, row_norm) -> torch.Tensor:
-    """x, or rms_norm(x) as ``row_norm`` describes it (the rms_norm kernel)."""
-    return x if row_norm is None else row_norm.apply(x)
-
-
-def _split_row_norm(x: torch.Tensor, row_norm):
-    """(x, row_norm) for the GEMV or the mid-size pack: unchanged when it norms x itself, else the norm applied
-    here first (the rms_norm kernel) and none left for the matmul."""
-    if row_norm is None or _row_norm_fits(x, row_norm):
+def _split_row_norm(x: torch.Tensor, row_norm, matmul_norms: bool = True):
+    """(x, row_norm) for the GEMV or the mid-size pack: unchanged when it norms x itself (``matmul_norms``, off
+    for the mid route without TRELLM_EXL3_MID_STREAM, and the sums fit), else the norm applied here first (the
+    rms_norm kernel) and none left for the matmul."""
+    if row_norm is None or (matmul_norms and _row_norm_fits(x, row_norm)):
         return x, row_norm
     return row_norm.apply(x), None
 
@@ -252,11 +248,12 @@ def exl3_matmul_group(x: torch.Tensor, parts, codebook: str, row_norm=None) -> l
                                              row_norm=row_norm)
         return [y.reshape(*lead, y.shape[-1]) for y in ys]
     if _MID_GROUP_ON and _one_call(x, parts, EXL3_MID_MIN_ROWS, EXL3_MID_MAX_ROWS):
-        x, row_norm = _split_row_norm(x, row_norm) if _MID_STREAM_ON else (_normed(x, row_norm), None)
+        x, row_norm = _split_row_norm(x, row_norm, _MID_STREAM_ON)
         ys = binding.exl3_matmul_mid_multi(x.reshape(-1, x.shape[-1]).contiguous(), _gemv_parts(parts), codebook,
                                            row_norm=row_norm)
         return [y.reshape(*lead, y.shape[-1]) for y in ys]
-    x = _normed(x, row_norm)
+    if row_norm is not None:
+        x = row_norm.apply(x)
     return [exl3_matmul(x, trellis, suh, svh, codebook, bias) for trellis, suh, svh, bias in parts]
 
 
@@ -287,10 +284,7 @@ def exl3_qkv_rope_write_kv(x, parts, codebook, head_dim, cos_table, sin_table, p
         q, kk, v = (y.reshape(t, -1, head_dim) for y in exl3_matmul_group(x, parts, codebook, row_norm))
         return rotary_qk_write_kv(q, kk, v, cos_table, sin_table, positions, k_pages, v_pages, slots, interleaved,
                                   q_norm, k_norm, norm_eps, norm_unit_offset)
-    if gemv or _MID_STREAM_ON:
-        x, row_norm = _split_row_norm(x, row_norm)
-    else:
-        x, row_norm = _normed(x, row_norm), None
+    x, row_norm = _split_row_norm(x, row_norm, gemv or _MID_STREAM_ON)
     c, s, p = _rope_tables(x, cos_table, sin_table, positions)
     q, kk, _ = binding.exl3_matmul_qkv_rope(
         x.contiguous(), _gemv_parts(parts), codebook, c, s, p, interleaved, _norm_weight(q_norm), _norm_weight(k_norm),
