@@ -45,3 +45,18 @@ def test_dense_model_is_untouched(exl3_dirs):
     hf = transformers.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
     assert not any(isinstance(m, integration.EXL3HFLinear) for m in hf.modules())
     assert getattr(hf, "hf_quantizer", None) is None
+
+
+@pytest.mark.cuda
+def test_exl3_dir_in_transformers_on_cuda_runs_the_kernels(exl3_dirs, ops):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _, q4 = exl3_dirs
+    hf = transformers.AutoModelForCausalLM.from_pretrained(q4, dtype=torch.float16, device_map="cuda")
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = hf(ids.cuda()).logits.float().cpu()
+    ours = trellm.load(q4, device="cuda", dtype=torch.float16, tokenizer=False).logits(ids).float().cpu()
+    span = (ours.max() - ours.min()).item()
+    assert (theirs - ours).abs().max().item() <= 1e-2 * span
+    assert (theirs.argmax(-1) == ours.argmax(-1)).float().mean().item() > 0.95
