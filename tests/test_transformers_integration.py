@@ -48,7 +48,7 @@ def test_dense_model_is_untouched(exl3_dirs):
 
 
 @pytest.mark.cuda
-def test_exl3_dir_in_transformers_on_cuda_runs_the_kernels(exl3_dirs, ops):
+def test_exl3_dir_in_transformers_on_cuda_runs_the_kernels(ops, exl3_dirs):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     _, q4 = exl3_dirs
