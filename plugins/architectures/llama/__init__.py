@@ -1,4 +1,7 @@
-"""Llama (LlamaForCausalLM): the reference dense decoder the other families build on."""
+"""Llama (LlamaForCausalLM): the reference dense decoder the other families build on.
+
+IQuest-Coder (IQuestCoderForCausalLM) is this body with head_dim decoupled from hidden / heads, which
+the config reader already takes from ``head_dim``: one more name on the spec."""
 from __future__ import annotations
 
 import trellm
@@ -8,10 +11,10 @@ from trellm.spec import ArchitectureSpec
 
 SPEC = ArchitectureSpec(
     name="llama",
-    architectures=("LlamaForCausalLM",),
+    architectures=("LlamaForCausalLM", "IQuestCoderForCausalLM"),
     read_config=DecoderConfig.from_hf,
     build=build_decoder,
-    description="Llama 1/2/3.x, SmolLM2 and other Llama-shaped checkpoints",
+    description="Llama 1/2/3.x, SmolLM2, IQuest-Coder and other Llama-shaped checkpoints",
 )
 
 
