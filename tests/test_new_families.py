@@ -15,6 +15,8 @@ transformers = pytest.importorskip("transformers")
 
 from trellm.sdk.testing import check_parity, make_tiny_hf_model
 
+from test_moe_families import randomize
+
 
 def _rename_architecture(model_dir: Path, name: str) -> Path:
     path = model_dir / "config.json"
@@ -48,5 +50,17 @@ def test_iquestcoder_decoupled_head_dim(tmp_path):
     model.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "iquestcoder"
     report = check_parity(tmp_path)
+    print(report)
+    report.assert_ok()
+
+
+SOLAR_OPEN = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 4, "topk_group": 2,
+              "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "head_dim": 16}
+
+
+def test_solar_open_moe_on_every_layer(tmp_path):
+    model_dir = make_tiny_hf_model("SolarOpenForCausalLM", tmp_path, **SOLAR_OPEN)
+    randomize(model_dir, "e_score_correction_bias")
+    report = check_parity(model_dir)
     print(report)
     report.assert_ok()

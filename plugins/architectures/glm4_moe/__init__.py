@@ -1,5 +1,8 @@
 """GLM 4.5 / 4.6 MoE (Glm4MoeForCausalLM): partial RoPE, optional QK-norm, biased q/k/v, and DeepSeek-V3
-style routing (sigmoid + correction bias, expert groups, routed scaling) after ``first_k_dense_replace`` dense layers."""
+style routing (sigmoid + correction bias, expert groups, routed scaling) after ``first_k_dense_replace`` dense layers.
+
+SolarOpen (SolarOpenForCausalLM) is the same model with no QK-norm and no leading dense layers (its config
+has neither key, and both default off)."""
 from __future__ import annotations
 
 import trellm
@@ -17,10 +20,10 @@ def build(cfg: DecoderConfig):
 
 SPEC = ArchitectureSpec(
     name="glm4_moe",
-    architectures=("Glm4MoeForCausalLM",),
+    architectures=("Glm4MoeForCausalLM", "SolarOpenForCausalLM"),
     read_config=DecoderConfig.from_hf,
     build=build,
-    description="GLM 4.5 / 4.6 (Air): DeepSeek-style routed + shared experts, partial RoPE",
+    description="GLM 4.5 / 4.6 (Air), Upstage Solar Open: DeepSeek-style routed + shared experts, partial RoPE",
 )
 
 
