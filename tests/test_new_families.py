@@ -64,3 +64,15 @@ def test_solar_open_moe_on_every_layer(tmp_path):
     report = check_parity(model_dir)
     print(report)
     report.assert_ok()
+
+
+HY_V3 = {"num_experts": 8, "num_experts_per_tok": 2, "num_shared_experts": 1, "moe_intermediate_size": 32,
+         "head_dim": 16, "router_scaling_factor": 2.5, "mlp_layer_types": ["dense", "sparse"]}
+
+
+def test_hy_v3_sigmoid_router_with_bias_and_shared_experts(tmp_path):
+    model_dir = make_tiny_hf_model("HYV3ForCausalLM", tmp_path, **HY_V3)
+    randomize(model_dir, "expert_bias")
+    report = check_parity(model_dir, max_new_tokens=12)
+    print(report)
+    report.assert_ok()
