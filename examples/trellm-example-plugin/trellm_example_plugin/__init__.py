@@ -7,8 +7,7 @@ trellm's shared decoder with different tensor names.
 from __future__ import annotations
 
 import trellm
-from trellm.config import DecoderConfig
-from trellm.modules.decoder import DecoderOptions, build_decoder
+from trellm.sdk import DecoderConfig, DecoderOptions, build_decoder
 
 OPTIONS = DecoderOptions(
     embed_key="backbone.embed",

@@ -5,21 +5,26 @@ from __future__ import annotations
 
 import torch
 import trellm
-from trellm import ops
-from trellm.batch import ForwardBatch
-from trellm.config import DecoderConfig
-from trellm.modules.base import Module
-from trellm.modules.decoder import CausalLM, DecoderLayer
-from trellm.modules.layers import (
+from trellm.sdk import (
+    ArchitectureSpec,
     Attention,
+    CausalLM,
+    DecoderConfig,
+    DecoderLayer,
     Embedding,
+    Experts,
+    ForwardBatch,
     GatedMLP,
+    Linear,
+    MoE,
+    Module,
     RMSNorm,
     RotaryEmbedding,
+    Router,
+    ScoreTopK,
+    config_int,
+    ops,
 )
-from trellm.modules.linear import Linear
-from trellm.modules.moe import Experts, MoE, Router, ScoreTopK, config_int
-from trellm.spec import ArchitectureSpec
 
 
 class OutputGatedAttention(Attention):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import attrs
 import trellm
-from trellm.modules.decoder import DecoderOptions, decoder_family
+from trellm.sdk import DecoderOptions, decoder_family
 
 OPTIONS = DecoderOptions(norm="layer_nobias", parallel_block=True, rope_interleaved=True, qk_norm_kind="layer_head")
 

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import attrs
 import trellm
-from trellm.config import DecoderConfig, layer_types_from_pattern, text_config
-from trellm.modules.decoder import decoder_family
+from trellm.sdk import DecoderConfig, decoder_family, layer_types_from_pattern, text_config
 from trellm.plugins.architectures.cohere import OPTIONS as COHERE_OPTIONS
 from trellm.plugins.architectures.cohere import configure
 

@@ -13,15 +13,20 @@ import math
 
 import torch
 import trellm
-from trellm import ops
-from trellm.batch import ForwardBatch
-from trellm.config import DecoderConfig
-from trellm.modules.base import LoadContext
-from trellm.modules.decoder import build_decoder
-from trellm.modules.layers import Attention, RMSNorm, RotaryEmbedding
-from trellm.modules.linear import Linear
-from trellm.modules.moe import config_int, use_deepseek_moe_layers
-from trellm.spec import ArchitectureSpec
+from trellm.sdk import (
+    ArchitectureSpec,
+    Attention,
+    DecoderConfig,
+    ForwardBatch,
+    Linear,
+    LoadContext,
+    RMSNorm,
+    RotaryEmbedding,
+    build_decoder,
+    config_int,
+    ops,
+    use_deepseek_moe_layers,
+)
 
 
 def _yarn_mscale(scale: float, m: float) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 import trellm
-from trellm.modules.decoder import DecoderOptions, decoder_family
+from trellm.sdk import DecoderOptions, decoder_family
 
 
 def configure(cfg, opts: DecoderOptions) -> DecoderOptions:

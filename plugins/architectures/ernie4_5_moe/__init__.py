@@ -4,11 +4,19 @@ in the layers ``moe_layer_start_index..moe_layer_end_index`` every ``moe_layer_i
 from __future__ import annotations
 
 import trellm
-from trellm.config import DecoderConfig
-from trellm.modules.decoder import DecoderOptions, build_decoder
-from trellm.modules.layers import GatedMLP
-from trellm.modules.moe import Experts, MoE, Router, ScoreTopK, config_int, replace_mlps
-from trellm.spec import ArchitectureSpec
+from trellm.sdk import (
+    ArchitectureSpec,
+    DecoderConfig,
+    DecoderOptions,
+    Experts,
+    GatedMLP,
+    MoE,
+    Router,
+    ScoreTopK,
+    build_decoder,
+    config_int,
+    replace_mlps,
+)
 
 
 def build(cfg: DecoderConfig):

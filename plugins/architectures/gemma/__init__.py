@@ -8,7 +8,7 @@ import math
 
 import attrs
 import trellm
-from trellm.modules.decoder import DecoderOptions, decoder_family
+from trellm.sdk import DecoderOptions, decoder_family
 
 OPTIONS = DecoderOptions(norm_unit_offset=True)
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import attrs
 import trellm
-from trellm.config import DecoderConfig, layer_types_from_pattern, text_config
-from trellm.modules.decoder import DecoderOptions, decoder_family
+from trellm.sdk import DecoderConfig, DecoderOptions, decoder_family, layer_types_from_pattern, text_config
 from trellm.plugins.architectures.gemma import OPTIONS as GEMMA_OPTIONS
 from trellm.plugins.architectures.gemma import configure as configure_gemma
 

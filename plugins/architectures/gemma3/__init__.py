@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import attrs
 import trellm
-from trellm.config import DecoderConfig, RopeConfig, text_config
-from trellm.errors import ConfigError
-from trellm.modules.decoder import decoder_family
+from trellm.sdk import ConfigError, DecoderConfig, RopeConfig, decoder_family, text_config
 from trellm.plugins.architectures.gemma2 import OPTIONS as GEMMA2_OPTIONS
 from trellm.plugins.architectures.gemma2 import configure as configure_gemma2
 from trellm.plugins.architectures.gemma2 import read_config as read_gemma2

@@ -20,19 +20,27 @@ import attrs
 import torch
 
 import trellm
-from trellm import ops
-from trellm.config import DecoderConfig
-from trellm.errors import ConfigError
-from trellm.modules.base import LoadContext, Module
-from trellm.modules.decoder import build_decoder
-from trellm.modules.layers import Attention, RMSNorm
-from trellm.multimodal import VisionInput, VisionLanguageModel, image_digest
-from trellm.multimodal import load_image_processor, read_vision_config, vision_tower_spec
-from trellm.ops.attention import gather_pages
+from trellm.sdk import (
+    ArchitectureSpec,
+    Attention,
+    ConfigError,
+    DecoderConfig,
+    LoadContext,
+    Module,
+    RMSNorm,
+    VisionInput,
+    VisionLanguageModel,
+    build_decoder,
+    gather_pages,
+    image_digest,
+    load_image_processor,
+    ops,
+    read_vision_config,
+    vision_tower_spec,
+)
 from trellm.plugins.architectures.gemma3 import OPTIONS as GEMMA3_OPTIONS
 from trellm.plugins.architectures.gemma3 import configure as configure_gemma3
 from trellm.plugins.architectures.gemma3 import read_config as read_gemma3_text
-from trellm.spec import ArchitectureSpec
 
 # One spelling of the tensor names (the hub uploads'); other transformers versions' names are aliases.
 ALIASES = (

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import attrs
 import trellm
-from trellm.modules.decoder import DecoderOptions, decoder_family
+from trellm.sdk import DecoderOptions, decoder_family
 
 GLM_OPTIONS = DecoderOptions(fused_gate_up="gate_up_proj", rope_interleaved=True, o_bias=False)
 GLM4_OPTIONS = attrs.evolve(GLM_OPTIONS, attn_out_norm_name="post_self_attn_layernorm", mlp_out_norm_name="post_mlp_layernorm")

@@ -6,10 +6,7 @@ has neither key, and both default off)."""
 from __future__ import annotations
 
 import trellm
-from trellm.config import DecoderConfig
-from trellm.modules.decoder import DecoderOptions, build_decoder
-from trellm.modules.moe import use_deepseek_moe_layers
-from trellm.spec import ArchitectureSpec
+from trellm.sdk import ArchitectureSpec, DecoderConfig, DecoderOptions, build_decoder, use_deepseek_moe_layers
 
 
 def build(cfg: DecoderConfig):

@@ -10,11 +10,10 @@ from __future__ import annotations
 import attrs
 
 import trellm
-from trellm.config import DecoderConfig, text_config
+from trellm.sdk import ArchitectureSpec, DecoderConfig, text_config
 from trellm.plugins.architectures.glm4 import GLM4_OPTIONS
 from trellm.plugins.architectures.qwen2_5_vl import QwenVisionLanguageModel, QwenVLConfig
 from trellm.plugins.architectures.qwen2_5_vl import read_config as read_qwen_vl_config
-from trellm.spec import ArchitectureSpec
 
 
 def read_text(raw: dict) -> DecoderConfig:

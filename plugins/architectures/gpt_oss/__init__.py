@@ -6,21 +6,21 @@ import functools
 
 import torch
 import trellm
-from trellm import ops
-from trellm.batch import ForwardBatch
-from trellm.config import DecoderConfig
-from trellm.modules.base import LoadContext
-from trellm.modules.decoder import build_decoder
-from trellm.modules.layers import Attention
-from trellm.modules.moe import (
+from trellm.sdk import (
+    ArchitectureSpec,
+    Attention,
+    DecoderConfig,
     Experts,
+    ForwardBatch,
+    LoadContext,
     MoE,
     Router,
     TopKSoftmax,
+    build_decoder,
     clamped_swiglu,
     config_int,
+    ops,
 )
-from trellm.spec import ArchitectureSpec
 
 
 class SinkAttention(Attention):

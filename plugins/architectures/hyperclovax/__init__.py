@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import attrs
 import trellm
-from trellm.modules.decoder import DecoderOptions, decoder_family
+from trellm.sdk import DecoderOptions, decoder_family
 from trellm.plugins.architectures.granite import configure as configure_granite
 
 

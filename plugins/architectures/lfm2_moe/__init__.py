@@ -3,20 +3,29 @@ sigmoid-routed MoE (expert bias steering the choice) after ``num_dense_layers`` 
 from __future__ import annotations
 
 import trellm
-from trellm.config import DecoderConfig
-from trellm.errors import ConfigError
-from trellm.modules.base import Module
-from trellm.modules.decoder import DecoderLayer
-from trellm.modules.layers import Attention, RMSNorm, RotaryEmbedding
-from trellm.modules.linear import Linear
-from trellm.modules.moe import ExpertMLP, Experts, MoE, Router, ScoreTopK, config_int
-from trellm.modules.recurrent import HybridCausalLM, ShortConv
-from trellm.spec import ArchitectureSpec
+from trellm.sdk import (
+    ArchitectureSpec,
+    Attention,
+    ConfigError,
+    DecoderConfig,
+    DecoderLayer,
+    ExpertMLP,
+    Experts,
+    HybridCausalLM,
+    Linear,
+    MoE,
+    Module,
+    RMSNorm,
+    RotaryEmbedding,
+    Router,
+    ScoreTopK,
+    ShortConv,
+    config_int,
+    text_config,
+)
 
 
 def read_config(raw: dict) -> DecoderConfig:
-    from trellm.config import text_config
-
     c = text_config(raw)
     return DecoderConfig.from_hf(raw, rms_norm_eps=float(c.get("norm_eps", c.get("rms_norm_eps", 1e-5))))
 

@@ -5,9 +5,7 @@ the config reader already takes from ``head_dim``: one more name on the spec."""
 from __future__ import annotations
 
 import trellm
-from trellm.config import DecoderConfig
-from trellm.modules.decoder import build_decoder
-from trellm.spec import ArchitectureSpec
+from trellm.sdk import ArchitectureSpec, DecoderConfig, build_decoder
 
 SPEC = ArchitectureSpec(
     name="llama",

@@ -3,10 +3,18 @@ w1/w3/w2 experts chosen with a correction bias and renormalised."""
 from __future__ import annotations
 
 import trellm
-from trellm.config import DecoderConfig
-from trellm.modules.decoder import DecoderOptions, build_decoder
-from trellm.modules.moe import Experts, MoE, Router, ScoreTopK, config_int, replace_mlps
-from trellm.spec import ArchitectureSpec
+from trellm.sdk import (
+    ArchitectureSpec,
+    DecoderConfig,
+    DecoderOptions,
+    Experts,
+    MoE,
+    Router,
+    ScoreTopK,
+    build_decoder,
+    config_int,
+    replace_mlps,
+)
 
 
 def build(cfg: DecoderConfig):

@@ -5,8 +5,7 @@ Mistral's window, when set, covers every layer; Ministral lists ``layer_types`` 
 from __future__ import annotations
 
 import trellm
-from trellm.config import DecoderConfig, sliding_on_every_layer
-from trellm.modules.decoder import decoder_family
+from trellm.sdk import DecoderConfig, decoder_family, sliding_on_every_layer
 
 SPEC = decoder_family(
     "mistral",

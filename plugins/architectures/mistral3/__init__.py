@@ -14,15 +14,24 @@ import torch
 import torch.nn.functional as F
 
 import trellm
-from trellm.config import DecoderConfig, sliding_on_every_layer
-from trellm.modules.base import LoadContext, Module
-from trellm.modules.decoder import DecoderOptions, build_decoder
-from trellm.modules.layers import RMSNorm
-from trellm.modules.linear import Linear
-from trellm.multimodal import VisionInput, VisionLanguageModel, image_digest
-from trellm.multimodal import load_image_processor, read_vision_config, vision_tower_spec
-from trellm.ops.dense import activation_fn
-from trellm.spec import ArchitectureSpec
+from trellm.sdk import (
+    ArchitectureSpec,
+    DecoderConfig,
+    DecoderOptions,
+    Linear,
+    LoadContext,
+    Module,
+    RMSNorm,
+    VisionInput,
+    VisionLanguageModel,
+    activation_fn,
+    build_decoder,
+    image_digest,
+    load_image_processor,
+    read_vision_config,
+    sliding_on_every_layer,
+    vision_tower_spec,
+)
 
 ALIASES = (
     ("language_model.model.", ("model.language_model.",)),

@@ -2,17 +2,17 @@
 from __future__ import annotations
 
 import trellm
-from trellm.config import DecoderConfig
-from trellm.modules.decoder import build_decoder
-from trellm.modules.moe import (
+from trellm.sdk import (
+    ArchitectureSpec,
+    DecoderConfig,
     Experts,
     MoE,
     Router,
     SoftmaxTopK,
+    build_decoder,
     config_int,
     replace_mlps,
 )
-from trellm.spec import ArchitectureSpec
 
 
 def build(cfg: DecoderConfig):

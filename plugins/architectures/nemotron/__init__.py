@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import trellm
-from trellm.modules.decoder import DecoderOptions, decoder_family
+from trellm.sdk import DecoderOptions, decoder_family
 
 SPEC = decoder_family(
     "nemotron",

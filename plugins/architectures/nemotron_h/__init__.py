@@ -5,16 +5,25 @@ from __future__ import annotations
 
 import torch
 import trellm
-from trellm.batch import ForwardBatch
-from trellm.config import DecoderConfig, text_config
-from trellm.errors import ConfigError
-from trellm.modules.base import Module
-from trellm.modules.layers import Attention, RMSNorm
-from trellm.modules.linear import Linear
-from trellm.modules.moe import Router, ScoreTopK, config_int, dispatch_experts
-from trellm.modules.recurrent import HybridCausalLM, Mamba2Mixer, ResidualBlock
-from trellm.ops.dense import activation_fn
-from trellm.spec import ArchitectureSpec
+from trellm.sdk import (
+    ArchitectureSpec,
+    Attention,
+    ConfigError,
+    DecoderConfig,
+    ForwardBatch,
+    HybridCausalLM,
+    Linear,
+    Mamba2Mixer,
+    Module,
+    RMSNorm,
+    ResidualBlock,
+    Router,
+    ScoreTopK,
+    activation_fn,
+    config_int,
+    dispatch_experts,
+    text_config,
+)
 
 BLOCK_TYPES = ("linear_attention", "full_attention", "mlp", "moe")
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import attrs
 import trellm
-from trellm.config import DecoderConfig
-from trellm.modules.decoder import DecoderOptions, decoder_family
+from trellm.sdk import DecoderConfig, DecoderOptions, decoder_family
 
 OPTIONS = DecoderOptions(
     input_norm_name=None,

@@ -3,13 +3,19 @@ attention layers (full-width QK-norm, norms on the attention and MLP outputs, Ro
 from __future__ import annotations
 
 import trellm
-from trellm.config import DecoderConfig
-from trellm.errors import ConfigError
-from trellm.modules.base import Module
-from trellm.modules.decoder import DecoderLayer
-from trellm.modules.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
-from trellm.modules.recurrent import GatedDeltaNet, HybridCausalLM
-from trellm.spec import ArchitectureSpec
+from trellm.sdk import (
+    ArchitectureSpec,
+    Attention,
+    ConfigError,
+    DecoderConfig,
+    DecoderLayer,
+    GatedDeltaNet,
+    GatedMLP,
+    HybridCausalLM,
+    Module,
+    RMSNorm,
+    RotaryEmbedding,
+)
 
 
 def build(cfg: DecoderConfig) -> HybridCausalLM:

@@ -6,9 +6,7 @@ an LM head with a bias. The optional per-head ``qk_layernorm`` is not supported 
 from __future__ import annotations
 
 import trellm
-from trellm.config import DecoderConfig, text_config
-from trellm.errors import ConfigError
-from trellm.modules.decoder import DecoderOptions, decoder_family
+from trellm.sdk import ConfigError, DecoderConfig, DecoderOptions, decoder_family, text_config
 
 OPTIONS = DecoderOptions(
     final_norm_key="model.final_layernorm",

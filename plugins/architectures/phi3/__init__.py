@@ -6,8 +6,7 @@ sizes the config implies); checkpoints that store the parts apart (quantized one
 from __future__ import annotations
 
 import trellm
-from trellm.config import DecoderConfig, sliding_on_every_layer
-from trellm.modules.decoder import DecoderOptions, decoder_family
+from trellm.sdk import DecoderConfig, DecoderOptions, decoder_family, sliding_on_every_layer
 
 SPEC = decoder_family(
     "phi3",

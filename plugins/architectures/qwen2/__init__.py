@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import trellm
-from trellm.config import DecoderConfig, text_config
-from trellm.modules.decoder import DecoderOptions, decoder_family
+from trellm.sdk import DecoderConfig, DecoderOptions, decoder_family, text_config
 
 
 def read_config(raw: dict) -> DecoderConfig:

@@ -17,14 +17,23 @@ import attrs
 import torch
 
 import trellm
-from trellm.config import DecoderConfig
-from trellm.errors import ConfigError
-from trellm.modules.base import LoadContext, Module
-from trellm.modules.decoder import DecoderOptions, build_decoder
-from trellm.multimodal import MultimodalPrompt, VisionInput, VisionLanguageModel, image_digest
-from trellm.multimodal import load_image_processor, read_vision_config, vision_tower_spec
+from trellm.sdk import (
+    ArchitectureSpec,
+    ConfigError,
+    DecoderConfig,
+    DecoderOptions,
+    LoadContext,
+    Module,
+    MultimodalPrompt,
+    VisionInput,
+    VisionLanguageModel,
+    build_decoder,
+    image_digest,
+    load_image_processor,
+    read_vision_config,
+    vision_tower_spec,
+)
 from trellm.plugins.architectures.qwen2 import read_config as read_qwen2_text
-from trellm.spec import ArchitectureSpec
 
 ALIASES = (
     ("model.", ("model.language_model.",)),

@@ -7,10 +7,8 @@ The multi-token-prediction head (``mtp.*``) loads as ``model.mtp`` when the chec
 from __future__ import annotations
 
 import trellm
-from trellm.config import DecoderConfig
-from trellm.generator.mtp import build_qwen_mtp_head
+from trellm.sdk import ArchitectureSpec, DecoderConfig, build_qwen_mtp_head
 from trellm.plugins.architectures.qwen3_next import build_qwen_hybrid
-from trellm.spec import ArchitectureSpec
 
 MULTIMODAL = "Qwen3_5ForConditionalGeneration"
 

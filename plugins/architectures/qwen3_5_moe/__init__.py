@@ -8,10 +8,8 @@ has it (``trellm.generator.mtp``: a speculative draft).
 from __future__ import annotations
 
 import trellm
-from trellm.config import DecoderConfig
-from trellm.generator.mtp import build_qwen_mtp_head
+from trellm.sdk import ArchitectureSpec, DecoderConfig, build_qwen_mtp_head
 from trellm.plugins.architectures.qwen3_next import build_qwen_hybrid, qwen_moe_mlp
-from trellm.spec import ArchitectureSpec
 
 MULTIMODAL = "Qwen3_5MoeForConditionalGeneration"
 

@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 import trellm
-from trellm.config import DecoderConfig
-from trellm.modules.decoder import DecoderOptions, build_decoder
-from trellm.modules.moe import (
+from trellm.sdk import (
+    ArchitectureSpec,
+    DecoderConfig,
+    DecoderOptions,
     Experts,
     MoE,
     Router,
     SoftmaxTopK,
+    build_decoder,
     config_int,
     replace_mlps,
 )
-from trellm.spec import ArchitectureSpec
 
 
 def is_moe_layer(cfg: DecoderConfig, i: int) -> bool:

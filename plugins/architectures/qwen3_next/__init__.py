@@ -7,16 +7,26 @@ scales by 1 + w; MLPs are dense or MoE with a sigmoid-gated shared expert.
 from __future__ import annotations
 
 import trellm
-from trellm.config import DecoderConfig
-from trellm.errors import ConfigError
-from trellm.generator.mtp import build_qwen_mtp_head
-from trellm.modules.base import Module
-from trellm.modules.decoder import DecoderLayer
-from trellm.modules.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from trellm.modules.linear import Linear
-from trellm.modules.moe import Experts, MoE, Router, SoftmaxTopK, config_int
-from trellm.modules.recurrent import GatedAttention, GatedDeltaNet, HybridCausalLM
-from trellm.spec import ArchitectureSpec
+from trellm.sdk import (
+    ArchitectureSpec,
+    ConfigError,
+    DecoderConfig,
+    DecoderLayer,
+    Experts,
+    GatedAttention,
+    GatedDeltaNet,
+    GatedMLP,
+    HybridCausalLM,
+    Linear,
+    MoE,
+    Module,
+    RMSNorm,
+    RotaryEmbedding,
+    Router,
+    SoftmaxTopK,
+    build_qwen_mtp_head,
+    config_int,
+)
 
 
 def layer_types(cfg: DecoderConfig) -> list[str]:

@@ -16,11 +16,10 @@ import attrs
 import torch
 
 import trellm
-from trellm.modules.decoder import DecoderOptions, build_decoder
+from trellm.sdk import ArchitectureSpec, DecoderConfig, DecoderOptions, build_decoder
 from trellm.plugins.architectures.qwen2 import read_config as read_qwen_text
 from trellm.plugins.architectures.qwen2_5_vl import QwenVisionLanguageModel, QwenVLConfig
 from trellm.plugins.architectures.qwen2_5_vl import read_config as read_qwen_vl_config
-from trellm.spec import ArchitectureSpec
 
 ALIASES = (
     ("model.language_model.", ("model.",)),
@@ -79,8 +78,6 @@ class Qwen35VisionLanguageModel(QwenVisionLanguageModel):
 
 
 def read_qwen3_5_config(raw: dict) -> QwenVLConfig:
-    from trellm.config import DecoderConfig
-
     return read_qwen_vl_config(raw, DecoderConfig.from_hf)
 
 

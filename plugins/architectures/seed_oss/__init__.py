@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import attrs
 import trellm
-from trellm.modules.decoder import decoder_family
+from trellm.sdk import decoder_family
 
 SPEC = decoder_family(
     "seed_oss",

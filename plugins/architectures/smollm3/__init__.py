@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import attrs
 import trellm
-from trellm.config import DecoderConfig, text_config
-from trellm.errors import ConfigError
-from trellm.modules.decoder import decoder_family
+from trellm.sdk import ConfigError, DecoderConfig, decoder_family, text_config
 from trellm.plugins.architectures.qwen2 import read_config as read_qwen_style
 
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import attrs
 import trellm
-from trellm.config import DecoderConfig, text_config
-from trellm.errors import ConfigError
-from trellm.modules.decoder import DecoderOptions, decoder_family
+from trellm.sdk import ConfigError, DecoderConfig, DecoderOptions, decoder_family, text_config
 
 
 def read_config(raw: dict) -> DecoderConfig:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import attrs
 import trellm
-from trellm.config import DecoderConfig, sliding_on_every_layer
-from trellm.modules.decoder import DecoderOptions, decoder_family
+from trellm.sdk import DecoderConfig, DecoderOptions, decoder_family, sliding_on_every_layer
 
 OPTIONS = DecoderOptions(norm="layer", mlp_gated=False, mlp_up_name="c_fc", mlp_down_name="c_proj")
 

@@ -16,14 +16,20 @@ import torch
 import torch.nn.functional as F
 
 import trellm
-from trellm.errors import ConfigError
-from trellm.modules.base import LoadContext, Module
-from trellm.modules.layers import GatedMLP, LayerNorm, RMSNorm
-from trellm.modules.linear import Linear
-from trellm.multimodal import ImageError, PixelSteps
+from trellm.sdk import (
+    ConfigError,
+    GatedMLP,
+    ImageError,
+    LayerNorm,
+    Linear,
+    LoadContext,
+    Module,
+    PixelSteps,
+    RMSNorm,
+    VisionTowerSpec,
+)
 from trellm.plugins.vision.common import CLIP_MEAN, CLIP_STD, frame_lengths, rope_inv_freq
 from trellm.plugins.vision.qwen_vl import QwenVisionBlock, QwenVisionTower, QwenVLProcessor, patch_positions
-from trellm.spec import VisionTowerSpec
 
 
 @attrs.frozen

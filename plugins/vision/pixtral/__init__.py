@@ -16,14 +16,8 @@ import torch
 import torch.nn.functional as F
 
 import trellm
-from trellm import ops
-from trellm.errors import ConfigError
-from trellm.modules.base import LoadContext, Module
-from trellm.modules.layers import GatedMLP, RMSNorm
-from trellm.modules.linear import Linear
-from trellm.multimodal import PixelSteps
+from trellm.sdk import ConfigError, GatedMLP, Linear, LoadContext, Module, PixelSteps, RMSNorm, VisionTowerSpec, ops
 from trellm.plugins.vision.common import CLIP_MEAN, CLIP_STD, attention_within_segments, rope_2d, rope_inv_freq
-from trellm.spec import VisionTowerSpec
 
 
 

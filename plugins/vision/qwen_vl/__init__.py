@@ -18,14 +18,21 @@ import torch
 import torch.nn.functional as F
 
 import trellm
-from trellm import ops
-from trellm.errors import ConfigError
-from trellm.modules.base import LoadContext, Module
-from trellm.modules.layers import MLP, GatedMLP, LayerNorm, RMSNorm
-from trellm.modules.linear import Linear
-from trellm.multimodal import ImageError, PixelSteps
+from trellm.sdk import (
+    MLP,
+    ConfigError,
+    GatedMLP,
+    ImageError,
+    LayerNorm,
+    Linear,
+    LoadContext,
+    Module,
+    PixelSteps,
+    RMSNorm,
+    VisionTowerSpec,
+    ops,
+)
 from trellm.plugins.vision.common import CLIP_MEAN, CLIP_STD, attention_within_segments, frame_lengths, rope_2d, rope_inv_freq
-from trellm.spec import VisionTowerSpec
 
 
 

@@ -14,13 +14,16 @@ import torch
 import torch.nn.functional as F
 
 import trellm
-from trellm.errors import ConfigError
-from trellm.modules.base import LoadContext, Module
-from trellm.modules.layers import LayerNorm
-from trellm.modules.linear import Linear
-from trellm.multimodal import FixedSizeProcessor
-from trellm.ops.dense import activation_fn
-from trellm.spec import VisionTowerSpec
+from trellm.sdk import (
+    ConfigError,
+    FixedSizeProcessor,
+    LayerNorm,
+    Linear,
+    LoadContext,
+    Module,
+    VisionTowerSpec,
+    activation_fn,
+)
 
 
 @attrs.frozen

@@ -19,7 +19,6 @@ def test_helium_parity(assert_parity, name):
 
 
 def test_plugin_is_registered():
-    from trellm import registry
+    from trellm.sdk import find_architecture
 
-    _, spec = registry.architectures()["HeliumForCausalLM"]
-    assert spec.name == "helium"
+    assert find_architecture("HeliumForCausalLM").name == "helium"

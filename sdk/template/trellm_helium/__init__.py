@@ -7,7 +7,7 @@ config that needs normalising (a layer pattern), pass ``read_config``.
 from __future__ import annotations
 
 import trellm
-from trellm.modules.decoder import DecoderOptions, decoder_family
+from trellm.sdk import DecoderOptions, decoder_family
 
 SPEC = decoder_family(
     name="helium",
