@@ -8,12 +8,20 @@ The checkpoint's MTP layers (``model.layers.{num_hidden_layers}``) are not loade
 from __future__ import annotations
 
 import trellm
-from trellm.config import DecoderConfig
-from trellm.errors import ConfigError
-from trellm.modules.decoder import DecoderOptions, build_decoder
-from trellm.modules.layers import GatedMLP
-from trellm.modules.moe import Experts, MoE, Router, ScoreTopK, config_int, replace_mlps
-from trellm.spec import ArchitectureSpec
+from trellm.sdk import (
+    ArchitectureSpec,
+    ConfigError,
+    DecoderConfig,
+    DecoderOptions,
+    Experts,
+    GatedMLP,
+    MoE,
+    Router,
+    ScoreTopK,
+    build_decoder,
+    config_int,
+    replace_mlps,
+)
 
 
 def hy_v3_moe(cfg: DecoderConfig, key: str) -> MoE:
