@@ -76,3 +76,89 @@ def test_hy_v3_sigmoid_router_with_bias_and_shared_experts(tmp_path):
     report = check_parity(model_dir, max_new_tokens=12)
     print(report)
     report.assert_ok()
+
+
+# ---- MiMo: Qwen2 + an MTP layer (remote code upstream: checked against transformers' Qwen2 and by hand) ----
+
+
+def _mimo_checkpoint(tmp_path) -> tuple[Path, Path, dict]:
+    """A tiny Qwen2 saved twice: as is, and as MiMo (architecture renamed, random ``model.mtp_layers.0.*``)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    plain = make_tiny_hf_model("Qwen2ForCausalLM", tmp_path / "qwen2")
+    mimo = tmp_path / "mimo"
+    shutil.copytree(plain, mimo)
+    tensors = load_file(mimo / "model.safetensors")
+    g = torch.Generator().manual_seed(5)
+    hidden = tensors["model.norm.weight"].shape[0]
+    mtp = {}
+    for name, t in tensors.items():
+        if name.startswith("model.layers.0."):
+            scale = 0.1 if t.dim() == 1 else float(t.std())
+            base = torch.ones(t.shape) if name.endswith("layernorm.weight") else torch.zeros(t.shape)
+            mtp["model.mtp_layers.0." + name[len("model.layers.0."):]] = base + torch.randn(t.shape, generator=g) * scale
+    mtp["model.mtp_layers.0.input_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=g) / (2 * hidden) ** 0.5
+    for norm in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
+        mtp[f"model.mtp_layers.0.{norm}.weight"] = 1 + torch.randn(hidden, generator=g) * 0.1
+    save_file({**tensors, **mtp}, mimo / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((mimo / "config.json").read_text())
+    config.update(architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
+    (mimo / "config.json").write_text(json.dumps(config, indent=2))
+    return plain, mimo, mtp
+
+
+def test_mimo_main_model_and_mtp_head(tmp_path):
+    import torch
+
+    import trellm
+    from trellm.batch import ForwardBatch
+    from trellm.generator import Generator, Job, JobFinished
+    from trellm.generator.mtp import MTPProposer, mtp_head_of
+
+    plain, mimo, mtp = _mimo_checkpoint(tmp_path)
+    check_parity(mimo, max_new_tokens=12).assert_ok()  # transformers runs it as the Qwen2 it is
+
+    lm = trellm.load(mimo, device="cpu", dtype=torch.float32, tokenizer=False)
+    head = mtp_head_of(lm)
+    assert head is not None and torch.equal(head.fc.impl.weight, mtp["model.mtp_layers.0.input_proj.weight"])
+
+    # The head against MiMo's math by hand, around transformers' Qwen2 decoder layer holding the MTP weights.
+    hf = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    layer = hf.model.layers[0]
+    layer.load_state_dict({k[len("model.mtp_layers.0."):]: v for k, v in mtp.items()
+                           if k[len("model.mtp_layers.0."):].split(".")[0] in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")})
+    eps = hf.config.rms_norm_eps
+    norm = lambda x, name: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * mtp[f"model.mtp_layers.0.{name}.weight"]
+    tokens = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        h = hf.model(torch.tensor([tokens])).last_hidden_state[0][:-1]
+        e = hf.model.embed_tokens(torch.tensor(tokens[1:]))
+        x = torch.cat([norm(h, "hidden_layernorm"), norm(e, "token_layernorm")], -1) @ mtp["model.mtp_layers.0.input_proj.weight"].T
+        n = x.shape[0]
+        positions = torch.arange(n)[None]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        out = layer(x[None], position_embeddings=hf.model.rotary_emb(x[None], positions), attention_mask=mask, position_ids=positions)
+        want = norm(out[0] if isinstance(out, tuple) else out, "final_layernorm")[0]
+    batch = ForwardBatch.no_cache([tokens[1:]])
+    with torch.inference_mode():
+        got = head.forward(lm.model.embed.forward(batch.input_ids), h, batch)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+    # Drafting with the head leaves greedy output unchanged.
+    def run(proposer):
+        gen = Generator(lm, max_batch_size=2, max_chunk_tokens=16, cache_tokens=512, page_size=16, proposer=proposer,
+                        num_draft_tokens=3 if proposer else 0)
+        gen.enqueue([Job(list(p), 12, stop_token_ids=[], identifier=i) for i, p in enumerate([tokens, tokens[:7]])])
+        done = []
+        with torch.inference_mode():
+            while gen.has_work():
+                done += [r for r in gen.iterate() if isinstance(r, JobFinished)]
+        return sorted(done, key=lambda r: r.identifier)
+
+    plain_out = run(None)
+    drafted = run(MTPProposer(lm, num_tokens=3, cache_tokens=512, page_size=16))
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain_out]
+    assert sum(r.draft_proposed for r in drafted) > 0

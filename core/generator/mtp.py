@@ -1,4 +1,5 @@
-"""Multi-token prediction (MTP) heads of Qwen3-Next / Qwen3.5 checkpoints, run as a speculative draft.
+"""Multi-token prediction (MTP) heads of Qwen3-Next / Qwen3.5 (and MiMo, see :class:`MTPLayout`) checkpoints,
+run as a speculative draft.
 
 These checkpoints carry one extra decoder layer under ``mtp.*`` that was trained to predict the token
 after next. transformers ignores it; here it loads as ``model.mtp`` (an :class:`MTPHead`, present
@@ -27,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from ..batch import ForwardBatch
@@ -41,27 +43,48 @@ from .speculative import DraftRequest
 MAX_PENDING_ROWS = 1024  # target hidden states held per job before they are absorbed into the MTP cache
 
 
-class MTPHead(Module):
-    """``mtp.*``: the two input norms, ``fc`` (2 * hidden -> hidden), one decoder layer and the output norm.
+@attrs.frozen
+class MTPLayout:
+    """Where a family keeps its MTP head's tensors and how it joins its two inputs.
 
-    Optional: :meth:`load` loads nothing when the checkpoint has no ``mtp.*`` tensors (``present`` stays
+    Qwen3-Next / Qwen3.5 (the default): ``pre_fc_norm_embedding`` / ``pre_fc_norm_hidden`` ``1 + w`` norms,
+    ``fc`` over ``[embedding | hidden]``, output ``norm``. MiMo: ``token_layernorm`` / ``hidden_layernorm``
+    plain norms, ``input_proj`` over ``[hidden | embedding]``, ``final_layernorm``.
+    """
+
+    embedding_norm: str = "pre_fc_norm_embedding"
+    hidden_norm: str = "pre_fc_norm_hidden"
+    fc: str = "fc"
+    output_norm: str = "norm"
+    hidden_first: bool = False
+    unit_offset: bool = True
+
+
+QWEN_MTP = MTPLayout()
+
+
+class MTPHead(Module):
+    """The MTP block: the two input norms, ``fc`` (2 * hidden -> hidden), one decoder layer and the output
+    norm, named and ordered as ``layout`` says.
+
+    Optional: :meth:`load` loads nothing when the checkpoint has no ``{key}.*`` tensors (``present`` stays
     False), so a checkpoint without them loads exactly as before.
     """
 
-    def __init__(self, key: str, hidden_size: int, eps: float, layer: DecoderLayer):
-        self.key, self.hidden_size = key, hidden_size
-        self.pre_fc_norm_embedding = RMSNorm(f"{key}.pre_fc_norm_embedding", hidden_size, eps, unit_offset=True)
-        self.pre_fc_norm_hidden = RMSNorm(f"{key}.pre_fc_norm_hidden", hidden_size, eps, unit_offset=True)
-        self.fc = Linear(f"{key}.fc", 2 * hidden_size, hidden_size)
+    def __init__(self, key: str, hidden_size: int, eps: float, layer: DecoderLayer, layout: MTPLayout = QWEN_MTP):
+        self.key, self.hidden_size, self.hidden_first = key, hidden_size, layout.hidden_first
+        norm = lambda name: RMSNorm(f"{key}.{name}", hidden_size, eps, unit_offset=layout.unit_offset)
+        self.embedding_norm, self.hidden_norm = norm(layout.embedding_norm), norm(layout.hidden_norm)
+        self.fc = Linear(f"{key}.{layout.fc}", 2 * hidden_size, hidden_size)
         self.layer = layer
-        self.norm = RMSNorm(f"{key}.norm", hidden_size, eps, unit_offset=True)
+        self.norm = norm(layout.output_norm)
         self.present = False
 
     def load(self, ctx: LoadContext) -> None:
         prefix = f"{self.key}."
         if not any(name.startswith(prefix) for name in ctx.store):
             return
-        super().load(ctx)  # a partial mtp.* set fails here, naming the missing tensor
+        super().load(ctx)  # a partial set fails here, naming the missing tensor
         self.present = True
 
     def unload(self) -> None:
@@ -69,8 +92,9 @@ class MTPHead(Module):
         self.present = False
 
     def forward(self, token_embeds: torch.Tensor, target_hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """[T, hidden] embeddings of ``t_{i+1}`` and hidden states ``h_i`` (post final norm) -> ``y_i`` (post mtp.norm)."""
-        both = torch.cat([self.pre_fc_norm_embedding.forward(token_embeds), self.pre_fc_norm_hidden.forward(target_hidden)], dim=-1)
+        """[T, hidden] embeddings of ``t_{i+1}`` and hidden states ``h_i`` (post final norm) -> ``y_i`` (post output norm)."""
+        parts = [self.embedding_norm.forward(token_embeds), self.hidden_norm.forward(target_hidden)]
+        both = torch.cat(parts[::-1] if self.hidden_first else parts, dim=-1)
         return self.norm.forward(self.layer.forward(self.fc(both), batch))
 
 
