@@ -21,7 +21,7 @@ from trellm import ops
 from trellm.batch import ForwardBatch
 from trellm.config import DecoderConfig, RopeConfig, layer_types_from_pattern, sliding_on_every_layer, text_config
 from trellm.errors import ConfigError
-from trellm.generator.mtp import MTPHead, build_qwen_mtp_head
+from trellm.generator.mtp import MTPHead, MTPLayout, build_qwen_mtp_head
 from trellm.hookspecs import hookimpl
 from trellm.modules.base import LoadContext, Module
 from trellm.modules.decoder import CausalLM, DecoderLayer, DecoderOptions, build_decoder, decoder_family
@@ -74,7 +74,7 @@ __all__ = [
     "dispatch_experts", "replace_mlps", "deepseek_moe", "use_deepseek_moe_layers",
     # recurrent and hybrid stacks, multi-token prediction
     "GatedDeltaNet", "GatedAttention", "ShortConv", "Mamba2Mixer", "ResidualBlock", "HybridCausalLM",
-    "MTPHead", "build_qwen_mtp_head",
+    "MTPHead", "MTPLayout", "build_qwen_mtp_head",
     # images
     "VisionLanguageModel", "VisionInput", "MultimodalPrompt", "PixelSteps", "FixedSizeProcessor", "ImageError",
     "image_digest", "read_vision_config", "vision_tower_spec", "load_image_processor",

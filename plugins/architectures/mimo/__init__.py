@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import attrs
 import trellm
-from trellm.config import DecoderConfig
-from trellm.generator.mtp import MTPHead, MTPLayout
-from trellm.modules.decoder import DecoderOptions, build_decoder
-from trellm.spec import ArchitectureSpec
+from trellm.sdk import ArchitectureSpec, DecoderConfig, DecoderOptions, MTPHead, MTPLayout, build_decoder
 
 MIMO_MTP = MTPLayout(embedding_norm="token_layernorm", hidden_norm="hidden_layernorm", fc="input_proj",
                      output_norm="final_layernorm", hidden_first=True, unit_offset=False)
