@@ -39,11 +39,15 @@ TOPICS = ["the sea", "a mountain village", "an old clock", "the first snow", "a 
 
 
 def prompts(lm, n: int, prompt_tokens: int) -> list[list[int]]:
-    """``n`` distinct prompts of about ``prompt_tokens`` tokens each."""
+    """``n`` distinct prompts of exactly ``prompt_tokens`` tokens each (a sentence repeated as often as needed:
+    a fixed number of repeats ran out near 700 tokens and silently benchmarked shorter prompts)."""
     out = []
     for i in range(n):
-        text = f"Story {i}: write a short story about {TOPICS[i % len(TOPICS)]}. " * 64
-        ids = lm.tokenizer.encode(text) if lm.tokenizer else [(7 * i + j) % 200 + 1 for j in range(prompt_tokens)]
+        if lm.tokenizer is None:
+            out.append([(7 * i + j) % 200 + 1 for j in range(prompt_tokens)])
+            continue
+        sentence = lm.tokenizer.encode(f"Story {i}: write a short story about {TOPICS[i % len(TOPICS)]}. ")
+        ids = sentence * -(-prompt_tokens // len(sentence))
         out.append(ids[:prompt_tokens])
     return out
 
