@@ -29,7 +29,7 @@ from trellm.cache import SequenceState
 from trellm.cache.recurrent import alloc_state_slot
 from trellm.config import DecoderConfig
 from trellm.modules.base import LoadContext
-from trellm.plugins.architectures.qwen3_5_moe import build
+from trellm.sdk import build_qwen3_5_moe
 
 # Qwen3.5-35B-A3B text config (hidden 2048, 40 layers, 3 linear : 1 full attention, 256 experts, top 8).
 FULL = {
@@ -239,7 +239,7 @@ def main() -> None:
     raw["architectures"] = ["Qwen3_5MoeForCausalLM"]
     cfg = DecoderConfig.from_hf(raw)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    model = build(cfg)
+    model = build_qwen3_5_moe(cfg)
     formats = [RandomEXL3(args.bits)] if args.weights == "exl3" else []
     t0 = time.perf_counter()
     layout = args.experts or ("per_expert" if args.weights == "exl3" else "stacked")

@@ -1,7 +1,8 @@
 """The ``trellm`` command line.
 
 Core commands live here; feature modules add theirs through ``add_cli(subparsers)`` (see
-``SUBCOMMAND_MODULES``), each setting ``func(args) -> int`` as its handler.
+``SUBCOMMAND_MODULES``), plugins through the ``trellm_register_commands(subparsers)`` hook, each
+setting ``func(args) -> int`` as its handler.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from .errors import TrellmError
+from .errors import ArchitectureConflictError, TrellmError, UnknownArchitectureError
 
 SUBCOMMAND_MODULES = (
     "trellm.gguf",
@@ -134,14 +135,19 @@ def cmd_info(args) -> int:
     model_dir = _model_dir(args)
     raw = read_config_json(model_dir)
     arch = (raw.get("architectures") or ["?"])[0]
-    table = registry.architectures()
-    plugin, spec = table.get(arch, (None, None))
+    try:
+        claim = registry.resolve_architecture(arch, source=str(model_dir / "config.json"))
+        served_by = f"plugin {claim.plugin!r} ({claim.spec.name})"
+    except ArchitectureConflictError as e:
+        served_by = f"CONFLICT: {e}"
+    except UnknownArchitectureError:
+        served_by = "NO INSTALLED PLUGIN (see `trellm plugins`)"
     store = WeightStore(model_dir)
     params = store.num_elements()
     weight_bytes = store.total_bytes()
     print(f"model:         {model_dir}")
     print(f"architecture:  {arch}")
-    print(f"served by:     {'plugin ' + repr(plugin) + ' (' + spec.name + ')' if spec else 'NO INSTALLED PLUGIN (see `trellm plugins`)'}")
+    print(f"served by:     {served_by}")
     q = raw.get("quantization_config") or {}
     if q:
         print(f"quantization:  {q.get('quant_method', '?')} {q.get('bits', '')} bpw (head {q.get('head_bits', '?')})")
@@ -215,8 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
             module = importlib.import_module(name)
         except ImportError:
             continue
-        if hasattr(module, "add_cli"):
-            module.add_cli(sub)
+        module.add_cli(sub)
+    from . import registry
+
+    registry.add_commands(sub)
     return parser
 
 

@@ -202,6 +202,96 @@ class RopeConfig:
         return inv, scale
 
 
+def config_int(extra: dict[str, Any], *names: str, default: int | None = None) -> int:
+    """The first of ``names`` set in an HF config, as an int (configs spell expert counts several ways)."""
+    for n in names:
+        if extra.get(n) is not None:
+            return int(extra[n])
+    if default is None:
+        raise ConfigError(f"config.json: none of {', '.join(map(repr, names))} is set")
+    return default
+
+
+@attrs.frozen
+class MoEConfig:
+    """The mixture-of-experts keys of an HF config, read once (families spell several of them two or
+    three ways). Families with keys of their own read those themselves."""
+
+    num_experts: int  # n_routed_experts / num_local_experts / num_experts
+    experts_per_token: int  # num_experts_per_tok
+    expert_size: int | None = None  # moe_intermediate_size (None: the family uses intermediate_size)
+    num_shared_experts: int = 0  # n_shared_experts / num_shared_experts
+    shared_expert_size: int = 0  # shared_expert_intermediate_size (Qwen: one shared expert of this width)
+    first_dense_layers: int = 0  # first_k_dense_replace / num_dense_layers: leading layers with a dense MLP
+    sparse_step: int = 1  # decoder_sparse_step: every n-th layer is MoE
+    dense_layers: tuple[int, ...] = ()  # mlp_only_layers: dense whatever the step says
+    scoring_func: str | None = None  # "softmax" / "sigmoid" (None: the family's default)
+    normalize_topk: bool | None = None  # norm_topk_prob (None: the family's default)
+    routed_scaling: float = 1.0  # routed_scaling_factor
+    num_groups: int = 1  # n_group: expert groups (DeepSeek-V3)
+    topk_groups: int = 1  # topk_group: groups each token may use
+
+    @classmethod
+    def from_hf(cls, c: dict[str, Any]) -> MoEConfig | None:
+        """The MoE section of a (text) config; None when it names no experts."""
+        num_experts = config_int(c, "n_routed_experts", "num_local_experts", "num_experts", default=0)
+        if num_experts <= 0:
+            return None
+        size = c.get("moe_intermediate_size")
+        norm = c.get("norm_topk_prob")
+        return cls(
+            num_experts=num_experts,
+            experts_per_token=config_int(c, "num_experts_per_tok", default=0),
+            expert_size=int(size) if size is not None else None,
+            num_shared_experts=config_int(c, "n_shared_experts", "num_shared_experts", default=0),
+            shared_expert_size=config_int(c, "shared_expert_intermediate_size", default=0),
+            first_dense_layers=config_int(c, "first_k_dense_replace", "num_dense_layers", default=0),
+            sparse_step=max(1, config_int(c, "decoder_sparse_step", default=1)),
+            dense_layers=tuple(int(i) for i in c.get("mlp_only_layers") or ()),
+            scoring_func=str(c["scoring_func"]) if c.get("scoring_func") is not None else None,
+            normalize_topk=bool(norm) if norm is not None else None,
+            routed_scaling=float(c.get("routed_scaling_factor") or 1.0),
+            num_groups=config_int(c, "n_group", default=1),
+            topk_groups=config_int(c, "topk_group", default=1),
+        )
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether decoder layer ``i`` has experts (after the leading dense layers, every ``sparse_step``-th)."""
+        return i >= self.first_dense_layers and i not in self.dense_layers and (i + 1) % self.sparse_step == 0
+
+    def expert_width(self) -> int:
+        """``moe_intermediate_size``, required by the families that call this."""
+        if self.expert_size is None:
+            raise ConfigError("config.json: moe_intermediate_size is not set")
+        return self.expert_size
+
+
+@attrs.frozen
+class LinearAttentionConfig:
+    """The ``linear_*`` keys sizing gated-delta-net layers (Qwen3-Next, Qwen3.5, OLMo Hybrid)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+    full_attention_interval: int = 4  # without layer_types: every n-th layer is full attention
+
+    @classmethod
+    def from_hf(cls, c: dict[str, Any]) -> LinearAttentionConfig | None:
+        """The linear-attention section of a (text) config; None when it has none."""
+        if c.get("linear_num_key_heads") is None:
+            return None
+        return cls(
+            num_key_heads=config_int(c, "linear_num_key_heads"),
+            num_value_heads=config_int(c, "linear_num_value_heads"),
+            key_head_dim=config_int(c, "linear_key_head_dim"),
+            value_head_dim=config_int(c, "linear_value_head_dim"),
+            conv_kernel=config_int(c, "linear_conv_kernel_dim", default=4),
+            full_attention_interval=config_int(c, "full_attention_interval", default=4),
+        )
+
+
 @attrs.frozen
 class DecoderConfig:
     """What a decoder-only transformer needs to know, read from a (text) HF config.
@@ -232,7 +322,9 @@ class DecoderConfig:
     nope_layers: tuple[int, ...] = ()  # layers that apply no RoPE at all (SmolLM3, Cohere2 and EXAONE 4 global layers)
     torch_dtype: str | None = None
     architecture: str = ""
-    extra: dict[str, Any] = attrs.field(factory=dict, hash=False)
+    moe: MoEConfig | None = None  # mixture-of-experts keys, when the config names experts
+    linear_attention: LinearAttentionConfig | None = None  # gated-delta-net sizes, when the config has them
+    extra: dict[str, Any] = attrs.field(factory=dict, hash=False)  # the raw (text) config, for a family's own keys
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], **overrides: Any) -> DecoderConfig:
@@ -270,12 +362,28 @@ class DecoderConfig:
             layer_ropes=_layer_ropes(c),
             torch_dtype=c.get("torch_dtype") or c.get("dtype"),
             architecture=archs[0],
+            moe=MoEConfig.from_hf(c),
+            linear_attention=LinearAttentionConfig.from_hf(c),
             extra=c,
         )
         values.update(overrides)
         cfg = cls(**values)
         cfg.validate_layers()
         return cfg
+
+    def require_moe(self) -> MoEConfig:
+        """The MoE section, or a ConfigError when the config names no experts."""
+        if self.moe is None:
+            raise ConfigError("config.json: no expert count is set (n_routed_experts / num_local_experts / num_experts)")
+        if self.moe.experts_per_token <= 0:
+            raise ConfigError("config.json: num_experts_per_tok is not set")
+        return self.moe
+
+    def require_linear_attention(self) -> LinearAttentionConfig:
+        """The linear-attention sizes, or a ConfigError when they are missing."""
+        if self.linear_attention is None:
+            raise ConfigError("config.json: linear_num_key_heads is not set (gated delta net layers need the linear_* sizes)")
+        return self.linear_attention
 
     def layer_type(self, i: int) -> str:
         """``"full_attention"`` or ``"sliding_attention"`` (or a family's own kind) for layer ``i``."""

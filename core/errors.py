@@ -13,6 +13,10 @@ class UnknownArchitectureError(TrellmError):
     """No installed plugin serves the model's architecture."""
 
 
+class ArchitectureConflictError(UnknownArchitectureError):
+    """Several installed plugins serve the model's architecture and none was chosen."""
+
+
 class WeightError(TrellmError):
     """A safetensors file is corrupt, or a tensor is missing or wrongly shaped."""
 

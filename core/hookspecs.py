@@ -1,4 +1,6 @@
-"""The plugin hooks. Each takes a ``register`` callback, like simonw/llm's hooks.
+"""The plugin hooks. The ``trellm_register_*`` hooks take a ``register`` callback, like simonw/llm's
+hooks; ``trellm_resolve_architecture`` answers "who serves X" when plugins disagree (pytest's
+``firstresult`` style).
 
 A plugin module (or object) implements any of these with ``@trellm.hookimpl``. Registered things
 are attributed to the plugin that registered them (see ``trellm plugins``).
@@ -27,3 +29,19 @@ def trellm_register_quant_formats(register):
 @hookspec
 def trellm_register_samplers(register):
     """Register sampler steps: ``register(name, factory)``; ``factory(**settings)`` returns a step."""
+
+
+@hookspec
+def trellm_register_commands(subparsers):
+    """Add ``trellm`` subcommands: ``p = subparsers.add_parser(name, help=...)`` (an argparse
+    sub-parser action), its arguments, then ``p.set_defaults(func=handler)`` with ``handler(args) -> int``."""
+
+
+@hookspec(firstresult=True)
+def trellm_resolve_architecture(architecture, claims):
+    """Choose which plugin serves ``architecture`` when several register it.
+
+    ``claims`` lists :class:`trellm.registry.ArchitectureClaim` (``plugin``, ``spec``) in load order.
+    Return the claim to use, or None to leave the choice to another plugin; the first answer wins.
+    With no answer, loading that architecture fails with an error naming every claiming plugin.
+    """

@@ -9,6 +9,7 @@ from typing import Iterator, Sequence
 import torch
 
 from . import registry
+from .capabilities import config_stop_ids, is_hybrid
 from .batch import ForwardBatch
 from .cache import KVCache, SequenceState
 from .config import read_config_json
@@ -82,7 +83,7 @@ class LoadedModel:
         return out
 
     def new_cache(self, max_tokens: int = 8192, page_size: int = 256, **kwargs) -> KVCache:
-        if hasattr(self.model, "make_cache"):  # hybrid models add recurrent-state layers
+        if is_hybrid(self.model):  # hybrid models add recurrent-state layers
             return self.model.make_cache(max_tokens=max_tokens, page_size=page_size, **kwargs)
         return KVCache.for_model(self.model, max_tokens=max_tokens, page_size=page_size, **kwargs)
 
@@ -158,12 +159,12 @@ class LoadedModel:
                 self._runner.close()
             floor = 8192 if self.device.type == "cuda" else 1024  # CPU: keep memory small, grow on demand
             self._cache = self.new_cache(max_tokens=max(floor, 2 * tokens) + 256)
-            capturable = self.device.type == "cuda" and not hasattr(self.model, "recurrent_layers")
+            capturable = self.device.type == "cuda" and not is_hybrid(self.model)
             self._runner = GraphRunner(self.model, self._cache, batch_sizes=(1,)) if capturable else None
         return self._cache, self._runner
 
     def default_stop_ids(self) -> set[int]:
-        ids = set(self.config.eos_token_ids) if hasattr(self.config, "eos_token_ids") else set()
+        ids = config_stop_ids(self.config)
         if self.tokenizer is not None:
             ids |= set(self.tokenizer.eos_token_ids)
         return ids

@@ -2,10 +2,13 @@
 
 Plugins are found through the ``trellm`` entry-point group (built-in families use the same path as
 pip-installed ones). ``TRELLM_PLUGINS=a,b`` loads only the named entry points (empty string: none);
-``TRELLM_TRACE_PLUGINS=1`` prints every hook call.
+``TRELLM_TRACE_PLUGINS=1`` prints every hook call. When several plugins register one architecture,
+a ``trellm_resolve_architecture`` hook chooses; without one, using that architecture is an error
+naming the plugins (load order never decides silently).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from importlib import metadata
@@ -15,10 +18,10 @@ import attrs
 import pluggy
 
 from . import hookspecs
-from .errors import UnknownArchitectureError
+from .errors import ArchitectureConflictError, UnknownArchitectureError
 
 ENTRY_POINT_GROUP = "trellm"
-HOOKS = (
+REGISTER_HOOKS = (
     "trellm_register_architectures",
     "trellm_register_vision_towers",
     "trellm_register_quant_formats",
@@ -70,15 +73,19 @@ def load_plugins() -> pluggy.PluginManager:
     return pm
 
 
+def _callers(hook: str) -> list[tuple[str, Callable[..., Any]]]:
+    """(plugin name, a caller of ``hook`` reaching only that plugin) for each plugin implementing it, in load order."""
+    load_plugins()
+    implementers = {impl.plugin_name for impl in getattr(pm.hook, hook).get_hookimpls()}
+    plugins = [(n, p) for n, p in pm.list_name_plugin() if p is not None]
+    return [(name, pm.subset_hook_caller(hook, remove_plugins=[p for n, p in plugins if n != name]))
+            for name, _ in plugins if name in implementers]
+
+
 def _collect(hook: str) -> list[tuple[str, Any]]:
     """Call ``hook`` plugin by plugin, returning (plugin_name, registered item) pairs."""
-    load_plugins()
     out: list[tuple[str, Any]] = []
-    for name, plugin in pm.list_name_plugin():
-        if plugin is None or not hasattr(plugin, hook):
-            continue
-        others = [p for n, p in pm.list_name_plugin() if n != name and p is not None]
-        caller = pm.subset_hook_caller(hook, remove_plugins=others)
+    for name, caller in _callers(hook):
 
         def register(*item: Any, _name: str = name) -> None:
             out.append((_name, item[0] if len(item) == 1 else item))
@@ -87,24 +94,82 @@ def _collect(hook: str) -> list[tuple[str, Any]]:
     return out
 
 
-def architectures() -> dict[str, tuple[str, Any]]:
-    """HF architecture name -> (plugin name, ArchitectureSpec). Later plugins override earlier ones."""
-    table: dict[str, tuple[str, Any]] = {}
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Let each plugin add its ``trellm`` subcommands; one that fails (a name already taken, an error)
+    is reported on stderr and skipped, as a plugin that fails to load is."""
+    for name, caller in _callers("trellm_register_commands"):
+        try:
+            caller(subparsers=subparsers)
+        except Exception as e:  # a broken third-party plugin must not take the CLI down
+            print(f"trellm: plugin {name!r} could not add its commands: {e}", file=sys.stderr)
+
+
+@attrs.frozen
+class ArchitectureClaim:
+    """One plugin's registration of an ArchitectureSpec for one HF architecture name."""
+
+    plugin: str
+    spec: Any
+
+
+def architecture_claims() -> dict[str, list[ArchitectureClaim]]:
+    """HF architecture name -> every plugin's claim on it, in load order."""
+    table: dict[str, list[ArchitectureClaim]] = {}
     for plugin, spec in _collect("trellm_register_architectures"):
         for arch in spec.architectures:
-            table[arch] = (plugin, spec)
+            table.setdefault(arch, []).append(ArchitectureClaim(plugin, spec))
     return table
 
 
-def find_architecture(arch: str, source: str = "config.json") -> Any:
-    table = architectures()
+def _resolve(arch: str, claims: list[ArchitectureClaim], source: str) -> ArchitectureClaim:
+    """The one claim that serves ``arch``: the only one, or the one a resolver hook picks."""
+    if len(claims) == 1:
+        return claims[0]
+    chosen = pm.hook.trellm_resolve_architecture(architecture=arch, claims=list(claims))
+    if chosen in claims:
+        return chosen
+    named = ", ".join(f"{c.plugin!r} (spec {c.spec.name!r})" for c in claims)
+    if chosen is not None:
+        raise ArchitectureConflictError(
+            f"{source}: a trellm_resolve_architecture hook answered {chosen!r} for {arch!r}, which is none of its claims: {named}"
+        )
+    raise ArchitectureConflictError(
+        f"{source}: architecture {arch!r} is served by {len(claims)} plugins: {named}. Keep one (pip uninstall the "
+        f"other, or list the plugins to load in TRELLM_PLUGINS), or add a plugin whose trellm_resolve_architecture "
+        f"hook chooses."
+    )
+
+
+def architectures() -> dict[str, tuple[str, Any]]:
+    """HF architecture name -> (plugin name, ArchitectureSpec) of the plugin serving it.
+
+    Architectures whose claims conflict without a resolution are left out (:func:`find_architecture`
+    names the plugins)."""
+    table: dict[str, tuple[str, Any]] = {}
+    for arch, claims in architecture_claims().items():
+        try:
+            claim = _resolve(arch, claims, "registry")
+        except ArchitectureConflictError:
+            continue
+        table[arch] = (claim.plugin, claim.spec)
+    return table
+
+
+def resolve_architecture(arch: str, source: str = "config.json") -> ArchitectureClaim:
+    """The plugin and spec serving ``arch``; a clear error when none does or several do unresolved."""
+    table = architecture_claims()
     if arch in table:
-        return table[arch][1]
+        return _resolve(arch, table[arch], source)
     installed = ", ".join(sorted(table)) or "(none)"
     raise UnknownArchitectureError(
         f"{source}: no installed plugin serves architecture {arch!r}. Installed architectures: {installed}. "
         f"Install a plugin that provides it (pip install <plugin>), or write one: see CONTRIBUTING.md."
     )
+
+
+def find_architecture(arch: str, source: str = "config.json") -> Any:
+    """The ArchitectureSpec serving ``arch`` (see :func:`resolve_architecture`)."""
+    return resolve_architecture(arch, source).spec
 
 
 def quant_formats() -> list[Any]:

@@ -19,7 +19,31 @@ from __future__ import annotations
 
 from trellm import ops
 from trellm.batch import ForwardBatch
-from trellm.config import DecoderConfig, RopeConfig, layer_types_from_pattern, sliding_on_every_layer, text_config
+from trellm.capabilities import (
+    DenseKVPages,
+    HasMTPHead,
+    HasRecurrentState,
+    PagedKVLayer,
+    StateSlots,
+    SupportsImages,
+    has_dense_pages,
+    implements,
+    is_hybrid,
+    is_paged_layer,
+    is_state_layer,
+    mtp_head,
+    supports_images,
+)
+from trellm.config import (
+    DecoderConfig,
+    LinearAttentionConfig,
+    MoEConfig,
+    RopeConfig,
+    config_int,
+    layer_types_from_pattern,
+    sliding_on_every_layer,
+    text_config,
+)
 from trellm.errors import ConfigError
 from trellm.generator.mtp import MTPHead, MTPLayout, build_qwen_mtp_head
 from trellm.hookspecs import hookimpl
@@ -27,21 +51,7 @@ from trellm.modules.base import LoadContext, Module
 from trellm.modules.decoder import CausalLM, DecoderLayer, DecoderOptions, build_decoder, decoder_family
 from trellm.modules.layers import MLP, Attention, Embedding, GatedMLP, LayerNorm, RMSNorm, RotaryEmbedding
 from trellm.modules.linear import Linear
-from trellm.modules.moe import (
-    ExpertMLP,
-    Experts,
-    MoE,
-    Router,
-    ScoreTopK,
-    SoftmaxTopK,
-    TopKSoftmax,
-    clamped_swiglu,
-    config_int,
-    deepseek_moe,
-    dispatch_experts,
-    replace_mlps,
-    use_deepseek_moe_layers,
-)
+from trellm.modules.moe import ExpertMLP, Experts, MoE, Router, ScoreTopK, SoftmaxTopK, TopKSoftmax, clamped_swiglu, dispatch_experts
 from trellm.modules.recurrent import GatedAttention, GatedDeltaNet, HybridCausalLM, Mamba2Mixer, ResidualBlock, ShortConv
 from trellm.multimodal import (
     FixedSizeProcessor,
@@ -57,27 +67,70 @@ from trellm.multimodal import (
 )
 from trellm.ops.attention import gather_pages
 from trellm.ops.dense import activation_fn
-from trellm.registry import find_architecture
+from trellm.registry import ArchitectureClaim, find_architecture
 from trellm.spec import ArchitectureSpec, VisionTowerSpec
+from trellm.sdk.families import (
+    COHERE_OPTIONS,
+    GEMMA2_OPTIONS,
+    GEMMA3_OPTIONS,
+    GEMMA_OPTIONS,
+    GLM4_OPTIONS,
+    GLM_OPTIONS,
+    OLMO_OPTIONS,
+    configure_cohere,
+    configure_gemma,
+    configure_gemma2,
+    configure_gemma3,
+    configure_granite,
+    read_gemma2_config,
+    read_gemma3_config,
+    read_qwen2_config,
+)
+from trellm.sdk.moe import deepseek_moe, replace_mlps, use_deepseek_moe_layers
+from trellm.sdk.hybrid import build_qwen3_5, build_qwen3_5_moe, build_qwen_hybrid, hybrid_layer_types, qwen_moe_mlp
+from trellm.sdk.qwen_vl import (
+    QwenVisionBlock,
+    QwenVisionConfig,
+    QwenVisionLanguageModel,
+    QwenVisionTower,
+    QwenVLConfig,
+    QwenVLProcessor,
+    patch_positions,
+    read_qwen_vl_config,
+)
+from trellm.sdk.vision import CLIP_MEAN, CLIP_STD, attention_within_segments, frame_lengths, rope_2d, rope_inv_freq
 
 __all__ = [
     # registering a plugin
-    "hookimpl", "ArchitectureSpec", "VisionTowerSpec", "find_architecture",
+    "hookimpl", "ArchitectureSpec", "VisionTowerSpec", "find_architecture", "ArchitectureClaim",
     # configs
     "DecoderConfig", "RopeConfig", "text_config", "layer_types_from_pattern", "sliding_on_every_layer",
-    "ConfigError", "config_int",
+    "ConfigError", "config_int", "MoEConfig", "LinearAttentionConfig",
     # modules and the Llama-like stack
     "Module", "LoadContext", "ForwardBatch", "Linear", "Embedding", "RMSNorm", "LayerNorm", "RotaryEmbedding",
     "Attention", "GatedMLP", "MLP", "DecoderLayer", "CausalLM", "DecoderOptions", "build_decoder", "decoder_family",
+    # the text families others build on (trellm.sdk.families)
+    "GEMMA_OPTIONS", "configure_gemma", "GEMMA2_OPTIONS", "configure_gemma2", "read_gemma2_config",
+    "GEMMA3_OPTIONS", "configure_gemma3", "read_gemma3_config", "COHERE_OPTIONS", "configure_cohere",
+    "OLMO_OPTIONS", "GLM_OPTIONS", "GLM4_OPTIONS", "configure_granite", "read_qwen2_config",
     # mixture of experts
     "MoE", "Router", "Experts", "ExpertMLP", "SoftmaxTopK", "TopKSoftmax", "ScoreTopK", "clamped_swiglu",
     "dispatch_experts", "replace_mlps", "deepseek_moe", "use_deepseek_moe_layers",
     # recurrent and hybrid stacks, multi-token prediction
     "GatedDeltaNet", "GatedAttention", "ShortConv", "Mamba2Mixer", "ResidualBlock", "HybridCausalLM",
     "MTPHead", "MTPLayout", "build_qwen_mtp_head",
+    # the Qwen hybrid stack (trellm.sdk.hybrid)
+    "hybrid_layer_types", "qwen_moe_mlp", "build_qwen_hybrid", "build_qwen3_5", "build_qwen3_5_moe",
     # images
     "VisionLanguageModel", "VisionInput", "MultimodalPrompt", "PixelSteps", "FixedSizeProcessor", "ImageError",
     "image_digest", "read_vision_config", "vision_tower_spec", "load_image_processor",
+    # vision-tower helpers (trellm.sdk.vision) and the Qwen-VL recipe (trellm.sdk.qwen_vl)
+    "CLIP_MEAN", "CLIP_STD", "rope_inv_freq", "rope_2d", "frame_lengths", "attention_within_segments",
+    "QwenVLProcessor", "QwenVisionConfig", "QwenVisionBlock", "QwenVisionTower", "patch_positions",
+    "QwenVLConfig", "read_qwen_vl_config", "QwenVisionLanguageModel",
+    # capabilities (trellm.capabilities): what a model or cache layer can do
+    "HasRecurrentState", "SupportsImages", "HasMTPHead", "PagedKVLayer", "DenseKVPages", "StateSlots", "implements",
+    "is_hybrid", "supports_images", "mtp_head", "is_paged_layer", "has_dense_pages", "is_state_layer",
     # numeric ops
     "ops", "activation_fn", "gather_pages",
 ]

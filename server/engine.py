@@ -171,9 +171,10 @@ def _build(settings: LoadSettings) -> tuple[Any, Generator]:
     cache = None  # fp16: the generator builds it (a hybrid model's cache also holds recurrent-state slots)
     if settings.cache_bits is not None:
         from trellm.cache.quantized import quantized_cache
+        from trellm.capabilities import is_hybrid
         from trellm.errors import ConfigError
 
-        if getattr(lm.model, "make_cache", None) is not None:
+        if is_hybrid(lm.model):
             raise ConfigError(f"{settings.model_dir}: cache_bits is not supported for models with recurrent layers; "
                               "serve it with an fp16 cache")
         k_bits, v_bits = settings.cache_bits

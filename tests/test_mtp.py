@@ -200,8 +200,6 @@ class OracleMix:
     continuation instead (last token wrong every fourth call), so the target accepts drafts fully and
     partially and the MTP must follow the accepted tokens' hidden states."""
 
-    wants_hidden_states = True
-
     def __init__(self, mtp: MTPProposer, full_sequences: list[list[int]]):
         self.mtp, self.full_sequences, self.calls, self.records = mtp, full_sequences, 0, []
 

@@ -35,10 +35,21 @@ def test_plugins_import_only_the_sdk():
     files = [f for src in PLUGIN_SOURCES for f in sorted(src.rglob("*.py"))]
     assert len(files) > 50
     bad = [f"{f.relative_to(ROOT)}:{line}: {mod}" for f in files for line, mod in _trellm_imports(f) if not _allowed(mod)]
-    bad = [b for b in bad if "trellm.plugins." not in b]  # TODO(sdk): shared recipes move next
     assert not bad, "plugins must import from trellm.sdk (or trellm) only:\n" + "\n".join(bad)
 
 
 def test_every_sdk_name_resolves():
     missing = [name for name in trellm.sdk.__all__ if not hasattr(trellm.sdk, name)]
     assert not missing and len(set(trellm.sdk.__all__)) == len(trellm.sdk.__all__)
+
+
+def test_every_plugin_folder_has_an_entry_point():
+    """A built-in plugin is found only through [project.entry-points.trellm], like a pip-installed one."""
+    import tomllib
+
+    entry_points = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["trellm"]
+    folders = {f"trellm.plugins.{kind}.{d.name}" for kind in ("architectures", "vision")
+               for d in (ROOT / "plugins" / kind).iterdir() if (d / "__init__.py").is_file()}
+    assert len(folders) > 40
+    assert folders - set(entry_points.values()) == set()
+    assert set(entry_points.values()) - folders == set()

@@ -180,6 +180,10 @@ def qwen3_5(tmp_path_factory):
         def trellm_register_architectures(register):
             register(QWEN3_5_VISION_SPEC)
 
+        @trellm.hookimpl
+        def trellm_resolve_architecture(architecture, claims):  # over the text-only qwen3_5 plugins
+            return next((c for c in claims if c.spec is QWEN3_5_VISION_SPEC), None)
+
     registry.load_plugins()
     registry.pm.register(VisionPlugin, name="test_qwen3_5_vision")
     try:

@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from .. import ops
+from ..capabilities import is_paged_layer, is_state_layer
 
 DEFAULT_PAGE_SIZE = 256
 
@@ -68,6 +69,10 @@ class KVCacheLayer:
         self.k_pages = torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.v_pages = torch.zeros(num_pages, page_size, num_kv_heads, v_head_dim, dtype=dtype, device=device)
 
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[0]
+
     def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         ops.write_kv_pages(k, v, self.k_pages, self.v_pages, slots)
 
@@ -92,8 +97,8 @@ class KVCache:
         self.layers = layers  # index = decoder layer index; None for layers without attention
         self.page_size = page_size
         self.device = torch.device(device)
-        paged = [l for l in layers if l is not None and hasattr(l, "store")]
-        num_pages = _layer_pages(paged[0]) if paged else 1
+        paged = [l for l in layers if is_paged_layer(l)]
+        num_pages = paged[0].num_pages if paged else 1
         self.allocator = PageAllocator(num_pages)
         self._prefix = None
 
@@ -144,18 +149,13 @@ class KVCache:
 
     def state_layers(self) -> list:
         """Layers holding per-sequence recurrent state (they offer ``alloc_slot``/``free_slot``)."""
-        return [l for l in self.layers if l is not None and hasattr(l, "alloc_slot")]
+        return [l for l in self.layers if is_state_layer(l)]
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     def nbytes(self) -> int:
         return sum(l.nbytes() for l in self.layers if l is not None)
-
-
-def _layer_pages(layer) -> int:
-    pages = getattr(layer, "num_pages", None)
-    return int(pages) if pages is not None else layer.k_pages.shape[0]
 
 
 class SequenceState:
@@ -167,7 +167,7 @@ class SequenceState:
         self.length = 0
         # hybrid models: one recurrent-state slot in every layer that keeps state (None otherwise)
         self.state_slot: int | None = None
-        if with_state_slot and any(hasattr(layer, "alloc_slot") for layer in cache.layers):
+        if with_state_slot and any(is_state_layer(layer) for layer in cache.layers):
             from .recurrent import alloc_state_slot
 
             self.state_slot = alloc_state_slot(cache)

@@ -33,6 +33,7 @@ from ..batch import StepBuffers
 from ..cache import CacheFullError, KVCache, SequenceState
 from ..cache.prefix import ROOT_HASH, page_hashes
 from ..cache.recurrent import alloc_state_slot, copy_state_slot, free_state_slot, slots_in_use
+from ..capabilities import HasDefaultStopIds, config_stop_ids, implements, is_hybrid, wants_hidden_states
 from ..errors import TrellmError
 from ..multimodal import attach_images
 from ..samplers import SamplerSettings, SamplerStack, SamplingContext
@@ -146,11 +147,10 @@ class Generator:
         self._loaded = model if self.model is not model else None  # the LoadedModel, for trellm.multimodal.prepare_prompt
         self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         if cache is None:  # a model with recurrent layers knows how to build its hybrid cache
-            make = getattr(self.model, "make_cache", None)
             # state slots: one per job, one draft snapshot per job, plus prefix checkpoints (max_batch_size by default)
             checkpoints = (max_batch_size if state_checkpoints is None else state_checkpoints) if prefix_caching else 0
             slots = max_batch_size * (2 if proposer is not None else 1) + checkpoints
-            cache = (make(max_tokens=cache_tokens, page_size=page_size, max_slots=slots) if make is not None
+            cache = (self.model.make_cache(max_tokens=cache_tokens, page_size=page_size, max_slots=slots) if is_hybrid(self.model)
                      else KVCache.for_model(self.model, max_tokens=cache_tokens, page_size=page_size))
         self.cache = cache
         self.max_batch_size = max_batch_size
@@ -160,7 +160,7 @@ class Generator:
         self.proposer = proposer
         self.num_draft_tokens = num_draft_tokens
         # a proposer that drafts from the target's hidden states (MTP) gets them after every step
-        self.hidden_sink = proposer.observe_hidden if getattr(proposer, "wants_hidden_states", False) else None
+        self.hidden_sink = proposer.observe_hidden if wants_hidden_states(proposer) else None
         self.state_layers = self.cache.state_layers()
         self.prefix_caching = prefix_caching
         if self.state_layers:  # evicting a page hands its state checkpoint back
@@ -307,9 +307,9 @@ class Generator:
         return GraphRunner(self.model, self.cache, batch_sizes=sizes, max_context=self.cache.capacity_tokens)
 
     def _default_stop_ids(self, model: Any) -> set[int]:
-        if hasattr(model, "default_stop_ids"):
+        if implements(model, HasDefaultStopIds):
             return set(model.default_stop_ids())
-        ids = set(getattr(getattr(self.model, "config", None), "eos_token_ids", ()) or ())
+        ids = config_stop_ids(getattr(self.model, "config", None))
         if self.tokenizer is not None:
             ids |= set(self.tokenizer.eos_token_ids)
         return ids

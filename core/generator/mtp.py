@@ -33,6 +33,7 @@ import torch
 
 from ..batch import ForwardBatch
 from ..cache import CacheFullError, KVCache, KVCacheLayer, SequenceState
+from ..capabilities import mtp_head
 from ..errors import TrellmError
 from ..modules.base import LoadContext, Module
 from ..modules.decoder import DecoderLayer
@@ -119,7 +120,7 @@ def build_qwen_mtp_head(cfg: Any, mlp: Module | None = None, key: str = "mtp") -
 
 def mtp_head_of(model: Any) -> MTPHead | None:
     """The loaded MTP head of a LoadedModel or module tree, or None."""
-    head = getattr(getattr(model, "model", model), "mtp", None)
+    head = mtp_head(getattr(model, "model", model))  # a LoadedModel or its module tree
     return head if isinstance(head, MTPHead) and head.present else None
 
 
@@ -174,14 +175,12 @@ class MTPProposer:
     small paged KV cache (``cache_tokens`` tokens, one attention layer) per job. Drafts are greedy.
     """
 
-    wants_hidden_states = True
-
     def __init__(self, model: Any, num_tokens: int = 3, cache_tokens: int = 8192, page_size: int = 256):
         self.target = getattr(model, "model", model)
         head = mtp_head_of(self.target)
         if head is None:
             name = getattr(model, "model_dir", None) or type(self.target).__name__
-            if getattr(self.target, "mtp", None) is None:
+            if mtp_head(self.target) is None:
                 raise MTPError(f"{name}: this model family has no MTP head (Qwen3.5 and Qwen3.5 MoE have one)")
             raise MTPError(f"{name}: the checkpoint has no MTP weights (mtp.* tensors); MTP drafting needs a checkpoint "
                            "that ships them")

@@ -28,8 +28,8 @@ class DraftRequest:
 class Proposer(Protocol):
     """Guesses continuations for several jobs at once.
 
-    A proposer that drafts from the target's hidden states (``trellm.generator.mtp.MTPProposer``) sets
-    ``wants_hidden_states = True`` and has ``observe_hidden(key, start, hidden, tokens)``: after every
+    A proposer that drafts from the target's hidden states (``trellm.generator.mtp.MTPProposer``) has
+    ``observe_hidden(key, start, hidden, tokens)`` (:class:`trellm.capabilities.DraftsFromHiddenStates`): after every
     step the generator passes, per job, the decoder's output rows (before the final norm) for the fed
     positions ``start, start + 1, ...`` that hold committed tokens, and the job's committed tokens.
     """

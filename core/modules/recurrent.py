@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from .. import ops
 from ..batch import ForwardBatch
 from ..cache import KVCache
+from ..config import LinearAttentionConfig
 from ..errors import WeightError
 from .base import LoadContext, Module
 from .decoder import CausalLM
 from .layers import Attention, Embedding, RMSNorm
 from .linear import Linear
-from .moe import config_int
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -57,14 +57,14 @@ class GatedDeltaNet(Module):
     """
 
     @classmethod
-    def from_config(cls, key: str, layer_idx: int, hidden_size: int, extra: dict, eps: float, projection: str,
-                    **options) -> "GatedDeltaNet":
-        """The layer sized by the ``linear_*`` keys of config.json (heads, head dims, conv kernel), as HF names them."""
+    def from_config(cls, key: str, layer_idx: int, hidden_size: int, sizes: LinearAttentionConfig, eps: float,
+                    projection: str, **options) -> "GatedDeltaNet":
+        """The layer sized by the config's ``linear_*`` keys (heads, head dims, conv kernel)."""
         return cls(
             key, layer_idx, hidden_size,
-            num_k_heads=config_int(extra, "linear_num_key_heads"), num_v_heads=config_int(extra, "linear_num_value_heads"),
-            head_k_dim=config_int(extra, "linear_key_head_dim"), head_v_dim=config_int(extra, "linear_value_head_dim"),
-            conv_width=config_int(extra, "linear_conv_kernel_dim", default=4), eps=eps, projection=projection, **options,
+            num_k_heads=sizes.num_key_heads, num_v_heads=sizes.num_value_heads,
+            head_k_dim=sizes.key_head_dim, head_v_dim=sizes.value_head_dim,
+            conv_width=sizes.conv_kernel, eps=eps, projection=projection, **options,
         )
 
     def __init__(

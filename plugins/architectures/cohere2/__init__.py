@@ -3,9 +3,14 @@ from __future__ import annotations
 
 import attrs
 import trellm
-from trellm.sdk import DecoderConfig, decoder_family, layer_types_from_pattern, text_config
-from trellm.plugins.architectures.cohere import OPTIONS as COHERE_OPTIONS
-from trellm.plugins.architectures.cohere import configure
+from trellm.sdk import (
+    COHERE_OPTIONS,
+    DecoderConfig,
+    configure_cohere,
+    decoder_family,
+    layer_types_from_pattern,
+    text_config,
+)
 
 
 def read_config(raw: dict) -> DecoderConfig:
@@ -20,7 +25,7 @@ SPEC = decoder_family(
     "cohere2",
     ("Cohere2ForCausalLM",),
     attrs.evolve(COHERE_OPTIONS, nope_layer_types=("full_attention",)),
-    configure,
+    configure_cohere,
     read_config,
     description="Cohere Command R7B / Command A: local RoPE layers, global NoPE layers",
 )

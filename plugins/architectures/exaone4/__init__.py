@@ -7,8 +7,14 @@ from __future__ import annotations
 
 import attrs
 import trellm
-from trellm.sdk import DecoderConfig, DecoderOptions, decoder_family, layer_types_from_pattern, text_config
-from trellm.plugins.architectures.olmo import OPTIONS as OLMO_OPTIONS
+from trellm.sdk import (
+    OLMO_OPTIONS,
+    DecoderConfig,
+    DecoderOptions,
+    decoder_family,
+    layer_types_from_pattern,
+    text_config,
+)
 
 
 def read_config(raw: dict) -> DecoderConfig:

@@ -1,23 +1,13 @@
 """Gemma (GemmaForCausalLM): Llama with 1 + w RMSNorms, GeGLU and embeddings scaled by sqrt(hidden).
 
-Gemma 2 and 3 build on the same options (see their plugins).
+Gemma 2 and 3 build on the same options (:data:`trellm.sdk.GEMMA_OPTIONS`).
 """
 from __future__ import annotations
 
-import math
-
-import attrs
 import trellm
-from trellm.sdk import DecoderOptions, decoder_family
+from trellm.sdk import GEMMA_OPTIONS, configure_gemma, decoder_family
 
-OPTIONS = DecoderOptions(norm_unit_offset=True)
-
-
-def configure(cfg, opts: DecoderOptions) -> DecoderOptions:
-    return attrs.evolve(opts, embed_scale=math.sqrt(cfg.hidden_size))
-
-
-SPEC = decoder_family("gemma", ("GemmaForCausalLM",), OPTIONS, configure, description="Gemma 1: 1+w norms, GeGLU, scaled embeddings")
+SPEC = decoder_family("gemma", ("GemmaForCausalLM",), GEMMA_OPTIONS, configure_gemma, description="Gemma 1: 1+w norms, GeGLU, scaled embeddings")
 
 
 @trellm.hookimpl

@@ -21,6 +21,7 @@ import torch
 
 import trellm
 from trellm.sdk import (
+    GEMMA3_OPTIONS,
     ArchitectureSpec,
     Attention,
     ConfigError,
@@ -31,16 +32,16 @@ from trellm.sdk import (
     VisionInput,
     VisionLanguageModel,
     build_decoder,
+    configure_gemma3,
     gather_pages,
+    has_dense_pages,
     image_digest,
     load_image_processor,
     ops,
+    read_gemma3_config,
     read_vision_config,
     vision_tower_spec,
 )
-from trellm.plugins.architectures.gemma3 import OPTIONS as GEMMA3_OPTIONS
-from trellm.plugins.architectures.gemma3 import configure as configure_gemma3
-from trellm.plugins.architectures.gemma3 import read_config as read_gemma3_text
 
 # One spelling of the tensor names (the hub uploads'); other transformers versions' names are aliases.
 ALIASES = (
@@ -82,7 +83,7 @@ def read_config(raw: dict) -> Gemma3VLConfig:
         return default
 
     cfg = Gemma3VLConfig(
-        text=read_gemma3_text(raw),
+        text=read_gemma3_config(raw),
         vision=vision,
         mm_tokens_per_image=int(raw.get("mm_tokens_per_image", 256)),
         image_token_id=token("image_token_id", "image_token_index", default=262144),
@@ -133,7 +134,7 @@ class ImageBlockAttention(Attention):
                 offset = total - (e - a)
                 if offset == 0:
                     keys, values = k[a:e], v[a:e]
-                elif hasattr(layer, "k_pages"):
+                elif has_dense_pages(layer):
                     keys = gather_pages(layer.k_pages, batch.block_table[b], total)
                     values = gather_pages(layer.v_pages, batch.block_table[b], total)
                 else:

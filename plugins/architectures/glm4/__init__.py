@@ -5,12 +5,8 @@ sub-layer outputs. q/k/v carry biases (``attention_bias``), o_proj does not.
 """
 from __future__ import annotations
 
-import attrs
 import trellm
-from trellm.sdk import DecoderOptions, decoder_family
-
-GLM_OPTIONS = DecoderOptions(fused_gate_up="gate_up_proj", rope_interleaved=True, o_bias=False)
-GLM4_OPTIONS = attrs.evolve(GLM_OPTIONS, attn_out_norm_name="post_self_attn_layernorm", mlp_out_norm_name="post_mlp_layernorm")
+from trellm.sdk import GLM4_OPTIONS, GLM_OPTIONS, decoder_family
 
 SPECS = (
     decoder_family("glm4", ("Glm4ForCausalLM",), GLM4_OPTIONS, description="GLM-4 0414 dense: sandwich norms, partial RoPE"),

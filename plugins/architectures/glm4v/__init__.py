@@ -10,10 +10,15 @@ from __future__ import annotations
 import attrs
 
 import trellm
-from trellm.sdk import ArchitectureSpec, DecoderConfig, text_config
-from trellm.plugins.architectures.glm4 import GLM4_OPTIONS
-from trellm.plugins.architectures.qwen2_5_vl import QwenVisionLanguageModel, QwenVLConfig
-from trellm.plugins.architectures.qwen2_5_vl import read_config as read_qwen_vl_config
+from trellm.sdk import (
+    GLM4_OPTIONS,
+    ArchitectureSpec,
+    DecoderConfig,
+    QwenVLConfig,
+    QwenVisionLanguageModel,
+    read_qwen_vl_config,
+    text_config,
+)
 
 
 def read_text(raw: dict) -> DecoderConfig:

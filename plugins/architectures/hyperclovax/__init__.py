@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import attrs
 import trellm
-from trellm.sdk import DecoderOptions, decoder_family
-from trellm.plugins.architectures.granite import configure as configure_granite
+from trellm.sdk import DecoderOptions, configure_granite, decoder_family
 
 
 def configure(cfg, opts: DecoderOptions) -> DecoderOptions:

@@ -12,16 +12,15 @@ from trellm.sdk import (
     Router,
     ScoreTopK,
     build_decoder,
-    config_int,
     replace_mlps,
 )
 
 
 def build(cfg: DecoderConfig):
     model = build_decoder(cfg, DecoderOptions(qk_norm=True, qk_norm_kind="full"))
-    x = cfg.extra
-    num_experts = config_int(x, "num_local_experts", "num_experts")
-    strategy = ScoreTopK(config_int(x, "num_experts_per_tok"), score="sigmoid", normalize=True)
+    moe_cfg = cfg.require_moe()
+    num_experts = moe_cfg.num_experts
+    strategy = ScoreTopK(moe_cfg.experts_per_token, score="sigmoid", normalize=True)
 
     def moe(i: int, key: str):
         k = f"{key}.block_sparse_moe"

@@ -10,15 +10,15 @@ from trellm.sdk import (
     Router,
     SoftmaxTopK,
     build_decoder,
-    config_int,
     replace_mlps,
 )
 
 
 def build(cfg: DecoderConfig):
     model = build_decoder(cfg)
-    num_experts = config_int(cfg.extra, "num_local_experts", "num_experts")
-    strategy = SoftmaxTopK(config_int(cfg.extra, "num_experts_per_tok"), normalize=True)
+    moe_cfg = cfg.require_moe()
+    num_experts = moe_cfg.num_experts
+    strategy = SoftmaxTopK(moe_cfg.experts_per_token, normalize=True)
 
     def moe(i: int, key: str):
         k = f"{key}.block_sparse_moe"

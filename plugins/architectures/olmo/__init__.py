@@ -9,18 +9,9 @@ from __future__ import annotations
 
 import attrs
 import trellm
-from trellm.sdk import DecoderConfig, DecoderOptions, decoder_family
+from trellm.sdk import OLMO_OPTIONS, DecoderConfig, DecoderOptions, decoder_family
 
-OPTIONS = DecoderOptions(
-    input_norm_name=None,
-    post_attn_norm_name=None,
-    attn_out_norm_name="post_attention_layernorm",
-    mlp_out_norm_name="post_feedforward_layernorm",
-    qk_norm=True,
-    qk_norm_kind="full",
-)
-
-SPEC = decoder_family("olmo", ("Olmo2ForCausalLM", "Olmo3ForCausalLM"), OPTIONS,
+SPEC = decoder_family("olmo", ("Olmo2ForCausalLM", "Olmo3ForCausalLM"), OLMO_OPTIONS,
                       description="AllenAI OLMo 2 / OLMo 3: post-norm, full-projection QK-norm")
 
 

@@ -36,7 +36,7 @@ def build(cfg: DecoderConfig) -> HybridCausalLM:
         mlp = GatedMLP(f"{key}.mlp", hidden, cfg.intermediate_size, cfg.hidden_act)
         if kind == "linear_attention":
             mixer = GatedDeltaNet.from_config(
-                f"{key}.linear_attn", i, hidden, x, eps, "separate",
+                f"{key}.linear_attn", i, hidden, cfg.require_linear_attention(), eps, "separate",
                 beta_scale=2.0 if x.get("linear_allow_neg_eigval", True) else 1.0, norm_eps=1e-5,
             )
             layers.append(DecoderLayer(key, norm("attention_layer_norm"), mixer, norm("feedforward_layer_norm"), mlp))

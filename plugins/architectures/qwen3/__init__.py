@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import trellm
-from trellm.sdk import DecoderOptions, decoder_family
-from trellm.plugins.architectures.qwen2 import read_config
+from trellm.sdk import DecoderOptions, decoder_family, read_qwen2_config
 
 SPEC = decoder_family(
     "qwen3",
     ("Qwen3ForCausalLM",),
     DecoderOptions(qk_norm=True),
-    read_config=read_config,
+    read_config=read_qwen2_config,
     description="Qwen3 dense models: per-head QK-norm",
 )
 

@@ -7,24 +7,13 @@ The multi-token-prediction head (``mtp.*``) loads as ``model.mtp`` when the chec
 from __future__ import annotations
 
 import trellm
-from trellm.sdk import ArchitectureSpec, DecoderConfig, build_qwen_mtp_head
-from trellm.plugins.architectures.qwen3_next import build_qwen_hybrid
-
-MULTIMODAL = "Qwen3_5ForConditionalGeneration"
-
-
-def build(cfg: DecoderConfig):
-    prefix = "model.language_model" if cfg.architecture == MULTIMODAL else "model"
-    model = build_qwen_hybrid(cfg, prefix, "split", lambda i, key: None)
-    model.mtp = build_qwen_mtp_head(cfg)  # loads only if the checkpoint has mtp.* tensors
-    return model
-
+from trellm.sdk import ArchitectureSpec, DecoderConfig, build_qwen3_5
 
 SPEC = ArchitectureSpec(
     name="qwen3_5",
-    architectures=(MULTIMODAL, "Qwen3_5ForCausalLM"),
+    architectures=("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
     read_config=DecoderConfig.from_hf,
-    build=build,
+    build=build_qwen3_5,
     description="Qwen3.5 dense (text): gated delta net + gated attention hybrid",
 )
 

@@ -8,24 +8,13 @@ has it (``trellm.generator.mtp``: a speculative draft).
 from __future__ import annotations
 
 import trellm
-from trellm.sdk import ArchitectureSpec, DecoderConfig, build_qwen_mtp_head
-from trellm.plugins.architectures.qwen3_next import build_qwen_hybrid, qwen_moe_mlp
-
-MULTIMODAL = "Qwen3_5MoeForConditionalGeneration"
-
-
-def build(cfg: DecoderConfig):
-    prefix = "model.language_model" if cfg.architecture == MULTIMODAL else "model"
-    model = build_qwen_hybrid(cfg, prefix, "split", lambda i, key: qwen_moe_mlp(cfg, key, normalize=True))
-    model.mtp = build_qwen_mtp_head(cfg, qwen_moe_mlp(cfg, "mtp.layers.0.mlp", normalize=True))  # only if mtp.* exist
-    return model
-
+from trellm.sdk import ArchitectureSpec, DecoderConfig, build_qwen3_5_moe
 
 SPEC = ArchitectureSpec(
     name="qwen3_5_moe",
-    architectures=(MULTIMODAL, "Qwen3_5MoeForCausalLM"),
+    architectures=("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
     read_config=DecoderConfig.from_hf,
-    build=build,
+    build=build_qwen3_5_moe,
     description="Qwen3.5 MoE (text): gated delta net hybrid with routed + shared experts",
 )
 

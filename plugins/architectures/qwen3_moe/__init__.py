@@ -11,30 +11,22 @@ from trellm.sdk import (
     Router,
     SoftmaxTopK,
     build_decoder,
-    config_int,
     replace_mlps,
 )
 
 
-def is_moe_layer(cfg: DecoderConfig, i: int) -> bool:
-    x = cfg.extra
-    step = int(x.get("decoder_sparse_step", 1) or 1)
-    return i not in (x.get("mlp_only_layers") or []) and config_int(x, "num_experts", "num_local_experts", default=0) > 0 and (i + 1) % step == 0
-
-
 def build(cfg: DecoderConfig):
     model = build_decoder(cfg, DecoderOptions(qk_norm=True))
-    x = cfg.extra
-    num_experts, top_k = config_int(x, "num_experts", "num_local_experts"), config_int(x, "num_experts_per_tok")
-    strategy = SoftmaxTopK(top_k, normalize=bool(x.get("norm_topk_prob", False)))
+    moe_cfg = cfg.require_moe()
+    strategy = SoftmaxTopK(moe_cfg.experts_per_token, normalize=bool(moe_cfg.normalize_topk))
 
     def moe(i: int, key: str):
-        if not is_moe_layer(cfg, i):
+        if not moe_cfg.is_moe_layer(i):
             return None
         return MoE(
             f"{key}.mlp",
-            Router(f"{key}.mlp.gate", cfg.hidden_size, num_experts, strategy),
-            Experts(f"{key}.mlp.experts", num_experts, cfg.hidden_size, int(x["moe_intermediate_size"]), cfg.hidden_act),
+            Router(f"{key}.mlp.gate", cfg.hidden_size, moe_cfg.num_experts, strategy),
+            Experts(f"{key}.mlp.experts", moe_cfg.num_experts, cfg.hidden_size, moe_cfg.expert_width(), cfg.hidden_act),
         )
 
     replace_mlps(model, moe)

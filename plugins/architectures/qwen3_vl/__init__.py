@@ -16,10 +16,17 @@ import attrs
 import torch
 
 import trellm
-from trellm.sdk import ArchitectureSpec, DecoderConfig, DecoderOptions, build_decoder
-from trellm.plugins.architectures.qwen2 import read_config as read_qwen_text
-from trellm.plugins.architectures.qwen2_5_vl import QwenVisionLanguageModel, QwenVLConfig
-from trellm.plugins.architectures.qwen2_5_vl import read_config as read_qwen_vl_config
+from trellm.sdk import (
+    ArchitectureSpec,
+    DecoderConfig,
+    DecoderOptions,
+    QwenVLConfig,
+    QwenVisionLanguageModel,
+    build_qwen3_5,
+    build_qwen3_5_moe,
+    read_qwen2_config,
+    read_qwen_vl_config,
+)
 
 ALIASES = (
     ("model.language_model.", ("model.",)),
@@ -28,7 +35,7 @@ ALIASES = (
 
 
 def read_config(raw: dict) -> QwenVLConfig:
-    return read_qwen_vl_config(raw, read_qwen_text)
+    return read_qwen_vl_config(raw, read_qwen2_config)
 
 
 class Qwen3VisionLanguageModel(QwenVisionLanguageModel):
@@ -63,7 +70,7 @@ class Qwen3VisionLanguageModel(QwenVisionLanguageModel):
 
 
 class Qwen35VisionLanguageModel(QwenVisionLanguageModel):
-    """Qwen3.5 / Qwen3.5 MoE with vision: the hybrid text model of the qwen3_5 plugins, the Qwen3-VL tower
+    """Qwen3.5 / Qwen3.5 MoE with vision: the hybrid text model of the qwen3_5 plugins (:func:`trellm.sdk.build_qwen3_5`), the Qwen3-VL tower
     (without DeepStack) and interleaved M-RoPE over the rotated part of each attention head."""
 
     interleaved_sections = True
@@ -71,10 +78,8 @@ class Qwen35VisionLanguageModel(QwenVisionLanguageModel):
     vision_key = "model.visual"
 
     def build_language(self, cfg: QwenVLConfig):
-        from trellm.plugins.architectures import qwen3_5, qwen3_5_moe
-
-        text_spec = qwen3_5_moe.SPEC if cfg.text.architecture in qwen3_5_moe.SPEC.architectures else qwen3_5.SPEC
-        return text_spec.build(cfg.text)
+        moe = cfg.text.architecture == "Qwen3_5MoeForConditionalGeneration"
+        return (build_qwen3_5_moe if moe else build_qwen3_5)(cfg.text)
 
 
 def read_qwen3_5_config(raw: dict) -> QwenVLConfig:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import attrs
 import trellm
-from trellm.sdk import ConfigError, DecoderConfig, decoder_family, text_config
-from trellm.plugins.architectures.qwen2 import read_config as read_qwen_style
+from trellm.sdk import ConfigError, DecoderConfig, decoder_family, read_qwen2_config, text_config
 
 
 def read_config(raw: dict) -> DecoderConfig:
@@ -19,7 +18,7 @@ def read_config(raw: dict) -> DecoderConfig:
         flags = [int((i + 1) % interval != 0) for i in range(n)]
     if len(flags) != n:
         raise ConfigError(f"config.json: no_rope_layers has {len(flags)} entries for {n} layers")
-    cfg = attrs.evolve(read_qwen_style(raw), nope_layers=tuple(i for i, rotate in enumerate(flags) if not rotate))
+    cfg = attrs.evolve(read_qwen2_config(raw), nope_layers=tuple(i for i, rotate in enumerate(flags) if not rotate))
     cfg.validate_layers()
     return cfg
 

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 import trellm
 from trellm.sdk import (
+    CLIP_MEAN,
+    CLIP_STD,
     ConfigError,
     GatedMLP,
     ImageError,
@@ -25,11 +27,15 @@ from trellm.sdk import (
     LoadContext,
     Module,
     PixelSteps,
+    QwenVLProcessor,
+    QwenVisionBlock,
+    QwenVisionTower,
     RMSNorm,
     VisionTowerSpec,
+    frame_lengths,
+    patch_positions,
+    rope_inv_freq,
 )
-from trellm.plugins.vision.common import CLIP_MEAN, CLIP_STD, frame_lengths, rope_inv_freq
-from trellm.plugins.vision.qwen_vl import QwenVisionBlock, QwenVisionTower, QwenVLProcessor, patch_positions
 
 
 @attrs.frozen

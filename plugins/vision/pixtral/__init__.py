@@ -16,8 +16,22 @@ import torch
 import torch.nn.functional as F
 
 import trellm
-from trellm.sdk import ConfigError, GatedMLP, Linear, LoadContext, Module, PixelSteps, RMSNorm, VisionTowerSpec, ops
-from trellm.plugins.vision.common import CLIP_MEAN, CLIP_STD, attention_within_segments, rope_2d, rope_inv_freq
+from trellm.sdk import (
+    CLIP_MEAN,
+    CLIP_STD,
+    ConfigError,
+    GatedMLP,
+    Linear,
+    LoadContext,
+    Module,
+    PixelSteps,
+    RMSNorm,
+    VisionTowerSpec,
+    attention_within_segments,
+    ops,
+    rope_2d,
+    rope_inv_freq,
+)
 
 
 

@@ -1,4 +1,4 @@
-"""Pieces the vision towers share: CLIP pixel statistics, 2D RoPE tables and per-image attention."""
+"""Pieces vision towers share: CLIP pixel statistics, 2D RoPE tables and per-image attention."""
 from __future__ import annotations
 
 from typing import Sequence
