@@ -17,10 +17,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .auth import KeyChecker
+from .auth import KeyChecker, check_key_lengths
 from .config import ServerConfig
 from .engine import LoadSettings, ModelHost
 from .errors import APIError, AsciiJSONResponse, error_body
+from .embeddings import build_embeddings_router
+from .metrics import build_metrics_router
 from .routes import build_router
 
 log = logging.getLogger("trellm.server")
@@ -39,8 +41,10 @@ def resolve_model_dir(config: ServerConfig) -> Path:
 
 def create_app(config: ServerConfig, load_model: bool = True) -> FastAPI:
     """The server app for ``config`` (keys must be set already unless ``disable_auth``)."""
+    if not config.disable_auth:
+        check_key_lengths(config.api_key, config.admin_key)
     host = ModelHost(config)
-    keys = KeyChecker(config.api_key, config.admin_key, disabled=config.disable_auth)
+    keys = KeyChecker(config.api_key, config.admin_key, disabled=config.disable_auth, max_failed=config.max_failed_auth)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -51,14 +55,20 @@ def create_app(config: ServerConfig, load_model: bool = True) -> FastAPI:
         if task is not None and not task.done():
             task.cancel()
         await host.unload()
+        if host.template_sandbox is not None:
+            host.template_sandbox.close()
 
     app = FastAPI(title="trellm", summary="OpenAI-compatible API over trellm's continuous-batching generator",
                   version=_version(), lifespan=lifespan, default_response_class=AsciiJSONResponse)
     app.state.host = host
     app.state.config = config
-    app.include_router(build_router(keys))
+    app.state.auth_failures = keys.failures  # client address -> recent failed authentications
+    routers = (build_router(keys), build_embeddings_router(keys), build_metrics_router(keys))
+    for router in routers:
+        app.include_router(router)
+    host.metrics.known_routes = {route.path for router in routers for route in router.routes}
     _install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes, observe=host.metrics.observe_request)
     return app
 
 
@@ -113,10 +123,11 @@ class _BodyTooLarge(Exception):
 
 
 class BodySizeLimit:
-    """Pure ASGI middleware: 413 for a body over ``max_bytes`` (by Content-Length, or counted as it arrives)."""
+    """Pure ASGI middleware: 413 for a body over ``max_bytes`` (by Content-Length, or counted as it arrives);
+    ``observe(path, status)`` sees every answered request (metrics)."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, observe=None):
+        self.app, self.max_bytes, self.observe = app, max_bytes, observe
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -131,6 +142,7 @@ class BodySizeLimit:
                 too_large = False
             if too_large:
                 await self._reject(send)
+                self._observe(scope, 413)
                 return
         received = 0
 
@@ -155,6 +167,11 @@ class BodySizeLimit:
                 await self._reject(send)
         finally:
             log.debug("%s %s -> %s (%.3fs)", scope.get("method"), scope.get("path"), status["code"] or 413, time.time() - t0)
+            self._observe(scope, status["code"] or 413)
+
+    def _observe(self, scope, status: int) -> None:
+        if self.observe is not None:
+            self.observe(scope.get("path", ""), status)
 
     async def _reject(self, send) -> None:
         response = AsciiJSONResponse(error_body(f"request body larger than {self.max_bytes} bytes", "invalid_request_error",

@@ -10,7 +10,9 @@ from .config import ServerConfig, load_config_file
 # CLI flag -> ServerConfig field, for the flags whose value is taken as given
 _FLAGS = ("model", "model_name", "host", "port", "api_key", "admin_key", "max_queue", "max_batch_size", "max_chunk_tokens",
           "cache_size", "page_size", "cache_bits", "draft_model", "num_draft_tokens", "device", "dtype",
-          "default_max_tokens", "max_tokens_limit", "max_request_bytes", "log_level")
+          "default_max_tokens", "max_tokens_limit", "max_request_bytes", "max_prompt_bytes", "max_images",
+          "max_image_pixels", "template_timeout_s", "template_memory_mb", "models_dir", "request_timeout_s",
+          "keep_alive_timeout_s", "max_connections", "shutdown_grace_s", "max_failed_auth", "log_level")
 
 
 def add_cli(subparsers) -> None:
@@ -40,6 +42,25 @@ def add_cli(subparsers) -> None:
     p.add_argument("--accept-any-model-name", dest="strict_model_name", action="store_false", default=None,
                    help="serve requests whatever model name they give (default: 404 for another name)")
     p.add_argument("--max-request-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
+    p.add_argument("--max-prompt-bytes", type=int, help="prompt text or message contents over this many UTF-8 bytes get "
+                                                        "400 (default 1 MiB)")
+    p.add_argument("--max-images", type=int, help="image parts per request (default 8)")
+    p.add_argument("--max-image-pixels", type=int, help="width x height summed over a request's images (default 32 Mi)")
+    p.add_argument("--allow-request-chat-template", dest="allow_request_chat_template", action="store_true", default=None,
+                   help="accept 'chat_template' in requests (rendered in a subprocess with time and memory limits)")
+    p.add_argument("--template-timeout", dest="template_timeout_s", type=float,
+                   help="seconds a request's chat template may render (default 2)")
+    p.add_argument("--template-memory-mb", type=int, help="memory limit of the request-template process (default 1024)")
+    p.add_argument("--models-dir", help="directory whose subdirectories admin loads may name (default: no admin loads)")
+    p.add_argument("--request-timeout", dest="request_timeout_s", type=float,
+                   help="seconds a client has to send a whole request; slower connections are closed (default 30)")
+    p.add_argument("--keep-alive-timeout", dest="keep_alive_timeout_s", type=float,
+                   help="idle keep-alive connections are closed after this many seconds (default 5)")
+    p.add_argument("--max-connections", type=int, help="open connections beyond this are closed at once (default 512)")
+    p.add_argument("--shutdown-grace", dest="shutdown_grace_s", type=float,
+                   help="on SIGTERM, seconds running requests get to finish before they are cancelled (default 10)")
+    p.add_argument("--max-failed-auth", type=int,
+                   help="failed authentications per client address per minute before it gets 429 (default 20)")
     p.add_argument("--log-level", help="debug, info, warning (default info)")
     p.add_argument("--config", help="YAML or JSON file with the same settings (underscored or dashed names)")
     p.set_defaults(func=run)
@@ -54,15 +75,18 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         given["disable_auth"] = True
     if getattr(args, "strict_model_name", None) is False:
         given["strict_model_name"] = False
+    if getattr(args, "allow_request_chat_template", None):
+        given["allow_request_chat_template"] = True
     return config.updated(given, "command line")
 
 
 def with_keys(config: ServerConfig) -> tuple[ServerConfig, list[str]]:
     """Generate the keys that were not given (unless auth is off); returns the lines that announce them."""
-    from .auth import new_key
+    from .auth import check_key_lengths, new_key
 
     if config.disable_auth:
         return config, ["authentication is DISABLED: every route is open"]
+    check_key_lengths(config.api_key, config.admin_key)
     notes = []
     updates = {}
     if not config.api_key:
@@ -76,11 +100,12 @@ def with_keys(config: ServerConfig) -> tuple[ServerConfig, list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError:
         print("error: `trellm serve` needs the server extra: pip install 'trellm[server]'", file=sys.stderr)
         return 2
     from .app import create_app
+    from .http import serve
 
     config, notes = with_keys(config_from_args(args))
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -88,5 +113,5 @@ def run(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
     app = create_app(config)
     print(f"trellm serve: http://{config.host}:{config.port}/v1 (health: /health, docs: /docs)", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(), timeout_graceful_shutdown=5)
+    serve(app, config, host=config.host, port=config.port, log_level=config.log_level.lower()).run()
     return 0

@@ -52,11 +52,23 @@ class ServerConfig:
     num_draft_tokens: int = 4
     device: str | None = None
     dtype: str | None = None
-    default_max_tokens: int = 512  # chat requests without max_tokens: at most this many (and what the cache allows)
-    max_tokens_limit: int | None = None  # requests asking for more new tokens get 400; None = what the cache allows
+    default_max_tokens: int = 512  # chat requests without max_tokens: at most this many (and what the context allows)
+    max_tokens_limit: int | None = 4096  # requests asking for more new tokens get 400; None = what the context allows
     max_request_bytes: int = 4 * 1024 * 1024
+    max_prompt_bytes: int = 1024 * 1024  # UTF-8 bytes of prompt text or message contents; more get 400
+    max_images: int = 8  # image parts per request
+    max_image_pixels: int = 32 * 1024 * 1024  # width * height summed over a request's images
     max_n: int = 16
     strict_model_name: bool = True  # 404 for a request naming another model
+    allow_request_chat_template: bool = False  # a request's own Jinja template (rendered in a limited subprocess)
+    template_timeout_s: float = 2.0  # a request template rendering longer is stopped (400)
+    template_memory_mb: int = 1024  # address-space limit of the process that renders request templates
+    models_dir: str | None = None  # admin loads take model names under this directory only; None = no admin loads
+    request_timeout_s: float = 30.0  # a client has this long to send a whole request (headers and body)
+    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    max_connections: int = 512  # more open connections are closed at once (stay below the process's file limit)
+    shutdown_grace_s: float = 10.0  # on SIGTERM, running requests get this long to finish before they are cancelled
+    max_failed_auth: int = 20  # failed authentications per client address per minute; more get 429
     log_level: str = "info"
 
     @classmethod

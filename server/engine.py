@@ -4,6 +4,10 @@ One :class:`ModelHost` lives for the server's lifetime. Loading runs in a worker
 loop keeps answering (``/health`` says 503 meanwhile). Requests submit :class:`trellm.generator.Job`
 objects through :meth:`ModelHost.submit`, which refuses work beyond ``max_batch_size + max_queue``
 jobs in flight: the caller turns that into 429 with ``Retry-After``.
+
+A load builds the new model beside the loaded one and swaps only when it succeeded, so a failed
+load leaves the old model serving. On shutdown :meth:`ModelHost.drain` stops admitting, waits for
+running requests, and ends what is left with a 503 ``server_shutting_down`` error.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import asyncio
 import gc
 import logging
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +24,9 @@ import attrs
 from trellm.generator import AsyncGenerator, AsyncJob, DraftModelProposer, Generator, Job
 
 from .config import ServerConfig
+from .errors import APIError
+from .metrics import ServerMetrics
+from .template_sandbox import TemplateSandbox
 
 log = logging.getLogger("trellm.server")
 
@@ -34,7 +42,16 @@ class QueueFullError(Exception):
 
 
 class ModelNotReadyError(Exception):
-    """No model is loaded (loading, failed or unloaded); answered with 503."""
+    """No model is loaded (loading, failed or unloaded), or the server is stopping; answered with 503."""
+
+    def __init__(self, message: str, code: str = "model_not_ready"):
+        super().__init__(message)
+        self.code = code
+
+
+def shutting_down_error(detail: str) -> APIError:
+    return APIError(503, f"the server is shutting down: {detail}", "server_error", code="server_shutting_down",
+                    headers={"Retry-After": "5"})
 
 
 @attrs.define
@@ -77,6 +94,11 @@ class ModelHost:
         self.agen: AsyncGenerator | None = None
         self.loaded_at: float | None = None
         self.in_flight = 0
+        self.draining = False
+        self.metrics = ServerMetrics(known_routes=set())  # create_app names the routes
+        self.template_sandbox = (TemplateSandbox(config.template_timeout_s, config.template_memory_mb)
+                                 if config.allow_request_chat_template else None)
+        self._live_jobs: weakref.WeakSet[AsyncJob] = weakref.WeakSet()
         self._load_lock = asyncio.Lock()
 
     # ---- state ------------------------------------------------------------------------------------
@@ -97,7 +119,18 @@ class ModelHost:
     def job_limit(self) -> int:
         return self.settings.max_batch_size + self.config.max_queue if self.settings else 0
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The most tokens (prompt + new) one request may use: the model's context or the cache, whichever is less."""
+        if self.generator is None:
+            return None
+        context = int(getattr(self.lm.config, "max_position_embeddings", 0) or 0)
+        capacity = self.generator.capacity_tokens
+        return min(context, capacity) if context else capacity
+
     def require_ready(self) -> None:
+        if self.draining:
+            raise ModelNotReadyError("the server is shutting down; no new requests are admitted", "server_shutting_down")
         if not self.ready:
             detail = {STATE_LOADING: "the model is still loading", STATE_FAILED: f"the model failed to load: {self.error}",
                       STATE_EMPTY: "no model is loaded (POST /v1/model/load with the admin key)"}[self.state]
@@ -106,17 +139,21 @@ class ModelHost:
     # ---- load / unload ----------------------------------------------------------------------------
 
     async def load(self, settings: LoadSettings) -> None:
-        """Load ``settings.model_dir`` (replacing any loaded model); raises what loading raised."""
+        """Load ``settings.model_dir`` beside the loaded model, then swap (the old one's requests end with 503);
+        raises what loading raised, and the old model keeps serving."""
         async with self._load_lock:
-            await self._unload_now()
-            self.state, self.settings, self.error = STATE_LOADING, settings, None
+            if not self.ready:
+                self.state, self.settings = STATE_LOADING, settings
             try:
                 lm, generator = await asyncio.to_thread(_build, settings)
             except BaseException as exc:
-                self.state, self.error = STATE_FAILED, f"{type(exc).__name__}: {exc}"
+                self.error = f"{type(exc).__name__}: {exc}"
                 log.error("loading %s failed: %s", settings.model_dir, self.error)
+                if not self.ready:
+                    self.state = STATE_FAILED
                 raise
-            self.lm, self.generator = lm, generator
+            await self._unload_now()
+            self.lm, self.generator, self.settings, self.error = lm, generator, settings, None
             self.agen = AsyncGenerator(generator)
             self.state, self.loaded_at = STATE_READY, time.time()
             log.info("model %s ready (%s, cache %d tokens, page %d, cache_bits %s)", settings.model_name, lm,
@@ -149,11 +186,32 @@ class ModelHost:
                 aj.cancel()
             raise
         self.in_flight += len(submitted)
+        self._live_jobs.update(submitted)
         return submitted
 
     def release(self, count: int) -> None:
         """Called by a request when its jobs are finished or cancelled."""
         self.in_flight = max(0, self.in_flight - count)
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop admitting; give running requests ``grace_s`` to finish, then end the rest with 503
+        ``server_shutting_down`` (a stream gets it as its last event before ``[DONE]``)."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        if self.in_flight:
+            log.info("shutting down: waiting up to %.1f s for %d jobs", grace_s, self.in_flight)
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = [aj for aj in self._live_jobs if aj.final is None]
+        if not left:
+            return
+        log.warning("shutting down: cancelling %d jobs after the %.1f s grace period", len(left), grace_s)
+        for aj in left:
+            aj.queue.put_nowait(shutting_down_error(f"the request was cancelled after the {grace_s:g} s grace period"))
+            aj.cancel()
+        while self.in_flight and loop.time() < deadline + 5:  # let the responses be written
+            await asyncio.sleep(0.05)
 
 
 MTP_DRAFT = "mtp"  # draft_model value: draft with the model's multi-token-prediction head (trellm.generator.mtp)

@@ -18,6 +18,8 @@ from trellm.generator import AsyncJob, Job, JobFinished, JobTooLargeError, Sampl
 
 from .engine import ModelHost, QueueFullError
 from .errors import APIError, bad_request
+from .limits import check_chat_request, check_image_pixels, check_prompt_bytes
+from .template_sandbox import render_request_template
 from .schemas import DRY_MAX_RANGE, GREEDY_BELOW_TEMPERATURE, MAX_STOP_STRINGS, ChatCompletionRequest, ChatMessage, SamplingFields
 
 log = logging.getLogger("trellm.server")
@@ -42,7 +44,7 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool, param: str) -> l
 
 
 def completion_prompts(host: ModelHost, prompt: Any) -> list[list[int]]:
-    """OpenAI's four prompt shapes -> a list of token-id prompts."""
+    """OpenAI's four prompt shapes -> a list of token-id prompts. Blocking (tokenizes): call it in a worker thread."""
     tok = host.tokenizer
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
@@ -54,6 +56,7 @@ def completion_prompts(host: ModelHost, prompt: Any) -> list[list[int]]:
         raise bad_request("prompt is empty", param="prompt")
     if len(prompts) > 64:
         raise bad_request(f"at most 64 prompts per request, got {len(prompts)}", param="prompt")
+    check_prompt_bytes(host.config, (p for p in prompts if isinstance(p, str)), "prompt")
     out = []
     for p in prompts:
         ids = encode_text(tok, p, True, "prompt") if isinstance(p, str) else [int(t) for t in p]
@@ -107,15 +110,18 @@ def split_image_messages(messages: Sequence[ChatMessage]) -> tuple[list[dict], l
 
 
 async def chat_request_prompt(host: ModelHost, req: ChatCompletionRequest) -> tuple[list[int], Any]:
-    """(prompt ids, MultimodalPrompt or None) of a chat request; images are decoded and encoded off the event loop."""
+    """(prompt ids, MultimodalPrompt or None) of a chat request; templating, tokenizing and images (decoded and
+    encoded) run off the event loop, after the request's limits are checked."""
+    check_chat_request(host.config, req.messages)
     if not has_image_parts(req.messages):
-        return chat_prompt(host, req), None
+        return await asyncio.to_thread(chat_prompt, host, req), None
     from trellm.multimodal import ImageError, VisionLanguageModel, prepare_prompt
 
+    await asyncio.to_thread(check_image_pixels, host.config, req.messages)
     if not isinstance(host.lm.model, VisionLanguageModel):
         raise bad_request(f"model {host.model_name!r} takes no image input", param="messages", code="invalid_image")
-    template_messages, images = split_image_messages(req.messages)
-    ids = chat_prompt(host, req, template_messages)
+    template_messages, images = await asyncio.to_thread(split_image_messages, req.messages)
+    ids = await asyncio.to_thread(chat_prompt, host, req, template_messages)
     try:
         mm = await asyncio.to_thread(prepare_prompt, host.lm, ids, images)
     except ImageError as exc:  # a text-only model, a marker count that differs, a bad image
@@ -125,18 +131,16 @@ async def chat_request_prompt(host: ModelHost, req: ChatCompletionRequest) -> tu
 
 
 def chat_prompt(host: ModelHost, req: ChatCompletionRequest, messages: list[dict] | None = None) -> list[int]:
-    """Render the messages (or ``messages``, already template-ready) with the request's template or the model's;
-    400 when there is none."""
-    from trellm.tokenizer import render_chat_template
-
+    """Render the messages (or ``messages``, already template-ready) with the request's template (in the sandbox)
+    or the model's; 400 when there is none. Blocking: call it in a worker thread."""
     tok = host.tokenizer
     messages = message_dicts(req.messages) if messages is None else messages
     extra = dict(req.chat_template_kwargs or {})
     try:
         if req.chat_template is not None:
             specials = {k: v for k, v in (("bos_token", tok.bos_token), ("eos_token", tok.eos_token)) if v is not None}
-            text = render_chat_template(req.chat_template, messages, add_generation_prompt=req.add_generation_prompt,
-                                        tools=req.tools, **{**specials, **extra})
+            text = render_request_template(host, req.chat_template, messages, add_generation_prompt=req.add_generation_prompt,
+                                           tools=req.tools, **{**specials, **extra})
         elif not tok.has_chat_template:
             raise bad_request(f"model {host.model_name!r} has no chat template; send one as 'chat_template' or use "
                               "/v1/completions", param="messages", code="chat_template_missing")
@@ -220,7 +224,7 @@ def make_jobs(host: ModelHost, req: SamplingFields, prompts: list[list[int]], ma
     stop_ids = None
     if req.ignore_eos or req.stop_token_ids:
         stop_ids = set(req.stop_token_ids or []) | (set() if req.ignore_eos else host.lm.default_stop_ids())
-    capacity = host.generator.capacity_tokens
+    capacity = host.max_model_len
     limit = host.config.max_tokens_limit
     if limit is not None and max_tokens is not None and max_tokens > limit:
         raise bad_request(f"max_tokens={max_tokens} is more than this server allows per request ({limit})", param="max_tokens")
@@ -290,6 +294,8 @@ class JobGroup:
                 if item is None:
                     remaining -= 1
                     continue
+                if isinstance(item, APIError):  # the server ended the job (shutting down)
+                    raise item
                 if isinstance(item, Exception):
                     raise APIError(500, f"generation failed: {item}", "server_error")
                 self._account(index, item)
@@ -330,6 +336,7 @@ class JobGroup:
             if aj.final is None:
                 aj.cancel()
         self.host.release(len(self.ajobs))
+        self.host.metrics.observe_group(self)
         self._log()
 
     def _log(self) -> None:

@@ -1,6 +1,7 @@
 """The HTTP routes: OpenAI's /v1/models, /v1/completions, /v1/chat/completions, plus tokens, health and admin."""
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -9,8 +10,9 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 
-from .engine import LoadSettings, ModelHost
+from .engine import MTP_DRAFT, LoadSettings, ModelHost, ModelNotReadyError
 from .errors import APIError, AsciiJSONResponse, bad_request
+from .limits import check_chat_request, check_prompt_bytes
 from .generation import (
     JobGroup, JobStreamResponse, chat_prompt, chat_request_prompt, check_finished, check_token_ids, completion_prompts,
     encode_text, finish_reason, make_jobs, token_piece, token_text,
@@ -39,10 +41,8 @@ def build_router(keys) -> APIRouter:
 
     @router.get("/health", tags=["status"])
     async def health(request: Request):
-        host = host_of(request)
+        host = host_of(request)  # no key needed: names no paths and no errors (those are on the admin route)
         body = {"status": "ok" if host.ready else host.state, "model": host.model_name}
-        if host.error:
-            body["error"] = host.error
         return AsciiJSONResponse(body, status_code=200 if host.ready else 503)
 
     @router.get("/v1/models", dependencies=api, response_model=ModelList, tags=["openai"])
@@ -64,7 +64,7 @@ def build_router(keys) -> APIRouter:
             raise bad_request("suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise bad_request("best_of other than n is not supported", param="best_of")
-        prompts = completion_prompts(host, body.prompt)
+        prompts = await asyncio.to_thread(completion_prompts, host, body.prompt)
         request_id = "cmpl-" + secrets.token_hex(12)
         jobs = make_jobs(host, body, prompts, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs, request_id)
         echo = [host.tokenizer.decode(p) if body.echo else "" for p in prompts for _ in range(body.n)]
@@ -101,11 +101,14 @@ def build_router(keys) -> APIRouter:
     async def token_encode(body: TokenEncodeRequest, request: Request):
         host = ready_host(request, None)
         if isinstance(body.text, str):
-            ids = encode_text(host.tokenizer, body.text, body.add_special_tokens, "text")
+            check_prompt_bytes(host.config, [body.text], "text")
+            ids = await asyncio.to_thread(encode_text, host.tokenizer, body.text, body.add_special_tokens, "text")
         else:
             if not body.text:
                 raise bad_request("text: the message list is empty", param="text")
-            ids = chat_prompt(host, ChatCompletionRequest.model_construct(model=host.model_name, messages=body.text))
+            check_chat_request(host.config, body.text)
+            chat = ChatCompletionRequest.model_construct(model=host.model_name, messages=body.text)
+            ids = await asyncio.to_thread(chat_prompt, host, chat)
         return TokenEncodeResponse(tokens=ids, length=len(ids))
 
     @router.post("/v1/token/decode", dependencies=api, response_model=TokenDecodeResponse, tags=["tokens"])
@@ -129,27 +132,27 @@ def build_router(keys) -> APIRouter:
     @router.post("/v1/model/load", dependencies=admin, tags=["admin"])
     async def load_model(body: ModelLoadRequest, request: Request):
         host = host_of(request)
-        model_dir = Path(body.model)
-        if not (model_dir / "config.json").is_file():
-            raise APIError(404, f"{model_dir}: not a model directory on this server (no config.json)", param="model",
-                           code="model_not_found")
+        config = host.config
+        model_dir = model_under_models_dir(config.models_dir, body.model, "model")
+        draft = body.draft_model
         from .config import parse_cache_bits
         from trellm.errors import ConfigError
 
-        config = host.config
         try:
             cache_bits = parse_cache_bits(body.cache_bits) if body.cache_bits is not None else config.cache_bits
         except ConfigError as exc:
             raise bad_request(str(exc), param="cache_bits") from None
         settings = LoadSettings.from_config(config, model_dir)
-        settings.model_name = body.model_name or model_dir.name
+        settings.model_name = body.model_name or Path(body.model).name
         settings.cache_size = body.cache_size or config.cache_size
         settings.cache_bits = cache_bits
-        settings.draft_model = Path(body.draft_model) if body.draft_model else None
+        settings.draft_model = (Path(MTP_DRAFT) if draft == MTP_DRAFT else model_under_models_dir(config.models_dir, draft, "draft_model")
+                                if draft else None)
         try:
             await host.load(settings)
         except Exception as exc:
-            raise APIError(400, f"loading {model_dir} failed: {type(exc).__name__}: {exc}", param="model",
+            detail = f"{type(exc).__name__}: {exc}".replace(str(Path(config.models_dir).resolve()), "<models-dir>")
+            raise APIError(400, f"loading {body.model!r} failed: {detail}; the loaded model is unchanged", param="model",
                            code="model_load_failed") from None
         return AsciiJSONResponse({"status": "loaded", **model_card(host).model_dump()})
 
@@ -163,15 +166,41 @@ def build_router(keys) -> APIRouter:
 
 
 def model_card(host: ModelHost) -> ModelCard:
-    return ModelCard(id=host.model_name, created=int(host.loaded_at or time.time()))
+    return ModelCard(id=host.model_name, created=int(host.loaded_at or time.time()), max_model_len=host.max_model_len)
+
+
+MAX_MODEL_NAME = 1024
+
+
+def model_under_models_dir(models_dir: str | None, name: str, param: str) -> Path:
+    """The model directory an admin load names: a relative name under ``--models-dir`` that resolves (symlinks
+    followed) inside it and holds config.json. Whatever is wrong, the answer names only ``name``, so it reveals
+    nothing about the files outside."""
+    if models_dir is None:
+        raise APIError(403, "admin model loads are off: start the server with --models-dir DIR and name a model under it",
+                       "permission_error", param=param, code="model_loading_disabled")
+    parts = name.split("/")
+    if (not name or len(name) > MAX_MODEL_NAME or name.startswith("/") or "\\" in name or "\0" in name
+            or any(p in ("", ".", "..") or len(p.encode("utf-8", "surrogatepass")) > 255 for p in parts)):
+        raise bad_request(f"{param}: expected a model name under the models directory (relative, no '..', path parts of "
+                          f"at most 255 bytes, at most {MAX_MODEL_NAME} characters)", param=param, code="invalid_model_name")
+    root = Path(models_dir).resolve()
+    try:
+        path = (root / name).resolve(strict=True)
+        found = path.is_relative_to(root) and (path / "config.json").is_file()
+    except (OSError, RuntimeError, ValueError):  # missing, a symlink loop, an odd name
+        found = False
+    if not found:
+        raise APIError(404, f"{param}: no model named {name!r} in the models directory", param=param, code="model_not_found")
+    return path
 
 
 def ready_host(request: Request, model: str | None) -> ModelHost:
     host = host_of(request)
     try:
         host.require_ready()
-    except Exception as exc:
-        raise APIError(503, str(exc), "server_error", code="model_not_ready", headers={"Retry-After": "5"}) from None
+    except ModelNotReadyError as exc:
+        raise APIError(503, str(exc), "server_error", code=exc.code, headers={"Retry-After": "5"}) from None
     if model is not None and host.config.strict_model_name and model != host.model_name:
         raise APIError(404, f"the model {model!r} does not exist here; this server serves {host.model_name!r}",
                        param="model", code="model_not_found")

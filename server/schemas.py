@@ -127,6 +127,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "trellm"
+    max_model_len: int | None = Field(None, description="the most tokens (prompt + completion) one request may use")
 
 
 class ModelList(BaseModel):

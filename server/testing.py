@@ -25,18 +25,15 @@ class ServerThread:
 
     def __init__(self, config: ServerConfig, port: int | None = None, ready_timeout_s: float = 300.0,
                  log_level: str = "warning"):
-        import uvicorn
-
         from .app import create_app
+        from .http import serve
 
         # Loopback only, on ``port`` or a free one (config.host/port are ignored: tests never listen outside).
         self.config = config.updated({"host": "127.0.0.1", "port": port or free_port()}, "ServerThread")
         self.app = create_app(self.config)
         self.url = f"http://127.0.0.1:{self.config.port}"
         self.ready_timeout_s = ready_timeout_s
-        uv_config = uvicorn.Config(self.app, host="127.0.0.1", port=self.config.port, log_level=log_level,
-                                   timeout_graceful_shutdown=2, lifespan="on")
-        self.server = uvicorn.Server(uv_config)
+        self.server = serve(self.app, self.config, host="127.0.0.1", port=self.config.port, log_level=log_level)
         self.thread = threading.Thread(target=self.server.run, name="trellm-server", daemon=True)
 
     @property

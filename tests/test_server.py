@@ -20,7 +20,7 @@ except ImportError:
 from trellm.server.config import ServerConfig  # noqa: E402
 from trellm.server.testing import ServerThread  # noqa: E402
 
-API_KEY, ADMIN_KEY = "test-api-key", "test-admin-key"
+API_KEY, ADMIN_KEY = "test-api-key-0123456", "test-admin-key-0123456"
 MAX_BATCH = 8
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name a fruit."}]
@@ -29,7 +29,8 @@ CHAT = [{"role": "user", "content": "Name a fruit."}]
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
     config = ServerConfig(model=str(smollm2_dir), api_key=API_KEY, admin_key=ADMIN_KEY, device="cpu", cache_size=4096,
-                          page_size=64, max_batch_size=MAX_BATCH, max_queue=0, max_request_bytes=64 * 1024)
+                          page_size=64, max_batch_size=MAX_BATCH, max_queue=0, max_request_bytes=64 * 1024,
+                          allow_request_chat_template=True, max_tokens_limit=None)
     with ServerThread(config) as s:
         s.model = s.host.model_name
         yield s

@@ -22,7 +22,7 @@ from trellm.server.cli import config_from_args, with_keys  # noqa: E402
 from trellm.server.config import ServerConfig  # noqa: E402
 from trellm.server.testing import ServerThread  # noqa: E402
 
-API_KEY, ADMIN_KEY = "admin-test-api", "admin-test-admin"
+API_KEY, ADMIN_KEY = "admin-test-api-0123456", "admin-test-admin-0123456"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
@@ -39,10 +39,31 @@ def no_template_dir(tiny_llama_smollm2_tokenizer_dir, tmp_path_factory):
     return out
 
 
+def link_or_copy(src_dir, dst_dir) -> None:
+    """A model directory's files under ``dst_dir`` (hard links where the filesystem allows: no symlink leaves it)."""
+    import os
+
+    dst_dir.mkdir(parents=True)
+    for f in src_dir.iterdir():
+        try:
+            os.link(f, dst_dir / f.name)
+        except OSError:
+            shutil.copy(f, dst_dir / f.name)
+
+
 @pytest.fixture(scope="module")
-def server(no_template_dir):
+def models_root(smollm2_dir, tmp_path_factory):
+    """The server's --models-dir: SmolLM2 as "smol"; tests add models to it."""
+    root = tmp_path_factory.mktemp("models")
+    link_or_copy(smollm2_dir, root / "smol")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(no_template_dir, models_root):
     config = ServerConfig(model=str(no_template_dir), model_name="tiny", api_key=API_KEY, admin_key=ADMIN_KEY, device="cpu",
-                          cache_size=512, page_size=32, max_tokens_limit=8)
+                          cache_size=512, page_size=32, max_tokens_limit=8, allow_request_chat_template=True,
+                          models_dir=str(models_root))
     with ServerThread(config) as s:
         yield s
 
@@ -58,7 +79,7 @@ def test_missing_chat_template_is_a_clear_400(server):
     assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
 
 
-def test_unload_then_load_with_health_503_while_loading(server, smollm2_dir):
+def test_unload_then_load_with_health_503_while_loading(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
     assert httpx.post(server.url + "/v1/model/unload", headers=ADMIN).json() == {"status": "unloaded"}
     health = httpx.get(server.url + "/health")
@@ -80,7 +101,7 @@ def test_unload_then_load_with_health_503_while_loading(server, smollm2_dir):
     watcher.start()
     try:
         r = httpx.post(server.url + "/v1/model/load", headers=ADMIN, timeout=300,
-                       json={"model": str(smollm2_dir), "model_name": "smol", "cache_size": 1024})
+                       json={"model": "smol", "model_name": "smol", "cache_size": 1024})
     finally:
         done.set()
         watcher.join()
@@ -88,12 +109,12 @@ def test_unload_then_load_with_health_503_while_loading(server, smollm2_dir):
     assert 503 in seen and httpx.get(server.url + "/health").status_code == 200
     assert client.completions.create(model="smol", prompt="The capital of France is", max_tokens=2,
                                      temperature=0).choices[0].text.startswith(" Paris")
-    bad = httpx.post(server.url + "/v1/model/load", headers=ADMIN, json={"model": "/no/such/dir"})
+    bad = httpx.post(server.url + "/v1/model/load", headers=ADMIN, json={"model": "no-such-model"})
     assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
     assert httpx.get(server.url + "/health").status_code == 200  # a bad load request leaves the model alone
 
 
-def test_hybrid_model_batches_like_it_runs_alone(server, tiny_llama_smollm2_tokenizer_dir, tmp_path):
+def test_hybrid_model_batches_like_it_runs_alone(server, tiny_llama_smollm2_tokenizer_dir, models_root):
     """A model with recurrent layers (Qwen3.5 layout) loaded by the admin route: its cache gets state slots."""
     import asyncio
 
@@ -103,11 +124,11 @@ def test_hybrid_model_batches_like_it_runs_alone(server, tiny_llama_smollm2_toke
               "linear_value_head_dim": 16, "num_hidden_layers": 3,
               "layer_types": ["linear_attention", "full_attention", "linear_attention"]}
     vocab = json.loads((tiny_llama_smollm2_tokenizer_dir / "config.json").read_text())["vocab_size"]
-    out = make_tiny_hf_model("Qwen3_5ForCausalLM", tmp_path / "hybrid", vocab_size=vocab, bos_token_id=1, eos_token_id=2,
+    out = make_tiny_hf_model("Qwen3_5ForCausalLM", models_root / "hybrid", vocab_size=vocab, bos_token_id=1, eos_token_id=2,
                              pad_token_id=2, **linear)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_llama_smollm2_tokenizer_dir / name, out / name)
-    r = httpx.post(server.url + "/v1/model/load", headers=ADMIN, timeout=300, json={"model": str(out), "model_name": "hybrid"})
+    r = httpx.post(server.url + "/v1/model/load", headers=ADMIN, timeout=300, json={"model": "hybrid", "model_name": "hybrid"})
     assert r.status_code == 200, r.text
     assert server.host.generator.state_layers
     prompts = ("Hello", "The sky is", "one two three")
@@ -126,13 +147,13 @@ def test_hybrid_model_batches_like_it_runs_alone(server, tiny_llama_smollm2_toke
 def test_config_file_and_flags(tmp_path):
     from trellm.cli import build_parser
 
-    (tmp_path / "serve.yaml").write_text("port: 6001\nmax-queue: 3\ncache_bits: 4,6\napi_key: from-file\n")
+    (tmp_path / "serve.yaml").write_text("port: 6001\nmax-queue: 3\ncache_bits: 4,6\napi_key: from-file-0123456789\n")
     args = build_parser().parse_args(["serve", "--config", str(tmp_path / "serve.yaml"), "--max-queue", "9", "-m", "/models/x"])
     config = config_from_args(args)
     got = (config.port, config.max_queue, config.cache_bits, config.api_key, config.model)
-    assert got == (6001, 9, (4, 6), "from-file", "/models/x")
+    assert got == (6001, 9, (4, 6), "from-file-0123456789", "/models/x")
     config, notes = with_keys(config)
-    assert config.api_key == "from-file" and len(config.admin_key) == 32 and len(notes) == 1
+    assert config.api_key == "from-file-0123456789" and len(config.admin_key) == 32 and len(notes) == 1
     (tmp_path / "serve.json").write_text(json.dumps({"disable_auth": True, "port": 7000}))
     config, notes = with_keys(config_from_args(build_parser().parse_args(["serve", "--config", str(tmp_path / "serve.json")])))
     assert config.disable_auth and config.api_key is None and "DISABLED" in notes[0]

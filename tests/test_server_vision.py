@@ -25,7 +25,7 @@ NEW_TOKENS = 6
 def served(gemma3):
     _, lm, path = gemma3
     config = ServerConfig(model=str(path), disable_auth=True, device="cpu", dtype="float32", cache_size=512, page_size=4,
-                          max_batch_size=4)
+                          max_batch_size=4, allow_request_chat_template=True)
     with ServerThread(config) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         yield lm, server, client

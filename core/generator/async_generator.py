@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .generator import Generator
 from .job import Job, JobFinished, Result
@@ -85,6 +85,15 @@ class AsyncGenerator:
 
     async def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, **job_kwargs: Any) -> JobFinished:
         return await self.submit(Job(prompt, max_new_tokens, **job_kwargs)).result()
+
+    async def run_between_steps(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` in a worker thread while no step runs: another forward over the same model and cache
+        (embeddings) without racing the generator."""
+        def locked() -> Any:
+            with self._lock:
+                return fn()
+
+        return await asyncio.to_thread(locked)
 
     def cancel(self, async_job: AsyncJob | Job) -> None:
         job = async_job.job if isinstance(async_job, AsyncJob) else async_job

@@ -3,10 +3,13 @@
 Each step (:meth:`Generator.iterate`):
 
 1. finish cancelled jobs (their pages go back at once);
-2. admit waiting jobs in FIFO order while the batch has room and the cache can hold the job's whole
-   length (prompt + max_new_tokens, reserved up front so a running job never runs out of pages);
-   a job that does not fit waits; later jobs that fit may pass it for ``max_overtake_steps`` steps,
-   then nobody passes it until it is in (aging), so a big job is never starved;
+2. admit waiting jobs in FIFO order while the batch has room and the cache holds the job's prompt
+   (pages for generated tokens are taken as they are needed, so a job asking for many tokens holds
+   only what it has written); a job that does not fit waits; later jobs that fit may pass it for
+   ``max_overtake_steps`` steps, then nobody passes it until it is in (aging), so a big job is never
+   starved. When a running job needs a page and none is free, the most recently admitted job is
+   preempted: its pages go back and it waits, first in line, to be recomputed from its tokens
+   (vLLM's preemption by recompute), so the oldest job always progresses;
 3. plan one token budget (``max_chunk_tokens``): every decoding job gets its next token (plus
    speculative draft tokens), prefilling jobs share what is left in admission order;
 4. run one forward over the mixed batch, then sample, verify drafts, stream text, check stops.
@@ -172,8 +175,10 @@ class Generator:
         self.vocab_size = int(getattr(getattr(self.model, "config", None), "vocab_size", 0) or 0)
         self.default_stop_ids = self._default_stop_ids(model)
         self.pending: deque[tuple[Job, list[int]]] = deque()
-        self.active: list[_Running] = []
-        self.stats = {"prefilled_tokens": 0, "reused_tokens": 0, "decoded_tokens": 0, "steps": 0, "forward_tokens": 0}
+        self.active: list[_Running] = []  # in admission order
+        self.preempted: list[_Running] = []  # oldest first; resumed before any pending job is admitted
+        self.stats = {"prefilled_tokens": 0, "reused_tokens": 0, "decoded_tokens": 0, "steps": 0, "forward_tokens": 0,
+                      "preempted": 0}
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -185,14 +190,14 @@ class Generator:
 
     @property
     def num_pending(self) -> int:
-        return len(self.pending)
+        return len(self.pending) + len(self.preempted)
 
     @property
     def num_active(self) -> int:
         return len(self.active)
 
     def has_work(self) -> bool:
-        return bool(self.pending or self.active)
+        return bool(self.pending or self.active or self.preempted)
 
     def enqueue(self, job: Job | Sequence[Job]) -> Job | list[Job]:
         """Queue one job or several (raises JobTooLargeError for a job that can never fit)."""
@@ -232,6 +237,7 @@ class Generator:
         results: list[Result] = []
         self._finish_cancelled(results)
         self._admit(results)
+        self._grow()
         if self.active:
             self._step(results)
         return results
@@ -271,7 +277,7 @@ class Generator:
     def abort(self, error: str = "aborted") -> list[Result]:
         """Fail every running and waiting job (frees all their pages); returns their JobFinished results."""
         results: list[Result] = []
-        for r in list(self.active):
+        for r in self.active + self.preempted:
             self._finish(r, EOS_ERROR, results, error=error)
         for job, ids in self.pending:
             job.finished = True
@@ -346,6 +352,10 @@ class Generator:
     def _admit(self, results: list[Result]) -> None:
         """Admit waiting jobs in FIFO order. A job that does not fit yet may be overtaken by later ones
         that do, but only for ``max_overtake_steps`` steps; after that nobody passes it (aging)."""
+        while self.preempted and len(self.active) < self.max_batch_size:
+            if not self._resume(self.preempted[0]):
+                return  # nobody passes a preempted job
+            self.preempted.pop(0)
         i = 0
         head_blocked = False
         while i < len(self.pending) and i < ADMIT_SCAN and len(self.active) < self.max_batch_size:
@@ -365,29 +375,13 @@ class Generator:
 
     def _try_admit(self, job: Job, prompt_ids: list[int], results: list[Result]) -> bool:
         """Give ``job`` its pages (reusing cached prefix pages) and a state slot; False when they are not free."""
-        prefix = self.cache.prefix_cache
-        total_pages = self.cache.pages_for(len(prompt_ids) + job.max_new_tokens)
-        names: list[bytes] = []
-        reused: list[int] = []
-        if self.prefix_caching:
-            # The last prompt token is always computed (its logits start decoding), so reuse stops before its page.
-            hash_ids = job.multimodal.hash_ids() if job.multimodal is not None else prompt_ids
-            names = page_hashes(hash_ids[: len(prompt_ids) - 1], self.cache.page_size)
-            reused = prefix.lookup(names)
-            if self.state_layers:  # a hybrid job can only start where a state checkpoint was taken
-                while reused and reused[-1] not in prefix.checkpoint_of:
-                    reused.pop()
-        if prefix.available(excluding=reused) < total_pages - len(reused):
+        hash_ids = job.multimodal.hash_ids() if job.multimodal is not None else prompt_ids
+        # headroom: a page for each running job's next tokens, so new jobs do not cause preemptions at once
+        claim = self._claim(hash_ids, self._pages_needed(len(prompt_ids), len(prompt_ids) + job.max_new_tokens),
+                            headroom=len(self.active))
+        if claim is None:
             return False
-        try:
-            seq = self._new_sequence(keep_checkpoint=reused[-1] if reused else None)
-        except CacheFullError:
-            return False
-        if self.state_layers and reused:
-            copy_state_slot(self.cache, prefix.checkpoint_of[reused[-1]], seq.state_slot)
-        self.cache.allocator.incref(reused)
-        seq.pages = reused + prefix.alloc(total_pages - len(reused))
-        seq.length = len(reused) * self.cache.page_size
+        seq, names, reused = claim
         stop_ids = job.stop_token_ids if job.stop_token_ids is not None else self.default_stop_ids
         run = _Running(job, prompt_ids, seq, self.tokenizer, stop_ids)
         run.cached_tokens = run.state_len = seq.length
@@ -397,6 +391,73 @@ class Generator:
         self.active.append(run)
         results.append(JobStarted(job=job, identifier=job.identifier, prompt_tokens=run.prompt_len, cached_tokens=run.cached_tokens))
         return True
+
+    def _pages_needed(self, tokens: int, total: int) -> int:
+        """Pages a job with ``tokens`` tokens needs for its next step (its draft tokens included), at most its whole length."""
+        lookahead = self.num_draft_tokens if self.proposer is not None else 0
+        return self.cache.pages_for(min(tokens + lookahead, total))
+
+    def _claim(self, hash_ids: Sequence[int], pages: int, headroom: int = 0) -> tuple[SequenceState, list[bytes], list[int]] | None:
+        """A sequence holding ``pages`` pages, the leading ones reused from the prefix cache (and a state slot,
+        from the deepest checkpoint on a hybrid model); None when they are not free (``headroom`` more must be)."""
+        prefix = self.cache.prefix_cache
+        names: list[bytes] = []
+        reused: list[int] = []
+        if self.prefix_caching:
+            # The last token is always computed (its logits give the next token), so reuse stops before its page.
+            names = page_hashes(hash_ids[: len(hash_ids) - 1], self.cache.page_size)
+            reused = prefix.lookup(names)
+            if self.state_layers:  # a hybrid job can only start where a state checkpoint was taken
+                while reused and reused[-1] not in prefix.checkpoint_of:
+                    reused.pop()
+        if prefix.available(excluding=reused) < pages - len(reused) + headroom:
+            return None
+        try:
+            seq = self._new_sequence(keep_checkpoint=reused[-1] if reused else None)
+        except CacheFullError:
+            return None
+        if self.state_layers and reused:
+            copy_state_slot(self.cache, prefix.checkpoint_of[reused[-1]], seq.state_slot)
+        self.cache.allocator.incref(reused)
+        seq.pages = reused + prefix.alloc(pages - len(reused))
+        seq.length = len(reused) * self.cache.page_size
+        return seq, names, reused
+
+    def _resume(self, r: _Running) -> bool:
+        """Readmit a preempted job: it prefills its prompt and generated tokens again (cached pages reused)."""
+        claim = self._claim(r.prompt_hash_ids + r.tokens[r.prompt_len:],
+                            self._pages_needed(len(r.tokens), r.prompt_len + r.job.max_new_tokens))
+        if claim is None:
+            return False
+        r.seq, names, reused = claim
+        r.state_len, r.named_pages = r.seq.length, len(reused)
+        r.last_name = names[len(reused) - 1] if reused else ROOT_HASH
+        at = next((i for i, other in enumerate(self.active) if other.time_started > r.time_started), len(self.active))
+        self.active.insert(at, r)  # back in its admission place: the oldest are preempted last
+        return True
+
+    def _grow(self) -> None:
+        """Give every running job the pages its next step writes; when none are free, preempt the most
+        recently admitted job (it is recomputed once pages are free again)."""
+        prefix = self.cache.prefix_cache
+        for r in list(self.active):
+            while r in self.active:
+                need = self._pages_needed(len(r.tokens), r.prompt_len + r.job.max_new_tokens) - len(r.seq.pages)
+                if need <= 0:
+                    break
+                if prefix.available() >= need:
+                    r.seq.pages += prefix.alloc(need)
+                    break
+                self._preempt(self.active[-1])
+
+    def _preempt(self, r: _Running) -> None:
+        """Free a running job's pages and state; it waits, keeping its tokens, streamed text and sampler state."""
+        self._name_full_pages(r)  # its computed pages stay in the prefix cache: resuming may find them
+        r.seq.release()
+        self.active.remove(r)
+        self.preempted.append(r)
+        self.preempted.sort(key=lambda run: run.time_started)
+        self.stats["preempted"] += 1
 
     def _new_sequence(self, keep_checkpoint: int | None) -> SequenceState:
         """A SequenceState with its state slot (hybrid models); prefix checkpoints, least recently used
@@ -734,7 +795,7 @@ class Generator:
     # ---- finishing --------------------------------------------------------------------------------
 
     def _finish_cancelled(self, results: list[Result]) -> None:
-        for r in [r for r in self.active if r.job.cancel_requested]:
+        for r in [r for r in self.active + self.preempted if r.job.cancel_requested]:
             self._finish(r, EOS_CANCELLED, results)
         if any(job.cancel_requested for job, _ in self.pending):
             keep = deque()
@@ -767,7 +828,7 @@ class Generator:
             r.snapshot_slot = None
         if self.proposer is not None:
             self.proposer.release(r.job.job_id)
-        self.active.remove(r)
+        (self.active if r in self.active else self.preempted).remove(r)
         r.job.finished = True
         results.append(JobFinished(
             job=r.job, identifier=r.job.identifier, eos_reason=reason, text="".join(r.text_parts),
