@@ -85,7 +85,7 @@ def test_request_chat_template_is_refused_by_default(client):
 def test_request_chat_template_runs_sandboxed_with_limits(tiny_llama_smollm2_tokenizer_dir):
     """Allowed: a template that would run for hours is stopped at the time limit, one that fills memory at the
     memory limit, while /health keeps answering; distinct templates do not grow the server's memory."""
-    config = tiny_config(tiny_llama_smollm2_tokenizer_dir, allow_request_chat_template=True, template_timeout_s=1.0)
+    config = tiny_config(tiny_llama_smollm2_tokenizer_dir, allow_request_chat_template=True, template_timeout_s=3.0)
     with ServerThread(config) as s:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
         health_times: list[float] = []
@@ -103,7 +103,7 @@ def test_request_chat_template_runs_sandboxed_with_limits(tiny_llama_smollm2_tok
         try:
             with pytest.raises(openai.BadRequestError) as e:
                 c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, extra_body={"chat_template": SLOW_TEMPLATE})
-            assert e.value.code == "chat_template_limit" and "1" in e.value.message
+            assert e.value.code == "chat_template_limit" and "3 s" in e.value.message
             hog = "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}"
             with pytest.raises(openai.BadRequestError) as e:
                 c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, extra_body={"chat_template": hog})
@@ -111,7 +111,8 @@ def test_request_chat_template_runs_sandboxed_with_limits(tiny_llama_smollm2_tok
         finally:
             stop.set()
             prober.join()
-        assert health_times and max(health_times) < 0.9  # the event loop never waited for the template
+        # a loop blocked by the template would hold /health for the whole 3 s limit; a busy machine adds far less
+        assert health_times and max(health_times) < 2.0
         ok = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
         for i in range(5):
             r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
