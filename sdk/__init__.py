@@ -86,7 +86,7 @@ from trellm.sdk.families import (
     read_gemma3_config,
     read_qwen2_config,
 )
-from trellm.sdk.moe import deepseek_moe, replace_mlps, use_deepseek_moe_layers
+from trellm.sdk.moe import deepseek_moe, replace_mlps, use_deepseek_moe_layers, use_qwen3_moe_layers
 from trellm.sdk.hybrid import build_qwen3_5, build_qwen3_5_moe, build_qwen_hybrid, hybrid_layer_types, qwen_moe_mlp
 from trellm.sdk.qwen_vl import (
     QwenVisionBlock,
@@ -115,7 +115,7 @@ __all__ = [
     "OLMO_OPTIONS", "GLM_OPTIONS", "GLM4_OPTIONS", "configure_granite", "read_qwen2_config",
     # mixture of experts
     "MoE", "Router", "Experts", "ExpertMLP", "SoftmaxTopK", "TopKSoftmax", "ScoreTopK", "clamped_swiglu",
-    "dispatch_experts", "replace_mlps", "deepseek_moe", "use_deepseek_moe_layers",
+    "dispatch_experts", "replace_mlps", "deepseek_moe", "use_deepseek_moe_layers", "use_qwen3_moe_layers",
     # recurrent and hybrid stacks, multi-token prediction
     "GatedDeltaNet", "GatedAttention", "ShortConv", "Mamba2Mixer", "ResidualBlock", "HybridCausalLM",
     "MTPHead", "MTPLayout", "build_qwen_mtp_head",

@@ -1,5 +1,5 @@
-"""The DeepSeek-style MoE recipe many families share (DeepSeek-V3, GLM 4.5, dots.llm1, Solar Open ...),
-and the helper that turns a dense decoder into a MoE one layer by layer."""
+"""The MoE recipes several families share: DeepSeek-style (DeepSeek-V3, GLM 4.5, dots.llm1, Solar Open ...)
+and Qwen3-style (Qwen3 MoE, Qwen3-VL MoE), and the helper that turns a dense decoder into a MoE one layer by layer."""
 from __future__ import annotations
 
 from typing import Callable
@@ -7,7 +7,7 @@ from typing import Callable
 from trellm.config import DecoderConfig
 from trellm.modules.base import Module
 from trellm.modules.layers import GatedMLP
-from trellm.modules.moe import Experts, MoE, Router, ScoreTopK
+from trellm.modules.moe import Experts, MoE, Router, ScoreTopK, SoftmaxTopK
 
 
 def replace_mlps(model, make_mlp: Callable[[int, str], Module | None]) -> None:
@@ -50,3 +50,19 @@ def use_deepseek_moe_layers(model, cfg: DecoderConfig) -> None:
     gets a :func:`deepseek_moe` block at ``{layer}.mlp``."""
     first_moe = cfg.require_moe().first_dense_layers
     replace_mlps(model, lambda i, key: deepseek_moe(cfg, f"{key}.mlp") if i >= first_moe else None)
+
+
+def use_qwen3_moe_layers(model, cfg: DecoderConfig, normalize: bool | None = None) -> None:
+    """Qwen3 MoE layout: softmax top-k routing and no shared experts, at ``{layer}.mlp.gate`` / ``.experts`` on
+    the layers ``decoder_sparse_step`` and ``mlp_only_layers`` leave MoE. The top-k weights are renormalised
+    when ``normalize`` says so (None: as ``norm_topk_prob`` says; Qwen3-VL MoE always renormalises)."""
+    moe = cfg.require_moe()
+    strategy = SoftmaxTopK(moe.experts_per_token, normalize=bool(moe.normalize_topk) if normalize is None else normalize)
+
+    def make(i: int, key: str) -> MoE | None:
+        if not moe.is_moe_layer(i):
+            return None
+        return MoE(f"{key}.mlp", Router(f"{key}.mlp.gate", cfg.hidden_size, moe.num_experts, strategy),
+                   Experts(f"{key}.mlp.experts", moe.num_experts, cfg.hidden_size, moe.expert_width(), cfg.hidden_act))
+
+    replace_mlps(model, make)

@@ -101,7 +101,7 @@ def test_topk_softmax_equals_renormalised_softmax_topk():
     assert torch.equal(i1, i2) and torch.allclose(w1, w2, atol=1e-6)
 
 
-def _stacked_and_list(tmp_path, e=5, h=16, i=8, interleaved=False):
+def _stacked_and_list(tmp_path, e=5, h=16, i=8, interleaved=False, declared_transposed=True):
     """The same random experts stored stacked ([E, 2I, H] / [E, H, I]) and per expert."""
     from safetensors.torch import save_file
     from trellm.modules.base import LoadContext
@@ -119,7 +119,7 @@ def _stacked_and_list(tmp_path, e=5, h=16, i=8, interleaved=False):
         tensors[f"lst.{x}.down_proj.weight"] = down[x]
     save_file(tensors, tmp_path / "model.safetensors")
     ctx = LoadContext(store=WeightStore(tmp_path), device=torch.device("cpu"), dtype=torch.float32)
-    stacked = StackedExperts("stk", e, h, i, transposed=True, interleaved=interleaved)
+    stacked = StackedExperts("stk", e, h, i, transposed=declared_transposed, interleaved=interleaved)
     stacked.load(ctx)
     per_expert = ExpertList("lst", e, h, i)
     per_expert.load(ctx)
@@ -129,6 +129,14 @@ def _stacked_and_list(tmp_path, e=5, h=16, i=8, interleaved=False):
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_stacked_experts_equal_per_expert_linears(tmp_path, interleaved):
     stacked, per_expert = _stacked_and_list(tmp_path, interleaved=interleaved)
+    x = torch.randn(3, 16)
+    for e in range(5):
+        assert torch.allclose(stacked.run_expert(e, x), per_expert.run_expert(e, x), atol=1e-5)
+
+
+def test_stacked_experts_found_transposed(tmp_path):
+    """Qwen3-VL MoE hub files keep [E, H, 2I] / [E, I, H] where the family declares transformers' [E, 2I, H]."""
+    stacked, per_expert = _stacked_and_list(tmp_path, i=6, declared_transposed=False)  # 2I != H: not square
     x = torch.randn(3, 16)
     for e in range(5):
         assert torch.allclose(stacked.run_expert(e, x), per_expert.run_expert(e, x), atol=1e-5)

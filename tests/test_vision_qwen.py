@@ -1,4 +1,4 @@
-"""Qwen2.5-VL, Qwen3-VL and GLM 4.1V parity with HF on tiny random models: processors, towers, M-RoPE, DeepStack.
+"""Qwen2.5-VL, Qwen3-VL (dense and MoE) and GLM 4.1V parity with HF on tiny random models: processors, towers, M-RoPE, DeepStack.
 
 The tower sees 4-pixel patches merged 2x2 and 16-pixel windows, so a 61x37 image becomes a 16x10
 patch grid, 8x5 merged tokens and (Qwen2.5-VL) partial windows at the edges; layer 1 attends over the
@@ -44,10 +44,14 @@ def tiny_config(transformers, family: str):
         return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens), transformers.Qwen2_5_VLForConditionalGeneration
     text["rope_parameters"]["mrope_interleaved"] = True
     vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+    if family == "qwen3_vl_moe":  # expert width 24: the stacked [E, 2I, H] tensors are not square
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[0])
+        return (transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **tokens),
+                transformers.Qwen3VLMoeForConditionalGeneration)
     return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens), transformers.Qwen3VLForConditionalGeneration
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "glm4v"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"])
 def qwen(request, tmp_path_factory):
     """(HF model, HF image processor, trellm model) of a tiny random Qwen2.5-VL / Qwen3-VL / GLM 4.1V."""
     transformers = pytest.importorskip("transformers")
@@ -62,7 +66,7 @@ def qwen(request, tmp_path_factory):
                 p.normal_(1, 0.3)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
-    mean = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if request.param == "qwen3_vl" else {}
+    mean = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if request.param.startswith("qwen3_vl") else {}
     proc_cls = Qwen2VLImageProcessorPil
     if request.param == "glm4v":
         from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil as proc_cls

@@ -251,9 +251,15 @@ class StackedExperts(Module):
         self.stacked = None
 
     def _read(self, ctx: LoadContext, name: str, rows: int, cols: int) -> torch.Tensor:
-        shape = (self.num_experts, cols, rows) if self.transposed else (self.num_experts, rows, cols)
-        w = ctx.store.get(f"{self.key}.{name}", shape=shape, dtype=ctx.dtype, device=ctx.device)
-        return w.transpose(1, 2).contiguous() if self.transposed else w
+        """[E, rows, cols]; stored so, or transposed (``transposed``, or found so: Qwen3-VL MoE hub files keep
+        [E, H, 2I] where transformers now saves [E, 2I, H]; a square matrix can only be read as declared)."""
+        name = f"{self.key}.{name}"
+        transposed = self.transposed
+        if name in ctx.store and rows != cols:
+            transposed = tuple(ctx.store.info(name).shape) == (self.num_experts, cols, rows)
+        shape = (self.num_experts, cols, rows) if transposed else (self.num_experts, rows, cols)
+        w = ctx.store.get(name, shape=shape, dtype=ctx.dtype, device=ctx.device)
+        return w.transpose(1, 2).contiguous() if transposed else w
 
     def load(self, ctx: LoadContext) -> None:
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size

@@ -1,4 +1,5 @@
-"""Qwen3-VL (Qwen3VLForConditionalGeneration): Qwen3 text with interleaved M-RoPE and DeepStack.
+"""Qwen3-VL (Qwen3VLForConditionalGeneration): Qwen3 text with interleaved M-RoPE and DeepStack; Qwen3-VL MoE
+(Qwen3VLMoeForConditionalGeneration) is the same with Qwen3 MoE text layers (:func:`~trellm.sdk.use_qwen3_moe_layers`).
 
 :data:`QWEN3_5_VISION_SPEC` serves Qwen3.5 / Qwen3.5 MoE with images the same way (their hybrid text
 models, the same tower without DeepStack); it is not registered by default (see its comment).
@@ -22,10 +23,12 @@ from trellm.sdk import (
     DecoderOptions,
     QwenVLConfig,
     QwenVisionLanguageModel,
+    build_decoder,
     build_qwen3_5,
     build_qwen3_5_moe,
     read_qwen2_config,
     read_qwen_vl_config,
+    use_qwen3_moe_layers,
 )
 
 ALIASES = (
@@ -69,6 +72,16 @@ class Qwen3VisionLanguageModel(QwenVisionLanguageModel):
         return lm.logits_from_hidden(x, batch)
 
 
+class Qwen3MoeVisionLanguageModel(Qwen3VisionLanguageModel):
+    """Qwen3-VL MoE: the Qwen3-VL model whose text layers carry Qwen3 MoE blocks (top-k weights always
+    renormalised, whatever ``norm_topk_prob`` says)."""
+
+    def build_language(self, cfg: QwenVLConfig):
+        language = build_decoder(cfg.text, self.text_options)
+        use_qwen3_moe_layers(language, cfg.text, normalize=True)
+        return language
+
+
 class Qwen35VisionLanguageModel(QwenVisionLanguageModel):
     """Qwen3.5 / Qwen3.5 MoE with vision: the hybrid text model of the qwen3_5 plugins (:func:`trellm.sdk.build_qwen3_5`), the Qwen3-VL tower
     (without DeepStack) and interleaved M-RoPE over the rotated part of each attention head."""
@@ -106,6 +119,16 @@ SPEC = ArchitectureSpec(
 )
 
 
+MOE_SPEC = ArchitectureSpec(
+    name="qwen3_vl_moe",
+    architectures=("Qwen3VLMoeForConditionalGeneration",),
+    read_config=read_config,
+    build=Qwen3MoeVisionLanguageModel,
+    description="Qwen3-VL MoE (30B-A3B, 235B-A22B): Qwen3-VL with Qwen3 MoE text layers",
+)
+
+
 @trellm.hookimpl
 def trellm_register_architectures(register):
     register(SPEC)
+    register(MOE_SPEC)

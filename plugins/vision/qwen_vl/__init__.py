@@ -137,7 +137,7 @@ def build_qwen3(vision_config: dict[str, Any], key: str) -> Qwen3VisionTower:
 
 QWEN3_SPEC = VisionTowerSpec(
     name="qwen3_vl",
-    model_types=("qwen3_vl_vision", "qwen3_5_vision", "qwen3_5_moe_vision"),
+    model_types=("qwen3_vl_vision", "qwen3_vl_moe_vision", "qwen3_5_vision", "qwen3_5_moe_vision"),
     build=build_qwen3,
     processor=QwenVLProcessor.from_config,
     description="Qwen3-VL ViT: resampled learned positions + 2D RoPE, full attention, deepstack features",
