@@ -190,7 +190,7 @@ def build(vision_config: dict[str, Any], key: str) -> Glm4vVisionTower:
 
 SPEC = VisionTowerSpec(
     name="glm4v",
-    model_types=("glm4v_vision",),
+    model_types=("glm4v_vision", "glm4v_moe_vision"),
     build=build,
     processor=Glm4vProcessor.from_config,
     description="GLM 4.1V ViT: resampled learned positions + 2D RoPE, conv merge, gated merger",
