@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -17,6 +17,7 @@ import torch
 from .errors import ConfigError
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+R = TypeVar("R")
 
 
 def read_config_json(model_dir: str | Path) -> dict[str, Any]:
@@ -210,6 +211,26 @@ def config_int(extra: dict[str, Any], *names: str, default: int | None = None) -
     if default is None:
         raise ConfigError(f"config.json: none of {', '.join(map(repr, names))} is set")
     return default
+
+
+def read_keys(record: type[R], cfg: DecoderConfig | dict[str, Any]) -> R:
+    """A family's own config keys as a typed attrs ``record``, whose fields name what the family reads.
+
+    Each field is read from the (text) config under its own name; a missing or null key keeps the
+    field's default; the field's converter types the value, and a value it cannot convert is a
+    ConfigError naming the key.
+    """
+    raw = cfg.extra if isinstance(cfg, DecoderConfig) else text_config(cfg)
+    values: dict[str, Any] = {}
+    for field in attrs.fields(record):
+        value = raw.get(field.name)
+        if value is None:
+            continue
+        try:
+            values[field.name] = field.converter(value) if field.converter else value
+        except (TypeError, ValueError):
+            raise ConfigError(f"config.json: {field.name}={value!r} is not a valid value for it") from None
+    return record(**values)
 
 
 @attrs.frozen

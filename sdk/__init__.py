@@ -41,6 +41,7 @@ from trellm.config import (
     RopeConfig,
     config_int,
     layer_types_from_pattern,
+    read_keys,
     sliding_on_every_layer,
     text_config,
 )
@@ -105,7 +106,7 @@ __all__ = [
     "hookimpl", "ArchitectureSpec", "VisionTowerSpec", "find_architecture", "ArchitectureClaim",
     # configs
     "DecoderConfig", "RopeConfig", "text_config", "layer_types_from_pattern", "sliding_on_every_layer",
-    "ConfigError", "config_int", "MoEConfig", "LinearAttentionConfig",
+    "ConfigError", "config_int", "read_keys", "MoEConfig", "LinearAttentionConfig",
     # modules and the Llama-like stack
     "Module", "LoadContext", "ForwardBatch", "Linear", "Embedding", "RMSNorm", "LayerNorm", "RotaryEmbedding",
     "Attention", "GatedMLP", "MLP", "DecoderLayer", "CausalLM", "DecoderOptions", "build_decoder", "decoder_family",

@@ -11,7 +11,7 @@ import math
 
 import attrs
 
-from trellm.config import DecoderConfig, RopeConfig, layer_types_from_pattern, text_config
+from trellm.config import DecoderConfig, RopeConfig, layer_types_from_pattern, read_keys, text_config
 from trellm.errors import ConfigError
 from trellm.modules.decoder import DecoderOptions
 
@@ -45,15 +45,23 @@ def read_gemma2_config(raw: dict, default_pattern: int = 2) -> DecoderConfig:
     return DecoderConfig.from_hf(raw, layer_types=layer_types_from_pattern(int(c["num_hidden_layers"]), pattern))
 
 
+@attrs.frozen
+class Gemma2Keys:
+    """The config keys Gemma 2 and 3 read beyond :class:`DecoderConfig`."""
+
+    query_pre_attn_scalar: float = attrs.field(default=0.0, converter=float)  # 0: the default head_dim ** -0.5
+    attn_logit_softcapping: float = attrs.field(default=0.0, converter=float)
+    final_logit_softcapping: float = attrs.field(default=0.0, converter=float)
+
+
 def configure_gemma2(cfg: DecoderConfig, opts: DecoderOptions) -> DecoderOptions:
     """Softmax scale ``query_pre_attn_scalar ** -0.5``; tanh softcaps on attention and final logits."""
-    x = cfg.extra
-    scalar = x.get("query_pre_attn_scalar")
+    keys = read_keys(Gemma2Keys, cfg)
     return attrs.evolve(
         configure_gemma(cfg, opts),
-        attn_scale=float(scalar) ** -0.5 if scalar else None,
-        attn_softcap=float(x.get("attn_logit_softcapping") or 0.0),
-        final_logit_softcap=float(x.get("final_logit_softcapping") or 0.0),
+        attn_scale=keys.query_pre_attn_scalar ** -0.5 if keys.query_pre_attn_scalar else None,
+        attn_softcap=keys.attn_logit_softcapping,
+        final_logit_softcap=keys.final_logit_softcapping,
     )
 
 
@@ -84,10 +92,18 @@ COHERE_OPTIONS = DecoderOptions(norm="layer_nobias", parallel_block=True, rope_i
 """Cohere: parallel attention + MLP under one weight-only LayerNorm, GPT-J RoPE, per-head LayerNorm QK-norm."""
 
 
+@attrs.frozen
+class CohereKeys:
+    """The config keys Cohere and Cohere 2 read beyond :class:`DecoderConfig`."""
+
+    logit_scale: float = attrs.field(default=1.0, converter=float)
+    use_qk_norm: bool = attrs.field(default=False, converter=bool)
+
+
 def configure_cohere(cfg: DecoderConfig, opts: DecoderOptions) -> DecoderOptions:
     """Logits multiplied by ``logit_scale``; QK-norm only when ``use_qk_norm``."""
-    x = cfg.extra
-    return attrs.evolve(opts, logit_scale=float(x.get("logit_scale", 1.0)), qk_norm=bool(x.get("use_qk_norm", False)))
+    keys = read_keys(CohereKeys, cfg)
+    return attrs.evolve(opts, logit_scale=keys.logit_scale, qk_norm=keys.use_qk_norm)
 
 
 OLMO_OPTIONS = DecoderOptions(
@@ -107,19 +123,27 @@ GLM4_OPTIONS = attrs.evolve(GLM_OPTIONS, attn_out_norm_name="post_self_attn_laye
 """GLM 4 (0414): GLM with sandwich norms on the sub-layer outputs."""
 
 
+@attrs.frozen
+class GraniteKeys:
+    """Granite's muP multipliers (HyperCLOVA X uses the same keys)."""
+
+    embedding_multiplier: float = attrs.field(default=1.0, converter=float)
+    residual_multiplier: float = attrs.field(default=1.0, converter=float)
+    attention_multiplier: float | None = attrs.field(default=None, converter=attrs.converters.optional(float))
+    logits_scaling: float = attrs.field(default=1.0, converter=float)
+
+
 def configure_granite(cfg: DecoderConfig, opts: DecoderOptions, divide_logits: bool = True) -> DecoderOptions:
     """Granite's muP multipliers: embeddings, residuals, softmax scale (``attention_multiplier``) and
     logits (divided by ``logits_scaling``, or multiplied when ``divide_logits`` is false)."""
-    x = cfg.extra
-    logits = float(x.get("logits_scaling", 1.0))
-    attn = x.get("attention_multiplier")
+    keys = read_keys(GraniteKeys, cfg)
     return attrs.evolve(
         opts,
-        embed_scale=float(x.get("embedding_multiplier", 1.0)),
+        embed_scale=keys.embedding_multiplier,
         embed_scale_rounded=False,
-        residual_multiplier=float(x.get("residual_multiplier", 1.0)),
-        attn_scale=float(attn) if attn is not None else None,
-        logit_scale=1.0 / logits if divide_logits else logits,
+        residual_multiplier=keys.residual_multiplier,
+        attn_scale=keys.attention_multiplier,
+        logit_scale=1.0 / keys.logits_scaling if divide_logits else keys.logits_scaling,
     )
 
 

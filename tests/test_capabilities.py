@@ -63,3 +63,13 @@ def test_missing_moe_and_linear_attention_keys_are_named():
         build_qwen3_5(DecoderConfig.from_hf(TINY))
     with pytest.raises(ConfigError, match="moe_intermediate_size"):
         build_qwen3_5_moe(DecoderConfig.from_hf({**TINY, **LINEAR, "num_experts": 4, "num_experts_per_tok": 2}))
+
+
+def test_a_family_reads_its_own_keys_into_a_typed_record():
+    from trellm.config import read_keys
+    from trellm.sdk.families import GraniteKeys
+
+    cfg = DecoderConfig.from_hf({**TINY, "logits_scaling": 8, "attention_multiplier": None, "residual_multiplier": "0.5"})
+    assert read_keys(GraniteKeys, cfg) == GraniteKeys(embedding_multiplier=1.0, residual_multiplier=0.5, logits_scaling=8.0)
+    with pytest.raises(ConfigError, match="embedding_multiplier='twelve'"):
+        read_keys(GraniteKeys, {**TINY, "embedding_multiplier": "twelve"})
