@@ -270,7 +270,9 @@ class MultimodalPrompt:
     input_ids: list[int]
     spans: list[ImageSpan]
     embeds: torch.Tensor  # [total image rows, hidden]
-    extra: dict[str, Any] = attrs.field(factory=dict)  # family data (Qwen M-RoPE positions)
+    # a family's own position values for the prompt rows (Qwen M-RoPE, packed 3D); None: the row index
+    own_positions: torch.Tensor | None = None
+    position_delta: int = 0  # with own_positions: rows after the prompt sit at index + delta
 
     @property
     def image_rows(self) -> list[int]:
@@ -300,10 +302,10 @@ class MultimodalPrompt:
 
     def positions(self, start: int, n: int) -> torch.Tensor:
         """Position values of sequence rows start..start+n: the prompt's own, then index + delta."""
-        own = self.extra["positions"]
+        own = self.own_positions
         idx = torch.arange(start, start + n)
         inside = idx < own.shape[0]
-        shifted = idx + int(self.extra.get("position_delta", 0))
+        shifted = idx + self.position_delta
         return torch.where(inside, own[idx.clamp(max=own.shape[0] - 1)], shifted)
 
     def safe_chunk_end(self, start: int, end: int) -> int:
@@ -320,8 +322,8 @@ def attach_images(batch, chunks: Sequence[tuple[MultimodalPrompt | None, int]]) 
 
     ``chunks[i] = (prompt or None, index in its sequence of the first token fed now)`` for sequence
     i of the batch, in batch order. Pass the prompt on every step of a job, decode steps included:
-    a prompt that carries its own positions (``extra["positions"]``, Qwen M-RoPE) sets the rows
-    inside the prompt and shifts every later row by ``extra["position_delta"]``.
+    a prompt that carries its own positions (``own_positions``, Qwen M-RoPE) sets the rows
+    inside the prompt and shifts every later row by ``position_delta``.
     """
     bounds = batch.cu_seqlens.tolist()
     parts: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor]]] = []
@@ -330,7 +332,7 @@ def attach_images(batch, chunks: Sequence[tuple[MultimodalPrompt | None, int]]) 
             continue
         if (got := mm.chunk_embeds(start, start + (b - a))) is not None:
             parts.append((a, b, got))
-        if "positions" in mm.extra:
+        if mm.own_positions is not None:
             batch.positions[a:b] = mm.positions(start, b - a).to(batch.positions.device)
     if not parts:
         batch.input_embeds = batch.embed_mask = None

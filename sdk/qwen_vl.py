@@ -429,6 +429,6 @@ class QwenVisionLanguageModel(VisionLanguageModel):
 
     def finish_prompt(self, prompt: MultimodalPrompt, items: Sequence[VisionInput]) -> None:
         thw = mrope_positions(prompt.input_ids, self.image_token_id, [it.grid for it in items], self.merge)
-        prompt.extra["positions"] = pack_positions(thw)
-        prompt.extra["position_delta"] = int(thw.max()) + 1 - len(prompt.input_ids) if len(prompt.input_ids) else 0
+        prompt.own_positions = pack_positions(thw)
+        prompt.position_delta = int(thw.max()) + 1 - len(prompt.input_ids) if len(prompt.input_ids) else 0
 

@@ -128,7 +128,7 @@ def test_qwen_greedy_continuation_with_position_delta(qwen):
     hf, proc, lm = qwen
     img = random_image(3)
     mm = prepare_prompt(lm, PROMPT, [img])
-    assert mm.extra["position_delta"] < 0  # 40 image tokens span only max(8, 5) positions
+    assert mm.position_delta < 0  # 40 image tokens span only max(8, 5) positions
     ref = hf_greedy(hf, mm.input_ids, *hf_inputs(proc, img), 8)
     assert list(lm.generate_ids(PROMPT, max_new_tokens=8, stop_token_ids=[], images=[img])) == ref
 
