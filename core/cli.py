@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import time
+import traceback
 from pathlib import Path
 
 from .errors import ArchitectureConflictError, TrellmError, UnknownArchitectureError
 
 SUBCOMMAND_MODULES = (
+    "trellm.hub",
     "trellm.gguf",
     "trellm.convert",
     "trellm.evaluate",
@@ -23,9 +27,70 @@ SUBCOMMAND_MODULES = (
 )
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line on stderr (exit code 2), not the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ---- value types for flags: each names the rule a bad value breaks -------------------------------------
+
+
+def positive_int(text: str) -> int:
+    value = _number(int, text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _number(int, text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(float, text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    value = _number(float, text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def device_name(text: str) -> str:
+    """A device this process can use (checked before the model loads)."""
+    from .model import resolve_device
+
+    try:
+        resolve_device(text)
+    except TrellmError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+DTYPES = ("float32", "float16", "bfloat16", "fp32", "fp16", "bf16")
+
+
+def _number(kind: type, text: str):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+
+
 def _model_dir(args) -> Path:
     if args.model:
-        return Path(args.model)
+        from .model import model_path
+
+        return model_path(args.model)
     from .default_model import default_model_dir
 
     return default_model_dir()
@@ -54,8 +119,21 @@ def _user_message(text: str, images: list[str]) -> dict:
     return {"role": "user", "content": [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]}
 
 
+def _refuse_images(lm, images: list[str]) -> None:
+    """A clear error before a text-only model's chat template meets image parts it cannot render."""
+    if images and not lm.takes_images:
+        from .multimodal import ImageError
+
+        raise ImageError(f"{lm.model_dir.name} ({lm.spec.name}) has no vision tower and takes no images; "
+                         "use a vision model (docs/multimodal.md) or drop the image")
+
+
 def cmd_generate(args) -> int:
+    if not args.prompt.strip():
+        print("trellm generate: error: the prompt is empty", file=sys.stderr)
+        return 2
     lm = _load(args)
+    _refuse_images(lm, args.image)
     prompt = args.prompt
     if args.chat:
         text = lm.tokenizer.apply_chat_template([_user_message(prompt, args.image)], add_generation_prompt=True)
@@ -73,6 +151,7 @@ def cmd_chat(args) -> int:
     if tok is None or not tok.has_chat_template:
         print(f"error: {lm.model_dir} has no chat template; use `trellm generate`", file=sys.stderr)
         return 2
+    _refuse_images(lm, args.image)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     images: list[str] = []  # every image of the conversation so far, in marker order
     queued = list(args.image)  # images for the next user message
@@ -92,7 +171,10 @@ def cmd_chat(args) -> int:
             continue
         if user.strip().startswith("/image"):
             path = user.strip()[len("/image"):].strip()
-            if path:
+            if path and not lm.takes_images:
+                print(f"error: {lm.model_dir.name} takes no images (no vision tower); the chat goes on without it",
+                      file=sys.stderr)
+            elif path:
                 queued.append(path)
                 print(f"(image {path} goes with your next message)", file=sys.stderr)
             else:
@@ -178,19 +260,24 @@ def cmd_plugins(args) -> int:
 
 
 def _add_model_args(p: argparse.ArgumentParser, sampling: bool = True) -> None:
-    p.add_argument("-m", "--model", help="HF model directory (default: SmolLM2-135M-Instruct, imported on first use)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: float32 on CPU, bf16 on GPU)")
+    p.add_argument("-m", "--model", help="HF model directory or Hub id org/name (default: SmolLM2-135M-Instruct, imported on first use)")
+    add_device_args(p)
     if sampling:
-        p.add_argument("--max-tokens", type=int, default=256)
-        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-        p.add_argument("--top-k", type=int, default=0)
-        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--max-tokens", type=positive_int, default=256, help="most tokens to generate (default 256)")
+        p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+        p.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
+        p.add_argument("--top-p", type=probability, default=1.0, help="in (0, 1]; 1 = off")
         p.add_argument("--seed", type=int, default=None)
 
 
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """--device and --dtype, checked when parsed (every command that loads a model uses these)."""
+    p.add_argument("--device", type=device_name, default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bf16 on GPU")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trellm", description="Fast local LLM inference.")
+    parser = Parser(prog="trellm", description="Fast local LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="complete a prompt")
@@ -229,14 +316,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command: bad input is one ``error:`` line and exit code 2, never a traceback."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except TrellmError as e:
+    except BrokenPipeError:  # `trellm info | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a process killed by SIGPIPE
+    except (TrellmError, OSError) as e:  # bad input, or a file that cannot be read or written
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # a bug: one line here, the traceback in a file for the report
+        log = _write_crash_log(args)
+        print(f"error: internal error ({type(e).__name__}: {e}); please report it with the traceback in {log}",
+              file=sys.stderr)
+        return 1
+
+
+def _write_crash_log(args) -> Path:
+    from .default_model import cache_dir
+
+    path = cache_dir() / "logs" / f"crash-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"trellm {' '.join(sys.argv[1:])}\n{args}\n\n{traceback.format_exc()}")
+    return path
 
 
 if __name__ == "__main__":

@@ -281,6 +281,18 @@ def _load_checkpoint(work: Path) -> tuple[torch.Tensor, dict]:
 # Validation
 
 
+def _check_work_dir(work_dir: Path, output_dir: Path, input_dir: Path, resume: bool) -> None:
+    """The work folder must be its own folder, and a fresh start must not wipe a job that has quantized layers."""
+    for other, flag in ((output_dir, "-o/--output"), (input_dir, "-i/--input")):
+        if work_dir.resolve() == other.resolve():
+            raise ConversionError(f"the work directory {work_dir} is also the {flag} directory; "
+                                  "give -w/--work-dir a folder of its own (it holds checkpoints)")
+    done = [work_dir / "ckpt", work_dir / "ckpt_old"]
+    if not resume and any(p.is_dir() for p in done):
+        raise ConversionError(f"work directory {work_dir} holds a started conversion job; resume it with -r/--resume "
+                              "(resume=True), or delete the folder (or pick another) to start over")
+
+
 def _check_args(input_dir: Path, output_dir: Path, bits: float, head_bits: int) -> dict:
     if not isinstance(bits, (int, float)) or not 1 <= bits <= 8:
         raise ConversionError(f"bits must be between 1 and 8, got {bits!r}")
@@ -356,6 +368,7 @@ def convert(
 
     input_dir, output_dir, work_dir = Path(input_dir), Path(output_dir), Path(work_dir)
     raw_config = _check_args(input_dir, output_dir, bits, head_bits)
+    _check_work_dir(work_dir, output_dir, input_dir, resume)
     if codebook not in ("3inst", "mcg", "mul1"):
         raise ConversionError(f"codebook must be 3inst, mcg or mul1, got {codebook!r}")
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -670,6 +683,8 @@ def _tensor_storage(shards: list[dict[str, torch.Tensor]]) -> dict:
 
 
 def add_cli(subparsers) -> None:
+    from .cli import device_name, positive_int
+
     p = subparsers.add_parser("convert", help="quantize an HF model directory to EXL3")
     p.add_argument("-i", "--input", required=True, help="source HF model directory (safetensors)")
     p.add_argument("-o", "--output", required=True, help="output directory (new or empty)")
@@ -678,11 +693,11 @@ def add_cli(subparsers) -> None:
     p.add_argument("-hb", "--head-bits", type=int, default=6, help="head bits: 1..8, or 16 for unquantized (default 6)")
     p.add_argument("-r", "--resume", action="store_true", help="resume the job in --work-dir")
     p.add_argument("-c", "--calibration", default=None, help="UTF-8 text file to calibrate on (default: built-in mix)")
-    p.add_argument("-d", "--device", default=None, help="device for quantization (default: cuda if available)")
-    p.add_argument("--cal-rows", type=int, default=64, help="calibration rows (default 64)")
-    p.add_argument("--cal-cols", type=int, default=512, help="tokens per calibration row (default 512)")
+    p.add_argument("-d", "--device", type=device_name, default=None, help="device for quantization (default: cuda if available)")
+    p.add_argument("--cal-rows", type=positive_int, default=64, help="calibration rows (default 64)")
+    p.add_argument("--cal-cols", type=positive_int, default=512, help="tokens per calibration row (default 512)")
     p.add_argument("--codebook", default=CODEBOOK, choices=("mul1", "mcg", "3inst"))
-    p.add_argument("--shard-size", type=int, default=8192, help="shard size in MB (default 8192)")
+    p.add_argument("--shard-size", type=positive_int, default=8192, help="shard size in MB (default 8192)")
     p.add_argument("--no-scale-search", action="store_true", help="skip the global scale search (faster, slightly worse)")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=run)

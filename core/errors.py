@@ -23,3 +23,11 @@ class WeightError(TrellmError):
 
 class TokenizerError(TrellmError):
     """Tokenizer files are missing or do not match the model."""
+
+
+class UsageError(TrellmError, ValueError):
+    """An argument is out of range or does not fit this machine (device, dtype, sampling value)."""
+
+
+class PromptTooLongError(UsageError):
+    """A prompt does not fit the model's context (or the cache); the message names both numbers."""

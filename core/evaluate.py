@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import TrellmError
+from .errors import TrellmError, UsageError
 
 
 def eval_text() -> str:
@@ -22,6 +22,8 @@ def eval_text() -> str:
 
 
 def token_windows(tokenizer, text: str, seq_len: int, max_windows: int) -> list[list[int]]:
+    if seq_len < 2 or max_windows < 1:
+        raise UsageError(f"seq_len must be 2 or more and max_windows 1 or more, got {seq_len} and {max_windows}")
     ids = tokenizer.encode(text)
     if len(ids) < 2:
         raise TrellmError("evaluation text is too short (fewer than 2 tokens)")
@@ -106,14 +108,15 @@ def plot_sweep(rows: list[dict], path: str | Path, title: str = "EXL3 quality vs
 
 
 def add_cli(subparsers) -> None:
+    from .cli import add_device_args, positive_int
+
     p = subparsers.add_parser("eval", help="perplexity and KL(dense || quantized) on a fixed text")
     p.add_argument("-m", "--model", required=True, help="model directory to evaluate (e.g. an EXL3 conversion)")
     p.add_argument("--reference", default=None, help="dense reference model directory (adds KL and its perplexity)")
     p.add_argument("--text", default=None, help="UTF-8 text file (default: built-in held-out text)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--max-windows", type=int, default=16)
+    add_device_args(p)
+    p.add_argument("--seq-len", type=positive_int, default=512, help="tokens per window, 2 or more (default 512)")
+    p.add_argument("--max-windows", type=positive_int, default=16, help="most windows to score (default 16)")
     p.set_defaults(func=run)
 
 

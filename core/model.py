@@ -13,7 +13,7 @@ from .capabilities import config_stop_ids, is_hybrid
 from .batch import ForwardBatch
 from .cache import KVCache, SequenceState
 from .config import read_config_json
-from .errors import TokenizerError
+from .errors import ConfigError, PromptTooLongError, TokenizerError, UsageError
 from .modules.base import LoadContext
 from .sampling import StopStringMatcher, sample_token
 from .weights import WeightStore
@@ -21,10 +21,25 @@ from .weights import WeightStore
 PREFILL_CHUNK = 2048
 
 
-def _resolve_device(device) -> torch.device:
+def resolve_device(device) -> torch.device:
+    """``device`` as a torch.device this process can use (None: cuda when available); UsageError otherwise."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch build has no CUDA support; install a CUDA build of torch (see the README)"
+                   if torch.version.cuda is None else "no CUDA GPU is visible (driver, CUDA_VISIBLE_DEVICES?)")
+            raise UsageError(f"device {device!r} is not available: {why}, or use --device cpu")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise UsageError(f"device {device!r} is not available: {count} CUDA device(s) visible (cuda:0..cuda:{count - 1})")
+    elif dev.type != "cpu":
+        raise UsageError(f"device {device!r} is not supported; use cpu, cuda or cuda:N")
+    return dev
 
 
 def _resolve_dtype(dtype, device: torch.device, config_dtype: str | None) -> torch.dtype:
@@ -35,10 +50,31 @@ def _resolve_dtype(dtype, device: torch.device, config_dtype: str | None) -> tor
             return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
                     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
         except KeyError:
-            raise ValueError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16") from None
+            raise UsageError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16") from None
     if device.type == "cpu":
         return torch.float32  # CPU matmuls in half precision are slow and lossy
     return torch.float16 if config_dtype == "float16" else torch.bfloat16
+
+
+def context_length(config) -> int | None:
+    """How many positions the model was trained for (``max_position_embeddings``); None where the
+    config sets no bound (dynamic NTK RoPE stretches to any length)."""
+    rope = getattr(config, "rope", None)
+    if getattr(rope, "type", None) == "dynamic":
+        return None
+    limit = getattr(config, "max_position_embeddings", None)
+    return int(limit) if limit else None
+
+
+def prompt_too_long(prompt_tokens: int, config, reply_tokens: int = 1) -> str | None:
+    """Why ``prompt_tokens`` tokens plus ``reply_tokens`` positions for the reply do not fit the context of a
+    model with this config, or None when they do."""
+    limit = context_length(config)
+    if limit is None or prompt_tokens + reply_tokens <= limit:
+        return None
+    room = " to leave room for a reply" if reply_tokens else ""
+    return (f"the prompt is {prompt_tokens:,} tokens but the model's context is {limit:,} positions "
+            f"(max_position_embeddings); shorten it to at most {limit - reply_tokens:,} tokens{room}")
 
 
 class LoadedModel:
@@ -72,6 +108,11 @@ class LoadedModel:
 
             prompts = [prepare_prompt(self, s, imgs) if imgs else None for s, imgs in zip(seqs, images)]
             seqs = [p.input_ids if p is not None else s for p, s in zip(prompts, seqs)]
+        for seq in seqs:
+            if not seq:
+                raise UsageError("logits: a sequence is empty")
+            if (why := prompt_too_long(len(seq), self.model.config, reply_tokens=0)) is not None:
+                raise PromptTooLongError(f"logits: {why}")
         batch = ForwardBatch.no_cache(seqs, self.device)
         if prompts is not None:
             attach_images(batch, [(p, 0) for p in prompts])
@@ -113,13 +154,19 @@ class LoadedModel:
         ``MultimodalPrompt``; the prompt is expanded and prefilled in one chunk with the image embeddings.
         """
         if not prompt_ids:
-            raise ValueError("the prompt is empty")
+            raise UsageError("the prompt is empty")
+        if max_new_tokens < 0:
+            raise UsageError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         mm = None
         if images:
             from .multimodal import MultimodalPrompt, attach_images, prepare_prompt
 
             mm = images if isinstance(images, MultimodalPrompt) else prepare_prompt(self, prompt_ids, images)
             prompt_ids = mm.input_ids
+        if (why := prompt_too_long(len(prompt_ids), self.model.config)) is not None:
+            raise PromptTooLongError(why)
+        if (limit := context_length(self.model.config)) is not None:  # the reply stops where the context ends
+            max_new_tokens = min(max_new_tokens, limit - len(prompt_ids))
         stops = set(stop_token_ids if stop_token_ids is not None else self.default_stop_ids())
         forward = self.model.forward
         if cache is None:
@@ -212,33 +259,60 @@ class LoadedModel:
         """Generated text (without the prompt); ``temperature=0`` is greedy."""
         return "".join(self.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, **kwargs))
 
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model has a vision tower (image markers in a prompt are filled with image embeddings)."""
+        from .multimodal import VisionLanguageModel
+
+        return isinstance(self.model, VisionLanguageModel)
+
     def num_parameters(self) -> int:
         return self.store.num_elements()
 
 
 
+def model_path(path: str | Path) -> Path:
+    """The model directory ``path`` names: a local folder, or a Hugging Face Hub id (``org/name``) that is not
+    one, fetched into the Hub cache; a clear ConfigError for a file (a GGUF needs importing first)."""
+    model_dir = Path(path).expanduser()
+    if not model_dir.exists() and isinstance(path, str):
+        from . import hub
+
+        if hub.is_hub_id(path):
+            return hub.download(path)
+    if model_dir.is_file():
+        if model_dir.suffix.lower() == ".gguf":
+            raise ConfigError(f"{model_dir} is a GGUF file; trellm loads Hugging Face model directories: import it with "
+                              f"`trellm import-gguf {model_dir} -o DIR` and pass -m DIR")
+        raise ConfigError(f"{model_dir} is a file; pass a model directory (one holding config.json and *.safetensors)")
+    return model_dir
+
+
 def load(path: str | Path, device=None, dtype=None, progress: bool = False, tokenizer: bool = True) -> LoadedModel:
     """Load an HF model directory (bf16/fp16/fp32 safetensors, or EXL3) with the plugin that serves it."""
-    model_dir = Path(path)
+    model_dir = model_path(path)
     raw = read_config_json(model_dir)
     archs = raw.get("architectures") or []
     if not archs:
-        from .errors import ConfigError
-
         raise ConfigError(f"{model_dir / 'config.json'}: no 'architectures' entry; cannot tell which plugin serves it")
     spec = registry.find_architecture(archs[0], source=str(model_dir / "config.json"))
     config = spec.read_config(raw)
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     dt = _resolve_dtype(dtype, dev, getattr(config, "torch_dtype", None))
     store = WeightStore(model_dir)
     model = spec.build(config)
     ctx = LoadContext(store=store, device=dev, dtype=dt, quant_formats=registry.quant_formats())
     t0 = time.time()
     children = list(model.children())
-    for i, child in enumerate(children):
-        child.load(ctx)
-        if progress:
-            print(f"\rloading {model_dir.name}: {i + 1}/{len(children)} modules", end="", file=sys.stderr, flush=True)
+    try:
+        for i, child in enumerate(children):
+            child.load(ctx)
+            if progress:
+                print(f"\rloading {model_dir.name}: {i + 1}/{len(children)} modules", end="", file=sys.stderr, flush=True)
+    except BaseException:
+        if progress:  # an error message must not land on the progress line
+            print(file=sys.stderr)
+        raise
     if progress:
         print(f" ({time.time() - t0:.1f}s)", file=sys.stderr)
     tok = None

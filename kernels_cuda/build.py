@@ -61,7 +61,7 @@ def normalize_arch(arch: str) -> str:
     """'sm_90', '90', '9.0', 'sm_90a' -> 'sm_90' / 'sm_90a'."""
     a = arch.strip().lower().replace("sm_", "").replace("compute_", "").replace(".", "")
     if not a or not a[:2].isdigit():
-        raise ValueError(f"bad CUDA arch {arch!r}; expected e.g. sm_80, sm_90")
+        raise ValueError(f"bad CUDA arch {arch!r}; expected e.g. --arch sm_80 or --arch sm_90 (in Python: archs=['sm_90'])")
     return f"sm_{a}"
 
 
@@ -70,7 +70,8 @@ def device_archs() -> list[str]:
     import torch
 
     if not torch.cuda.is_available():
-        raise KernelBuildError("no CUDA device visible: pass archs explicitly, e.g. build(archs=['sm_90'])")
+        raise KernelBuildError("no CUDA device visible: name the target, e.g. `trellm build-kernels --arch sm_90` "
+                               "(in Python: build(archs=['sm_90']))")
     caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
     return [f"sm_{major}{minor}" for major, minor in sorted(caps)]
 
@@ -116,8 +117,8 @@ def _run(cmd: list[str]) -> None:
 
 def build(archs: list[str] | None = None, force: bool = False, verbose: bool = False) -> Path:
     """Compile (or find in the cache) the kernel library for ``archs`` (default: the visible GPUs)."""
-    nvcc = find_nvcc()
     archs = [normalize_arch(a) for a in (archs or device_archs())]
+    nvcc = find_nvcc()
     lib = library_path(archs, nvcc)
     if lib.exists() and not force:
         return lib

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -24,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         path = build(archs=args.archs, force=args.force, verbose=args.verbose)
     except (KernelBuildError, ValueError) as e:
-        print(f"trellm build-kernels: {e}")
-        return 1
+        print(f"trellm build-kernels: error: {e}", file=sys.stderr)
+        return 2
     print(path)
     return 0

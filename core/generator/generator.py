@@ -38,6 +38,7 @@ from ..cache.prefix import ROOT_HASH, page_hashes
 from ..cache.recurrent import alloc_state_slot, copy_state_slot, free_state_slot, slots_in_use
 from ..capabilities import HasDefaultStopIds, config_stop_ids, implements, is_hybrid, wants_hidden_states
 from ..errors import TrellmError
+from ..model import prompt_too_long
 from ..multimodal import attach_images
 from ..samplers import SamplerSettings, SamplerStack, SamplingContext
 from ..sampling import StopStringMatcher
@@ -218,6 +219,8 @@ class Generator:
         if job.images is not None and (job.images or not isinstance(job.images, list)):
             job.multimodal = self._prepare_images(job)  # ImageError here, before any page is touched
         prompt_ids = self._prompt_ids(job)
+        if (why := prompt_too_long(len(prompt_ids), getattr(self.model, "config", None))) is not None:
+            raise JobTooLargeError(f"job {job.identifier!r}: {why}")
         total = len(prompt_ids) + job.max_new_tokens
         if total > self.capacity_tokens:
             raise JobTooLargeError(
