@@ -65,12 +65,12 @@ def ffi():
 
 
 def lib():
-    """The loaded library, built for the current device on first use."""
+    """The loaded library: the prebuilt one that fits the device, else built for it on first use."""
     global _lib
     if _lib is None:
         with _state_lock:
             if _lib is None:
-                path = _build.build()
+                path = _build.library()
                 _lib = ffi().dlopen(str(path))
     return _lib
 

@@ -92,3 +92,62 @@ def test_nvcc_build_sm90(monkeypatch, tmp_path):
     handle = ffi.dlopen(str(lib))  # loads without a GPU: only libcudart's static copy is linked
     assert handle.trellm_abi_version() == 1
     assert ffi.string(handle.trellm_error_string(-2)) == b"unsupported or inconsistent shape"
+
+
+def test_sass_and_ptx_compatibility():
+    assert build.runs_on("sm_86", ["sm_80"], None) and build.runs_on("sm_89", ["sm_80", "sm_90"], None)
+    assert not build.runs_on("sm_80", ["sm_86"], None)  # SASS never runs on an older minor
+    assert not build.runs_on("sm_100", ["sm_80", "sm_90"], None)  # nor on another major
+    assert build.runs_on("sm_120", ["sm_80", "sm_90"], "sm_90")  # PTX: the driver compiles it for newer GPUs
+    assert not build.runs_on("sm_75", ["sm_80"], "sm_80")
+    assert build.gencode_flags(["sm_80", "sm_90"], ptx="sm_90")[-1] == "-gencode=arch=compute_90,code=compute_90"
+    link = build.link_command("/opt/nvcc", [Path("/tmp/a.o")], Path("/tmp/lib.so"), ["sm_90"])
+    assert link[link.index("-cudart") + 1] == "static"  # needs only the driver, no CUDA runtime library
+
+
+def _manifest(folder: Path, **fields) -> None:
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / build.PREBUILT_LIBRARY).write_bytes(b"\x7fELF")
+    entry = {"library": build.PREBUILT_LIBRARY, "archs": ["sm_80", "sm_90"], "ptx": "sm_90", "sources": build.source_key()}
+    (folder / build.MANIFEST).write_text(json.dumps({**entry, **fields}))
+
+
+def test_prebuilt_library_is_used_only_when_it_fits(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRELLM_NVCC_FLAGS", raising=False)
+    fits = tmp_path / "fits"
+    _manifest(fits)
+    assert build.prebuilt_library("sm_89", fits) == fits / build.PREBUILT_LIBRARY
+    assert build.prebuilt_library("sm_120", fits) == fits / build.PREBUILT_LIBRARY  # through the PTX
+    assert build.prebuilt_library("sm_75", fits) is None
+    stale = tmp_path / "stale"
+    _manifest(stale, sources="0" * 16)  # built from other sources: a developer edited a .cu since
+    assert build.prebuilt_library("sm_90", stale) is None
+    assert build.prebuilt_library("sm_90", tmp_path / "none") is None
+    monkeypatch.setenv("TRELLM_NVCC_FLAGS", "-DTRELLM_GEMV_RING_KB=12")  # a tuning experiment builds its own
+    assert build.prebuilt_library("sm_90", fits) is None
+
+
+def test_old_gpu_is_refused_before_building(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Tesla T4")
+    with pytest.raises(build.KernelBuildError, match=r"need compute capability 8.0 or newer .*Tesla T4 is 7.5"):
+        build.library()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_failed_build_is_one_line_with_the_log_in_a_file(tmp_path):
+    broken = tmp_path / "broken.cu"
+    broken.write_text("__global__ void k() { this is not C++; }\n")
+    cmd = build.compile_command(build.find_nvcc(), broken, tmp_path / "broken.o", ["sm_80"])
+    log = tmp_path / "build.log"
+    with pytest.raises(build.KernelBuildError) as e:
+        build._run(cmd, log)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("nvcc failed on broken.cu") and str(log) in message
+    assert "broken.cu" in log.read_text() and "error" in log.read_text()
