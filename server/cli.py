@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn  # noqa: F401
     except ImportError:
-        print("error: `trellm serve` needs the server extra: pip install 'trellm[server]'", file=sys.stderr)
+        print("error: `trellm serve` needs the server extra: pip install -e \".[server]\" in the trellm checkout", file=sys.stderr)
         return 2
     from .app import create_app
     from .http import serve
