@@ -48,6 +48,9 @@ class DictStore:
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
+    def info(self, name: str) -> torch.Tensor:
+        return self.tensors[name]  # callers read .shape, as of a WeightStore's TensorInfo
+
     def get(self, name, shape=None, dtype=None, device=None):
         t = self.tensors[name]
         if shape is not None:
