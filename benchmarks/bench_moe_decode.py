@@ -264,7 +264,7 @@ def main() -> None:
           f"one expert {expert_bytes / 1e6:.2f} MB x {experts} x {moe_layers_count} layers")
     moe_layers = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "experts")]
     experts0 = moe_layers[0].experts if moe_layers else None
-    sync_free = experts0 is not None and (experts0.layout == "stacked" or getattr(experts0.active, "exl3_set", None) is not None)
+    sync_free = experts0 is not None and (experts0.layout == "stacked" or getattr(experts0.active, "pair_set", None) is not None)
     state_bytes = sum(l.nbytes() for l in model.make_cache(max_tokens=64, page_size=64, max_slots=1).state_layers())
     print(f"MoE dispatch at decode: {'sync-free pair kernels (graph-capturable)' if sync_free else 'grouped by expert (host sync per layer)'}; "
           f"recurrent state per sequence {state_bytes / 1e6:.1f} MB (read + written each step, not in the ideal)")

@@ -77,7 +77,7 @@ def hook_trellm_ops(log: OpLog) -> None:
 def hook_layers(model, log: OpLog) -> None:
     """Tag ops with the index of the decoder layer running them (whichever entry point it uses)."""
     for i, layer in enumerate(model.layers):
-        for method in ("forward", "forward_residual"):
+        for method in ("forward",):
             fn = getattr(layer, method, None)
             if fn is None:
                 continue

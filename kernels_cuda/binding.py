@@ -270,7 +270,7 @@ def _residual_stream(x: torch.Tensor, y: torch.Tensor, residual=None, row_norm=N
         rs.residual, rs.ssq_out = _ptr(residual), _ptr(ssq_out, "float *")
         keep.append(residual)
     if row_norm is not None:
-        ssq, weight, eps, unit_offset = row_norm
+        ssq, weight, eps, unit_offset = row_norm.ssq, row_norm.weight, row_norm.eps, row_norm.unit_offset
         expect(ssq, "row_norm.ssq", dtype=torch.float32, shape=(m, k // 128), device=x.device)
         expect(weight, "row_norm.weight", dtype=x.dtype, shape=(k,), device=x.device, optional=True)
         if not eps >= 0.0:

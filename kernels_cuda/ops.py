@@ -7,7 +7,6 @@ unsupported head size) falls back to the op's torch reference rather than failin
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -30,35 +29,14 @@ binding.lib()
 # 2 bpw 4.87 -> 4.36; batch 8 5.02 -> 4.46 and 5.20 -> 4.40) and slower at batch 5 (3.91 -> 4.43 ms), so the
 # GEMV keeps 1..5 rows (NOTES 2026-12-04d). Both routes run the fused epilogues (residual add, RMSNorm, RoPE +
 # KV write) in their finishing step.
-# TRELLM_EXL3_MID=0: the mid route off (the GEMV to 16 rows, decode + cuBLAS above), the A/B baseline;
-# TRELLM_EXL3_GEMV_MAX_ROWS=1..16: where the GEMV stops (default 5, 16 with the mid route off).
-_MID_ON = os.environ.get("TRELLM_EXL3_MID", "1") != "0"
-
-
-def _gemv_max_rows() -> int:
-    """TRELLM_EXL3_GEMV_MAX_ROWS, checked: a bad value names the variable."""
-    text = os.environ.get("TRELLM_EXL3_GEMV_MAX_ROWS", "5" if _MID_ON else str(binding.EXL3_SMALL_MAX_ROWS))
-    if not text.strip().isdigit() or not 1 <= int(text) <= binding.EXL3_SMALL_MAX_ROWS:
-        raise ValueError(f"TRELLM_EXL3_GEMV_MAX_ROWS={text!r}: the GEMV takes 1..{binding.EXL3_SMALL_MAX_ROWS} rows")
-    return int(text)
-
-
-EXL3_GEMV_MAX_ROWS = _gemv_max_rows()
+EXL3_GEMV_MAX_ROWS = 5
 EXL3_MID_MIN_ROWS = EXL3_GEMV_MAX_ROWS + 1
-EXL3_MID_MAX_ROWS = binding.EXL3_MID_MAX_ROWS if _MID_ON else EXL3_GEMV_MAX_ROWS
-# exl3_matmul_group above the GEMV's rows: all parts in one mid-size call (three launches, one wave of blocks
-# over every part) rather than one call per part. TRELLM_EXL3_MID_GROUP=0: one call per part, the A/B baseline.
-_MID_GROUP_ON = os.environ.get("TRELLM_EXL3_MID_GROUP", "1") != "0"
-# The residual stream through the mid route too (its finish adds the residual and sums the squares, its pack
-# norms x from those sums), so a 6..64-row step keeps no add or RMSNorm launch between matmuls, as the GEMV's
-# rows do. TRELLM_EXL3_MID_STREAM=0: the add and the norm as kernels of their own, the A/B baseline.
-_MID_STREAM_ON = os.environ.get("TRELLM_EXL3_MID_STREAM", "1") != "0"
-# exl3_qkv_rope_write_kv on the mid route's rows: its finish launch applies the per-head norm, RoPE and the
-# KV-page stores, as the GEMV's finishing warp does (one RoPE launch fewer per layer). TRELLM_EXL3_MID_HEAD=0:
-# exl3_matmul_group, then the RoPE + KV-write kernel, the A/B baseline.
-_MID_HEAD_ON = os.environ.get("TRELLM_EXL3_MID_HEAD", "1") != "0"
-# The most rows whose matmul adds the residual itself and returns the sums of squares (exl3_matmul_add).
-EXL3_STREAM_MAX_ROWS = EXL3_MID_MAX_ROWS if _MID_STREAM_ON else EXL3_GEMV_MAX_ROWS
+EXL3_MID_MAX_ROWS = binding.EXL3_MID_MAX_ROWS
+# Above the GEMV's rows, exl3_matmul_group runs all parts in one mid-size call (three launches, one wave of blocks
+# over every part); the mid route's finish adds the residual and sums the squares and its pack norms x from those
+# sums, so a 6..64-row step keeps no add or RMSNorm launch between matmuls; and exl3_qkv_rope_write_kv's finish
+# applies the per-head norm, RoPE and the KV-page stores as the GEMV's finishing warp does. Each measured faster
+# than its baseline on the H200 (NOTES 2026-12-04c/d).
 # Rows up to which a gated MLP's down projection applies the activation inside the GEMV's input
 # transform. Measured on the H200 (14336 -> 4096, 4 bpw): 1.02x over the two kernels at 1 row, but
 # 0.76x at 8 rows and 0.64x at 16, so more rows take gated_activation + the GEMV (NOTES, 2026-12-03d).
@@ -169,7 +147,7 @@ def _residual_fits(x: torch.Tensor, k: int, n: int, residual: torch.Tensor, min_
 @_exl3.exl3_matmul_add.register("cuda")
 def exl3_matmul_add(x, trellis, suh, svh, codebook, bias, residual):
     k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
-    if _MID_STREAM_ON and _residual_fits(x, k, n, residual, EXL3_MID_MIN_ROWS, EXL3_MID_MAX_ROWS):
+    if _residual_fits(x, k, n, residual, EXL3_MID_MIN_ROWS, EXL3_MID_MAX_ROWS):
         return binding.exl3_matmul_mid(x.contiguous(), trellis.contiguous(), _f16(suh), _f16(svh), codebook,
                                        _f16(bias), residual=residual.contiguous())
     if not _residual_fits(x, k, n, residual):  # many rows (prefill): no sums; the next norm reads h itself
@@ -205,11 +183,10 @@ def _row_norm_fits(x: torch.Tensor, row_norm) -> bool:
     )
 
 
-def _split_row_norm(x: torch.Tensor, row_norm, matmul_norms: bool = True):
-    """(x, row_norm) for the GEMV or the mid-size pack: unchanged when it norms x itself (``matmul_norms``, off
-    for the mid route without TRELLM_EXL3_MID_STREAM, and the sums fit), else the norm applied here first (the
-    rms_norm kernel) and none left for the matmul."""
-    if row_norm is None or (matmul_norms and _row_norm_fits(x, row_norm)):
+def _split_row_norm(x: torch.Tensor, row_norm):
+    """(x, row_norm) for the GEMV or the mid-size pack: unchanged when it norms x itself (the sums fit), else the
+    norm applied here first (the rms_norm kernel) and none left for the matmul."""
+    if row_norm is None or _row_norm_fits(x, row_norm):
         return x, row_norm
     return row_norm.apply(x), None
 
@@ -247,8 +224,8 @@ def exl3_matmul_group(x: torch.Tensor, parts, codebook: str, row_norm=None) -> l
         ys = binding.exl3_matmul_small_multi(x.reshape(-1, x.shape[-1]).contiguous(), _gemv_parts(parts), codebook,
                                              row_norm=row_norm)
         return [y.reshape(*lead, y.shape[-1]) for y in ys]
-    if _MID_GROUP_ON and _one_call(x, parts, EXL3_MID_MIN_ROWS, EXL3_MID_MAX_ROWS):
-        x, row_norm = _split_row_norm(x, row_norm, _MID_STREAM_ON)
+    if _one_call(x, parts, EXL3_MID_MIN_ROWS, EXL3_MID_MAX_ROWS):
+        x, row_norm = _split_row_norm(x, row_norm)
         ys = binding.exl3_matmul_mid_multi(x.reshape(-1, x.shape[-1]).contiguous(), _gemv_parts(parts), codebook,
                                            row_norm=row_norm)
         return [y.reshape(*lead, y.shape[-1]) for y in ys]
@@ -263,7 +240,7 @@ def exl3_qkv_rope_write_kv(x, parts, codebook, head_dim, cos_table, sin_table, p
                            row_norm=None):
     t = x.shape[0]
     gemv = _gemv_one_launch(x, parts)
-    mid = not gemv and _MID_HEAD_ON and _one_call(x, parts, EXL3_MID_MIN_ROWS, EXL3_MID_MAX_ROWS)
+    mid = not gemv and _one_call(x, parts, EXL3_MID_MIN_ROWS, EXL3_MID_MAX_ROWS)
     fused = (
         len(parts) == 3
         and head_dim == 128
@@ -284,7 +261,7 @@ def exl3_qkv_rope_write_kv(x, parts, codebook, head_dim, cos_table, sin_table, p
         q, kk, v = (y.reshape(t, -1, head_dim) for y in exl3_matmul_group(x, parts, codebook, row_norm))
         return rotary_qk_write_kv(q, kk, v, cos_table, sin_table, positions, k_pages, v_pages, slots, interleaved,
                                   q_norm, k_norm, norm_eps, norm_unit_offset)
-    x, row_norm = _split_row_norm(x, row_norm, gemv or _MID_STREAM_ON)
+    x, row_norm = _split_row_norm(x, row_norm)
     c, s, p = _rope_tables(x, cos_table, sin_table, positions)
     q, kk, _ = binding.exl3_matmul_qkv_rope(
         x.contiguous(), _gemv_parts(parts), codebook, c, s, p, interleaved, _norm_weight(q_norm), _norm_weight(k_norm),
@@ -292,6 +269,71 @@ def exl3_qkv_rope_write_kv(x, parts, codebook, head_dim, cos_table, sin_table, p
         row_norm=row_norm, route="small" if gemv else "mid",
     )
     return q.reshape(t, -1, head_dim), kk.reshape(t, -1, head_dim)
+
+
+# ---- the projection seam: every fused route of trellm.ops.project ------------------------------------------
+from trellm.ops import projection as _projection  # noqa: E402
+from trellm.quant.exl3.format import EXL3Group, EXL3Linear  # noqa: E402
+
+
+@_projection.project.register("cuda")
+def project(x, weights, pre=None, post=None):
+    """``trellm.ops.project`` on CUDA: the EXL3 routes that fuse a step into the matmul's launch; everything
+    else (dense weights, padded EXL3 layers, steps no kernel takes) runs as the reference's unfused ops."""
+    if isinstance(weights, EXL3Group):
+        out = _project_exl3_group(x, weights, pre, post)
+    elif isinstance(weights, EXL3Linear):
+        out = _project_exl3(x, weights, pre, post)
+    else:
+        out = None
+    return out if out is not None else _projection.project.reference(x, weights, pre, post)
+
+
+def _project_exl3_group(x, group: EXL3Group, pre, post):
+    """q/k/v or gate/up of one x in one exl3_matmul_group (one GEMV or mid-size launch up to 64 rows), the input
+    RMSNorm applied from its sums inside it, and with RopeKV the heads finished in the same launch
+    (exl3_qkv_rope_write_kv). None: not a route of this op (the reference runs)."""
+    if isinstance(x, _projection.Normed):
+        x, pre = x.x, x.norm
+    if isinstance(pre, _projection.GatedAct):
+        return None
+    row_norm = pre if pre is not None and pre.ssq is not None and group.norms_input else None
+    if pre is not None and row_norm is None:
+        x = pre.apply(x)
+    if post is None:
+        return group.forward(x, row_norm)
+    if not isinstance(post, _projection.RopeKV):
+        return None
+    if not group.unpadded or x.dim() != 2:  # the group's launch, then the RoPE + KV-write kernel
+        return post.apply(*group.forward(x, row_norm))
+    return _exl3.exl3_qkv_rope_write_kv(x, group.matmul_parts, group.codebook, post.head_dim, post.cos_table, post.sin_table,
+                                  post.positions, post.k_pages, post.v_pages, post.slots, post.interleaved,
+                                  post.q_norm, post.k_norm, post.norm_eps, post.norm_unit_offset, row_norm=row_norm)
+
+
+def _project_exl3(x, w: EXL3Linear, pre, post):
+    """One EXL3 projection: a gated MLP's down with the activation in the GEMV's input transform (1 row), and a
+    sub-layer's last projection adding the residual and summing the squares in its finishing step
+    (exl3_matmul_add / exl3_matmul_gated_add). None: not a route of this op."""
+    x = _projection.tensor(x)
+    if isinstance(pre, _projection.RowNorm):
+        x, pre = pre.apply(x), None
+    residual = post.h if isinstance(post, _projection.Residual) else None
+    if residual is None and post is not None:
+        return None
+    args = (w.trellis, w.suh, w.svh, w.codebook, w.bias)
+    if isinstance(pre, _projection.GatedAct):
+        if residual is not None and w.unpadded:
+            h, ssq = _exl3.exl3_matmul_gated_add(x.reshape(-1, x.shape[-1]), pre.up.reshape(-1, x.shape[-1]), pre.activation,
+                                           *args, residual.reshape(-1, residual.shape[-1]))
+            return _projection.Hidden(h.reshape(*x.shape[:-1], h.shape[-1]), ssq=ssq)
+        y = w._rows_out(_exl3.exl3_matmul_gated(w._rows_in(x), w._rows_in(pre.up), pre.activation, *args), x.shape[:-1])
+        return y if residual is None else _projection.Hidden(y, residual)
+    if residual is None or not w.unpadded:
+        return None
+    h, ssq = _exl3.exl3_matmul_add(x.reshape(-1, x.shape[-1]), *args, residual.reshape(-1, residual.shape[-1]))
+    return _projection.Hidden(h.reshape(*x.shape[:-1], h.shape[-1]), ssq=ssq)
+# ---- end of the projection seam -------------------------------------------------------------------------------
 
 
 @_exl3.trellis_viterbi.register("cuda")
@@ -355,7 +397,10 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "si
 def write_kv_pages(
     k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    if k_pages.dtype not in _FLOATS or not (k_pages.is_contiguous() and v_pages.is_contiguous()):
+    if (
+        k_pages.dtype not in _FLOATS or v_pages.shape != k_pages.shape  # MLA: the latent's V is narrower than K
+        or not (k_pages.is_contiguous() and v_pages.is_contiguous())
+    ):
         return _attention.write_kv_pages.reference(k, v, k_pages, v_pages, slots)
     binding.write_kv_pages(
         k.to(k_pages.dtype).contiguous(),
@@ -471,37 +516,33 @@ def kv_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, dtype: 
     return binding.kv_dequantize(packed.contiguous(), scales.contiguous(), bits, dtype)
 
 
-# Fused cache paths, registered when trellm.ops.kv_quant declares them (kv_quantize_store: quantize
-# straight into the cache rows at slots; kv_dequantize_pages: gather + dequantize whole pages in one launch).
-if hasattr(_kv_quant, "kv_quantize_store"):
-
-    @_kv_quant.kv_quantize_store.register("cuda")
-    def kv_quantize_store(x: torch.Tensor, bits: int, packed_pages: torch.Tensor, scale_pages: torch.Tensor,
-                          slots: torch.Tensor) -> None:
-        if (
-            x.dim() != 2 or x.dtype not in _FLOATS or x.shape[1] == 0 or x.shape[1] % _kv_quant.GROUP
-            or not _kv_bits_ok(bits) or packed_pages.dtype != torch.int32 or scale_pages.dtype != torch.float16
-            or not (packed_pages.is_contiguous() and scale_pages.is_contiguous())
-        ):
-            return _kv_quant.kv_quantize_store.reference(x, bits, packed_pages, scale_pages, slots)
-        binding.kv_quantize_store(x.contiguous(), bits, packed_pages, scale_pages,
-                                  slots.to(device=x.device, dtype=torch.int64).contiguous())
+# Fused cache paths (kv_quantize_store: quantize straight into the cache rows at slots; kv_dequantize_pages:
+# gather + dequantize whole pages in one launch).
+@_kv_quant.kv_quantize_store.register("cuda")
+def kv_quantize_store(x: torch.Tensor, bits: int, packed_pages: torch.Tensor, scale_pages: torch.Tensor,
+                      slots: torch.Tensor) -> None:
+    if (
+        x.dim() != 2 or x.dtype not in _FLOATS or x.shape[1] == 0 or x.shape[1] % _kv_quant.GROUP
+        or not _kv_bits_ok(bits) or packed_pages.dtype != torch.int32 or scale_pages.dtype != torch.float16
+        or not (packed_pages.is_contiguous() and scale_pages.is_contiguous())
+    ):
+        return _kv_quant.kv_quantize_store.reference(x, bits, packed_pages, scale_pages, slots)
+    binding.kv_quantize_store(x.contiguous(), bits, packed_pages, scale_pages,
+                              slots.to(device=x.device, dtype=torch.int64).contiguous())
 
 
-if hasattr(_kv_quant, "kv_dequantize_pages"):
-
-    @_kv_quant.kv_dequantize_pages.register("cuda")
-    def kv_dequantize_pages(packed_pages: torch.Tensor, scale_pages: torch.Tensor, pages: torch.Tensor, bits: int,
-                            dtype: torch.dtype = torch.float16) -> torch.Tensor:
-        if (
-            not _kv_bits_ok(bits) or dtype not in _FLOATS or packed_pages.dtype != torch.int32
-            or scale_pages.dtype != torch.float16 or scale_pages.dim() != 3
-            or not (packed_pages.is_contiguous() and scale_pages.is_contiguous())
-        ):
-            return _kv_quant.kv_dequantize_pages.reference(packed_pages, scale_pages, pages, bits, dtype)
-        return binding.kv_dequantize_pages(packed_pages, scale_pages,
-                                           pages.to(device=packed_pages.device, dtype=torch.int64).contiguous(),
-                                           bits, dtype)
+@_kv_quant.kv_dequantize_pages.register("cuda")
+def kv_dequantize_pages(packed_pages: torch.Tensor, scale_pages: torch.Tensor, pages: torch.Tensor, bits: int,
+                        dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    if (
+        not _kv_bits_ok(bits) or dtype not in _FLOATS or packed_pages.dtype != torch.int32
+        or scale_pages.dtype != torch.float16 or scale_pages.dim() != 3
+        or not (packed_pages.is_contiguous() and scale_pages.is_contiguous())
+    ):
+        return _kv_quant.kv_dequantize_pages.reference(packed_pages, scale_pages, pages, bits, dtype)
+    return binding.kv_dequantize_pages(packed_pages, scale_pages,
+                                       pages.to(device=packed_pages.device, dtype=torch.int64).contiguous(),
+                                       bits, dtype)
 # ---- end KV-cache quantization ------------------------------------------------------------------------
 
 
@@ -566,7 +607,7 @@ REGISTERED = sorted(name for name, o in _ops._OPS.items() if "cuda" in o.impls)
 
 # ---- MoE decode (sync-free expert pairs) and the gated-delta-net decode step ----------------------------
 
-from trellm.modules import moe as _moe  # noqa: E402
+from trellm.ops import moe as _moe  # noqa: E402
 from trellm.ops import deltanet as _deltanet  # noqa: E402
 
 _DENSE_TABLES: dict[tuple, torch.Tensor] = {}

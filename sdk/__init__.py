@@ -51,7 +51,7 @@ from trellm.hookspecs import hookimpl
 from trellm.modules.base import LoadContext, Module
 from trellm.modules.decoder import CausalLM, DecoderLayer, DecoderOptions, build_decoder, decoder_family
 from trellm.modules.layers import MLP, Attention, Embedding, GatedMLP, LayerNorm, RMSNorm, RotaryEmbedding
-from trellm.modules.linear import Linear
+from trellm.modules.linear import Linear, LinearGroup
 from trellm.modules.moe import ExpertMLP, Experts, MoE, Router, ScoreTopK, SoftmaxTopK, TopKSoftmax, clamped_swiglu, dispatch_experts
 from trellm.modules.recurrent import GatedAttention, GatedDeltaNet, HybridCausalLM, Mamba2Mixer, ResidualBlock, ShortConv
 from trellm.multimodal import (
@@ -108,7 +108,7 @@ __all__ = [
     "DecoderConfig", "RopeConfig", "text_config", "layer_types_from_pattern", "sliding_on_every_layer",
     "ConfigError", "config_int", "read_keys", "MoEConfig", "LinearAttentionConfig",
     # modules and the Llama-like stack
-    "Module", "LoadContext", "ForwardBatch", "Linear", "Embedding", "RMSNorm", "LayerNorm", "RotaryEmbedding",
+    "Module", "LoadContext", "ForwardBatch", "Linear", "LinearGroup", "Embedding", "RMSNorm", "LayerNorm", "RotaryEmbedding",
     "Attention", "GatedMLP", "MLP", "DecoderLayer", "CausalLM", "DecoderOptions", "build_decoder", "decoder_family",
     # the text families others build on (trellm.sdk.families)
     "GEMMA_OPTIONS", "configure_gemma", "GEMMA2_OPTIONS", "configure_gemma2", "read_gemma2_config",

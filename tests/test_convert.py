@@ -153,70 +153,61 @@ def head128_exl3_llama(tmp_path_factory):
 
 
 def test_exl3_qkv_route_matches_separate_ops(head128_exl3_llama, monkeypatch):
-    # 128-wide heads and unpadded q/k/v: attention takes exl3_qkv_rope_write_kv (one GEMV launch with RoPE
-    # and the KV-page write on CUDA). On CPU it is the references composed, so the tokens and the logits
-    # of a cached decode equal the separate ops' bit for bit, and the route must actually be taken.
+    # 128-wide heads, a plain paged cache: attention projects q/k/v with a RopeKV post step (on CUDA one GEMV
+    # launch with the per-head norm, RoPE and the KV-page write; exl3_qkv_rope_write_kv). On CPU it is the
+    # references composed, so the tokens of a cached decode equal the separate ops' bit for bit, and the
+    # route must actually be taken.
     from trellm.modules.layers import Attention
 
     model = head128_exl3_llama
     fused_calls = []
-    route = Attention._project_rope_store
+    route = Attention._rope_kv
 
-    def counted(self, x, batch):
-        q = route(self, x, batch)
-        fused_calls.append(q is not None)
-        return q
+    def counted(self, batch):
+        post = route(self, batch)
+        fused_calls.append(post is not None)
+        return post
 
-    monkeypatch.setattr(Attention, "_project_rope_store", counted)
+    monkeypatch.setattr(Attention, "_rope_kv", counted)
     prompt = [5, 17, 99, 3, 42]
     fused = list(model.generate_ids(prompt, max_new_tokens=6, stop_token_ids=[]))
     assert any(fused_calls), "the fused q/k/v route was not taken"
-    monkeypatch.setattr(Attention, "_project_rope_store", lambda self, x, batch: None)
+    monkeypatch.setattr(Attention, "_rope_kv", lambda self, batch: None)
     separate = list(model.generate_ids(prompt, max_new_tokens=6, stop_token_ids=[]))
     assert fused == separate
 
 
 def test_exl3_summed_route_matches_add_rms_norm(head128_exl3_llama, monkeypatch):
-    # EXL3 pre-norm blocks run as DecoderLayer._forward_summed: o_proj and down add the residual and sum the
-    # squares (exl3_matmul_add / exl3_matmul_gated_add, one GEMV launch each on CUDA), and the next q/k/v and
-    # gate/up ops norm their input from those sums (row_norm), so no RMSNorm runs between them. On CPU those
-    # are the references composed, so a cached decode gives the add_rms_norm route's tokens, and the route
-    # must actually be taken: every block after the first input norm gets its norm as row sums.
-    from trellm.modules.decoder import DecoderLayer
-    from trellm.ops.exl3 import exl3_matmul_add, exl3_matmul_gated_add, exl3_matmul_group
+    # Pre-norm blocks hand their sub-layers the input norm unapplied (Normed: on CUDA the EXL3 q/k/v and gate/up
+    # launches norm x from the sums of squares) and the residual (o_proj and down add it in their finishing step,
+    # exl3_matmul_add / exl3_matmul_gated_add). On CPU those are the references composed, so a cached decode
+    # gives the tokens of blocks that add and norm on their own (add_rms_norm), and the route must be taken.
+    from trellm.modules import decoder, layers
+    from trellm.ops.projection import GatedAct, Normed, Residual
 
     model = head128_exl3_llama
-    calls = {"add": 0, "gated_add": 0, "normed_from_sums": 0, "group": 0}
+    calls = {"normed": 0, "residual": 0, "gated_residual": 0}
+    real = layers.project
 
-    def counting(op, name):
-        reference = op.reference
+    def counted(x, weights, pre=None, post=None):
+        calls["normed"] += isinstance(x, Normed)
+        calls["residual"] += isinstance(post, Residual)
+        calls["gated_residual"] += isinstance(post, Residual) and isinstance(pre, GatedAct)
+        return real(x, weights, pre, post)
 
-        def counted(*args, **kwargs):
-            calls[name] += 1
-            return reference(*args, **kwargs)
-
-        monkeypatch.setattr(op, "reference", counted)
-
-    counting(exl3_matmul_add, "add")
-    counting(exl3_matmul_gated_add, "gated_add")
-    group_reference = exl3_matmul_group.reference
-
-    def group_counted(x, parts, codebook, row_norm=None):
-        calls["group"] += 1
-        calls["normed_from_sums"] += row_norm is not None
-        return group_reference(x, parts, codebook, row_norm)
-
-    monkeypatch.setattr(exl3_matmul_group, "reference", group_counted)
+    monkeypatch.setattr(layers, "project", counted)
     prompt = [7, 1, 200, 33]
     summed = list(model.generate_ids(prompt, max_new_tokens=6, stop_token_ids=[]))
-    steps = calls["add"] // 2  # forward passes: two blocks each
-    assert steps >= 6 and calls["gated_add"] == calls["add"], calls
-    # per pass, 4 groups (q/k/v and gate/up of 2 blocks); all but the first block's q/k/v norm from sums
-    assert calls["group"] == 4 * steps and calls["normed_from_sums"] == 3 * steps, calls
+    steps = calls["gated_residual"] // 2  # forward passes: two blocks each
+    assert steps >= 6 and calls["residual"] == 2 * calls["gated_residual"], calls
+    assert calls["normed"] == 4 * steps, calls  # q/k/v and gate/up of 2 blocks per pass
 
-    monkeypatch.setattr(DecoderLayer, "_projections_add", lambda self: False)
+    class NoSublayer:  # the blocks see no sub-layer that takes part in the residual stream
+        pass
+
+    monkeypatch.setattr(decoder, "Sublayer", NoSublayer)
     for name in calls:
         calls[name] = 0
     separate = list(model.generate_ids(prompt, max_new_tokens=6, stop_token_ids=[]))
-    assert calls["add"] == calls["normed_from_sums"] == 0, calls
+    assert calls["residual"] == calls["normed"] == 0, calls
     assert summed == separate

@@ -12,16 +12,9 @@ import pytest
 import torch
 
 from trellm.modules.base import LoadContext
-from trellm.modules.moe import (
-    EXL3ExpertSet,
-    ExpertList,
-    StackedExperts,
-    dense_experts_matmul,
-    dispatch_experts,
-    dispatch_experts_sync_free,
-    exl3_experts_down,
-    exl3_experts_gate_up,
-)
+from trellm.modules.moe import ExpertList, StackedExperts, dispatch_experts, dispatch_experts_sync_free
+from trellm.ops.moe import dense_experts_matmul, exl3_experts_down, exl3_experts_gate_up
+from trellm.quant.exl3.format import EXL3ExpertSet
 
 
 def on_cuda(test):
@@ -90,7 +83,7 @@ def exl3_experts(e: int, h: int, i: int, bits=4, codebook="mcg", device="cpu", a
         mlp.gate_proj.impl = random_exl3(h, i, bits, codebook, g, device, bias)
         mlp.up_proj.impl = random_exl3(h, i, bits, codebook, g, device, bias)
         mlp.down_proj.impl = random_exl3(i, h, down_bits or bits, codebook, g, device, bias)
-    experts.exl3_set = EXL3ExpertSet.from_experts(experts.experts, torch.device(device))
+    experts.pair_set = EXL3ExpertSet.from_experts(experts.experts, torch.device(device))
     return experts
 
 
@@ -116,7 +109,7 @@ def test_sync_free_stacked_matches_grouped(bias):
 
 def test_sync_free_exl3_matches_grouped():
     experts = exl3_experts(4, 128, 256, bits=3, down_bits=2)
-    assert experts.exl3_set is not None
+    assert experts.pair_set is not None
     x = torch.randn(3, 128)
     weights, ids = routing(3, 4, 2)
     ref = dispatch_experts(experts, x, weights, ids)
@@ -193,7 +186,7 @@ EXL3_CASES = [  # (hidden, intermediate, bits, down bits, codebook, tokens, top_
 def test_exl3_expert_pairs_cuda(case):
     h, i, bits, down_bits, codebook, tokens, top_k, e, act, bias = case
     experts = exl3_experts(e, h, i, bits, codebook, "cuda", act, bias, down_bits)
-    bank = experts.exl3_set
+    bank = experts.pair_set
     x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
     weights, ids = routing(tokens, e, top_k, "cuda")
     expert_of = ids.reshape(-1)
@@ -343,7 +336,7 @@ def test_slot_steps_cuda(with_fresh, dk):
                                                        (1024, 2, True, torch.float16), (8, 8, True, torch.float32)])
 @on_cuda
 def test_softmax_topk_cuda(experts, k, normalize, dtype):
-    from trellm.modules.moe import softmax_topk
+    from trellm.ops.moe import softmax_topk
 
     logits = (torch.randn(37, experts, device="cuda") * 3).to(dtype)
     weights, ids = cuda_impl(softmax_topk)(logits, k, normalize)

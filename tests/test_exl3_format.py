@@ -139,72 +139,77 @@ def test_bad_tensors_raise_clear_errors(tmp_path):
         EXL3Linear(g["layer.trellis"], g["layer.suh"], g["layer.svh"], "3inst", 300, 256, key="x")
 
 
-def test_forward_group_matches_separate_forwards():
-    # q/k/v-style projections of one x: forward_group (one exl3_matmul_group call for equal K) gives
-    # exactly what each layer's own forward gives, padding and output trimming included; layers of
-    # another K fall back to one call each.
-    from trellm.modules.linear import Linear, forward_group
+def test_grouped_weights_match_separate_forwards():
+    # q/k/v-style projections of one x: EXL3 layers of one K group into one EXL3Group (one exl3_matmul_group
+    # call) that gives exactly what each layer's own forward gives, padding and output trimming included;
+    # layers of another K or codebook stay a WeightList (one call each).
+    from trellm.ops import project
+    from trellm.ops.projection import WeightList, group_weights
+    from trellm.quant.exl3.format import EXL3Group
 
     gen = torch.Generator().manual_seed(5)
 
-    def layer(n_out: int, K: int, cb: str = "mcg") -> Linear:
+    def layer(n_out: int, K: int, cb: str = "mcg") -> EXL3Linear:
         k, n = 256, -(-n_out // 128) * 128
         t = torch.randint(-32768, 32767, (k // 16, n // 16, 16 * K), dtype=torch.int16, generator=gen)
         suh = (torch.randn(k, generator=gen) * 0.1).half()
         svh = (torch.rand(n, generator=gen) + 0.5).half()
-        lin = Linear("p", 200, n_out)
-        lin.impl = EXL3Linear(t, suh, svh, cb, 200, n_out, bias=torch.randn(n_out, generator=gen).half())
-        return lin
+        return EXL3Linear(t, suh, svh, cb, 200, n_out, bias=torch.randn(n_out, generator=gen).half())
 
     x = torch.randn(3, 200, generator=gen)
     same = [layer(256, 4), layer(100, 4), layer(128, 4)]
-    assert same[0].impl.groups_with(same[1].impl)
-    for got, lin in zip(forward_group(same, x), same):
-        assert got.shape == (3, lin.out_features)
-        torch.testing.assert_close(got, lin(x), rtol=0, atol=0)
+    grouped = group_weights(same)
+    assert isinstance(grouped, EXL3Group) and not grouped.unpadded
+    for got, w in zip(project(x, grouped), same):
+        assert got.shape == (3, w.out_features)
+        torch.testing.assert_close(got, w.forward(x), rtol=0, atol=0)
     mixed = [layer(128, 4), layer(128, 2), layer(128, 4, "mul1")]
-    assert not mixed[0].impl.groups_with(mixed[1].impl) and not mixed[0].impl.groups_with(mixed[2].impl)
-    for got, lin in zip(forward_group(mixed, x), mixed):
-        torch.testing.assert_close(got, lin(x), rtol=0, atol=0)
+    assert type(group_weights(mixed)) is WeightList
+    for got, w in zip(project(x, group_weights(mixed)), mixed):
+        torch.testing.assert_close(got, w.forward(x), rtol=0, atol=0)
 
 
-def test_forward_gated_matches_activation_then_forward():
-    # A gated MLP's down projection: forward_gated (one exl3_matmul_gated call, fusable on CUDA) gives
-    # down(gated_activation(gate, up)), padding of the stored k and trimming of n included (to float
-    # rounding: torch's vectorised and scalar activation loops differ in the last ulp); a dense layer
-    # takes the plain path.
+def test_gated_projection_matches_activation_then_forward():
+    # A gated MLP's down projection: project(gate, down, pre=GatedAct(up, act)) gives down(gated_activation(gate,
+    # up)) for EXL3 (padding of the stored k and trimming of n included) and dense weights; with a Residual the
+    # add is left to the next norm (a Hidden whose value is the sum).
     from trellm import ops
-    from trellm.modules.linear import DenseLinear, Linear, forward_gated
+    from trellm.modules.linear import DenseLinear
+    from trellm.ops.projection import GatedAct, Hidden, Residual
 
     gen = torch.Generator().manual_seed(6)
     k, n, in_features, out_features = 256, 256, 200, 100
     t = torch.randint(-32768, 32767, (k // 16, n // 16, 16 * 4), dtype=torch.int16, generator=gen)
-    down = Linear("down", in_features, out_features)
-    down.impl = EXL3Linear(t, (torch.randn(k, generator=gen) * 0.1).half(), (torch.rand(n, generator=gen) + 0.5).half(),
-                           "mcg", in_features, out_features, bias=torch.randn(out_features, generator=gen).half())
+    down = EXL3Linear(t, (torch.randn(k, generator=gen) * 0.1).half(), (torch.rand(n, generator=gen) + 0.5).half(),
+                      "mcg", in_features, out_features, bias=torch.randn(out_features, generator=gen).half())
     gate, up = torch.randn(2, 3, in_features, generator=gen), torch.randn(2, 3, in_features, generator=gen)
     for act in ("silu", "gelu_tanh", "relu"):
-        got = forward_gated(down, gate, up, act)
+        got = ops.project(gate, down, pre=GatedAct(up, act))
         assert got.shape == (2, 3, out_features)
-        torch.testing.assert_close(got, down(ops.gated_activation(gate, up, act)), rtol=1e-5, atol=1e-5)
-    dense = Linear("dense", in_features, out_features)
-    dense.impl = DenseLinear(torch.randn(out_features, in_features, generator=gen), None)
-    torch.testing.assert_close(forward_gated(dense, gate, up, "silu"), dense(ops.gated_activation(gate, up, "silu")))
+        torch.testing.assert_close(got, down.forward(ops.gated_activation(gate, up, act)), rtol=1e-5, atol=1e-5)
+    dense = DenseLinear(torch.randn(out_features, in_features, generator=gen), None)
+    want = dense.forward(ops.gated_activation(gate, up, "silu"))
+    torch.testing.assert_close(ops.project(gate, dense, pre=GatedAct(up, "silu")), want)
+    residual = torch.randn(2, 3, out_features, generator=gen)
+    summed = ops.project(gate, dense, pre=GatedAct(up, "silu"), post=Residual(residual))
+    assert isinstance(summed, Hidden) and summed.residual is residual
+    torch.testing.assert_close(summed.value(), want + residual)
 
 
-def test_gated_mlp_routes_the_down_projection_through_forward_gated(monkeypatch):
+def test_gated_mlp_routes_the_down_projection_through_gated_act(monkeypatch):
     from trellm import ops
     from trellm.modules import layers
     from trellm.modules.linear import DenseLinear
+    from trellm.ops.projection import GatedAct
 
-    calls = []
-    real = layers.forward_gated
+    pres = []
+    real = layers.project
 
-    def spy(linear, gate, up, activation):
-        calls.append(activation)
-        return real(linear, gate, up, activation)
+    def spy(x, weights, pre=None, post=None):
+        pres.append(pre)
+        return real(x, weights, pre, post)
 
-    monkeypatch.setattr(layers, "forward_gated", spy)
+    monkeypatch.setattr(layers, "project", spy)
     mlp = layers.GatedMLP("mlp", 64, 128, activation="gelu_tanh")
     gen = torch.Generator().manual_seed(7)
     for lin, (i, o) in ((mlp.gate_proj, (64, 128)), (mlp.up_proj, (64, 128)), (mlp.down_proj, (128, 64))):
@@ -213,4 +218,4 @@ def test_gated_mlp_routes_the_down_projection_through_forward_gated(monkeypatch)
     y = mlp.forward(x)
     want = mlp.down_proj(ops.gated_activation(mlp.gate_proj(x), mlp.up_proj(x), "gelu_tanh"))
     torch.testing.assert_close(y, want)
-    assert calls == ["gelu_tanh"]
+    assert [type(p) for p in pres] == [type(None), GatedAct] and pres[1].activation == "gelu_tanh"

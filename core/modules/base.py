@@ -67,3 +67,13 @@ class Module:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.key!r})"
+
+
+class Sublayer(Module):
+    """A block's attention or MLP that takes part in the residual stream.
+
+    ``forward(x, batch, residual=None)``: x is a tensor or a :class:`~trellm.ops.Normed` (its input norm not
+    computed yet: the first projections may apply it inside their matmul); with ``residual`` (the block's
+    :class:`~trellm.ops.Hidden` input) it returns ``residual + output`` as a Hidden, the add made by its last
+    projection (:class:`~trellm.ops.Residual`). Every projection goes through :func:`trellm.ops.project`.
+    """

@@ -16,8 +16,9 @@ import torch
 from .. import ops
 from ..batch import ForwardBatch
 from ..config import DecoderConfig
+from ..ops.projection import Hidden, Normed
 from ..spec import ArchitectureSpec
-from .base import Module
+from .base import Module, Sublayer
 from .layers import (
     MLP,
     Attention,
@@ -27,7 +28,7 @@ from .layers import (
     RotaryEmbedding,
     make_norm,
 )
-from .linear import HiddenSum, Linear, NormedInput
+from .linear import Linear
 
 
 @attrs.frozen
@@ -108,73 +109,46 @@ class DecoderLayer(Module):
         self.attn_out_norm, self.mlp_out_norm = attn_out_norm, mlp_out_norm
         self.parallel, self.residual_multiplier = parallel, residual_multiplier
 
-    @staticmethod
-    def _norm(norm: Module | None, x: torch.Tensor) -> torch.Tensor:
-        return x if norm is None else norm.forward(x)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Hidden, batch: ForwardBatch) -> torch.Tensor | Hidden:
+        """The block on x: a tensor in, the output tensor out; a :class:`~trellm.ops.Hidden` in (CausalLM's residual
+        stream), a Hidden out, whose last residual add may be left to the next norm (``add_rms_norm``: one launch)
+        or made by a sub-layer's last projection, with the sums of squares the next norm can use. Same numbers
+        either way (up to the order of those sums)."""
+        hidden = x if isinstance(x, Hidden) else Hidden(x)
         if self.parallel:
-            h = self._norm(self.input_norm, x)
-            return x + self.attn.forward(h, batch) + self.mlp.forward(h, batch)
-        a = self._norm(self.attn_out_norm, self.attn.forward(self._norm(self.input_norm, x), batch))
-        h = x + (a * self.residual_multiplier if self.residual_multiplier != 1.0 else a)
-        m = self._norm(self.mlp_out_norm, self.mlp.forward(self._norm(self.post_attn_norm, h), batch))
-        return h + (m * self.residual_multiplier if self.residual_multiplier != 1.0 else m)
+            normed, hidden = _input(self.input_norm, hidden, isinstance(self.attn, Sublayer) and isinstance(self.mlp, Sublayer))
+            out = Hidden(hidden.x + self.attn.forward(normed, batch), self.mlp.forward(normed, batch))
+        else:
+            a = self._sublayer(self.attn, self.input_norm, self.attn_out_norm, hidden, batch)
+            out = self._sublayer(self.mlp, self.post_attn_norm, self.mlp_out_norm, a, batch)
+        return out if isinstance(x, Hidden) else out.value()
 
-    def forward_residual(
-        self, x: torch.Tensor | HiddenSum, residual: torch.Tensor | None, batch: ForwardBatch
-    ) -> tuple[torch.Tensor | HiddenSum, torch.Tensor | None]:
-        """:meth:`forward` on the hidden state ``x + residual`` (``x`` alone when ``residual`` is None, or a
-        :class:`HiddenSum`), returned unsummed as ``(out, residual)``: each residual add then runs inside the
-        next RMSNorm (one ``add_rms_norm`` launch instead of an add and a norm). Same numbers as ``forward``.
-        A block whose projections add the residual themselves returns ``(HiddenSum, None)`` instead
-        (:meth:`_forward_summed`).
-        """
-        if isinstance(x, HiddenSum):  # the previous layer's output, summed (residual is None)
-            if self._projections_add():
-                return self._forward_summed(x, batch), None
-            x = x.h
-        if self.parallel or type(self).forward is not DecoderLayer.forward:
-            return self.forward(x if residual is None else x + residual, batch), None
-        if self._projections_add():
-            return self._forward_summed(HiddenSum(x if residual is None else x + residual, None), batch), None
-        normed, residual = add_norm(self.input_norm, x, residual)
-        a = self._norm(self.attn_out_norm, self.attn.forward(normed, batch))
+    def _sublayer(self, mixer: Module, norm: Module | None, out_norm: Module | None, hidden: Hidden,
+                  batch: ForwardBatch) -> Hidden:
+        """``hidden + mixer(norm(hidden))`` (the output normed by ``out_norm`` and scaled by the residual
+        multiplier first). A :class:`~trellm.modules.base.Sublayer` gets its input norm to apply in its first
+        projections and, when nothing comes between its output and the add, makes the add in its last one."""
+        sublayer = isinstance(mixer, Sublayer)
+        x, hidden = _input(norm, hidden, sublayer)
+        if sublayer and out_norm is None and self.residual_multiplier == 1.0:
+            return mixer.forward(x, batch, residual=hidden)
+        y = mixer.forward(x, batch)
+        if out_norm is not None:
+            y = out_norm.forward(y)
         if self.residual_multiplier != 1.0:
-            a = a * self.residual_multiplier
-        normed, residual = add_norm(self.post_attn_norm, a, residual)
-        m = self._norm(self.mlp_out_norm, self.mlp.forward(normed, batch))
-        return (m * self.residual_multiplier if self.residual_multiplier != 1.0 else m), residual
-
-    def _projections_add(self) -> bool:
-        """Whether this block runs as :meth:`_forward_summed`: a plain pre-norm block (RMSNorms, Attention,
-        GatedMLP, no output norms or multipliers) whose o_proj and down projections add the residual and
-        sum the squares themselves (EXL3)."""
-        return (
-            not self.parallel
-            and type(self).forward is DecoderLayer.forward
-            and self.attn_out_norm is None
-            and self.mlp_out_norm is None
-            and self.residual_multiplier == 1.0
-            and _plain_rms_norm(self.input_norm)
-            and _plain_rms_norm(self.post_attn_norm)
-            and type(self.attn).forward is Attention.forward
-            and type(self.mlp).forward is GatedMLP.forward
-            and hasattr(getattr(self.attn.o_proj, "impl", None), "forward_add")
-            and hasattr(getattr(self.mlp.down_proj, "impl", None), "forward_gated_add")
-        )
-
-    def _forward_summed(self, x: HiddenSum, batch: ForwardBatch) -> HiddenSum:
-        """:meth:`forward` of the hidden state ``x.h``, returned summed with its sums of squares: each
-        sub-layer's last projection adds the residual and sums the squares in its own launch, and the next
-        one's first projections norm their input from those sums (EXL3 on CUDA: no RMSNorm or add launch
-        between the GEMVs). Same numbers as ``forward`` up to the order of the sums of squares."""
-        a = self.attn.forward(NormedInput(x, self.input_norm), batch, residual=x.h)
-        return self.mlp.forward(NormedInput(a, self.post_attn_norm), batch, residual=a.h)
+            y = y * self.residual_multiplier
+        return Hidden(y, hidden.x)
 
 
-def _plain_rms_norm(norm: Module | None) -> bool:
-    return isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward
+def _input(norm: Module | None, hidden: Hidden, lazy: bool) -> tuple[torch.Tensor | Normed, Hidden]:
+    """``norm(hidden)`` and ``hidden`` with its pending add made (in the norm's launch: ``add_rms_norm``).
+    ``lazy``: an RMSNorm of a summed hidden state is left to the projections (:class:`~trellm.ops.Normed`)."""
+    if hidden.residual is not None:
+        normed, h = add_norm(norm, hidden.x, hidden.residual)
+        return normed, Hidden(h)
+    if lazy and isinstance(norm, RMSNorm):
+        return Normed(hidden.x, norm.row_norm(hidden.ssq)), hidden
+    return (hidden.x if norm is None else norm.forward(hidden.x)), hidden
 
 
 def add_norm(norm: Module | None, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +156,7 @@ def add_norm(norm: Module | None, x: torch.Tensor, residual: torch.Tensor | None
     for an RMSNorm."""
     if residual is None:
         return (x if norm is None else norm.forward(x)), x
-    if _plain_rms_norm(norm):
+    if isinstance(norm, RMSNorm):
         return ops.add_rms_norm(x, residual, norm.weight, norm.eps, norm.unit_offset)
     h = x + residual
     return (h if norm is None else norm.forward(h)), h
@@ -225,26 +199,19 @@ class CausalLM(Module):
             x = emb if batch.embed_mask is None else torch.where(batch.embed_mask[:, None], emb, x)
         return x
 
-    def residual_stream(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The last layer's hidden state as ``(out, residual)`` whose sum it is (residual None: ``out`` is it).
-
-        Layers with ``forward_residual`` hand the residual on unsummed, so every add fuses into a norm, or
-        (EXL3 blocks) summed with its sums of squares, so the add and the norm fuse into the GEMVs.
-        """
-        x, residual = self.embed_tokens(batch), None
+    def residual_stream(self, batch: ForwardBatch) -> Hidden:
+        """The last layer's hidden state. :class:`DecoderLayer` blocks hand it on as a :class:`~trellm.ops.Hidden`
+        (each residual add fused into the next norm or into a projection); other layers take and give tensors."""
+        hidden = Hidden(self.embed_tokens(batch))
         for layer in self.layers:
-            if hasattr(layer, "forward_residual"):
-                x, residual = layer.forward_residual(x, residual, batch)
+            if isinstance(layer, DecoderLayer):
+                hidden = layer.forward(hidden, batch)
             else:
-                if isinstance(x, HiddenSum):
-                    x = x.h
-                x = layer.forward(x if residual is None else x + residual, batch)
-                residual = None
-        return (x.h if isinstance(x, HiddenSum) else x), residual
+                hidden = Hidden(layer.forward(hidden.value(), batch))
+        return hidden
 
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
-        x, residual = self.residual_stream(batch)
-        return x if residual is None else x + residual
+        return self.residual_stream(batch).value()
 
     def logits_from_hidden(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if batch.logits_indices is not None:
@@ -261,12 +228,10 @@ class CausalLM(Module):
         return logits
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        if type(self).hidden_states is not CausalLM.hidden_states or type(self).logits_from_hidden is not CausalLM.logits_from_hidden:
-            return self.logits_from_hidden(self.hidden_states(batch), batch)  # a family that overrides either
-        x, residual = self.residual_stream(batch)
-        if residual is None:
-            return self.logits_from_hidden(x, batch)
-        normed, _ = add_norm(self.norm, x, residual)  # all rows: one launch, where picking rows first takes two
+        hidden = self.residual_stream(batch)
+        if hidden.residual is None:
+            return self.logits_from_hidden(hidden.x, batch)
+        normed, _ = add_norm(self.norm, hidden.x, hidden.residual)  # all rows: one launch, where picking rows first takes two
         return self.logits_from_normed(normed if batch.logits_indices is None else normed[batch.logits_indices])
 
 

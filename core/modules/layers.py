@@ -13,18 +13,9 @@ from ..config import RopeConfig
 from ..errors import WeightError
 from ..ops.attention import rotary_qk, rotary_qk_write_kv
 from ..ops.dense import activation_fn, xielu
-from .base import LoadContext, Module
-from .linear import (
-    DenseLinear,
-    HiddenSum,
-    Linear,
-    NormedInput,
-    forward_add,
-    forward_gated,
-    forward_gated_add,
-    forward_group,
-    plain_linear,
-)
+from ..ops.projection import GatedAct, Hidden, Normed, Residual, RopeKV, RowNorm, project
+from .base import LoadContext, Module, Sublayer
+from .linear import DenseLinear, Linear, LinearGroup
 
 
 class Embedding(Module):
@@ -68,6 +59,10 @@ class RMSNorm(Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps, self.unit_offset)
+
+    def row_norm(self, ssq: torch.Tensor | None = None) -> RowNorm:
+        """This norm as a projection's pre step (``ssq``: the input's sums of squares, when known)."""
+        return RowNorm(ssq, self.weight, self.eps, self.unit_offset)
 
 
 class LayerNorm(Module):
@@ -211,8 +206,10 @@ class RotaryEmbedding:
 QK_NORM_KINDS = ("head", "full", "layer_head")
 
 
-class Attention(Module):
+class Attention(Sublayer):
     """Multi-head attention with GQA, RoPE, optional QK-norm, sliding window, softcap and sinks.
+
+    ``sinks``: one learned logit per head (``{key}.sinks``) that takes softmax mass but no value (gpt-oss).
 
     ``qk_norm`` says where the QK-norm (enabled by ``qk_norm_eps``) normalises: ``"head"`` RMSNorm
     over each head (Qwen3, Gemma 3), ``"full"`` RMSNorm over the whole q/k projection (Olmo 2/3),
@@ -240,6 +237,7 @@ class Attention(Module):
         fused_qkv: str | None = None,
         o_proj_name: str = "o_proj",
         clip_qkv: float | None = None,
+        sinks: bool = False,
     ):
         self.key, self.layer_idx = key, layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -253,6 +251,7 @@ class Attention(Module):
             self.k_proj = Linear(f"{key}.k_proj", hidden_size, kv_size, qkv_bias)
             self.v_proj = Linear(f"{key}.v_proj", hidden_size, kv_size, qkv_bias)
         self.o_proj = Linear(f"{key}.{o_proj_name}", q_size, hidden_size, o_bias)
+        self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)
         self.q_norm = self.k_norm = None
         self.qk_norm = qk_norm
         if qk_norm_eps is not None:
@@ -271,17 +270,30 @@ class Attention(Module):
         self.clip_qkv = clip_qkv  # OLMo 1 clamps the projections to [-clip, clip]
         self.sliding_window, self.softcap = sliding_window, softcap
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+        self.has_sinks = sinks
+
+    def load(self, ctx: LoadContext) -> None:
+        super().load(ctx)
+        if self.has_sinks:
+            self.sinks = ctx.store.get(f"{self.key}.sinks", shape=(self.num_heads,), dtype=torch.float32, device=ctx.device)
+
+    def unload(self) -> None:
+        super().unload()
+        self.sinks = None
+
+    has_sinks = False
+    sinks: torch.Tensor | None = None
 
     def kv_shape(self) -> tuple[int, int, int]:
         return self.num_kv_heads, self.head_dim, self.head_dim
 
-    def project_qkv(self, x: torch.Tensor, head_norm: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(self, x: torch.Tensor | Normed, head_norm: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k and v [T, Hkv, D]: projected, QK-normed, not yet rotated.
 
         ``head_norm=False`` leaves a per-head QK-norm to the caller (the fused RoPE op applies it).
         """
         t = x.shape[0]
-        q, k, v = forward_group((self.q_proj, self.k_proj, self.v_proj), x)
+        q, k, v = project(x, self.qkv.weights())
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         if self.q_norm is not None and self.qk_norm == "full":
@@ -300,16 +312,16 @@ class Attention(Module):
             q = ops.rotary_embedding(q, cos, sin, self.rope.interleaved)
             k = ops.rotary_embedding(k, cos, sin, self.rope.interleaved)
         if batch.cache is None:
-            return ops.attention_varlen(q, k, v, batch.cu_seqlens, self.scale, self.sliding_window, self.softcap)
+            return ops.attention_varlen(q, k, v, batch.cu_seqlens, self.scale, self.sliding_window, self.softcap, self.sinks)
         layer = batch.cache.layers[self.layer_idx]
         layer.store(k, v, batch.slots)
-        return layer.attend(q, batch, self.scale, self.sliding_window, self.softcap)
+        return layer.attend(q, batch, self.scale, self.sliding_window, self.softcap, self.sinks)
 
     def _fused_rope(self, batch: ForwardBatch) -> bool:
         """Whether q/k can be (head-normed,) rotated and stored in one op: a plain RoPE table, token
         positions, and no QK-norm or a per-head RMSNorm with weights."""
-        if not isinstance(self.rope, RotaryEmbedding) or type(self.rope).cos_sin is not RotaryEmbedding.cos_sin:
-            return False  # no RoPE, or one whose angles are not the plain table's
+        if not isinstance(self.rope, RotaryEmbedding):
+            return False  # no RoPE, or one whose angles are not a plain table's
         if batch.positions.dim() != 1:
             return False
         if self.q_norm is None:
@@ -332,34 +344,15 @@ class Attention(Module):
             "norm_unit_offset": self.q_norm.unit_offset,
         }
 
-    def _project_rope_store(self, x: torch.Tensor | NormedInput, batch: ForwardBatch) -> torch.Tensor | None:
-        """The rotated q [T, H, D], with k and v rotated and stored in the paged cache, from one
-        ``exl3_qkv_rope_write_kv`` (one GEMV launch on CUDA, which norms a :class:`NormedInput` too) when
-        q/k/v are EXL3 layers of one group that need no padding and the cache is a plain paged layer; None
-        otherwise (the caller projects)."""
+    def _rope_kv(self, batch: ForwardBatch) -> RopeKV | None:
+        """The q/k/v projection's post step when this layer's math after it is exactly (per-head norm,) RoPE
+        from a plain table and a paged-cache write; None otherwise (the caller projects, then rotates)."""
         layer = batch.cache.layers[self.layer_idx] if batch.cache is not None else None
-        if type(layer) is not KVCacheLayer or self.clip_qkv is not None or x.dim() != 2:
+        if type(layer) is not KVCacheLayer or self.clip_qkv is not None or not self._fused_rope(batch):
             return None
-        linears = (self.q_proj, self.k_proj, self.v_proj)
-        if not all(plain_linear(lin) for lin in linears):
-            return None
-        impls = [lin.impl for lin in linears]
-        first = impls[0]
-        if not hasattr(first, "group_parts") or not all(first.groups_with(i) for i in impls[1:]):
-            return None
-        group = first.group_parts(impls)
-        if group is None:
-            return None
-        row_norm = None
-        if isinstance(x, NormedInput):
-            row_norm = x.row_norm()
-            x = x.hidden.h if row_norm is not None else x.normed()
-        cos_table, sin_table = self.rope.tables(batch.max_seq_len, x.device)
-        q, _ = ops.exl3.exl3_qkv_rope_write_kv(
-            x, *group, self.head_dim, cos_table, sin_table, batch.positions, layer.k_pages, layer.v_pages,
-            batch.slots, self.rope.interleaved, **self._head_norm_args(), row_norm=row_norm,
-        )
-        return q
+        cos_table, sin_table = self.rope.tables(batch.max_seq_len, batch.positions.device)
+        return RopeKV(self.head_dim, cos_table, sin_table, batch.positions, layer.k_pages, layer.v_pages, batch.slots,
+                      self.rope.interleaved, **self._head_norm_args())
 
     def attend_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """:meth:`attend` for q/k not yet head-normed, with QK-norm, RoPE and the KV-page write in one op."""
@@ -371,29 +364,37 @@ class Attention(Module):
                 q, k, v, cos_table, sin_table, batch.positions, layer.k_pages, layer.v_pages, batch.slots,
                 self.rope.interleaved, **norm,
             )
-            return layer.attend(q, batch, self.scale, self.sliding_window, self.softcap)
+            return layer.attend(q, batch, self.scale, self.sliding_window, self.softcap, self.sinks)
         q, k = rotary_qk(q, k, cos_table, sin_table, batch.positions, self.rope.interleaved, **norm)
         if layer is None:
-            return ops.attention_varlen(q, k, v, batch.cu_seqlens, self.scale, self.sliding_window, self.softcap)
+            return ops.attention_varlen(q, k, v, batch.cu_seqlens, self.scale, self.sliding_window, self.softcap, self.sinks)
         layer.store(k, v, batch.slots)
-        return layer.attend(q, batch, self.scale, self.sliding_window, self.softcap)
+        return layer.attend(q, batch, self.scale, self.sliding_window, self.softcap, self.sinks)
 
-    def forward(
-        self, x: torch.Tensor | NormedInput, batch: ForwardBatch, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | HiddenSum:
-        """Attention of x [T, hidden], which may be a :class:`NormedInput` (the q/k/v projections norm it).
-        With ``residual``: ``residual`` + the output, as a :class:`HiddenSum` (the add in o_proj's launch)."""
-        if self._fused_rope(batch):
-            q = self._project_rope_store(x, batch)
-            if q is not None:
-                layer = batch.cache.layers[self.layer_idx]
-                o = layer.attend(q, batch, self.scale, self.sliding_window, self.softcap)
-            else:
-                o = self.attend_fused(*self.project_qkv(x, head_norm=False), batch)
+    def attention(self, x: torch.Tensor | Normed, batch: ForwardBatch) -> torch.Tensor:
+        """q/k/v of x [T, hidden], RoPE, the cache and attention: o [T, heads * head_dim], before o_proj."""
+        rope_kv = self._rope_kv(batch)
+        if rope_kv is not None:
+            q, _ = project(x, self.qkv.weights(), post=rope_kv)
+            layer = batch.cache.layers[self.layer_idx]
+            o = layer.attend(q, batch, self.scale, self.sliding_window, self.softcap, self.sinks)
+        elif self._fused_rope(batch):
+            o = self.attend_fused(*self.project_qkv(x, head_norm=False), batch)
         else:
             o = self.attend(*self.project_qkv(x), batch)
-        o = o.reshape(x.shape[0], self.num_heads * self.head_dim)
-        return self.o_proj(o) if residual is None else forward_add(self.o_proj, o, residual)
+        return o.reshape(x.shape[0], self.num_heads * self.head_dim)
+
+    def project_out(self, o: torch.Tensor, residual: Hidden | None = None) -> torch.Tensor | Hidden:
+        """o_proj of o; with ``residual``, added to it (:class:`~trellm.ops.Residual`)."""
+        if residual is None:
+            return self.o_proj(o)
+        return project(o, self.o_proj.impl, post=Residual(residual.value()))
+
+    def forward(
+        self, x: torch.Tensor | Normed, batch: ForwardBatch, residual: Hidden | None = None
+    ) -> torch.Tensor | Hidden:
+        """Attention of x [T, hidden] (a :class:`~trellm.modules.base.Sublayer`)."""
+        return self.project_out(self.attention(x, batch), residual)
 
 
 class XIELU(Module):
@@ -420,7 +421,7 @@ class XIELU(Module):
         return xielu(x, **self.params)
 
 
-class GatedMLP(Module):
+class GatedMLP(Sublayer):
     """down(act(gate(x)) * up(x)); ``fused_gate_up`` names a fused [gate; up] checkpoint tensor (Phi-3, GLM 4)."""
 
     def __init__(
@@ -441,19 +442,18 @@ class GatedMLP(Module):
             self.gate_proj = Linear(f"{key}.gate_proj", hidden_size, intermediate_size, bias)
             self.up_proj = Linear(f"{key}.up_proj", hidden_size, intermediate_size, bias)
         self.down_proj = Linear(f"{key}.down_proj", intermediate_size, hidden_size, bias)
+        self.gate_up = LinearGroup(self.gate_proj, self.up_proj)
 
     def forward(
-        self, x: torch.Tensor | NormedInput, batch: ForwardBatch | None = None, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | HiddenSum:
-        """The MLP of x [T, hidden], which may be a :class:`NormedInput` (the gate/up projections norm it).
-        With ``residual``: ``residual`` + the output, as a :class:`HiddenSum` (the add in the down launch)."""
-        gate, up = forward_group((self.gate_proj, self.up_proj), x)
-        if residual is None:
-            return forward_gated(self.down_proj, gate, up, self.activation)
-        return forward_gated_add(self.down_proj, gate, up, self.activation, residual)
+        self, x: torch.Tensor | Normed, batch: ForwardBatch | None = None, residual: Hidden | None = None
+    ) -> torch.Tensor | Hidden:
+        """The MLP of x [T, hidden] (a :class:`~trellm.modules.base.Sublayer`)."""
+        gate, up = project(x, self.gate_up.weights())
+        post = Residual(residual.value()) if residual is not None else None
+        return project(gate, self.down_proj.impl, pre=GatedAct(up, self.activation), post=post)
 
 
-class MLP(Module):
+class MLP(Sublayer):
     """down(act(up(x))), the ungated MLP (Arcee relu2, Apertus xIELU, Nemotron)."""
 
     def __init__(
@@ -472,6 +472,10 @@ class MLP(Module):
         self.act_fn = XIELU(f"{key}.act_fn") if activation == "xielu" else None
         self._act = None if activation == "xielu" else activation_fn(activation)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
-        h = self.up_proj(x)
-        return self.down_proj(self.act_fn.forward(h) if self.act_fn is not None else self._act(h))
+    def forward(
+        self, x: torch.Tensor | Normed, batch: ForwardBatch | None = None, residual: Hidden | None = None
+    ) -> torch.Tensor | Hidden:
+        """The MLP of x [T, hidden] (a :class:`~trellm.modules.base.Sublayer`)."""
+        h = project(x, self.up_proj.impl)
+        h = self.act_fn.forward(h) if self.act_fn is not None else self._act(h)
+        return project(h, self.down_proj.impl, post=Residual(residual.value()) if residual is not None else None)

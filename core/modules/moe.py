@@ -3,13 +3,14 @@
 The families differ mostly in how router logits become (weights, expert ids); that choice is a small
 strategy object (:class:`SoftmaxTopK`, :class:`TopKSoftmax`, :class:`ScoreTopK`), so a family is a
 few constructor arguments. Experts are either one :class:`ExpertMLP` of :class:`Linear` modules per
-expert (HF per-expert tensors; EXL3 experts load through the same Linear) or a :class:`StackedExperts`
+expert (HF per-expert tensors; quantized experts load through the same Linear) or a :class:`StackedExperts`
 holding 3-D tensors. Dispatch sorts the (token, expert) pairs by expert and runs each expert that
 got tokens once on its contiguous block: no Python loop over tokens.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -17,11 +18,12 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..batch import ForwardBatch
-from ..ops import op
 from ..errors import WeightError
+from ..ops.moe import combine_pairs, dense_experts_matmul, softmax_topk  # noqa: F401  (softmax_topk: re-exported)
+from ..ops.projection import Weights, project
 from .base import LoadContext, Module
 from .layers import GatedMLP
-from .linear import DenseLinear, Linear, forward_group
+from .linear import DenseLinear, Linear, LinearGroup
 
 # ---- routing strategies ------------------------------------------------------------------------------
 
@@ -37,17 +39,6 @@ class SoftmaxTopK:
     def __call__(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = softmax_topk(logits, self.top_k, self.normalize)
         return (weights * self.scaling if self.scaling != 1.0 else weights), ids
-
-
-@op
-def softmax_topk(logits: torch.Tensor, k: int, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights float32 [T, k], ids int64 [T, k]): softmax over the experts, the k most probable, renormalised
-    to sum 1 when ``normalize``. One op so that a backend can do it in one launch (decode runs it every layer)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, k, dim=-1)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
 
 
 @attrs.frozen
@@ -169,7 +160,7 @@ def _activation(activation: str | Callable) -> Callable[[torch.Tensor, torch.Ten
 
 
 class ExpertMLP(Module):
-    """One expert with its own Linear modules (per-expert checkpoint tensors; EXL3 works unchanged)."""
+    """One expert with its own Linear modules (per-expert checkpoint tensors, dense or quantized)."""
 
     def __init__(
         self,
@@ -186,9 +177,10 @@ class ExpertMLP(Module):
         self.gate_proj = Linear(f"{key}.{gate}", hidden_size, intermediate_size, bias)
         self.up_proj = Linear(f"{key}.{up}", hidden_size, intermediate_size, bias)
         self.down_proj = Linear(f"{key}.{down}", intermediate_size, hidden_size, bias)
+        self.gate_up = LinearGroup(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
-        gate, up = forward_group((self.gate_proj, self.up_proj), x)
+        gate, up = project(x, self.gate_up.weights())
         return self.down_proj(self.act(gate, up))
 
 
@@ -199,7 +191,7 @@ class ExpertList(Module):
         self.key = key
         self.num_experts = num_experts
         self.activation = expert_kwargs.get("activation", "silu")  # a name, or a callable (no fused path)
-        self.exl3_set: EXL3ExpertSet | None = None
+        self.pair_set = None  # every expert's weights for the sync-free pair ops, where their format has such a set
         self.experts = [ExpertMLP(f"{key}.{i}", hidden_size, intermediate_size, **expert_kwargs) for i in range(num_experts)]
 
     def run_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -207,20 +199,18 @@ class ExpertList(Module):
 
     def load(self, ctx: LoadContext) -> None:
         super().load(ctx)
-        self.exl3_set = EXL3ExpertSet.from_experts(self.experts, ctx.device)
+        first = self.experts[0].gate_proj.impl if self.experts else None
+        self.pair_set = first.expert_set(self.experts, ctx.device) if isinstance(first, Weights) else None
 
     def unload(self) -> None:
         super().unload()
-        self.exl3_set = None
+        self.pair_set = None
 
     def run_pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
-        """The sync-free path when every expert is EXL3 of one shape and format (else None)."""
-        bank = self.exl3_set
-        if bank is None or not isinstance(self.activation, str):
+        """The sync-free path when the experts' weights form a pair set (else None)."""
+        if self.pair_set is None or not isinstance(self.activation, str):
             return None
-        expert_of = ids.reshape(-1)
-        hidden = exl3_experts_gate_up(x, expert_of, bank, ids.shape[1], self.activation)
-        return exl3_experts_down(hidden, expert_of, bank, weights)
+        return self.pair_set.run_pairs(x, weights, ids, self.activation)
 
 
 class StackedExperts(Module):
@@ -325,14 +315,23 @@ class StackedExperts(Module):
         return self.down[e].forward(self.act(gate, up))
 
 
+@runtime_checkable
+class ExpertCollection(Protocol):
+    """What an MoE block needs of its experts: how many there are, and expert e applied to rows x."""
+
+    num_experts: int
+
+    def run_expert(self, e: int, x: torch.Tensor) -> torch.Tensor: ...
+
+
 def _check_experts(experts: Module) -> None:
-    if not hasattr(experts, "run_expert") or not hasattr(experts, "num_experts"):
+    if not isinstance(experts, ExpertCollection):
         raise TypeError(f"{experts!r} is not an expert collection (needs num_experts and run_expert)")
 
 
 def dispatch_experts_sync_free(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
     """:func:`dispatch_experts` without a host sync (fixed shapes, expert ids stay on the device), or None
-    when the expert collection has no such path (per-expert dense Linears, mixed EXL3 formats)."""
+    when the expert collection has no such path (per-expert dense Linears, mixed quantized formats)."""
     run_pairs = getattr(experts, "run_pairs", None)
     return run_pairs(x, weights, ids) if run_pairs is not None else None
 
@@ -378,97 +377,6 @@ def dispatch_experts(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch
 SYNC_FREE_MAX_PAIRS = 512
 
 
-def combine_pairs(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sum_j weights[t, j] * y[t * top_k + j] for pairs ordered token-major: [T * top_k, H] -> [T, H]."""
-    tokens, top_k = weights.shape
-    return (y.view(tokens, top_k, -1).float() * weights.float()[..., None]).sum(1).to(dtype)
-
-
-@attrs.define(eq=False)
-class EXL3ExpertSet:
-    """The EXL3 gate, up and down Linears of all experts, plus device pointer tables for the pair kernels.
-
-    ``gate_up_table`` int64 [2, E, 4] and ``down_table`` [1, E, 4] hold {trellis, suh, svh, bias or 0}
-    pointers; they stay valid while the Linears hold their tensors (the set is rebuilt at every load).
-    """
-
-    gate: list
-    up: list
-    down: list
-    gate_up_table: torch.Tensor
-    down_table: torch.Tensor
-
-    @staticmethod
-    def _uniform(layers: list) -> bool:
-        first = layers[0]
-        return all(
-            type(l).__name__ == "EXL3Linear"
-            and l.in_features == l.padded_in and l.out_features == l.padded_out  # no padding to undo per pair
-            and l.trellis.shape == first.trellis.shape and l.codebook == first.codebook
-            for l in layers
-        )
-
-    @classmethod
-    def from_experts(cls, experts: list, device) -> "EXL3ExpertSet | None":
-        """The set when every expert's three projections are EXL3 with one shape and format per projection
-        (gate and up alike), else None."""
-        gate, up, down = ([getattr(e, name).impl for e in experts] for name in ("gate_proj", "up_proj", "down_proj"))
-        if not experts or not all(cls._uniform(layers) for layers in (gate, up, down)):
-            return None
-        if gate[0].trellis.shape != up[0].trellis.shape or gate[0].codebook != up[0].codebook:
-            return None
-
-        def table(*projections: list) -> torch.Tensor:
-            rows = [[[l.trellis.data_ptr(), l.suh.data_ptr(), l.svh.data_ptr(), l.bias.data_ptr() if l.bias is not None else 0]
-                     for l in layers] for layers in projections]
-            return torch.tensor(rows, dtype=torch.int64, device=device)
-
-        return cls(gate, up, down, table(gate, up), table(down))
-
-    @staticmethod
-    def dims(layers: list) -> tuple[int, int, int, str]:
-        """(k, n, bits, codebook) of one projection."""
-        l = layers[0]
-        return l.padded_in, l.padded_out, l.bits, l.codebook
-
-
-def _exl3_pairs_reference(x: torch.Tensor, expert_of: torch.Tensor, layers: list, pairs_per_row: int) -> torch.Tensor:
-    """[P, n]: pair p through expert expert_of[p]'s Linear on x row p // pairs_per_row (one call per pair)."""
-    rows = [layers[e].forward(x[p // pairs_per_row][None])[0] for p, e in enumerate(expert_of.tolist())]
-    return torch.stack(rows)
-
-
-@op
-def exl3_experts_gate_up(
-    x: torch.Tensor, expert_of: torch.Tensor, experts: EXL3ExpertSet, pairs_per_row: int, activation: str = "silu"
-) -> torch.Tensor:
-    """act(gate_e(x_t)) * up_e(x_t) for every pair p (e = expert_of[p], t = p // pairs_per_row): [P, I]."""
-    gate = _exl3_pairs_reference(x, expert_of, experts.gate, pairs_per_row)
-    up = _exl3_pairs_reference(x, expert_of, experts.up, pairs_per_row)
-    return ops.gated_activation(gate, up, activation)
-
-
-@op
-def exl3_experts_down(h: torch.Tensor, expert_of: torch.Tensor, experts: EXL3ExpertSet, weights: torch.Tensor) -> torch.Tensor:
-    """sum_j weights[t, j] * down_{e}(h[t * top_k + j]) with e = expert_of[t * top_k + j]: [T, H]."""
-    return combine_pairs(_exl3_pairs_reference(h, expert_of, experts.down, 1), weights, h.dtype)
-
-
-@op
-def dense_experts_matmul(
-    x: torch.Tensor, expert_of: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pairs_per_row: int
-) -> torch.Tensor:
-    """y[p] = weight[expert_of[p]] @ x[p // pairs_per_row] (+ bias[expert_of[p]]) for stacked weight [E, n, k]: [P, n].
-
-    The reference gathers each pair's weight (a copy of P matrices): sync-free, but only fit for small P.
-    """
-    rows = torch.arange(expert_of.shape[0], device=x.device) // pairs_per_row
-    y = torch.bmm(weight[expert_of], x[rows].to(weight.dtype)[:, :, None])[:, :, 0]
-    if bias is not None:
-        y = y + bias[expert_of]
-    return y.to(x.dtype)
-
-
 class MoE(Module):
     """Routed experts plus optional shared experts (optionally scaled by sigmoid(shared_gate(x)))."""
 
@@ -498,7 +406,7 @@ class MoE(Module):
 
 class Experts(Module):
     """Experts in whichever layout the checkpoint has: stacked 3-D tensors when ``{key}.gate_up_proj``
-    exists, else one set of Linear modules per expert (the layout HF saves, and EXL3 quantizes)."""
+    exists, else one set of Linear modules per expert (the layout HF saves, and the quantizer writes)."""
 
     def __init__(
         self,

@@ -18,8 +18,9 @@ from ..config import LinearAttentionConfig
 from ..errors import WeightError
 from .base import LoadContext, Module
 from .decoder import CausalLM
+from ..ops.projection import Hidden, Normed, project
 from .layers import Attention, Embedding, RMSNorm
-from .linear import Linear
+from .linear import Linear, LinearGroup
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -337,26 +338,22 @@ class GatedAttention(Attention):
                  rope, qk_norm_eps: float, norm_unit_offset: bool = True, bias: bool = False):
         super().__init__(key, layer_idx, hidden_size, num_heads, num_kv_heads, head_dim, rope, bias, bias, qk_norm_eps)
         self.q_proj = Linear(f"{key}.q_proj", hidden_size, 2 * num_heads * head_dim, bias)
+        self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)
         self.q_norm = RMSNorm(f"{key}.q_norm", head_dim, qk_norm_eps, unit_offset=norm_unit_offset)
         self.k_norm = RMSNorm(f"{key}.k_norm", head_dim, qk_norm_eps, unit_offset=norm_unit_offset)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Normed, batch: ForwardBatch, residual: Hidden | None = None) -> torch.Tensor | Hidden:
         t = x.shape[0]
-        q, gate = self.q_proj(x).view(t, self.num_heads, 2, self.head_dim).unbind(2)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.q_norm.forward(q), self.k_norm.forward(k)
-        cos, sin = self.rope.cos_sin(batch.positions, batch.max_seq_len)
-        q = ops.rotary_embedding(q, cos, sin, self.rope.interleaved)
-        k = ops.rotary_embedding(k, cos, sin, self.rope.interleaved)
-        if batch.cache is None:
-            o = ops.attention_varlen(q, k, v, batch.cu_seqlens, self.scale, self.sliding_window, self.softcap)
+        q_gate, k, v = project(x, self.qkv.weights())
+        q, gate = q_gate.view(t, self.num_heads, 2, self.head_dim).unbind(2)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self._fused_rope(batch):  # the q/k norms, RoPE and the KV write in one op
+            o = self.attend_fused(q, k, v, batch)
         else:
-            cache_layer = batch.cache.layers[self.layer_idx]
-            cache_layer.store(k, v, batch.slots)
-            o = cache_layer.attend(q, batch, self.scale, self.sliding_window, self.softcap)
+            o = self.attend(self.q_norm.forward(q), self.k_norm.forward(k), v, batch)
         o = o.reshape(t, self.num_heads * self.head_dim)
-        return self.o_proj(o * torch.sigmoid(gate.reshape(t, -1)))
+        return self.project_out(o * torch.sigmoid(gate.reshape(t, -1)), residual)
 
 
 class HybridCausalLM(CausalLM):

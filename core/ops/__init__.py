@@ -99,7 +99,6 @@ def load_backends() -> None:
 
 # The op catalogue: each module declares its ops with @op. Imported last so ``op`` exists.
 from .dense import (  # noqa: E402,F401
-    RowNorm,
     add_rms_norm,
     gated_activation,
     layer_norm,
@@ -107,7 +106,8 @@ from .dense import (  # noqa: E402,F401
     rotary_embedding,
 )
 from .attention import attention_varlen, paged_attention, write_kv_pages  # noqa: E402,F401
-from . import exl3  # noqa: E402,F401
+from .projection import GatedAct, Hidden, Normed, Residual, RopeKV, RowNorm, Weights, project  # noqa: E402,F401
+from . import exl3, moe  # noqa: E402,F401
 from .deltanet import (  # noqa: E402,F401
     causal_conv1d,
     causal_conv1d_step,

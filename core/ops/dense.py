@@ -1,8 +1,6 @@
 """Dense elementwise / normalisation ops: torch references."""
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
@@ -27,23 +25,6 @@ def add_rms_norm(
     """``h = x + residual``; returns ``(rms_norm(h), h)`` (the fused pre-norm residual step)."""
     h = x + residual
     return rms_norm.reference(h, weight, eps, unit_offset), h
-
-
-class RowNorm(NamedTuple):
-    """A matmul's input given as ``rms_norm(x, weight, eps, unit_offset)``, with ``ssq`` [rows, k / 128]
-    float32 the sums of squares of x per row and 128-column group, as the op that produced x returned them
-    (``exl3_matmul_add``). A backend may norm x in the matmul's input transform from those sums (the CUDA
-    GEMV does: no RMSNorm launch, and x is not read whole); ``apply`` is the unfused path."""
-
-    ssq: torch.Tensor
-    weight: torch.Tensor | None
-    eps: float
-    unit_offset: bool
-
-    def apply(self, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
-        """``rms_norm(x)`` (its reference with ``reference``); the sums are computed again from x."""
-        norm = rms_norm.reference if reference else rms_norm
-        return norm(x, self.weight, self.eps, self.unit_offset)
 
 
 def group_sum_squares(y: torch.Tensor) -> torch.Tensor:

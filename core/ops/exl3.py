@@ -18,7 +18,8 @@ from collections.abc import Sequence
 import torch
 
 from . import op
-from .dense import RowNorm, group_sum_squares
+from .dense import group_sum_squares
+from .projection import RowNorm
 
 __all__ = [
     "CODEBOOKS",

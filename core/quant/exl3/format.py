@@ -10,21 +10,14 @@ from __future__ import annotations
 
 import warnings
 
+import attrs
 import torch
 
 from ...errors import WeightError
 
-from ...ops.dense import RowNorm
-from ...ops.exl3 import (
-    CODEBOOK_MULTIPLIERS,
-    exl3_decode_tiles,
-    exl3_matmul,
-    exl3_matmul_add,
-    exl3_matmul_gated,
-    exl3_matmul_gated_add,
-    exl3_matmul_group,
-    hadamard_128,
-)
+from ...ops.moe import exl3_experts_down, exl3_experts_gate_up
+from ...ops.exl3 import CODEBOOK_MULTIPLIERS, exl3_decode_tiles, exl3_matmul, exl3_matmul_group, hadamard_128
+from ...ops.projection import RowNorm, WeightList, Weights
 from ...weights import WeightStore
 from .quantize import QuantizedTensors, quantize_group
 
@@ -46,8 +39,9 @@ def _had_rows(x: torch.Tensor) -> torch.Tensor:
     return hadamard_128(x.t().contiguous()).t()
 
 
-class EXL3Linear:
-    """A loaded EXL3 linear: ``forward`` runs ``trellm.ops.exl3_matmul`` on the padded tensors."""
+class EXL3Linear(Weights):
+    """A loaded EXL3 linear: ``forward`` runs ``trellm.ops.exl3_matmul`` on the padded tensors. The fused
+    routes around it (norm in, residual add out, gated activation) are ``trellm.ops.project``'s."""
 
     def __init__(
         self,
@@ -114,35 +108,8 @@ class EXL3Linear:
 
     __call__ = forward
 
-    def forward_gated(self, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-        """This layer applied to ``act(gate) * up`` through ``exl3_matmul_gated`` (one launch on CUDA)."""
-        y = exl3_matmul_gated(self._rows_in(gate), self._rows_in(up), activation, self.trellis, self.suh, self.svh,
-                              self.codebook, self.bias)
-        return self._rows_out(y, gate.shape[:-1])
-
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(self(x) + residual, its sums of squares per row and 128-column group)`` through
-        ``exl3_matmul_add`` (the CUDA GEMV adds and sums in its finishing step); the sums are None for a padded
-        layer, whose 128-column groups are not the output's."""
-        if not self.unpadded:
-            return self.forward(x) + residual, None
-        lead = x.shape[:-1]
-        h, ssq = exl3_matmul_add(x.reshape(-1, x.shape[-1]), self.trellis, self.suh, self.svh, self.codebook, self.bias,
-                                 residual.reshape(-1, residual.shape[-1]))
-        return h.reshape(*lead, h.shape[-1]), ssq
-
-    def forward_gated_add(self, gate: torch.Tensor, up: torch.Tensor, activation: str,
-                          residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`forward_add` of ``act(gate) * up`` through ``exl3_matmul_gated_add``."""
-        if not self.unpadded:
-            return self.forward_gated(gate, up, activation) + residual, None
-        lead = gate.shape[:-1]
-        h, ssq = exl3_matmul_gated_add(self._rows_in(gate), self._rows_in(up), activation, self.trellis, self.suh,
-                                       self.svh, self.codebook, self.bias, residual.reshape(-1, residual.shape[-1]))
-        return h.reshape(*lead, h.shape[-1]), ssq
-
     def groups_with(self, other: object) -> bool:
-        """Whether ``forward_group`` can run this and ``other`` on one x together (same K, codebook, k)."""
+        """Whether one ``exl3_matmul_group`` can run this and ``other`` on one x (same K, codebook, k, device)."""
         return (
             isinstance(other, EXL3Linear)
             and other.codebook == self.codebook
@@ -151,24 +118,11 @@ class EXL3Linear:
             and other.trellis.device == self.trellis.device
         )
 
-    @staticmethod
-    def forward_group(linears: "list[EXL3Linear]", x: torch.Tensor, row_norm: RowNorm | None = None) -> list[torch.Tensor]:
-        """Each linear applied to x (to ``row_norm.apply(x)`` with a norm), through one ``exl3_matmul_group``
-        (one GEMV launch on CUDA, which norms x in it too)."""
-        first = linears[0]  # groups_with: every linear has its padded_in and codebook
-        if row_norm is not None and first.padded_in != first.in_features:
-            x, row_norm = row_norm.apply(x), None  # the GEMV reads padded rows; the sums are the real ones'
-        ys = exl3_matmul_group(first._rows_in(x), [(l.trellis, l.suh, l.svh, l.bias) for l in linears], first.codebook,
-                               row_norm)
-        return [l._rows_out(y, x.shape[:-1]) for l, y in zip(linears, ys)]
+    def grouped(self, parts: "list[Weights]") -> "EXL3Group | None":
+        return EXL3Group(parts) if all(self.groups_with(p) for p in parts) else None
 
-    @staticmethod
-    def group_parts(linears: "list[EXL3Linear]") -> tuple[list, str] | None:
-        """``(parts, codebook)`` of ``exl3_matmul_group`` for linears that ``groups_with`` the first and need
-        no padding (x and y as they are); None otherwise."""
-        if not all(l.unpadded for l in linears):
-            return None
-        return [(l.trellis, l.suh, l.svh, l.bias) for l in linears], linears[0].codebook
+    def expert_set(self, experts: list, device: torch.device) -> "EXL3ExpertSet | None":
+        return EXL3ExpertSet.from_experts(experts, device)
 
     def nbytes(self) -> int:
         ts = (self.trellis, self.suh, self.svh, self.bias)
@@ -184,6 +138,79 @@ class EXL3Linear:
     def from_quantized(cls, qt: QuantizedTensors, in_features: int, out_features: int, device=None, key: str = "<exl3>") -> "EXL3Linear":
         mv = lambda t: t.to(device) if (t is not None and device is not None) else t  # noqa: E731
         return cls(mv(qt.trellis), mv(qt.suh), mv(qt.svh), qt.codebook, in_features, out_features, mv(qt.bias), key)
+
+
+class EXL3Group(WeightList):
+    """EXL3 projections of one x with one K, codebook and padded input width (q/k/v, gate/up): one
+    ``exl3_matmul_group`` call (one GEMV launch on CUDA)."""
+
+    def __init__(self, parts: "list[EXL3Linear]"):
+        super().__init__(parts)
+        first = parts[0]
+        self.codebook = first.codebook
+        self.matmul_parts = [(p.trellis, p.suh, p.svh, p.bias) for p in parts]
+        self.unpadded = all(p.unpadded for p in parts)  # x and every y as they are (no zero columns to add or trim)
+        self.norms_input = first.padded_in == first.in_features  # x's sums of squares are the matmul input's
+
+    def forward(self, x: torch.Tensor, row_norm: RowNorm | None = None) -> list[torch.Tensor]:  # type: ignore[override]
+        """Each part applied to x (to ``row_norm.apply(x)`` with a norm, which needs ``norms_input``)."""
+        first = self.parts[0]
+        ys = exl3_matmul_group(first._rows_in(x), self.matmul_parts, self.codebook, row_norm)
+        return [p._rows_out(y, x.shape[:-1]) for p, y in zip(self.parts, ys)]
+
+
+@attrs.define(eq=False)
+class EXL3ExpertSet:
+    """The EXL3 gate, up and down Linears of all experts, plus device pointer tables for the pair kernels.
+
+    ``gate_up_table`` int64 [2, E, 4] and ``down_table`` [1, E, 4] hold {trellis, suh, svh, bias or 0}
+    pointers; they stay valid while the Linears hold their tensors (the set is rebuilt at every load).
+    """
+
+    gate: list
+    up: list
+    down: list
+    gate_up_table: torch.Tensor
+    down_table: torch.Tensor
+
+    @staticmethod
+    def _uniform(layers: list) -> bool:
+        first = layers[0]
+        return all(
+            isinstance(l, EXL3Linear)
+            and l.in_features == l.padded_in and l.out_features == l.padded_out  # no padding to undo per pair
+            and l.trellis.shape == first.trellis.shape and l.codebook == first.codebook
+            for l in layers
+        )
+
+    @classmethod
+    def from_experts(cls, experts: list, device) -> "EXL3ExpertSet | None":
+        """The set when every expert's three projections are EXL3 with one shape and format per projection
+        (gate and up alike), else None."""
+        gate, up, down = ([getattr(e, name).impl for e in experts] for name in ("gate_proj", "up_proj", "down_proj"))
+        if not experts or not all(cls._uniform(layers) for layers in (gate, up, down)):
+            return None
+        if gate[0].trellis.shape != up[0].trellis.shape or gate[0].codebook != up[0].codebook:
+            return None
+
+        def table(*projections: list) -> torch.Tensor:
+            rows = [[[l.trellis.data_ptr(), l.suh.data_ptr(), l.svh.data_ptr(), l.bias.data_ptr() if l.bias is not None else 0]
+                     for l in layers] for layers in projections]
+            return torch.tensor(rows, dtype=torch.int64, device=device)
+
+        return cls(gate, up, down, table(gate, up), table(down))
+
+    def run_pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, activation: str) -> torch.Tensor:
+        """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]): the two sync-free pair ops (one kernel launch each on CUDA)."""
+        expert_of = ids.reshape(-1)
+        hidden = exl3_experts_gate_up(x, expert_of, self, ids.shape[1], activation)
+        return exl3_experts_down(hidden, expert_of, self, weights)
+
+    @staticmethod
+    def dims(layers: list) -> tuple[int, int, int, str]:
+        """(k, n, bits, codebook) of one projection."""
+        l = layers[0]
+        return l.padded_in, l.padded_out, l.bits, l.codebook
 
 
 class EXL3Format:

@@ -35,23 +35,9 @@ class OutputGatedAttention(Attention):
                          rope, cfg.attention_bias, cfg.attention_bias, cfg.rms_norm_eps, sliding_window=sliding_window)
         self.gate_proj = Linear(f"{key}.gate_proj", cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_norm.forward(self.q_proj(x).view(t, self.num_heads, self.head_dim))
-        k = self.k_norm.forward(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.rope is not None:
-            cos, sin = self.rope.cos_sin(batch.positions, batch.max_seq_len)
-            q = ops.rotary_embedding(q, cos, sin, self.rope.interleaved)
-            k = ops.rotary_embedding(k, cos, sin, self.rope.interleaved)
-        if batch.cache is None:
-            o = ops.attention_varlen(q, k, v, batch.cu_seqlens, self.scale, self.sliding_window)
-        else:
-            layer = batch.cache.layers[self.layer_idx]
-            layer.store(k, v, batch.slots)
-            o = layer.attend(q, batch, self.scale, self.sliding_window)
-        o = o.reshape(t, self.num_heads * self.head_dim) * torch.sigmoid(self.gate_proj(x))
-        return self.o_proj(o)
+    def forward(self, x, batch: ForwardBatch, residual=None):
+        o = self.attention(x, batch) * torch.sigmoid(ops.project(x, self.gate_proj.impl))
+        return self.project_out(o, residual)
 
 
 def build(cfg: DecoderConfig) -> CausalLM:

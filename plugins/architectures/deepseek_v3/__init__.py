@@ -19,6 +19,7 @@ from trellm.sdk import (
     DecoderConfig,
     ForwardBatch,
     Linear,
+    LinearGroup,
     LoadContext,
     RMSNorm,
     RotaryEmbedding,
@@ -56,6 +57,8 @@ class LatentAttention(Attention):
         self.kv_a_proj_with_mqa = Linear(f"{key}.kv_a_proj_with_mqa", hidden, self.kv_lora_rank + self.rope_dim, bias)
         self.kv_a_layernorm = RMSNorm(f"{key}.kv_a_layernorm", self.kv_lora_rank, 1e-6)
         self.kv_b_proj = Linear(f"{key}.kv_b_proj", self.kv_lora_rank, h * (self.nope_dim + self.v_dim))
+        # the two projections of x: one kernel launch where the format groups them (EXL3)
+        self.x_proj = LinearGroup(self.q_a_proj if self.q_lora_rank else self.q_proj, self.kv_a_proj_with_mqa)
         self.o_proj = Linear(f"{key}.o_proj", h * self.v_dim, hidden, bias)
         self.scale = self.head_dim**-0.5
         rp = cfg.rope
@@ -76,14 +79,13 @@ class LatentAttention(Attention):
         super().unload()
         self.w_uk = self.w_uv = None
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def attention(self, x, batch: ForwardBatch) -> torch.Tensor:
         t, h = x.shape[0], self.num_heads
+        q, kv = ops.project(x, self.x_proj.weights())
         if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm.forward(self.q_a_proj(x)))
-        else:
-            q = self.q_proj(x)
+            q = self.q_b_proj(self.q_a_layernorm.forward(q))
         q_nope, q_pe = q.view(t, h, self.head_dim).split([self.nope_dim, self.rope_dim], dim=-1)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm.forward(c)
         cos, sin = self.rope.cos_sin(batch.positions, batch.max_seq_len)
         q_pe = ops.rotary_embedding(q_pe, cos, sin, self.interleaved)
@@ -99,7 +101,7 @@ class LatentAttention(Attention):
             layer.store(k, v, batch.slots)
             o = layer.attend(q, batch, self.scale)
         o = torch.einsum("thr,hvr->thv", o, self.w_uv)
-        return self.o_proj(o.reshape(t, h * self.v_dim))
+        return o.reshape(t, h * self.v_dim)
 
 
 def build(cfg: DecoderConfig):

@@ -109,12 +109,16 @@ class ImageBlockAttention(Attention):
 
     _warned = False
 
-    def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
+    def attention(self, x, batch) -> torch.Tensor:
+        """Attention's own fused path for batches without image rows (every decode step), else causal then
+        the image rows again."""
+        if batch.embed_mask is None:
+            return super().attention(x, batch)
         q, k, v = self.project_qkv(x)
         o = self.attend(q, k, v, batch)
-        if batch.embed_mask is not None and bool(batch.embed_mask.any()):
+        if bool(batch.embed_mask.any()):
             self._redo_image_rows(o, q, k, v, batch)
-        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
+        return o.reshape(x.shape[0], self.num_heads * self.head_dim)
 
     def _redo_image_rows(self, o, q, k, v, batch) -> None:
         if self.rope is not None:

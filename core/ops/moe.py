@@ -1,0 +1,69 @@
+"""Mixture-of-experts ops: the router's softmax + top-k, and the sync-free (token, expert) pair matmuls of a
+decode step (expert weights reached on the device, so no host sync and the step can be graph captured).
+Torch references; ``trellm.kernels_cuda`` registers the CUDA versions. The EXL3 expert set they take is
+``trellm.quant.exl3.format.EXL3ExpertSet``."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import op
+from .dense import gated_activation
+
+if TYPE_CHECKING:
+    from ..quant.exl3.format import EXL3ExpertSet
+
+
+@op
+def softmax_topk(logits: torch.Tensor, k: int, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, k], ids int64 [T, k]): softmax over the experts, the k most probable, renormalised
+    to sum 1 when ``normalize``. One op so that a backend can do it in one launch (decode runs it every layer)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def combine_pairs(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum_j weights[t, j] * y[t * top_k + j] for pairs ordered token-major: [T * top_k, H] -> [T, H]."""
+    tokens, top_k = weights.shape
+    return (y.view(tokens, top_k, -1).float() * weights.float()[..., None]).sum(1).to(dtype)
+
+
+def _exl3_pairs_reference(x: torch.Tensor, expert_of: torch.Tensor, layers: list, pairs_per_row: int) -> torch.Tensor:
+    """[P, n]: pair p through expert expert_of[p]'s Linear on x row p // pairs_per_row (one call per pair)."""
+    rows = [layers[e].forward(x[p // pairs_per_row][None])[0] for p, e in enumerate(expert_of.tolist())]
+    return torch.stack(rows)
+
+
+@op
+def exl3_experts_gate_up(
+    x: torch.Tensor, expert_of: torch.Tensor, experts: "EXL3ExpertSet", pairs_per_row: int, activation: str = "silu"
+) -> torch.Tensor:
+    """act(gate_e(x_t)) * up_e(x_t) for every pair p (e = expert_of[p], t = p // pairs_per_row): [P, I]."""
+    gate = _exl3_pairs_reference(x, expert_of, experts.gate, pairs_per_row)
+    up = _exl3_pairs_reference(x, expert_of, experts.up, pairs_per_row)
+    return gated_activation(gate, up, activation)
+
+
+@op
+def exl3_experts_down(h: torch.Tensor, expert_of: torch.Tensor, experts: "EXL3ExpertSet", weights: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * down_{e}(h[t * top_k + j]) with e = expert_of[t * top_k + j]: [T, H]."""
+    return combine_pairs(_exl3_pairs_reference(h, expert_of, experts.down, 1), weights, h.dtype)
+
+
+@op
+def dense_experts_matmul(
+    x: torch.Tensor, expert_of: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pairs_per_row: int
+) -> torch.Tensor:
+    """y[p] = weight[expert_of[p]] @ x[p // pairs_per_row] (+ bias[expert_of[p]]) for stacked weight [E, n, k]: [P, n].
+
+    The reference gathers each pair's weight (a copy of P matrices): sync-free, but only fit for small P.
+    """
+    rows = torch.arange(expert_of.shape[0], device=x.device) // pairs_per_row
+    y = torch.bmm(weight[expert_of], x[rows].to(weight.dtype)[:, :, None])[:, :, 0]
+    if bias is not None:
+        y = y + bias[expert_of]
+    return y.to(x.dtype)
