@@ -37,7 +37,8 @@ def nbytes(layer) -> int:
 
 
 class Model:
-    def __init__(self, layers: int, K: int, head_K: int, max_tokens: int):
+    def __init__(self, layers: int, K: int, head_K: int, max_tokens: int, codebook: str = "mcg"):
+        self.codebook = codebook
         self.layers = []
         for _ in range(layers):
             self.layers.append(
@@ -86,6 +87,7 @@ class Model:
         from trellm.ops.attention import rotary_qk_write_kv
 
         mm = exl3.exl3_matmul
+        cb = self.codebook
         t = tokens.shape[0]
         h = self.embed[tokens]
         slots = positions.to(torch.int64)  # one sequence, pages in order
@@ -106,37 +108,37 @@ class Model:
             x, norm, residual = pre_norm(h, residual, ssq, L["norm1"])
             qkv = [(*L[p], None) for p in ("q", "k", "v")]
             if group and qkv_rope:
-                q, _ = exl3.exl3_qkv_rope_write_kv(x, qkv, "mcg", HEAD_DIM, self.cos, self.sin, positions,
+                q, _ = exl3.exl3_qkv_rope_write_kv(x, qkv, cb, HEAD_DIM, self.cos, self.sin, positions,
                                                    self.k_pages[i], self.v_pages[i], slots, row_norm=norm)
             else:
                 if group:
-                    q, k, v = exl3.exl3_matmul_group(x, qkv, "mcg", norm)
+                    q, k, v = exl3.exl3_matmul_group(x, qkv, cb, norm)
                 else:
-                    q, k, v = (mm(x, *L[p], "mcg") for p in ("q", "k", "v"))
+                    q, k, v = (mm(x, *L[p], cb) for p in ("q", "k", "v"))
                 q, k, v = q.view(t, HEADS, HEAD_DIM), k.view(t, KV_HEADS, HEAD_DIM), v.view(t, KV_HEADS, HEAD_DIM)
                 q, _ = rotary_qk_write_kv(q, k, v, self.cos, self.sin, positions, self.k_pages[i], self.v_pages[i], slots)
             a = ops.paged_attention(q, self.k_pages[i], self.v_pages[i], self.block_table, cu, ctx)
             if summed:
-                h, ssq = exl3.exl3_matmul_add(a.view(t, HIDDEN), *L["o"], "mcg", None, residual)
+                h, ssq = exl3.exl3_matmul_add(a.view(t, HIDDEN), *L["o"], cb, None, residual)
                 residual = None  # h holds it now (ssq None past 16 rows: the next norm reads h itself)
             else:
-                h = mm(a.view(t, HIDDEN), *L["o"], "mcg")
+                h = mm(a.view(t, HIDDEN), *L["o"], cb)
             x, norm, residual = pre_norm(h, residual, ssq, L["norm2"])
             if group:
-                g, u = exl3.exl3_matmul_group(x, [(*L[p], None) for p in ("gate", "up")], "mcg", norm)
+                g, u = exl3.exl3_matmul_group(x, [(*L[p], None) for p in ("gate", "up")], cb, norm)
                 if summed:
-                    h, ssq = exl3.exl3_matmul_gated_add(g, u, "silu", *L["down"], "mcg", None, residual)
+                    h, ssq = exl3.exl3_matmul_gated_add(g, u, "silu", *L["down"], cb, None, residual)
                     residual = None
                 else:
-                    h = exl3.exl3_matmul_gated(g, u, "silu", *L["down"], "mcg")
+                    h = exl3.exl3_matmul_gated(g, u, "silu", *L["down"], cb)
             else:
-                g, u = mm(x, *L["gate"], "mcg"), mm(x, *L["up"], "mcg")
-                h = mm(ops.gated_activation(g, u, "silu"), *L["down"], "mcg")
+                g, u = mm(x, *L["gate"], cb), mm(x, *L["up"], cb)
+                h = mm(ops.gated_activation(g, u, "silu"), *L["down"], cb)
         if residual is None:
             x = ops.rms_norm(h, self.final_norm, 1e-5)
         else:
             x, _ = ops.add_rms_norm(h, residual, self.final_norm, 1e-5)
-        return mm(x if all_logits else x[-1:], *self.head, "mcg")
+        return mm(x if all_logits else x[-1:], *self.head, cb)
 
 
 def main() -> int:
@@ -165,9 +167,9 @@ def main() -> int:
         t_sep = time_graph(lambda: model.forward(tok, pos, cu, ctx, group=False), reps=20)
         binding.set_pdl(False)
         t_nopdl = time_graph(lambda: model.forward(tok, pos, cu, ctx), reps=20)
-        # Back to the default (on unless TRELLM_PDL=0). set_pdl returns the NEW state: restoring with what
-        # set_pdl(False) returned left PDL off for every later graph (NOTES 2026-12-04a).
-        binding.set_pdl(os.environ.get("TRELLM_PDL", "1") != "0")
+        # Back to the default (on). set_pdl returns the NEW state: restoring with what set_pdl(False) returned
+        # left PDL off for every later graph (NOTES 2026-12-04a).
+        binding.set_pdl(True)
         t_rope_apart = time_graph(lambda: model.forward(tok, pos, cu, ctx, qkv_rope=False), reps=20)
         t_norm_apart = time_graph(lambda: model.forward(tok, pos, cu, ctx, summed=False), reps=20)
         t_step = time_graph(lambda: model.forward(tok, pos, cu, ctx), reps=20)

@@ -26,13 +26,8 @@ constexpr int GMAX = 8;
 // made the 8B decode step 3.400 -> 3.290 ms at 528 keys of capacity (the kernel 8.1 us per layer in the
 // step). Alone, in a graph of attention calls, the same kernel measured slower (b1: 512 keys 13.6 -> 16.0
 // us, 4096 keys 19.8 -> 24.4), so the rule stays where the step was measured: up to 1024 keys.
-// TRELLM_ATTN_ONE_HEAD=0 keeps the grouped blocks (the A/B baseline).
 int heads_per_block(int64_t tokens, int64_t hq, int64_t hkv, int64_t capacity) {
-    static const bool one_head_rule = [] {
-        const char *e = getenv("TRELLM_ATTN_ONE_HEAD");
-        return !(e && e[0] == '0');
-    }();
-    if (one_head_rule && tokens * hq <= 128 && capacity <= 1024) return 1;
+    if (tokens * hq <= 128 && capacity <= 1024) return 1;
     return hq / hkv <= 4 ? 4 : GMAX;
 }
 int head_chunks_for(int64_t hq, int64_t hkv, int g) { return (int)((hq / hkv + g - 1) / g); }
@@ -515,9 +510,8 @@ extern "C" int trellm_paged_attention_splits_for(int64_t tokens, int64_t hq, int
     if (max_splits > 64) max_splits = 64;
     if (max_splits < 1) max_splits = 1;
     int per_sm = 0;
-    const char *waves = getenv("TRELLM_ATTN_WAVES");
     const int dpl = (int)(head_dim / 32);
-    if (!(waves && waves[0] == '0') && dpl >= 2 && dpl <= 8 && dtype >= TRELLM_F16 && dtype <= TRELLM_F32) {
+    if (dpl >= 2 && dpl <= 8 && dtype >= TRELLM_F16 && dtype <= TRELLM_F32) {
         // Asked once per kernel instance (the answer does not change; this runs once per attention call).
         static int cached[3][9][3] = {};  // [dtype][dpl][G 1, 4, 8]; 0: not asked yet, -1: unknown
         int &c = cached[dtype - TRELLM_F16][dpl][g == 1 ? 0 : (g == 4 ? 1 : 2)];
@@ -530,7 +524,7 @@ extern "C" int trellm_paged_attention_splits_for(int64_t tokens, int64_t hq, int
         }
         per_sm = c;
     }
-    if (per_sm < 1) {  // the occupancy-blind rule (TRELLM_ATTN_WAVES=0): about 4 blocks per SM
+    if (per_sm < 1) {  // occupancy unknown (head size or dtype of no instance): about 4 blocks per SM
         int64_t splits = 4 * sms / groups;
         if (splits > max_splits) splits = max_splits;
         return splits < 1 ? 1 : (int)splits;

@@ -18,7 +18,7 @@ extern "C" const char *trellm_error_string(int code) {
 
 extern "C" int trellm_abi_version(void) { return 1; }
 
-// Programmatic dependent launch: on by default on compute capability 9+, TRELLM_PDL=0 or
+// Programmatic dependent launch: on by default on compute capability 9+;
 // trellm_set_pdl(0) switches it off (benchmarks compare both in one process).
 static int g_pdl = -1;  // -1: not decided yet
 
@@ -36,10 +36,7 @@ extern "C" int trellm_set_pdl(int enabled) {
 void trellm::pdl_disable() { g_pdl = 0; }
 
 bool trellm::pdl_enabled() {
-    if (g_pdl < 0) {
-        const char *e = getenv("TRELLM_PDL");
-        trellm_set_pdl(!(e && e[0] == '0'));
-    }
+    if (g_pdl < 0) trellm_set_pdl(1);
     return g_pdl == 1;
 }
 

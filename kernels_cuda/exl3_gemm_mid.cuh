@@ -293,30 +293,14 @@ __global__ void __launch_bounds__(MID_WARPS * 32, MID_BLOCKS_PER_SM) exl3_matmul
 }
 
 // Row groups of 8 for m rows: 1, 2, 4 or 8 (the instantiated sizes). One group since the route starts at 6 rows
-// (half the mmas and x fragments of two); TRELLM_MID_ONE_GROUP=0 runs 1..8 rows as two groups, the A/B baseline.
-inline int mid_groups(int m) {
-    static const bool one_group = [] {
-        const char *v = getenv("TRELLM_MID_ONE_GROUP");
-        return !(v && atoi(v) == 0);
-    }();
-    return m <= 8 && one_group ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8;
-}
+// (half the mmas and x fragments of two, measured faster: NOTES 2026-12-04d).
+inline int mid_groups(int m) { return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8; }
 
-// Blocks of the matmul launch: one wave at MID_BLOCKS_PER_SM (fewer when there are fewer units).
-// TRELLM_MID_SLICED=1 gives the grid of the first version instead (each block about one k-slice of one group,
-// slices enough to fill a wave; 1.27 waves at 4096->14336): the A/B baseline of the even split.
+// Blocks of the matmul launch: one wave at MID_BLOCKS_PER_SM (fewer when there are fewer units), the units
+// split evenly over it (the first version's grid, about one k-slice of one group per block, took 1.27 waves
+// at 4096->14336 and measured slower).
 inline int mid_blocks(int units, int chunks_k, int num_sms) {
     const int wave = MID_BLOCKS_PER_SM * (num_sms > 0 ? num_sms : 132);
-    static const bool sliced = [] {
-        const char *v = getenv("TRELLM_MID_SLICED");
-        return v && atoi(v) == 1;
-    }();
-    if (sliced) {
-        const int groups_n = units / chunks_k;
-        const int slices = max(1, min(chunks_k, (wave + groups_n - 1) / groups_n));
-        const int per = (chunks_k + slices - 1) / slices;
-        return groups_n * ((chunks_k + per - 1) / per);
-    }
     return units < wave ? units : wave;
 }
 
@@ -340,10 +324,7 @@ inline int64_t mid_workspace_floats(int m, int k, int parts, int64_t total_n, in
 // same work; where the stages were small and the registers allowed a third block (K <= 2 at 2 row groups: 8
 // stages of 6-8 KB), the scheduler put three blocks on some SMs and left others idle, and those shapes ran
 // 27% slower than K = 4 (NOTES 2026-12-04d). Never more than a block may have (sm_86/89 fit one block anyway).
-// TRELLM_MID_PIN=0 launches with the stages' bytes alone (the A/B baseline).
 inline size_t mid_launch_smem(size_t stages_bytes) {
-    const char *pin = getenv("TRELLM_MID_PIN");
-    if (pin && atoi(pin) == 0) return stages_bytes;
     int dev = 0, per_sm = 0, reserved = 0, optin = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);

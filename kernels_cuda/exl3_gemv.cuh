@@ -647,25 +647,15 @@ int launch_exl3_matmul_small(MatmulParts args, int K, int num_sms, cudaStream_t 
 template <int CB>
 int launch_exl3_decode_tiles(const uint32_t *trellis, half *w, int k, int n, int K, cudaStream_t stream);
 
-// k tiles per warp: TRELLM_EXL3_KT (read once) up to 8 rows, 8 (default) or 4. Two row groups (m > 8)
+// k tiles per warp: 8 up to 8 rows (4 measured slower). Two row groups (m > 8)
 // hold twice the x fragments: KT=8 then runs two blocks per SM (gemv_min_blocks), which pays where the
 // matmul is large (half the k-slices, so half the partial sums written and re-read: at 16 rows, K=4,
 // 4096->14336 49.4 -> 44.3 us, 14336->4096 55.0 -> 50.3, lm_head 346 -> 289) and loses where it is
 // small (4096^2 17.8 -> 22.0: fewer resident warps, twice the x transform per block). So KT=8 when (n/16 column tiles) x (its k-slices)
-// is at least 2048 units (about 8 columns per block on an H200), else 4. TRELLM_GEMV_KT2=4 or 8 forces
-// one. n is the launch's total over its parts: the workspace size and the launcher must agree.
+// is at least 2048 units (about 8 columns per block on an H200), else 4. n is the launch's total over its
+// parts: the workspace size and the launcher must agree.
 inline int gemv_kt(int m, int k, int n) {
-    static const int kt = [] {
-        const char *e = getenv("TRELLM_EXL3_KT");
-        return (e && atoi(e) == 4) ? 4 : 8;
-    }();
-    static const int kt_two_groups = [] {
-        const char *e = getenv("TRELLM_GEMV_KT2");
-        const int v = e ? atoi(e) : 0;
-        return v == 4 || v == 8 ? v : 0;
-    }();
-    if (m <= 8) return kt;
-    if (kt_two_groups) return kt_two_groups;
+    if (m <= 8) return 8;
     const int slices_at_8 = (k / 16 + GEMV_WARPS * 8 - 1) / (GEMV_WARPS * 8);
     return (int64_t)(n / 16) * slices_at_8 >= 2048 ? 8 : 4;
 }
@@ -753,41 +743,23 @@ int launch_matmul_mt(MatmulParts parts, int num_sms, cudaStream_t stream) {
         while (plan.blocks > plan.resident && plan.cols < min(max_cols, 120)) plan.blocks = blocks_for(++plan.cols);
         return plan;
     };
-    // Up to 4 rows: three blocks per SM. 5..16 rows: three where that is one wave, else two
-    // (TRELLM_GEMV_ONE_WAVE=0: always two, the rule's A/B baseline). Above 8 rows, when even that takes
-    // several waves, the block sums its warps every 2 columns (the periodic barriers cost more than they
-    // save where one wave fits: NOTES 2026-12-03d). TRELLM_GEMV_REDUCE_PERIOD=R forces R for all rows.
-    static const bool one_wave_rule = [] {
-        const char *e = getenv("TRELLM_GEMV_ONE_WAVE");
-        return !(e && e[0] == '0');
-    }();
-    static const int period_override = [] {
-        const char *e = getenv("TRELLM_GEMV_REDUCE_PERIOD");
-        return e ? max(0, min(16, atoi(e))) : -1;
-    }();
+    // Up to 4 rows: three blocks per SM. 5..16 rows: three where that is one wave, else two (always two
+    // measured slower). Above 8 rows, when even that takes several waves, the block sums its warps every 2
+    // columns (the periodic barriers cost more than they save where one wave fits: NOTES 2026-12-03d).
     auto best_plan = [&](int period) {
         const Plan plan = plan_for(true, period);
-        if (first.m <= 4 || (one_wave_rule && plan.blocks <= plan.resident)) return plan;
+        if (first.m <= 4 || plan.blocks <= plan.resident) return plan;
         return plan_for(false, period);
     };
-    Plan plan = best_plan(period_override > 0 ? period_override : 0);
-    if (period_override < 0 && first.m > 8 && plan.blocks > plan.resident) plan = best_plan(2);
+    Plan plan = best_plan(0);
+    if (first.m > 8 && plan.blocks > plan.resident) plan = best_plan(2);
     parts.reduce_period = plan.period;
-    static const int serial_arrivals = [] {
-        const char *e = getenv("TRELLM_GEMV_SERIAL_ARRIVALS");
-        return e && e[0] == '1' ? 1 : 0;
-    }();
-    parts.serial_arrivals = serial_arrivals;
+    parts.serial_arrivals = 0;  // one lane per 128-column group arrives at its counter, in parallel (serial: slower)
     // No weight column requested before pdl_wait (only suh), the ring after the x transform: weight
     // requests would compete with the kernel before (attention, norms), which is latency-bound. Chained
     // GEMVs alone do not tell (benchmarks/gemv_phases.cu: equal); the 8B decode step does: 16 columns
-    // 3.278 ms, 1 column 3.204, none 3.151 (NOTES 2026-12-03f, 2026-12-04a). TRELLM_GEMV_EARLY_STAGES=N
-    // requests N columns per warp early; 16 is the whole ring (the old baseline).
-    static const int early_stages = [] {
-        const char *e = getenv("TRELLM_GEMV_EARLY_STAGES");
-        return e ? max(0, atoi(e)) : 0;
-    }();
-    parts.early_stages = early_stages;
+    // 3.278 ms, 1 column 3.204, none 3.151 (NOTES 2026-12-03f, 2026-12-04a).
+    parts.early_stages = 0;
     const int cols = plan.cols;
     int blocks_x = 0;
     for (int p = 0; p < parts.count; ++p) {

@@ -41,7 +41,7 @@ const char *trellm_error_string(int code);
 int trellm_abi_version(void);
 
 /* Programmatic dependent launch of the EXL3 GEMV (its weight prefetch overlaps the previous kernel's
- * tail): on by default on compute capability 9+ unless TRELLM_PDL=0. Returns the resulting state. */
+ * tail): on by default on compute capability 9+. Returns the resulting state. */
 int trellm_set_pdl(int enabled);
 
 /* out[i] = value for i < n (float32): the smallest launch, for build/graph checks. */

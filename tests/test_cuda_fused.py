@@ -185,7 +185,7 @@ def test_exl3_matmul_add(ops, dtype):
     # decode + cuBLAS and a torch add, with no sums (the next norm reads h itself). The gated form takes the
     # activation in the GEMV at 1 row, in a launch of its own above (the matmul still adds and sums).
     from test_cuda_ops import _random_layer
-    from trellm.kernels_cuda.ops import EXL3_STREAM_MAX_ROWS
+    from trellm.kernels_cuda.ops import EXL3_MID_MAX_ROWS as EXL3_STREAM_MAX_ROWS
     from trellm.ops import gated_activation
     from trellm.ops.dense import group_sum_squares
     from trellm.ops.exl3 import exl3_matmul, exl3_matmul_add, exl3_matmul_gated, exl3_matmul_gated_add
@@ -574,5 +574,3 @@ def test_paged_attention_splits_fill_whole_waves(ops, monkeypatch):
     chosen = lib.trellm_paged_attention_splits_for(32, 32, 8, 128, f16, 16, 128, 132)
     assert chosen in {model(256, 2048, per_sm) for per_sm in range(1, 9)}
     assert model(256, 2048, 3) == 3
-    monkeypatch.setenv("TRELLM_ATTN_WAVES", "0")
-    assert lib.trellm_paged_attention_splits_for(32, 32, 8, 128, f16, 16, 128, 132) == 2

@@ -68,6 +68,30 @@ def test_cache_key_depends_on_arch_and_toolkit(monkeypatch, tmp_path):
     assert a != build.build_key(["sm_80"], "cuda 12.4")
 
 
+def test_nvcc_flags_knob_reaches_the_command_and_the_cache_key(monkeypatch, tmp_path):
+    # TRELLM_NVCC_FLAGS builds (and caches apart) a library with other compile-time settings
+    monkeypatch.delenv("TRELLM_NVCC_FLAGS", raising=False)
+    plain = build.build_key(["sm_90"], "cuda 13.0")
+    monkeypatch.setenv("TRELLM_NVCC_FLAGS", "-DTRELLM_MID_CHUNK_TILES=16 -DTRELLM_GEMV_RING_KB=4")
+    assert build.extra_flags() == ["-DTRELLM_MID_CHUNK_TILES=16", "-DTRELLM_GEMV_RING_KB=4"]
+    cmd = build.compile_command("nvcc", tmp_path / "a.cu", tmp_path / "a.o", ["sm_90"])
+    assert "-DTRELLM_MID_CHUNK_TILES=16" in cmd and "-DTRELLM_GEMV_RING_KB=4" in cmd
+    assert build.build_key(["sm_90"], "cuda 13.0") != plain
+
+
+def test_ops_reference_knob_forces_the_references(monkeypatch):
+    # TRELLM_OPS=reference: every op answers with its torch reference, whatever a backend registered
+    from trellm.ops import Op
+
+    fake = Op("knob_probe", lambda x: "reference")
+    fake.register("cuda")(lambda x: "cuda")
+    monkeypatch.delenv("TRELLM_OPS", raising=False)
+    monkeypatch.setattr("trellm.ops._backends_loaded", True)
+    assert fake.implementation("cuda")(0) == "cuda"
+    monkeypatch.setenv("TRELLM_OPS", "reference")
+    assert fake.implementation("cuda")(0) == "reference"
+
+
 def test_cli_parses_archs():
     from trellm.kernels_cuda import cli
 
