@@ -1,12 +1,15 @@
-"""Time one decode step of bench_decode's model (PDL on unless TRELLM_PDL=0), the graph captured first in
+"""Time one decode step of bench_decode's model (EXL3 codebook mcg unless --codebook), the graph captured first in
 a fresh process: the A/B unit for knobs read at launch (env) or baked into a build (TRELLM_NVCC_FLAGS).
 
-    python benchmarks/bench_step.py BITS [LABEL [BATCH]]
-    python benchmarks/bench_step.py --sweep BITS [--batches 1 2 4 ...] [--label L] [--csv F] [--plot P]
+    python benchmarks/bench_step.py BITS [LABEL [BATCH]] [--codebook mcg|mul1|3inst] [--tree DIR]
+    python benchmarks/bench_step.py --sweep BITS [--batches 1 2 4 ...] [--label L] [--csv F] [--plot P] [--codebook C]
+                                    [--tree DIR]
     python benchmarks/bench_step.py --replot CSV_OR_LOG... --plot P [--title T]
 
-Knobs compared this way (NOTES): TRELLM_GEMV_EARLY_STAGES, TRELLM_PDL, TRELLM_EXL3_MID (batched steps).
+Settings compared this way (NOTES): the GEMV's early ring columns, PDL, the mid-size route (batched steps).
 Run variants interleaved (A B A B), each in its own process: one process's clocks and allocator drift.
+``--tree DIR`` imports trellm from another checkout (same layout), e.g. the code before a change, so that
+one script times both in one session.
 ``--sweep`` runs one fresh process per batch size and draws tokens/s vs batch; ``--replot`` draws the same
 from saved CSVs or from logs of single runs (their printed lines), on any machine.
 """
@@ -25,7 +28,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 LINE = re.compile(r"^(?P<label>.*?)\s*step K=(?P<K>\d+) batch (?P<batch>\d+): (?P<ms>[\d.]+) ms = (?P<tps>\d+) tokens/s")
 
 
-def time_step(bits: int, label: str, batch: int) -> str:
+TREE_PACKAGES = {"trellm": "core", "trellm.kernels_cuda": "kernels_cuda", "trellm.plugins": "plugins",
+                 "trellm.sdk": "sdk", "trellm.server": "server"}
+
+
+def use_tree(root: Path) -> None:
+    """Import trellm from another checkout (its folders mapped as setup.py maps them): the same script then
+    times that tree's ops and kernels, e.g. the code before a change, in the same session."""
+    import importlib.util
+
+    class TreeFinder:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            folder = TREE_PACKAGES.get(name)
+            if folder is None:
+                return None
+            d = root / folder
+            return importlib.util.spec_from_file_location(name, d / "__init__.py", submodule_search_locations=[str(d)])
+
+    if not (root / "core" / "__init__.py").exists():
+        raise SystemExit(f"--tree {root}: not a trellm checkout (no core/__init__.py)")
+    sys.meta_path.insert(0, TreeFinder)
+
+
+def time_step(bits: int, label: str, batch: int, codebook: str = "mcg") -> str:
     """Capture and time one step of the 8B-shaped model; the printed line."""
     import torch
     from bench_decode import Model
@@ -33,7 +59,7 @@ def time_step(bits: int, label: str, batch: int) -> str:
 
     from trellm.kernels_cuda import ops as _cuda_ops  # noqa: F401  (registers the CUDA implementations)
 
-    model = Model(32, bits, 6, 513)
+    model = Model(32, bits, 6, 513, codebook)
     # A batched step: `batch` sequences of 512 cached tokens each, reading the same KV pages (random data, so
     # the attention reads are real; their KV writes land on one slot, which does not change the timing).
     model.block_table = model.block_table.expand(batch, -1).contiguous()
@@ -100,11 +126,13 @@ def plot_batches(rows: list[dict], path: Path, title: str = "") -> bool:
     return save_figure(plt, fig, path, title)
 
 
-def sweep(bits: int, batches: list[int], label: str) -> list[dict]:
+def sweep(bits: int, batches: list[int], label: str, codebook: str = "mcg", tree: Path | None = None) -> list[dict]:
     """One fresh process per batch size (as the A/B runs): the rows, each printed as it comes."""
     rows = []
     for batch in batches:
-        out = subprocess.run([sys.executable, __file__, str(bits), label, str(batch)], capture_output=True, text=True)
+        tree_args = ["--tree", str(tree)] if tree is not None else []
+        out = subprocess.run([sys.executable, __file__, str(bits), label, str(batch), "--codebook", codebook, *tree_args],
+                             capture_output=True, text=True)
         found = parse_lines(out.stdout)
         if out.returncode != 0 or not found:
             raise SystemExit(f"batch {batch}: the step run failed (exit {out.returncode}):\n{out.stderr[-2000:]}")
@@ -113,10 +141,28 @@ def sweep(bits: int, batches: list[int], label: str) -> list[dict]:
     return rows
 
 
+def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """The value of ``name VALUE`` in argv (options both forms take) and argv without them."""
+    if name not in argv:
+        return None, argv
+    i = argv.index(name)
+    if i + 1 >= len(argv):
+        raise SystemExit(f"{name} needs a value")
+    return argv[i + 1], argv[:i] + argv[i + 2:]
+
+
 def main(argv: list[str]) -> None:
+    codebook, argv = _take_option(argv, "--codebook")  # the trellis codebook of every layer
+    codebook = codebook or "mcg"
+    if codebook not in ("mcg", "mul1", "3inst"):
+        raise SystemExit(f"--codebook {codebook!r}: mcg, mul1 or 3inst")
+    tree, argv = _take_option(argv, "--tree")  # another checkout's trellm (the code before a change)
+    tree = Path(tree).resolve() if tree else None
+    if tree is not None:
+        use_tree(tree)
     if argv and not argv[0].startswith("-"):  # the single run: BITS [LABEL [BATCH]]
         bits, label = int(argv[0]), argv[1] if len(argv) > 1 else ""
-        print(time_step(bits, label, int(argv[2]) if len(argv) > 2 else 1), flush=True)
+        print(time_step(bits, label, int(argv[2]) if len(argv) > 2 else 1, codebook), flush=True)
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", type=int, metavar="BITS", help="time BITS per weight at each of --batches")
@@ -130,7 +176,7 @@ def main(argv: list[str]) -> None:
     if args.sweep is None and not args.replot:
         ap.error("give BITS [LABEL [BATCH]], --sweep BITS or --replot FILE...")
     rows = [r for f in args.replot for r in read_rows(f)] if args.replot else sweep(
-        args.sweep, args.batches, args.label or f"K={args.sweep}")
+        args.sweep, args.batches, args.label or f"K={args.sweep}", codebook, tree)
     if not rows:
         raise SystemExit("no step results found")
     if args.csv:
