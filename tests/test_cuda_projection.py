@@ -26,11 +26,7 @@ def exl3_model(arch: str, tmp_path):
     gen = torch.Generator().manual_seed(1)
     for m in model.modules():
         if isinstance(m, Linear):
-            k, n = m.in_features, m.out_features
-            trellis = torch.randint(-32768, 32767, (k // 16, n // 16, 64), dtype=torch.int16, generator=gen)
-            suh = torch.where(torch.rand(k, generator=gen) < 0.5, -1.0, 1.0).half()
-            svh = ((torch.rand(n, generator=gen) + 0.5) / k**0.5).half()
-            m.impl = EXL3Linear(trellis.cuda(), suh.cuda(), svh.cuda(), "mcg", k, n, key=m.key)
+            m.impl = EXL3Linear.random(m.in_features, m.out_features, generator=gen, device="cuda", key=m.key)
     return model
 
 

@@ -42,10 +42,7 @@ def exl3_qwen3(tmp_path_factory):
     gen = torch.Generator().manual_seed(0)
     for m in model.modules():
         if isinstance(m, Linear):
-            k, n = m.in_features, m.out_features
-            trellis = torch.randint(-32768, 32767, (k // 16, n // 16, 64), dtype=torch.int16, generator=gen)
-            m.impl = EXL3Linear(trellis, (torch.randn(k, generator=gen) * 0.1).half(),
-                                (torch.rand(n, generator=gen) + 0.5).half(), "mcg", k, n, key=m.key)
+            m.impl = EXL3Linear.random(m.in_features, m.out_features, generator=gen, key=m.key)
     return model
 
 

@@ -135,6 +135,17 @@ class EXL3Linear(Weights):
         return w[: self.in_features, : self.out_features].t().contiguous()
 
     @classmethod
+    def random(cls, in_features: int, out_features: int, K: int = 4, codebook: str = "mcg",
+               generator: torch.Generator | None = None, device: torch.device | str = "cpu", key: str = "<exl3>") -> "EXL3Linear":
+        """Random trellis codes with random signs in ``suh`` and ``svh`` near 1/sqrt(in): outputs of about the
+        input's scale. For tests and benchmarks of speed and routes, where the values do not matter."""
+        k, n = in_features, out_features
+        trellis = torch.randint(-32768, 32767, (k // 16, n // 16, 16 * K), dtype=torch.int16, generator=generator)
+        suh = torch.where(torch.rand(k, generator=generator) < 0.5, -1.0, 1.0).half()
+        svh = ((torch.rand(n, generator=generator) + 0.5) / k**0.5).half()
+        return cls(trellis.to(device), suh.to(device), svh.to(device), codebook, k, n, key=key)
+
+    @classmethod
     def from_quantized(cls, qt: QuantizedTensors, in_features: int, out_features: int, device=None, key: str = "<exl3>") -> "EXL3Linear":
         mv = lambda t: t.to(device) if (t is not None and device is not None) else t  # noqa: E731
         return cls(mv(qt.trellis), mv(qt.suh), mv(qt.svh), qt.codebook, in_features, out_features, mv(qt.bias), key)
