@@ -8,12 +8,15 @@ cache (``batch.cache is None``) every sequence starts from the zero state.
 """
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 import torch.nn.functional as F
 
 from .. import ops
 from ..batch import ForwardBatch
 from ..cache import KVCache
+from ..capabilities import implements
 from ..config import LinearAttentionConfig
 from ..errors import WeightError
 from .base import LoadContext, Module
@@ -356,6 +359,13 @@ class GatedAttention(Attention):
         return self.project_out(o * torch.sigmoid(gate.reshape(t, -1)), residual)
 
 
+@runtime_checkable
+class RecurrentMixer(Protocol):
+    """A mixer that keeps per-sequence state between steps: it makes the cache layer holding that state."""
+
+    def state_layer(self, max_slots: int, dtype: torch.dtype, device): ...
+
+
 class HybridCausalLM(CausalLM):
     """A CausalLM whose layers mix attention and recurrent mixers; knows how to build its cache."""
 
@@ -373,7 +383,8 @@ class HybridCausalLM(CausalLM):
 
     def recurrent_layers(self) -> list[Module | None]:
         """Per decoder layer, the mixer that keeps recurrent state (None for attention layers)."""
-        return [getattr(layer, "attn", None) if hasattr(getattr(layer, "attn", None), "state_layer") else None for layer in self.layers]
+        mixers = [getattr(layer, "attn", None) for layer in self.layers]
+        return [m if implements(m, RecurrentMixer) else None for m in mixers]
 
     def make_cache(self, max_tokens: int = 8192, page_size: int = 256, max_slots: int | None = None, **kwargs) -> KVCache:
         """Paged KV for the attention layers plus ``max_slots`` recurrent-state slots (see build_hybrid_cache)."""
