@@ -28,6 +28,7 @@ class ForwardBatch:
     max_seq_len: int = 0  # longest sequence (incl. cache) in the batch: dynamic RoPE variants read it
     state_slots: torch.Tensor | None = None  # [B] int64: recurrent-state slot of each sequence (hybrid models)
     cached_lens: torch.Tensor | None = None  # [B] int32: tokens already in the cache before this step
+    lora_slots: torch.Tensor | None = None  # [T] int64: LoRA adapter slot of each token (-1: the base model); None: all -1
 
     @property
     def num_tokens(self) -> int:
@@ -153,8 +154,12 @@ class StepBuffers:
         table_width: int = 0,
         pad_page: int = 0,
         max_seq_len: int | None = None,
+        lora_slots: Sequence[int] | None = None,
     ) -> ForwardBatch:
         """Like :meth:`ForwardBatch.with_cache`, with ``logits_rows`` (flat token rows, None = all).
+
+        ``lora_slots``: each sequence's LoRA adapter slot (-1: none), given to every token of it; padding
+        rows get -1.
 
         ``pad_to`` appends padding sequences up to that many (one token each at position 0, written
         to ``pad_page``, their logits rows appended): a captured decode graph's fixed batch size.
@@ -177,7 +182,8 @@ class StepBuffers:
         o_ids = (o32_cached + _up(b, 4)) // 2
         o_pos, o_slots, o_logits = o_ids + _up(t, 2), o_ids + 2 * _up(t, 2), o_ids + 3 * _up(t, 2)
         o_state = o_logits + _up(n_logits, 2)
-        end = o_state + (b if state_slots is not None else 0)
+        o_lora = o_state + _up(b if state_slots is not None else 0, 2)
+        end = o_lora + (t if lora_slots is not None else 0)
         self._ensure(end)
         h, h32 = self._np, self._np32
 
@@ -224,6 +230,10 @@ class StepBuffers:
             h[o_logits: o_logits + n_logits] = [*logits_rows, *range(t_real, t)]
         if state_slots is not None:
             h[o_state: o_state + b_real] = state_slots
+        if lora_slots is not None:
+            per_token = lora_slots if decode else np.repeat(np.asarray(lora_slots, dtype=np.int64), lens_np)
+            h[o_lora: o_lora + t_real] = per_token
+            h[o_lora + t_real: o_lora + t] = -1
         self._write_table(page_rows, b, width, pad_page)
         self._send(end)
 
@@ -240,6 +250,7 @@ class StepBuffers:
             max_seq_len=max_seq_len if max_seq_len is not None else max_ctx,
             cached_lens=d32[o32_cached: o32_cached + b],
             state_slots=None if state_slots is None else d[o_state: o_state + b],
+            lora_slots=None if lora_slots is None else d[o_lora: o_lora + t],
         )
 
     @staticmethod

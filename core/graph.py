@@ -45,6 +45,13 @@ class GraphRunner:
         self._failed: set[int] = set()
         self.pool = None
         self._scratch_page: int | None = self._reserve_scratch_page()
+        self._lora_version = self._lora_now()
+
+    def _lora_now(self) -> int | None:
+        """The model's LoRA adapter set version (None: no adapters): graphs captured under another one
+        hold stale adapter routes and factor addresses."""
+        lora = getattr(getattr(self.model, "language", self.model), "lora", None)
+        return None if lora is None else lora.version
 
     def _reserve_scratch_page(self) -> int | None:
         """The page every padding row writes its KV to, taken (evicting a prefix-cached page if need be)
@@ -71,13 +78,16 @@ class GraphRunner:
         """The graph's static inputs: ``size`` padding rows (one token each, written to the scratch page)."""
         if size not in self.buffers:
             # ids, positions, slots, logits rows (int64) + table, cu, ctx, cached (int32); each field 16-byte aligned
-            need = 4 * (size + 1) + (size * self.max_pages + 3 * size + 1) // 2 + 8
+            need = 5 * (size + 1) + (size * self.max_pages + 3 * size + 1) // 2 + 8
             self.buffers[size] = StepBuffers(self.device, capacity=need, growable=False)
         return self._build(self.buffers[size], [], [], [], [], size)
 
-    def _build(self, buffers: StepBuffers, feeds, cached_lens, page_rows, logits_rows, size: int) -> ForwardBatch:
+    def _build(self, buffers: StepBuffers, feeds, cached_lens, page_rows, logits_rows, size: int,
+               lora_slots: Sequence[int] | None = None) -> ForwardBatch:
+        if lora_slots is None and self._lora_version is not None:  # a model with adapters: the graph reads the slots
+            lora_slots = [-1] * len(feeds)
         return buffers.build(feeds, cached_lens, page_rows, self.cache, logits_rows, pad_to=size, table_width=self.max_pages,
-                             pad_page=self._scratch_page, max_seq_len=self.max_pages * self.page_size)
+                             pad_page=self._scratch_page, max_seq_len=self.max_pages * self.page_size, lora_slots=lora_slots)
 
     def _capture(self, size: int):
         batch = self._padding_batch(size)
@@ -99,6 +109,11 @@ class GraphRunner:
         capture failed)."""
         if not self.enabled or num_seqs > self.batch_sizes[-1]:
             return None
+        if self._lora_now() != self._lora_version:  # adapters loaded or unloaded since these were captured
+            self.graphs.clear()
+            self.buffers.clear()
+            self._failed.clear()
+            self._lora_version = self._lora_now()
         size = next(b for b in self.batch_sizes if b >= num_seqs)
         if size in self._failed:
             return None
@@ -115,9 +130,9 @@ class GraphRunner:
         return size
 
     def stage(self, size: int, feeds: Sequence[Sequence[int]], cached_lens: Sequence[int],
-              page_rows: Sequence[Sequence[int]]) -> ForwardBatch:
+              page_rows: Sequence[Sequence[int]], lora_slots: Sequence[int] | None = None) -> ForwardBatch:
         """Write one decode step (one token per sequence) into graph ``size``'s inputs: one host->device copy."""
-        return self._build(self.buffers[size], feeds, cached_lens, page_rows, range(len(feeds)), size)
+        return self._build(self.buffers[size], feeds, cached_lens, page_rows, range(len(feeds)), size, lora_slots)
 
     def replay(self, size: int, num_seqs: int) -> torch.Tensor:
         """Replay graph ``size`` on what :meth:`stage` wrote; logits of the first ``num_seqs`` rows."""
@@ -142,6 +157,12 @@ class GraphRunner:
         s.slots[:n].copy_(batch.slots)
         if batch.cached_lens is not None:
             s.cached_lens[:n].copy_(batch.cached_lens)
+        if s.lora_slots is not None:
+            if batch.lora_slots is not None:
+                s.lora_slots[:n].copy_(batch.lora_slots)
+            else:
+                s.lora_slots[:n].fill_(-1)
+            s.lora_slots[n:].fill_(-1)
         if n < size:  # padding rows: one token at the scratch page
             s.block_table[n:].fill_(self._scratch_page)
             s.context_lens[n:].fill_(1)

@@ -85,13 +85,61 @@ class LoadedModel:
         self.model, self.store, self.tokenizer, self.device, self.dtype = model, store, tokenizer, device, dtype
         self._cache: KVCache | None = None
         self._runner = None
+        self.default_lora: str | None = None  # the adapter simple calls and Generator jobs use unless they name one
 
     def __repr__(self) -> str:
         return f"<trellm model {self.model_dir.name} ({self.spec.name}) on {self.device} {self.dtype}>"
 
+    # ---- LoRA adapters ------------------------------------------------------------------------------
+
+    def load_lora(self, path, name: str | None = None, scale: float = 1.0) -> str:
+        """Load the PEFT LoRA adapter in directory ``path`` beside the base weights, under ``name`` (default: the
+        directory's name); ``scale`` multiplies its update. Returns the name. Jobs choose it with
+        ``Job(lora=name)``, simple calls with ``lora=name``; several adapters serve one batch together."""
+        from .lora import lora_set
+
+        return lora_set(self.model).load(path, name=name, scale=scale)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload adapter ``name`` (jobs still running with it fail); raises LoraError for an unknown name."""
+        from .lora import lora_set
+
+        adapters = lora_set(self.model, create=False)
+        if adapters is None:
+            from .lora import LoraError
+
+            raise LoraError(f"no LoRA adapter named {name!r} is loaded; loaded: none")
+        adapters.unload(name)
+        if self.default_lora == name:
+            self.default_lora = None
+
+    @property
+    def loras(self) -> list[str]:
+        """Names of the loaded LoRA adapters."""
+        from .lora import lora_set
+
+        adapters = lora_set(self.model, create=False)
+        return adapters.names() if adapters is not None else []
+
+    def _with_lora(self, batch: ForwardBatch, lora: str | None) -> ForwardBatch:
+        """``batch`` with every token on adapter ``lora`` (None: the default adapter; "": the base model)."""
+        from .lora import lora_set
+
+        adapters = lora_set(self.model, create=False)
+        name = self.default_lora if lora is None else (lora or None)
+        if adapters is None:
+            if name is not None:
+                from .lora import LoraError
+
+                raise LoraError(f"no LoRA adapter named {name!r} is loaded; loaded: none")
+            return batch
+        batch.lora_slots = torch.full((batch.num_tokens,), adapters.slot(name), dtype=torch.long, device=batch.input_ids.device)
+        return batch
+
     @torch.inference_mode()
-    def logits(self, input_ids: torch.Tensor | Sequence[Sequence[int]], images=None) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor | Sequence[Sequence[int]], images=None, lora: str | None = None) -> torch.Tensor:
         """Float32 logits [batch, seq, vocab] for whole sequences (no cache). Shorter rows are right-padded with 0.
+        ``lora``: the adapter to run with (None: the default one, if any; "": the base model).
 
         ``images``: per sequence, a list of images for its image markers (multimodal models); the
         rows are then those of the expanded prompts (see ``trellm.multimodal``).
@@ -113,7 +161,7 @@ class LoadedModel:
                 raise UsageError("logits: a sequence is empty")
             if (why := prompt_too_long(len(seq), self.model.config, reply_tokens=0)) is not None:
                 raise PromptTooLongError(f"logits: {why}")
-        batch = ForwardBatch.no_cache(seqs, self.device)
+        batch = self._with_lora(ForwardBatch.no_cache(seqs, self.device), lora)
         if prompts is not None:
             attach_images(batch, [(p, 0) for p in prompts])
         flat = self.model.forward(batch)
@@ -147,6 +195,7 @@ class LoadedModel:
         seed: int | None = None,
         cache: KVCache | None = None,
         images=None,
+        lora: str | None = None,
     ) -> Iterator[int]:
         """Yield generated token ids one at a time (prefill in chunks, then cached decode).
 
@@ -185,6 +234,7 @@ class LoadedModel:
                     seq.reserve(seq.length + len(chunk))
                     slots = None if seq.state_slot is None else [seq.state_slot]
                     batch = ForwardBatch.with_cache([chunk], [seq.length], [seq.pages], cache, state_slots=slots)
+                    batch = self._with_lora(batch, lora)
                     if mm is not None:  # image rows (prefill) and family positions (every step)
                         attach_images(batch, [(mm, seq.length)])
                     logits = forward(batch)[-1]
@@ -227,6 +277,7 @@ class LoadedModel:
         stop_token_ids: Sequence[int] | None = None,
         seed: int | None = None,
         images=None,
+        lora: str | None = None,
     ) -> Iterator[str]:
         """Yield generated text pieces as they complete (never a split UTF-8 character or a partial stop string).
 
@@ -241,7 +292,8 @@ class LoadedModel:
         stops = set(stop_token_ids) if stop_token_ids is not None else self.default_stop_ids()
         decoder = self.tokenizer.stream()
         matcher = StopStringMatcher(list(stop or []))
-        for token in self.generate_ids(ids, max_new_tokens, temperature, top_k, top_p, list(stops), seed, images=images):
+        for token in self.generate_ids(ids, max_new_tokens, temperature, top_k, top_p, list(stops), seed, images=images,
+                                       lora=lora):
             if token in stops:
                 break
             text, stopped = matcher.feed(decoder.push(token))
@@ -299,8 +351,12 @@ def model_path(path: str | Path) -> Path:
     return model_dir
 
 
-def load(path: str | Path, device=None, dtype=None, progress: bool = False, tokenizer: bool = True) -> LoadedModel:
-    """Load an HF model directory (bf16/fp16/fp32 safetensors, or EXL3) with the plugin that serves it."""
+def load(path: str | Path, device=None, dtype=None, progress: bool = False, tokenizer: bool = True,
+         lora: str | Path | None = None) -> LoadedModel:
+    """Load an HF model directory (bf16/fp16/fp32 safetensors, or EXL3) with the plugin that serves it.
+
+    ``lora``: a PEFT LoRA adapter directory loaded beside the base weights and used by default
+    (``LoadedModel.load_lora`` adds more)."""
     model_dir = model_path(path)
     raw = read_config_json(model_dir)
     archs = raw.get("architectures") or []
@@ -333,4 +389,7 @@ def load(path: str | Path, device=None, dtype=None, progress: bool = False, toke
             from .tokenizer import Tokenizer
 
             tok = Tokenizer.from_dir(model_dir, vocab_size=getattr(config, "vocab_size", None))
-    return LoadedModel(model_dir, raw, spec, config, model, store, tok, dev, dt)
+    lm = LoadedModel(model_dir, raw, spec, config, model, store, tok, dev, dt)
+    if lora is not None:
+        lm.default_lora = lm.load_lora(lora)
+    return lm

@@ -39,6 +39,7 @@ from ..cache.recurrent import alloc_state_slot, copy_state_slot, free_state_slot
 from ..capabilities import HasDefaultStopIds, config_stop_ids, implements, is_hybrid, wants_hidden_states
 from ..errors import TrellmError
 from ..model import prompt_too_long
+from ..lora import adapter_root, lora_set
 from ..multimodal import attach_images
 from ..samplers import SamplerSettings, SamplerStack, SamplingContext
 from ..sampling import StopStringMatcher
@@ -102,6 +103,8 @@ class _Running:
         self.rewinds = 0
         self.cached_tokens = 0
         self.named_pages = 0  # leading pages entered in the prefix cache
+        self.lora: str | None = None  # the LoRA adapter this job runs with (set at admission)
+        self.lora_uid = 0  # which load of it (0: the base model)
         self.last_name = ROOT_HASH
         self.time_started = time.time()
         self.time_first_token: float | None = None
@@ -175,6 +178,7 @@ class Generator:
         self._sampled_event: Any = None
         self.vocab_size = int(getattr(getattr(self.model, "config", None), "vocab_size", 0) or 0)
         self.default_stop_ids = self._default_stop_ids(model)
+        self.default_lora: str | None = getattr(model, "default_lora", None)  # trellm.load(..., lora=DIR)
         self.pending: deque[tuple[Job, list[int]]] = deque()
         self.active: list[_Running] = []  # in admission order
         self.preempted: list[_Running] = []  # oldest first; resumed before any pending job is admitted
@@ -221,6 +225,7 @@ class Generator:
         prompt_ids = self._prompt_ids(job)
         if (why := prompt_too_long(len(prompt_ids), getattr(self.model, "config", None))) is not None:
             raise JobTooLargeError(f"job {job.identifier!r}: {why}")
+        self._adapter_of(job)  # LoraError for an adapter that is not loaded
         total = len(prompt_ids) + job.max_new_tokens
         if total > self.capacity_tokens:
             raise JobTooLargeError(
@@ -239,6 +244,7 @@ class Generator:
         """Run one scheduling step (at most one forward); return what happened, in order."""
         results: list[Result] = []
         self._finish_cancelled(results)
+        self._finish_unloaded_adapters(results)
         self._admit(results)
         self._grow()
         if self.active:
@@ -336,6 +342,25 @@ class Generator:
             raise ImageError(f"job {job.identifier!r}: {type(self.model).__name__} takes no image input")
         return self.model.prepare(prompt, job.images, self.tokenizer)
 
+    def _adapter_of(self, job: Job) -> str | None:
+        """The LoRA adapter ``job`` runs with (None: the base model); raises LoraError when it is not loaded."""
+        name = self.default_lora if job.lora is None else (job.lora or None)
+        if name is not None:
+            adapters = lora_set(self.model, create=False)
+            if adapters is None or name not in adapters:
+                from ..lora import LoraError
+
+                loaded = sorted(adapters.names()) if adapters is not None else []
+                raise LoraError(f"job {job.identifier!r}: no LoRA adapter named {name!r} is loaded; loaded: {loaded or 'none'}")
+        return name
+
+    def _lora_slots(self, plan) -> list[int] | None:
+        """Each planned job's adapter slot (-1: base), or None when the model has no adapters."""
+        adapters = lora_set(self.model, create=False)
+        if adapters is None:
+            return None
+        return [adapters.slot(r.lora) for r, _, _ in plan]
+
     def _prompt_ids(self, job: Job) -> list[int]:
         if job.multimodal is not None:
             ids = job.multimodal.input_ids
@@ -378,10 +403,19 @@ class Generator:
 
     def _try_admit(self, job: Job, prompt_ids: list[int], results: list[Result]) -> bool:
         """Give ``job`` its pages (reusing cached prefix pages) and a state slot; False when they are not free."""
+        try:
+            lora = self._adapter_of(job)
+        except TrellmError as exc:  # unloaded while the job waited
+            job.finished = True
+            results.append(JobFinished(job=job, identifier=job.identifier, eos_reason=EOS_ERROR, text="", token_ids=[],
+                                       prompt_tokens=len(prompt_ids), time_enqueued=job.time_enqueued or 0.0, error=str(exc)))
+            return True
+        adapters = lora_set(self.model, create=False)
+        lora_uid = adapters.uid(lora) if adapters is not None else 0
         hash_ids = job.multimodal.hash_ids() if job.multimodal is not None else prompt_ids
         # headroom: a page for each running job's next tokens, so new jobs do not cause preemptions at once
         claim = self._claim(hash_ids, self._pages_needed(len(prompt_ids), len(prompt_ids) + job.max_new_tokens),
-                            headroom=len(self.active))
+                            headroom=len(self.active), root=adapter_root(lora_uid))
         if claim is None:
             return False
         seq, names, reused = claim
@@ -389,7 +423,8 @@ class Generator:
         run = _Running(job, prompt_ids, seq, self.tokenizer, stop_ids)
         run.cached_tokens = run.state_len = seq.length
         run.named_pages = len(reused)
-        run.last_name = names[len(reused) - 1] if reused else ROOT_HASH
+        run.lora, run.lora_uid = lora, lora_uid
+        run.last_name = names[len(reused) - 1] if reused else adapter_root(lora_uid)
         self.stats["reused_tokens"] += seq.length
         self.active.append(run)
         results.append(JobStarted(job=job, identifier=job.identifier, prompt_tokens=run.prompt_len, cached_tokens=run.cached_tokens))
@@ -400,15 +435,17 @@ class Generator:
         lookahead = self.num_draft_tokens if self.proposer is not None else 0
         return self.cache.pages_for(min(tokens + lookahead, total))
 
-    def _claim(self, hash_ids: Sequence[int], pages: int, headroom: int = 0) -> tuple[SequenceState, list[bytes], list[int]] | None:
+    def _claim(self, hash_ids: Sequence[int], pages: int, headroom: int = 0,
+               root: bytes = ROOT_HASH) -> tuple[SequenceState, list[bytes], list[int]] | None:
         """A sequence holding ``pages`` pages, the leading ones reused from the prefix cache (and a state slot,
-        from the deepest checkpoint on a hybrid model); None when they are not free (``headroom`` more must be)."""
+        from the deepest checkpoint on a hybrid model); None when they are not free (``headroom`` more must be).
+        ``root``: the page names' root (one per LoRA adapter load: pages computed with an adapter are its own)."""
         prefix = self.cache.prefix_cache
         names: list[bytes] = []
         reused: list[int] = []
         if self.prefix_caching:
             # The last token is always computed (its logits give the next token), so reuse stops before its page.
-            names = page_hashes(hash_ids[: len(hash_ids) - 1], self.cache.page_size)
+            names = page_hashes(hash_ids[: len(hash_ids) - 1], self.cache.page_size, root)
             reused = prefix.lookup(names)
             if self.state_layers:  # a hybrid job can only start where a state checkpoint was taken
                 while reused and reused[-1] not in prefix.checkpoint_of:
@@ -428,13 +465,14 @@ class Generator:
 
     def _resume(self, r: _Running) -> bool:
         """Readmit a preempted job: it prefills its prompt and generated tokens again (cached pages reused)."""
+        root = adapter_root(r.lora_uid)
         claim = self._claim(r.prompt_hash_ids + r.tokens[r.prompt_len:],
-                            self._pages_needed(len(r.tokens), r.prompt_len + r.job.max_new_tokens))
+                            self._pages_needed(len(r.tokens), r.prompt_len + r.job.max_new_tokens), root=root)
         if claim is None:
             return False
         r.seq, names, reused = claim
         r.state_len, r.named_pages = r.seq.length, len(reused)
-        r.last_name = names[len(reused) - 1] if reused else ROOT_HASH
+        r.last_name = names[len(reused) - 1] if reused else root
         at = next((i for i, other in enumerate(self.active) if other.time_started > r.time_started), len(self.active))
         self.active.insert(at, r)  # back in its admission place: the oldest are preempted last
         return True
@@ -613,11 +651,12 @@ class Generator:
                 and all(r.mm is None for r, _, _ in plan) and max(len(p) for p in pages) <= runner.max_pages):
             size = runner.graph_size(len(plan))
             if size is not None:
-                runner.stage(size, feeds, cached, pages)
+                runner.stage(size, feeds, cached, pages, self._lora_slots(plan))
                 return runner.replay(size, len(plan))
         batch = self.step_buffers.build(
             feeds, cached, pages, self.cache, rows,
             state_slots=[r.state_slot for r, _, _ in plan] if self.state_layers else None,
+            lora_slots=self._lora_slots(plan),
         )
         if any(r.mm is not None for r, _, _ in plan):  # image embeddings (prefill) and M-RoPE positions (every step)
             attach_images(batch, [(r.mm, r.seq.length) for r, _, _ in plan])
@@ -812,6 +851,13 @@ class Generator:
                 else:
                     keep.append((job, ids))
             self.pending = keep
+
+    def _finish_unloaded_adapters(self, results: list[Result]) -> None:
+        """Fail running jobs whose LoRA adapter was unloaded (or replaced) since they started."""
+        adapters = lora_set(self.model, create=False)
+        for r in [r for r in self.active if r.lora is not None]:
+            if adapters is None or r.lora not in adapters or adapters.uid(r.lora) != r.lora_uid:
+                self._finish(r, EOS_ERROR, results, error=f"LoRA adapter {r.lora!r} was unloaded while the job ran")
 
     def _finish(self, r: _Running, reason: str, results: list[Result], **extra: Any) -> None:
         self._release(r, results)  # held tokens are final now (cancelled, out of tokens ...)

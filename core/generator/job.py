@@ -30,7 +30,9 @@ class Job:
     (raw logits); ``top_logprobs=k`` also returns the k most likely tokens at each step.
     ``identifier`` is any value; it is echoed in every result. ``images`` (multimodal models): one
     per image marker of the prompt, as paths, bytes, data URLs or PIL images, or a prepared
-    ``trellm.multimodal.MultimodalPrompt``; they are decoded and encoded at enqueue.
+    ``trellm.multimodal.MultimodalPrompt``; they are decoded and encoded at enqueue. ``lora`` names a LoRA
+    adapter loaded into the model (``load_lora``) that this job runs with; None: the model's default
+    adapter (``trellm.load(..., lora=DIR)``) or none; ``""``: the base model even when there is a default.
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class Job:
         identifier: Any = None,
         decode_special_tokens: bool = False,
         images: Any = None,
+        lora: str | None = None,
     ):
         if isinstance(prompt, str):
             self.prompt_text: str | None = prompt
@@ -75,6 +78,7 @@ class Job:
         self.decode_special_tokens = decode_special_tokens
         self.images = images if images is None or not isinstance(images, (list, tuple)) else list(images)
         self.multimodal = None  # the MultimodalPrompt, set at enqueue when the job has images
+        self.lora = lora
         self.job_id = next(_job_ids)
         self.time_enqueued: float | None = None
         self.finished = False

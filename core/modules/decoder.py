@@ -165,6 +165,8 @@ def add_norm(norm: Module | None, x: torch.Tensor, residual: torch.Tensor | None
 class CausalLM(Module):
     """Embedding, decoder layers, final norm and LM head; ``forward(batch)`` returns float32 logits."""
 
+    lora = None  # a trellm.lora.LoraSet once an adapter is loaded
+
     def __init__(
         self,
         config: DecoderConfig,
@@ -193,6 +195,8 @@ class CausalLM(Module):
         return [getattr(layer, "attn", None) if isinstance(getattr(layer, "attn", None), Attention) else None for layer in self.layers]
 
     def embed_tokens(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.lora is not None:  # every forward starts here: the adapters learn each row's choice
+            self.lora.bind(batch)
         x = self.embed.forward(batch.input_ids)
         if batch.input_embeds is not None:
             emb = batch.input_embeds.to(x.dtype)

@@ -1,0 +1,322 @@
+"""LoRA adapters served beside the base weights: several at once, chosen per row of a batch.
+
+A model's adapters live in one :class:`LoraSet` (``model.lora``). Each adapter gets a slot; every
+projection an adapter targets has its :class:`~trellm.modules.linear.Linear` implementation wrapped in
+a :class:`LoraWeights`, which holds that projection's factors of all slots stacked (``trellm.ops.lora_add``)
+and adds the update of each row's adapter to whatever the base weights compute (dense or EXL3: quantized
+weights cannot be merged). The row -> slot choice comes from the batch (``ForwardBatch.lora_slots``), bound
+when the forward starts, so one captured CUDA graph serves every mix of adapters.
+
+No route may skip an adapter: a wrapped projection runs its base's fused helpers only where the update
+can ride along (added to the residual the fused kernel adds, or after a grouped matmul) and refuses the
+ones that would leave it out (q/k/v + RoPE + KV write in one kernel: ``group_parts`` answers None).
+"""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .. import ops
+from ..modules.linear import Linear
+from .peft import LoraError, LoraFactors, PeftAdapter, read_peft_adapter
+
+__all__ = ["LoraError", "LoraSet", "LoraWeights", "PeftAdapter", "read_peft_adapter", "lora_set", "adapter_root"]
+
+# modules whose weight a family reads whole at load (MLA absorbs kv_b_proj into its attention): an update
+# applied in their forward would be skipped, so adapters on them are refused
+_READ_WHOLE = ("kv_b_proj",)
+_uids = itertools.count(1)
+
+
+def _unwrap(impl: Any) -> Any:
+    return impl.base if isinstance(impl, LoraWeights) else impl
+
+
+class LoraWeights:
+    """A projection's base implementation plus the LoRA factors of every adapter slot that targets it.
+
+    ``a`` [slots * rank, in] and ``b`` [out, slots * rank] (scale folded into b) in the model dtype; rows
+    of a slot that does not target this projection are zero. ``head``: the LM head, which sees the
+    logits rows of a batch rather than its token rows.
+    """
+
+    def __init__(self, base: Any, owner: "LoraSet", key: str, in_features: int, out_features: int, head: bool):
+        self.base, self.owner, self.key, self.head = base, owner, key, head
+        self.in_features, self.out_features = in_features, out_features
+        self.a: torch.Tensor | None = None
+        self.b: torch.Tensor | None = None
+        self.targeted_by: set[int] = set()  # slots whose adapter targets this projection
+
+    @property
+    def carries(self) -> bool:
+        """Whether any loaded adapter targets this projection."""
+        return bool(self.targeted_by)
+
+    # ---- the update ------------------------------------------------------------------------------
+
+    def add_update(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y`` plus each row's adapter update of ``x`` (y is written in place when it is contiguous)."""
+        if not self.carries:
+            return y
+        x2 = x.reshape(-1, x.shape[-1])
+        slots = self.owner.rows(self.head, x2.shape[0], self.key)
+        if slots is None:
+            return y
+        y = y if y.is_contiguous() else y.contiguous()
+        ops.lora_add(y.view(-1, y.shape[-1]), x2, self.a, self.b, slots, self.owner.rank)
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.add_update(self.base.forward(x), x)
+
+    __call__ = forward
+
+    # ---- the fused helpers of core/modules/linear.py, each with the update inside ----------------
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``self(x) + residual``: the update is added to the residual the base's fused add takes."""
+        residual = self.add_update(residual.clone(), x) if self.carries else residual
+        if hasattr(self.base, "forward_add"):
+            return self.base.forward_add(x, residual)
+        return self.base.forward(x) + residual, None
+
+    def forward_gated(self, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+        if not self.carries and hasattr(self.base, "forward_gated"):
+            return self.base.forward_gated(gate, up, activation)
+        return self.forward(ops.gated_activation(gate, up, activation))
+
+    def forward_gated_add(self, gate: torch.Tensor, up: torch.Tensor, activation: str,
+                          residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.carries:
+            residual = self.add_update(residual.clone(), ops.gated_activation(gate, up, activation))
+        if hasattr(self.base, "forward_gated_add"):
+            return self.base.forward_gated_add(gate, up, activation, residual)
+        return self.base.forward(ops.gated_activation(gate, up, activation)) + residual, None
+
+    def groups_with(self, other: object) -> bool:
+        base = self.base
+        return hasattr(base, "forward_group") and hasattr(base, "groups_with") and base.groups_with(_unwrap(other))
+
+    @staticmethod
+    def forward_group(linears: Sequence[Any], x: torch.Tensor, row_norm: Any = None) -> list[torch.Tensor]:
+        """The bases' grouped matmul, then each wrapped projection's update (of the normed x with a norm)."""
+        bases = [_unwrap(l) for l in linears]
+        ys = bases[0].forward_group(bases, x, row_norm) if row_norm is not None else bases[0].forward_group(bases, x)
+        if not any(isinstance(l, LoraWeights) and l.carries for l in linears):
+            return ys
+        xn = row_norm.apply(x) if row_norm is not None else x
+        return [l.add_update(y, xn) if isinstance(l, LoraWeights) else y for l, y in zip(linears, ys)]
+
+    @staticmethod
+    def group_parts(linears: Sequence[Any]) -> Any:
+        """None (the caller projects and rotates apart) when an adapter targets any of ``linears``: the
+        one-kernel q/k/v + RoPE + KV write has no place for the update."""
+        if any(isinstance(l, LoraWeights) and l.carries for l in linears):
+            return None
+        bases = [_unwrap(l) for l in linears]
+        return bases[0].group_parts(bases) if hasattr(bases[0], "group_parts") else None
+
+    def nbytes(self) -> int:
+        own = sum(t.numel() * t.element_size() for t in (self.a, self.b) if t is not None)
+        return self.base.nbytes() + own
+
+    def dense_weight(self) -> torch.Tensor:
+        raise LoraError(f"{self.key}: its weight is read whole while a LoRA adapter targets it; the update would be lost")
+
+
+class _Loaded:
+    def __init__(self, name: str, adapter: PeftAdapter, slot: int):
+        self.name, self.adapter, self.slot = name, adapter, slot
+        self.uid = next(_uids)  # tells a reloaded adapter of the same name from the old one (prefix-cache keys)
+
+
+class LoraSet:
+    """The adapters loaded into one model, by name. See the module docstring."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.linears: dict[str, Linear] = {}
+        self.fused: dict[str, list[Linear]] = {}  # a fused checkpoint tensor's parts (Phi-3 qkv_proj)
+        for m in model.modules():
+            if isinstance(m, Linear):
+                self.linears[m.key] = m
+                fused_key = getattr(m, "fused_key", None)
+                if fused_key is not None:
+                    self.fused.setdefault(fused_key, []).append(m)
+        self.head = getattr(model, "lm_head", None)
+        emb = model.embed.weight
+        self.dtype, self.device = emb.dtype, emb.device
+        self.loaded: dict[str, _Loaded] = {}
+        self.capacity = 0  # slots every wrapped projection has room for
+        self.rank = 0  # rank each slot has room for
+        self.version = 0  # bumped on every load/unload: captured CUDA graphs are stale after it
+        self._token_slots: torch.Tensor | None = None
+        self._logits_indices: torch.Tensor | None = None
+        self._logit_slots: torch.Tensor | None = None
+
+    # ---- names and slots -------------------------------------------------------------------------
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.loaded
+
+    def names(self) -> list[str]:
+        return list(self.loaded)
+
+    def slot(self, name: str | None) -> int:
+        """The slot of adapter ``name`` (-1 for None: the base model); raises LoraError for an unknown name."""
+        if name is None:
+            return -1
+        try:
+            return self.loaded[name].slot
+        except KeyError:
+            raise LoraError(f"no LoRA adapter named {name!r} is loaded; loaded: {sorted(self.loaded) or 'none'}") from None
+
+    def uid(self, name: str | None) -> int:
+        """A number naming this load of ``name`` (0 for the base model)."""
+        return 0 if name is None else self.loaded[name].uid
+
+    # ---- load / unload ---------------------------------------------------------------------------
+
+    def _targets(self, adapter: PeftAdapter) -> list[tuple[Linear, LoraFactors]]:
+        """(projection, its factors) for every module of ``adapter``, checked against this model (nothing
+        changes yet, so a bad adapter loses nothing)."""
+        out: list[tuple[Linear, LoraFactors]] = []
+        for module, f in adapter.modules.items():
+            if module.rsplit(".", 1)[-1] in _READ_WHOLE:
+                raise LoraError(f"{adapter.path}: targets {module!r}, whose weight this model reads whole at load "
+                                "(absorbed into attention); LoRA on it is not supported")
+            if ".experts." in f".{module}.":
+                raise LoraError(f"{adapter.path}: targets {module!r}, a MoE expert projection; LoRA on experts is not "
+                                "supported yet (attention, dense MLP, shared experts and the head are)")
+            if module in self.linears:
+                parts = [(self.linears[module], f)]
+            elif module in self.fused:  # split B by the parts' rows; A is shared
+                parts, start = [], 0
+                for lin in sorted(self.fused[module], key=lambda p: p.start):
+                    parts.append((lin, LoraFactors(f.a, f.b[lin.start: lin.start + lin.out_features], f.scale)))
+                if f.b.shape[0] != self.fused[module][0].fused_rows:
+                    raise LoraError(f"{adapter.path}: tensor {module + '.lora_B.weight'!r} has shape {list(f.b.shape)}, "
+                                    f"the base's {module!r} has {self.fused[module][0].fused_rows} output rows "
+                                    "(an adapter for another base model?)")
+            else:
+                raise LoraError(f"{adapter.path}: targets module {module!r}, which this model does not have "
+                                f"(an adapter for another base model, or a module trellm does not adapt)")
+            for lin, part in parts:
+                if lin.impl is None:
+                    raise LoraError(f"{lin.key}: the model is not loaded")
+                want_a, want_b = (part.rank, lin.in_features), (lin.out_features, part.rank)
+                for tname, t, want in (("lora_A", part.a, want_a), ("lora_B", part.b, want_b)):
+                    if tuple(t.shape) != want:
+                        raise LoraError(f"{adapter.path}: tensor {module + '.' + tname + '.weight'!r} has shape "
+                                        f"{list(t.shape)}, the base model's {lin.key!r} needs {list(want)} "
+                                        f"(in {lin.in_features}, out {lin.out_features}): an adapter for another base model")
+                out.append((lin, part))
+        for module, base_weight in adapter.base_layers.items():
+            lin = self.linears.get(module)
+            shape = (lin.out_features, lin.in_features) if lin is not None else None
+            if shape is not None and tuple(base_weight.shape) != shape:
+                raise LoraError(f"{adapter.path}: tensor {module + '.base_layer.weight'!r} has shape {list(base_weight.shape)}, "
+                                f"the base model's {module!r} has {list(shape)}: an adapter for another base model")
+        return out
+
+    def load(self, path: str | Path | PeftAdapter, name: str | None = None, scale: float = 1.0) -> str:
+        """Load a PEFT adapter directory under ``name`` (default: the directory's name); returns the name."""
+        adapter = path if isinstance(path, PeftAdapter) else read_peft_adapter(path, scale)
+        name = name or adapter.path.name
+        if name in self.loaded:
+            raise LoraError(f"a LoRA adapter named {name!r} is already loaded; unload it first or pick another name")
+        targets = self._targets(adapter)
+        used = {l.slot for l in self.loaded.values()}
+        slot = next(s for s in itertools.count() if s not in used)
+        self._ensure_room(slot + 1, adapter.max_rank, [lin for lin, _ in targets])
+        for lin, f in targets:
+            w: LoraWeights = lin.impl
+            rows = slice(slot * self.rank, slot * self.rank + f.rank)
+            w.a[rows] = f.a.to(self.device, self.dtype)
+            w.b[:, rows] = (f.b * f.scale).to(self.device, self.dtype)
+            w.targeted_by.add(slot)
+        self.loaded[name] = _Loaded(name, adapter, slot)
+        self.version += 1
+        return name
+
+    def unload(self, name: str) -> None:
+        """Forget adapter ``name``; its slot's factors are zeroed (raises LoraError for an unknown name)."""
+        slot = self.slot(name)
+        rows = slice(slot * self.rank, (slot + 1) * self.rank)
+        for w in self._wrapped():
+            if slot in w.targeted_by:
+                w.a[rows] = 0
+                w.b[:, rows] = 0
+                w.targeted_by.discard(slot)
+        del self.loaded[name]
+        self.version += 1
+
+    def _wrapped(self) -> list[LoraWeights]:
+        return [lin.impl for lin in self.linears.values() if isinstance(lin.impl, LoraWeights)]
+
+    def _ensure_room(self, slots: int, rank: int, linears: list[Linear]) -> None:
+        """Every wrapped projection (and ``linears``, wrapped now) with room for ``slots`` slots of ``rank``."""
+        new_cap, new_rank = max(self.capacity, slots), max(self.rank, rank)
+        if (new_cap, new_rank) != (self.capacity, self.rank):
+            for w in self._wrapped():
+                w.a, w.b = self._moved(w.a, w.b, w.in_features, w.out_features, new_cap, new_rank)
+            self.capacity, self.rank = new_cap, new_rank
+        for lin in linears:
+            if not isinstance(lin.impl, LoraWeights):
+                w = LoraWeights(lin.impl, self, lin.key, lin.in_features, lin.out_features, lin is self.head)
+                w.a, w.b = self._moved(None, None, lin.in_features, lin.out_features, self.capacity, self.rank)
+                lin.impl = w
+
+    def _moved(self, a, b, in_features: int, out_features: int, cap: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed factor stacks for ``cap`` slots of ``rank``, holding what ``a``/``b`` held slot by slot."""
+        new_a = torch.zeros(cap * rank, in_features, dtype=self.dtype, device=self.device)
+        new_b = torch.zeros(out_features, cap * rank, dtype=self.dtype, device=self.device)
+        if a is not None:
+            old_rank = a.shape[0] // max(self.capacity, 1)
+            for s in range(self.capacity):
+                new_a[s * rank: s * rank + old_rank] = a[s * old_rank: (s + 1) * old_rank]
+                new_b[:, s * rank: s * rank + old_rank] = b[:, s * old_rank: (s + 1) * old_rank]
+        return new_a, new_b
+
+    # ---- rows of the running batch ---------------------------------------------------------------
+
+    def bind(self, batch: Any) -> None:
+        """Take the running batch's row -> slot choice (``batch.lora_slots``, None: every row on the base)."""
+        self._token_slots = getattr(batch, "lora_slots", None)
+        self._logits_indices = batch.logits_indices
+        self._logit_slots = None
+
+    def rows(self, head: bool, n: int, key: str) -> torch.Tensor | None:
+        """The slot of each of the ``n`` rows a projection sees (the LM head: the logits rows)."""
+        slots = self._token_slots
+        if slots is None:
+            return None
+        if head and self._logits_indices is not None:
+            if self._logit_slots is None:
+                self._logit_slots = slots[self._logits_indices]
+            slots = self._logit_slots
+        if slots.shape[0] != n:
+            raise LoraError(f"{key}: projects {n} rows but the batch names adapters for {slots.shape[0]}; "
+                            "this route regroups rows without telling the adapters")
+        return slots
+
+
+def lora_set(model: Any, create: bool = True) -> LoraSet | None:
+    """The :class:`LoraSet` of ``model`` (a module tree, or a multimodal model's language model), made on
+    first use with ``create``."""
+    target = getattr(model, "language", model)
+    found = getattr(target, "lora", None)
+    if found is None and create:
+        found = LoraSet(target)
+        target.lora = found
+    return found
+
+
+def adapter_root(uid: int) -> bytes:
+    """The prefix-cache root name of pages computed with the adapter load ``uid`` (0: the base model)."""
+    from ..cache.prefix import ROOT_HASH
+
+    return ROOT_HASH if uid == 0 else ROOT_HASH + b"/lora/" + str(uid).encode()

@@ -1,0 +1,162 @@
+"""Reading PEFT LoRA adapters (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+Only what changes the math is checked: an option trellm does not implement (DoRA, trained biases,
+modules saved whole, expert parameters, ...) is refused by name instead of being silently dropped.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from ..errors import TrellmError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+
+# (config key, the value that means "off", what the option does): any other value is refused
+_UNSUPPORTED_OPTIONS = (
+    ("use_dora", False, "DoRA (weight-decomposed LoRA)"),
+    ("lora_bias", False, "a trained bias on lora_B"),
+    ("bias", "none", "trained base-layer biases"),
+    ("modules_to_save", None, "modules saved whole beside the adapter"),
+    ("target_parameters", None, "LoRA on raw parameters (MoE expert stacks)"),
+    ("trainable_token_indices", None, "trained embedding rows"),
+    ("layer_replication", None, "replicated layers"),
+    ("use_qalora", False, "QALoRA"),
+    ("velora_config", None, "VeLoRA"),
+    ("kasa_config", None, "KaSA"),
+    ("use_bdlora", None, "BD-LoRA"),
+    ("alora_invocation_tokens", None, "activated LoRA (aLoRA)"),
+)
+# initialisations that leave the base weights changed unless the adapter was converted when saved
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
+
+class LoraError(TrellmError):
+    """A LoRA adapter is missing, malformed, unsupported, made for another base model, or unknown by name."""
+
+
+@attrs.frozen
+class LoraFactors:
+    """One projection's update ``scale * b @ a``: a [rank, in], b [out, rank] (float32, on the CPU)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+@attrs.frozen
+class PeftAdapter:
+    """An adapter read from ``path``: its factors by module name (the base checkpoint's tensor prefix, e.g.
+    ``model.layers.0.self_attn.q_proj``) and the base-layer tensors it carries (``lm_head.base_layer.weight``)."""
+
+    path: Path
+    modules: dict[str, LoraFactors]
+    base_layers: dict[str, torch.Tensor]
+    base_model: str | None
+
+    @property
+    def max_rank(self) -> int:
+        return max(f.rank for f in self.modules.values())
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup: the first key that matches the end of the name."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _check_options(config: dict, where: Path) -> None:
+    peft_type = config.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise LoraError(f"{where}: peft_type {peft_type!r} is not supported; trellm loads LoRA adapters (peft_type 'LORA')")
+    for key, off, what in _UNSUPPORTED_OPTIONS:
+        value = config.get(key, off)
+        if value not in (off, None, False, [], {}, "none"):
+            raise LoraError(f"{where}: {key}={value!r} ({what}) is not supported by trellm's LoRA; "
+                            "save the adapter without it or merge it into the base model")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise LoraError(f"{where}: init_lora_weights={init!r} changes the base weights; convert the adapter to plain LoRA "
+                        "when saving it (PEFT: path_initial_model_for_weight_conversion)")
+    r = config.get("r")
+    if not isinstance(r, int) or r <= 0:
+        raise LoraError(f"{where}: 'r' must be a positive integer, got {r!r}")
+
+
+def read_peft_adapter(path: str | Path, scale: float = 1.0) -> PeftAdapter:
+    """Read and check the PEFT adapter in directory ``path``; ``scale`` multiplies every update (on top of
+    the adapter's own alpha / r, or alpha / sqrt(r) with rsLoRA)."""
+    from safetensors import safe_open
+
+    root = Path(path)
+    if not root.is_dir():
+        raise LoraError(f"{root}: no such adapter directory")
+    config_path, weights_path = root / CONFIG_FILE, root / WEIGHTS_FILE
+    if not config_path.is_file():
+        raise LoraError(f"{root}: {CONFIG_FILE} is missing (not a PEFT adapter directory)")
+    if not weights_path.is_file():
+        bins = " (adapter_model.bin is there: convert it to safetensors, trellm reads no pickles)" if (root / "adapter_model.bin").is_file() else ""
+        raise LoraError(f"{root}: {WEIGHTS_FILE} is missing{bins}")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise LoraError(f"{config_path}: not readable JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise LoraError(f"{config_path}: expected a JSON object")
+    _check_options(config, config_path)
+    r, alpha = config["r"], config.get("lora_alpha", 8)
+    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    rslora = bool(config.get("use_rslora", False))
+
+    try:
+        with safe_open(str(weights_path), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types for a corrupt header
+        raise LoraError(f"{weights_path}: not a readable safetensors file ({exc})") from None
+
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    base_layers: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        short = name[len(_PREFIX):] if name.startswith(_PREFIX) else name
+        m = re.fullmatch(r"(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight", short)
+        if m:
+            pairs.setdefault(m.group(1), {})[m.group(2)] = t
+        elif short.endswith(".base_layer.weight"):
+            base_layers[short[: -len(".base_layer.weight")]] = t
+        elif ".lora_embedding_" in short:
+            raise LoraError(f"{weights_path}: tensor {name!r}: LoRA on an embedding table is not supported")
+        elif "lora_magnitude_vector" in short:
+            raise LoraError(f"{weights_path}: tensor {name!r}: DoRA magnitudes are not supported")
+        else:
+            raise LoraError(f"{weights_path}: tensor {name!r} is not a LoRA factor trellm knows (lora_A / lora_B)")
+    if not pairs:
+        raise LoraError(f"{weights_path}: holds no lora_A / lora_B tensors")
+
+    modules: dict[str, LoraFactors] = {}
+    for module, ab in sorted(pairs.items()):
+        for part in ("lora_A", "lora_B"):
+            if part not in ab:
+                raise LoraError(f"{weights_path}: {module}.{part}.weight is missing (the module has only the other factor)")
+        a, b = ab["lora_A"], ab["lora_B"]
+        rank = _pattern_value(rank_pattern, module, r)
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise LoraError(f"{weights_path}: {module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not form a "
+                            f"rank-{rank} pair ([{rank}, in] and [out, {rank}])")
+        alpha_m = _pattern_value(alpha_pattern, module, alpha)
+        scaling = alpha_m / math.sqrt(rank) if rslora else alpha_m / rank
+        modules[module] = LoraFactors(a.float(), b.float(), float(scaling) * float(scale))
+    return PeftAdapter(root, modules, base_layers, config.get("base_model_name_or_path"))

@@ -1,0 +1,29 @@
+"""The per-row low-rank update of LoRA adapters: rows of one batch may each use a different adapter.
+
+The adapters of one projection are stacked into two matrices: ``a`` [slots * rank, in] holds adapter
+slot s's A in rows ``[s * rank, (s + 1) * rank)`` and ``b`` [out, slots * rank] its scaled B in the
+same columns (an adapter of a smaller rank, or one that does not target this projection, leaves its
+rows zero). ``slots`` [rows] names each row's adapter slot, -1 for none, as a tensor: the choice is
+data, so one captured CUDA graph serves every mix of adapters (the BGMV idea of Punica / S-LoRA).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import op
+
+
+@op
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+             rank: int) -> torch.Tensor:
+    """``y[i] += b[:, s*rank:(s+1)*rank] @ a[s*rank:(s+1)*rank] @ x[i]`` with ``s = slots[i]`` (rows with
+    s = -1 unchanged), in place; returns y. x [rows, in], y [rows, out]; float32 accumulation.
+
+    The reference runs every slot's A on every row and masks the other slots' columns out: two matmuls,
+    no host sync, exact (masked columns contribute exact zeros).
+    """
+    h = x.float() @ a.float().t()  # [rows, slots * rank]
+    column_slot = torch.arange(a.shape[0], device=x.device) // rank
+    h = h * (slots.long()[:, None] == column_slot[None, :])
+    y += (h @ b.float().t()).to(y.dtype)
+    return y

@@ -1,0 +1,237 @@
+"""LoRA adapters: real PEFT adapters on a tiny random Llama, dense and EXL3, one or several per batch."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import trellm
+from trellm import ops
+from trellm.generator import Generator, Job
+from trellm.lora import LoraError, read_peft_adapter
+
+peft = pytest.importorskip("peft")
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
+def make_tiny_llama(path: Path) -> Path:
+    """2 layers, hidden 128 (EXL3 needs multiples of 128), an untied head PEFT can target."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 1.0 if "embed" in name else 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def make_peft_adapter(base_dir: Path, out: Path, r: int, alpha: float, targets: list[str], rslora: bool = False,
+                      seed: int = 1, std: float = 0.1) -> Path:
+    """A real PEFT adapter: the base wrapped with LoraConfig, every lora_A / lora_B random and non-zero, saved."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    pm = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    pm.save_pretrained(out)
+    return out
+
+
+def peft_logits(base_dir: Path, adapter_dir: Path | None, ids: torch.Tensor) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32).eval()
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-3) -> None:
+    span = (want.max() - want.min()).item()
+    err = (got - want).abs().max().item()
+    assert err <= tol * span, f"max |diff| {err:.3g} > {tol} x logit range {span:.3g}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = make_tiny_llama(root / "base")
+    a = make_peft_adapter(base, root / "all", r=8, alpha=16, targets=ALL_TARGETS, seed=1)
+    b = make_peft_adapter(base, root / "rs", r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"], rslora=True, seed=2)
+    return root, base, a, b
+
+
+IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+def test_peft_adapter_reads_rank_alpha_rslora(tiny):
+    _, _, a, b = tiny
+    ad = read_peft_adapter(a)
+    f = ad.modules["model.layers.0.self_attn.q_proj"]
+    assert f.rank == 8 and f.scale == pytest.approx(16 / 8) and tuple(f.a.shape) == (8, 128)
+    assert "lm_head" in ad.modules and len(ad.modules) == 2 * 7 + 1
+    rs = read_peft_adapter(b, scale=0.5)
+    assert rs.modules["model.layers.1.mlp.down_proj"].scale == pytest.approx(0.5 * 8 / 4 ** 0.5)
+
+
+@pytest.mark.parametrize("which", ["all", "rs"])
+def test_dense_logits_and_greedy_match_peft(tiny, which):
+    _, base, a, b = tiny
+    adapter = a if which == "all" else b
+    want = peft_logits(base, adapter, IDS)
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=adapter)
+    got = lm.logits(IDS)
+    assert_close(got, want)
+    assert not torch.allclose(want, peft_logits(base, None, IDS), atol=1e-2)  # the adapter changes the logits
+    assert_close(lm.logits(IDS, lora=""), peft_logits(base, None, IDS))  # "" = the base model
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32), adapter).eval()
+    prompt = IDS[0, :10]
+    mask = torch.ones(1, 10, dtype=torch.long)
+    hf_out = hf.generate(input_ids=prompt[None], attention_mask=mask, max_new_tokens=8, do_sample=False)[0, 10:].tolist()
+    ours = list(lm.generate_ids(prompt.tolist(), max_new_tokens=8, stop_token_ids=[]))
+    assert ours == hf_out
+
+
+def test_several_adapters_in_one_generator_batch_match_single_runs(tiny):
+    _, base, a, b = tiny
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False)
+    lm.load_lora(a, name="all")
+    lm.load_lora(b, name="rs")
+    assert lm.loras == ["all", "rs"]
+    prompts = [IDS[0, :12].tolist(), IDS[1, :9].tolist(), IDS[0, :12].tolist()]
+    choices = ["all", None, "rs"]
+    alone = []
+    for p, name in zip(prompts, choices):
+        gen = Generator(lm, max_batch_size=4, cache_tokens=1024, page_size=16)
+        alone.append(gen.generate(p, max_new_tokens=6, return_results=True, lora=name, stop_token_ids=[]).token_ids)
+        ref = list(lm.generate_ids(p, max_new_tokens=6, stop_token_ids=[], lora=name or ""))
+        assert alone[-1] == ref
+    gen = Generator(lm, max_batch_size=4, cache_tokens=1024, page_size=16)
+    jobs = [Job(p, 6, lora=name, stop_token_ids=[], identifier=i) for i, (p, name) in enumerate(zip(prompts, choices))]
+    gen.enqueue(jobs)
+    done = {r.identifier: r.token_ids for r in gen.stream() if type(r).__name__ == "JobFinished"}
+    assert [done[i] for i in range(3)] == alone
+    assert len({tuple(t) for t in alone}) == 3  # the same prompt gives different tokens under different adapters
+    gen.verify_pages()
+
+
+def test_prefix_cache_pages_are_keyed_by_adapter(tiny):
+    _, base, a, _ = tiny
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False)
+    lm.load_lora(a, name="all")
+    prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    gen = Generator(lm, max_batch_size=2, cache_tokens=1024, page_size=16)
+    base_first = gen.generate(prompt, max_new_tokens=4, return_results=True, stop_token_ids=[])
+    with_adapter = gen.generate(prompt, max_new_tokens=4, return_results=True, lora="all", stop_token_ids=[])
+    again = gen.generate(prompt, max_new_tokens=4, return_results=True, lora="all", stop_token_ids=[])
+    assert base_first.cached_tokens == 0 and with_adapter.cached_tokens == 0  # the base's pages are not the adapter's
+    assert again.cached_tokens == 32 and again.token_ids == with_adapter.token_ids
+    lm.unload_lora("all")
+    lm.load_lora(a, name="all")  # a new load of the same name does not find the old load's pages
+    assert gen.generate(prompt, max_new_tokens=4, return_results=True, lora="all", stop_token_ids=[]).cached_tokens == 0
+
+
+def test_unload_and_unknown_names(tiny):
+    _, base, a, b = tiny
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False)
+    base_logits = lm.logits(IDS)
+    lm.load_lora(a, name="x")
+    lm.load_lora(b, name="y", scale=0.5)
+    with pytest.raises(LoraError, match="already loaded"):
+        lm.load_lora(a, name="x")
+    lm.unload_lora("x")
+    assert lm.loras == ["y"]
+    assert torch.equal(lm.logits(IDS), base_logits)  # nothing runs for rows on the base
+    with pytest.raises(LoraError, match="no LoRA adapter named 'x'"):
+        lm.logits(IDS, lora="x")
+    gen = Generator(lm, max_batch_size=2, cache_tokens=512, page_size=16)
+    with pytest.raises(LoraError, match="'nope'"):
+        gen.enqueue(Job([1, 2, 3], 2, lora="nope"))
+    with pytest.raises(LoraError, match="'nope'"):
+        lm.unload_lora("nope")
+
+
+def _edit_adapter(src: Path, dst: Path, config: dict | None = None, tensors=None) -> Path:
+    shutil.copytree(src, dst)
+    if config is not None:
+        cfg = json.loads((dst / "adapter_config.json").read_text())
+        cfg.update(config)
+        (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    if tensors is not None:
+        from safetensors.torch import load_file, save_file
+
+        path = dst / "adapter_model.safetensors"
+        save_file(tensors(load_file(str(path))), str(path))
+    return dst
+
+
+def test_bad_adapters_say_what_is_wrong(tiny, tmp_path):
+    root, base, a, _ = tiny
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False)
+    with pytest.raises(LoraError, match="no such adapter directory"):
+        lm.load_lora(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LoraError, match="adapter_config.json is missing"):
+        lm.load_lora(tmp_path / "empty")
+    no_weights = _edit_adapter(a, tmp_path / "nw")
+    (no_weights / "adapter_model.safetensors").unlink()
+    with pytest.raises(LoraError, match="adapter_model.safetensors is missing"):
+        lm.load_lora(no_weights)
+    with pytest.raises(LoraError, match="use_dora=True .*DoRA"):
+        lm.load_lora(_edit_adapter(a, tmp_path / "dora", {"use_dora": True}))
+    with pytest.raises(LoraError, match="modules_to_save"):
+        lm.load_lora(_edit_adapter(a, tmp_path / "mts", {"modules_to_save": ["lm_head"]}))
+    with pytest.raises(LoraError, match="peft_type 'IA3'"):
+        lm.load_lora(_edit_adapter(a, tmp_path / "ia3", {"peft_type": "IA3"}))
+
+    key = "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"
+
+    def wider(t):
+        t[key] = torch.zeros(8, 256)
+        return t
+
+    other = _edit_adapter(a, tmp_path / "other_base", tensors=wider)
+    with pytest.raises(LoraError, match=r"'model.layers.1.self_attn.q_proj.lora_A.weight' has shape \[8, 256\].*needs \[8, 128\]"):
+        lm.load_lora(other)
+
+    def extra_layer(t):
+        t["base_model.model.model.layers.7.mlp.up_proj.lora_A.weight"] = torch.zeros(8, 128)
+        t["base_model.model.model.layers.7.mlp.up_proj.lora_B.weight"] = torch.zeros(256, 8)
+        return t
+
+    with pytest.raises(LoraError, match="'model.layers.7.mlp.up_proj', which this model does not have"):
+        lm.load_lora(_edit_adapter(a, tmp_path / "deeper", tensors=extra_layer))
+    assert lm.loras == []  # nothing of a refused adapter stays
+    assert_close(lm.logits(IDS), peft_logits(base, None, IDS))
+
+
+def test_lora_add_reference_is_per_row():
+    g = torch.Generator().manual_seed(0)
+    rank, slots_n, k, n = 4, 3, 32, 24
+    a, b = torch.randn(slots_n * rank, k, generator=g), torch.randn(n, slots_n * rank, generator=g)
+    x, y = torch.randn(5, k, generator=g), torch.randn(5, n, generator=g)
+    slots = torch.tensor([2, -1, 0, 0, 1])
+    got = ops.lora_add(y.clone(), x, a, b, slots, rank)
+    for i, s in enumerate(slots.tolist()):
+        want = y[i] if s < 0 else y[i] + b[:, s * rank:(s + 1) * rank] @ (a[s * rank:(s + 1) * rank] @ x[i])
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
