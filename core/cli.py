@@ -99,7 +99,7 @@ def _model_dir(args) -> Path:
 def _load(args):
     import trellm
 
-    return trellm.load(_model_dir(args), device=args.device, dtype=args.dtype, progress=True)
+    return trellm.load(_model_dir(args), device=args.device, dtype=args.dtype, progress=True, lora=getattr(args, "lora", None))
 
 
 def _sampling(args) -> dict:
@@ -263,6 +263,7 @@ def _add_model_args(p: argparse.ArgumentParser, sampling: bool = True) -> None:
     p.add_argument("-m", "--model", help="HF model directory or Hub id org/name (default: SmolLM2-135M-Instruct, imported on first use)")
     add_device_args(p)
     if sampling:
+        p.add_argument("--lora", metavar="DIR", default=None, help="a PEFT LoRA adapter directory to run with")
         p.add_argument("--max-tokens", type=positive_int, default=256, help="most tokens to generate (default 256)")
         p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
         p.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")

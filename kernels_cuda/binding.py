@@ -1122,3 +1122,32 @@ def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.T
     )
     _check(rc, "softmax_topk")
     return weights, ids
+
+
+LORA_MAX_RANK = 256  # TRELLM_LORA_MAX_RANK
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+             rank: int) -> torch.Tensor:
+    """``trellm.ops.lora_add`` in place on y: x [rows, k] and y [rows, n] (rows may be strided), a [S*rank, k],
+    b [n, S*rank], all of one dtype; slots int64 [rows]."""
+    expect(x, "x", dtype=_FLOATS, shape=(None, None), contiguous=False)
+    rows, k = x.shape
+    expect(y, "y", dtype=x.dtype, shape=(rows, None), device=x.device, contiguous=False)
+    n = y.shape[1]
+    for t, name in ((x, "x"), (y, "y")):
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise KernelArgumentError(f"{name}: the last dim must be contiguous (strides {t.stride()})")
+    if not 1 <= rank <= LORA_MAX_RANK or a.dim() != 2 or a.shape[0] % rank:
+        raise KernelArgumentError(f"rank {rank}: must be 1..{LORA_MAX_RANK} and divide a's {list(a.shape)} rows")
+    width = a.shape[0]
+    expect(a, "a", dtype=x.dtype, shape=(width, k), device=x.device)
+    expect(b, "b", dtype=x.dtype, shape=(n, width), device=x.device)
+    expect(slots, "slots", dtype=torch.int64, shape=(rows,), device=x.device)
+    h = torch.empty(rows, rank, dtype=torch.float32, device=x.device)
+    rc = lib().trellm_lora_add(
+        _ptr(x), x.stride(0) if rows else k, _ptr(y), y.stride(0) if rows else n, _ptr(a), _ptr(b),
+        _ptr(slots, "int64_t *"), _ptr(h, "float *"), rows, k, n, width // rank, rank, DTYPE_CODES[x.dtype], _stream(),
+    )
+    _check(rc, "lora_add")
+    return y

@@ -14,6 +14,7 @@ from trellm import ops as _ops
 from trellm.ops import attention as _attention
 from trellm.ops import dense as _dense
 from trellm.ops import exl3 as _exl3
+from trellm.ops import lora as _lora
 
 from . import binding
 
@@ -600,6 +601,22 @@ def rotary_qk_write_kv(q, k, v, cos_table, sin_table, positions, k_pages, v_page
                              _norm_weight(k_norm), norm_eps, norm_unit_offset, v=v.contiguous(), k_pages=k_pages,
                              v_pages=v_pages, slots=slots.to(device=q.device, dtype=torch.int64).contiguous())
 # ---- end fused RoPE -----------------------------------------------------------------------------------
+
+
+@_lora.lora_add.register("cuda")
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, rank: int):
+    if (
+        x.dim() != 2
+        or y.dim() != 2
+        or a.dtype not in _FLOATS
+        or y.dtype != a.dtype
+        or b.dtype != a.dtype
+        or not 1 <= rank <= binding.LORA_MAX_RANK
+        or (x.shape[1] > 1 and x.stride(1) != 1)
+        or (y.shape[1] > 1 and y.stride(1) != 1)
+    ):
+        return _lora.lora_add.reference(y, x, a, b, slots, rank)
+    return binding.lora_add(y, x.to(a.dtype), a.contiguous(), b.contiguous(), slots.to(torch.int64).contiguous(), rank)
 
 
 REGISTERED = sorted(name for name, o in _ops._OPS.items() if "cuda" in o.impls)

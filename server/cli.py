@@ -9,7 +9,7 @@ from .config import ServerConfig, load_config_file
 
 # CLI flag -> ServerConfig field, for the flags whose value is taken as given
 _FLAGS = ("model", "model_name", "host", "port", "api_key", "admin_key", "max_queue", "max_batch_size", "max_chunk_tokens",
-          "cache_size", "page_size", "cache_bits", "draft_model", "num_draft_tokens", "device", "dtype",
+          "cache_size", "page_size", "cache_bits", "draft_model", "num_draft_tokens", "lora", "device", "dtype",
           "default_max_tokens", "max_tokens_limit", "max_request_bytes", "max_prompt_bytes", "max_images",
           "max_image_pixels", "template_timeout_s", "template_memory_mb", "models_dir", "request_timeout_s",
           "keep_alive_timeout_s", "max_connections", "shutdown_grace_s", "max_failed_auth", "log_level")
@@ -35,6 +35,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--draft-model", help="HF directory of a draft model for speculative decoding, or 'mtp': the model's "
                                          "own multi-token-prediction head (Qwen3.5 checkpoints with mtp.* weights)")
     p.add_argument("--num-draft-tokens", type=int, help="draft tokens per step (default 4)")
+    p.add_argument("--lora", action="append", metavar="NAME=DIR",
+                   help="serve the PEFT LoRA adapter in DIR as model '<model-name>:NAME' (repeatable; several adapters "
+                        "share one batch)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", help="float32, float16 or bfloat16")
     p.add_argument("--default-max-tokens", type=int, help="chat completions without max_tokens stop here (default 512)")

@@ -31,6 +31,27 @@ def parse_cache_bits(value: Any) -> tuple[int, int] | None:
     return bits[0], bits[1]
 
 
+def parse_loras(value: Any) -> dict[str, str]:
+    """``["NAME=DIR", ...]`` or ``{NAME: DIR}`` -> {NAME: DIR}: the LoRA adapters served as ``<model>:NAME``."""
+    if not value:
+        return {}
+    if isinstance(value, dict):
+        items = list(value.items())
+    else:
+        items = []
+        for entry in [value] if isinstance(value, str) else value:
+            name, sep, path = str(entry).partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ConfigError(f"lora: expected NAME=DIR, got {entry!r}")
+            items.append((name.strip(), path.strip()))
+    out: dict[str, str] = {}
+    for name, path in items:
+        if ":" in str(name) or str(name) in out:
+            raise ConfigError(f"lora: adapter name {name!r} is {'repeated' if name in out else 'not allowed (no colons)'}")
+        out[str(name)] = str(path)
+    return out
+
+
 @attrs.define
 class ServerConfig:
     """Everything ``trellm serve`` can be told; keys of a config file use these names."""
@@ -50,6 +71,7 @@ class ServerConfig:
     cache_bits: tuple[int, int] | None = attrs.field(default=None, converter=parse_cache_bits)
     draft_model: str | None = None
     num_draft_tokens: int = 4
+    lora: dict[str, str] = attrs.field(factory=dict, converter=parse_loras)  # NAME -> PEFT adapter directory
     device: str | None = None
     dtype: str | None = None
     default_max_tokens: int = 512  # chat requests without max_tokens: at most this many (and what the context allows)

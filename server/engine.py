@@ -69,6 +69,7 @@ class LoadSettings:
     max_chunk_tokens: int
     device: str | None
     dtype: str | None
+    loras: dict[str, str] = attrs.field(factory=dict)  # NAME -> PEFT adapter directory, served as <model_name>:NAME
 
     @classmethod
     def from_config(cls, config: ServerConfig, model_dir: Path) -> "LoadSettings":
@@ -77,7 +78,7 @@ class LoadSettings:
             page_size=config.page_size, cache_bits=config.cache_bits,
             draft_model=Path(config.draft_model) if config.draft_model else None, num_draft_tokens=config.num_draft_tokens,
             max_batch_size=config.max_batch_size, max_chunk_tokens=config.max_chunk_tokens,
-            device=config.device, dtype=config.dtype,
+            device=config.device, dtype=config.dtype, loras=dict(config.lora),
         )
 
 
@@ -127,6 +128,39 @@ class ModelHost:
         context = int(getattr(self.lm.config, "max_position_embeddings", 0) or 0)
         capacity = self.generator.capacity_tokens
         return min(context, capacity) if context else capacity
+
+    def adapter_for(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names: ``<model_name>:NAME`` -> NAME, the model's own name (or
+        None, or any name when names are not strict) -> None; raises LookupError for an adapter not loaded."""
+        base = self.model_name
+        if model is None or model == base:
+            return None
+        prefix = f"{base}:"
+        if model.startswith(prefix):
+            name = model[len(prefix):]
+            if name not in self.loras:
+                raise LookupError(f"the model {model!r} does not exist here: no LoRA adapter {name!r} is loaded "
+                                  f"(loaded: {sorted(self.loras) or 'none'})")
+            return name
+        if self.config.strict_model_name:
+            raise LookupError(f"the model {model!r} does not exist here; this server serves {base!r}"
+                              + "".join(f", {base}:{n}" for n in self.loras))
+        return None
+
+    @property
+    def loras(self) -> list[str]:
+        """Names of the LoRA adapters loaded into the model."""
+        return self.lm.loras if self.lm is not None else []
+
+    async def load_lora(self, name: str, path: str, scale: float = 1.0) -> None:
+        """Load a PEFT adapter as ``<model_name>:name`` between generator steps; raises LoraError for a bad one."""
+        self.require_ready()
+        await asyncio.to_thread(self.agen.between_steps, lambda: self.lm.load_lora(path, name=name, scale=scale))
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload adapter ``name`` between steps; its running jobs end with an error."""
+        self.require_ready()
+        await asyncio.to_thread(self.agen.between_steps, lambda: self.lm.unload_lora(name))
 
     def require_ready(self) -> None:
         if self.draining:
@@ -226,6 +260,8 @@ def _build(settings: LoadSettings) -> tuple[Any, Generator]:
 
         raise ConfigError(f"{settings.model_dir}: not a model directory (no config.json)")
     lm = trellm.load(settings.model_dir, device=settings.device, dtype=settings.dtype)
+    for name, path in settings.loras.items():
+        lm.load_lora(path, name=name)
     cache = None  # fp16: the generator builds it (a hybrid model's cache also holds recurrent-state slots)
     if settings.cache_bits is not None:
         from trellm.cache.quantized import quantized_cache

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from trellm.generator import AsyncJob, Job, JobFinished, JobTooLargeError, SamplerSettings, TokenChunk
+from trellm.lora import LoraError
 
 from .engine import ModelHost, QueueFullError
 from .errors import APIError, bad_request
@@ -210,7 +211,7 @@ def sampler_settings(host: ModelHost, req: SamplingFields) -> SamplerSettings:
 
 
 def make_jobs(host: ModelHost, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None, default_max: int,
-              logprobs: int | None, request_id: str, images: Any = None) -> list[Job]:
+              logprobs: int | None, request_id: str, images: Any = None, lora: str | None = None) -> list[Job]:
     """n jobs per prompt; choice index = prompt index * n + j (OpenAI's order). ``images``: a
     MultimodalPrompt (one prompt) whose ids are ``prompts[0]``."""
     n = req.n
@@ -245,7 +246,7 @@ def make_jobs(host: ModelHost, req: SamplingFields, prompts: list[list[int]], ma
                     ids, budget, min_new_tokens=min(req.min_tokens or 0, budget), stop=stops, stop_token_ids=stop_ids,
                     sampler=sampler, seed=seed, banned_strings=req.banned_strings or (), logprobs=logprobs is not None,
                     top_logprobs=logprobs or 0, identifier=(request_id, p * n + j),
-                    decode_special_tokens=not req.skip_special_tokens, images=images,
+                    decode_special_tokens=not req.skip_special_tokens, images=images, lora=lora,
                 ))
             except ValueError as exc:
                 raise bad_request(str(exc)) from None
@@ -272,6 +273,8 @@ class JobGroup:
             raise APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
         except JobTooLargeError as exc:
             raise APIError(400, str(exc), param="max_tokens", code="context_length_exceeded") from None
+        except LoraError as exc:  # the adapter was unloaded after the model name was checked
+            raise APIError(404, str(exc), param="model", code="model_not_found") from None
 
     async def results(self) -> AsyncIterator[tuple[int, Any]]:
         """(job index, result) pairs as they come; ends once every job has finished."""

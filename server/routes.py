@@ -18,7 +18,8 @@ from .generation import (
     encode_text, finish_reason, make_jobs, token_piece, token_text,
 )
 from .schemas import (
-    ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList, ModelLoadRequest, TokenDecodeRequest,
+    ChatCompletionRequest, CompletionRequest, ErrorResponse, LoraLoadRequest, LoraUnloadRequest, ModelCard, ModelList,
+    ModelLoadRequest, TokenDecodeRequest,
     TokenDecodeResponse, TokenEncodeRequest, TokenEncodeResponse,
 )
 from trellm.generator import JobFinished, TokenChunk
@@ -48,14 +49,14 @@ def build_router(keys) -> APIRouter:
     @router.get("/v1/models", dependencies=api, response_model=ModelList, tags=["openai"])
     async def list_models(request: Request):
         host = host_of(request)
-        return ModelList(data=[model_card(host)] if host.ready else [])
+        return ModelList(data=[model_card(host), *(model_card(host, n) for n in host.loras)] if host.ready else [])
 
     @router.get("/v1/models/{model_id:path}", dependencies=api, response_model=ModelCard, tags=["openai"])
     async def get_model(model_id: str, request: Request):
         host = host_of(request)
-        if not host.ready or model_id != host.model_name:
+        if not host.ready or not (model_id == host.model_name or model_id.removeprefix(f"{host.model_name}:") in host.loras):
             raise APIError(404, f"model {model_id!r} is not served here", param="model", code="model_not_found")
-        return model_card(host)
+        return model_card(host, host.adapter_for(model_id))
 
     @router.post("/v1/completions", dependencies=api, tags=["openai"])
     async def completions(body: CompletionRequest, request: Request):
@@ -66,7 +67,8 @@ def build_router(keys) -> APIRouter:
             raise bad_request("best_of other than n is not supported", param="best_of")
         prompts = await asyncio.to_thread(completion_prompts, host, body.prompt)
         request_id = "cmpl-" + secrets.token_hex(12)
-        jobs = make_jobs(host, body, prompts, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs, request_id)
+        jobs = make_jobs(host, body, prompts, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs, request_id,
+                         lora=host.adapter_for(body.model))
         echo = [host.tokenizer.decode(p) if body.echo else "" for p in prompts for _ in range(body.n)]
         shaper = CompletionShaper(host, body, request_id, echo)
         group = JobGroup(host, jobs, request_id, "/v1/completions")  # submitted: from here on the response releases them
@@ -88,7 +90,7 @@ def build_router(keys) -> APIRouter:
         if top and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
         jobs = make_jobs(host, body, [ids], max_tokens, host.config.default_max_tokens, top if body.logprobs else None,
-                         request_id, images=images)
+                         request_id, images=images, lora=host.adapter_for(body.model))
         shaper = ChatShaper(host, body, request_id, len(jobs))
         group = JobGroup(host, jobs, request_id, "/v1/chat/completions")
         group.prompt_tokens = len(ids)
@@ -146,6 +148,7 @@ def build_router(keys) -> APIRouter:
         settings.model_name = body.model_name or Path(body.model).name
         settings.cache_size = body.cache_size or config.cache_size
         settings.cache_bits = cache_bits
+        settings.loras = {}  # the configured adapters belong to the configured model; load others with /v1/lora/load
         settings.draft_model = (Path(MTP_DRAFT) if draft == MTP_DRAFT else model_under_models_dir(config.models_dir, draft, "draft_model")
                                 if draft else None)
         try:
@@ -156,6 +159,29 @@ def build_router(keys) -> APIRouter:
                            code="model_load_failed") from None
         return AsciiJSONResponse({"status": "loaded", **model_card(host).model_dump()})
 
+    @router.post("/v1/lora/load", dependencies=admin, tags=["admin"])
+    async def load_lora(body: LoraLoadRequest, request: Request):
+        """Load a PEFT LoRA adapter directory (a name under ``--models-dir``), served as ``<model>:<name>``."""
+        from trellm.lora import LoraError
+
+        host = ready_host(request, None)
+        path = model_under_models_dir(host.config.models_dir, body.path, "path", marker="adapter_config.json")
+        try:
+            await host.load_lora(body.name, str(path), body.scale)
+        except LoraError as exc:
+            detail = str(exc).replace(str(Path(host.config.models_dir).resolve()), "<models-dir>")
+            raise APIError(400, detail, param="path", code="lora_load_failed") from None
+        return AsciiJSONResponse({"status": "loaded", **model_card(host, body.name).model_dump()})
+
+    @router.post("/v1/lora/unload", dependencies=admin, tags=["admin"])
+    async def unload_lora(body: LoraUnloadRequest, request: Request):
+        host = ready_host(request, None)
+        if body.name not in host.loras:
+            raise APIError(404, f"no LoRA adapter named {body.name!r} is loaded (loaded: {sorted(host.loras) or 'none'})",
+                           param="name", code="model_not_found")
+        await host.unload_lora(body.name)
+        return AsciiJSONResponse({"status": "unloaded", "id": f"{host.model_name}:{body.name}"})
+
     @router.post("/v1/model/unload", dependencies=admin, tags=["admin"])
     async def unload_model(request: Request):
         host = host_of(request)
@@ -165,16 +191,20 @@ def build_router(keys) -> APIRouter:
     return router
 
 
-def model_card(host: ModelHost) -> ModelCard:
-    return ModelCard(id=host.model_name, created=int(host.loaded_at or time.time()), max_model_len=host.max_model_len)
+def model_card(host: ModelHost, lora: str | None = None) -> ModelCard:
+    """The card of the base model, or of LoRA adapter ``lora`` on it (id ``<model>:<lora>``, parent the model)."""
+    created = int(host.loaded_at or time.time())
+    if lora is None:
+        return ModelCard(id=host.model_name, created=created, max_model_len=host.max_model_len)
+    return ModelCard(id=f"{host.model_name}:{lora}", created=created, max_model_len=host.max_model_len, parent=host.model_name)
 
 
 MAX_MODEL_NAME = 1024
 
 
-def model_under_models_dir(models_dir: str | None, name: str, param: str) -> Path:
+def model_under_models_dir(models_dir: str | None, name: str, param: str, marker: str = "config.json") -> Path:
     """The model directory an admin load names: a relative name under ``--models-dir`` that resolves (symlinks
-    followed) inside it and holds config.json. Whatever is wrong, the answer names only ``name``, so it reveals
+    followed) inside it and holds ``marker`` (config.json; a LoRA adapter's adapter_config.json). Whatever is wrong, the answer names only ``name``, so it reveals
     nothing about the files outside."""
     if models_dir is None:
         raise APIError(403, "admin model loads are off: start the server with --models-dir DIR and name a model under it",
@@ -187,7 +217,7 @@ def model_under_models_dir(models_dir: str | None, name: str, param: str) -> Pat
     root = Path(models_dir).resolve()
     try:
         path = (root / name).resolve(strict=True)
-        found = path.is_relative_to(root) and (path / "config.json").is_file()
+        found = path.is_relative_to(root) and (path / marker).is_file()
     except (OSError, RuntimeError, ValueError):  # missing, a symlink loop, an odd name
         found = False
     if not found:
@@ -201,9 +231,10 @@ def ready_host(request: Request, model: str | None) -> ModelHost:
         host.require_ready()
     except ModelNotReadyError as exc:
         raise APIError(503, str(exc), "server_error", code=exc.code, headers={"Retry-After": "5"}) from None
-    if model is not None and host.config.strict_model_name and model != host.model_name:
-        raise APIError(404, f"the model {model!r} does not exist here; this server serves {host.model_name!r}",
-                       param="model", code="model_not_found")
+    try:
+        host.adapter_for(model)
+    except LookupError as exc:
+        raise APIError(404, str(exc), param="model", code="model_not_found") from None
     return host
 
 
@@ -229,6 +260,7 @@ class CompletionShaper:
 
     def __init__(self, host: ModelHost, body: CompletionRequest, request_id: str, echo: list[str]):
         self.host, self.body, self.request_id, self.echo = host, body, request_id, echo
+        self.model_id = host.model_name if host.adapter_for(body.model) is None else body.model  # <model>:<adapter>
         self.created = int(time.time())
         self.offsets = [len(e) for e in echo]
 
@@ -237,7 +269,7 @@ class CompletionShaper:
         return bool(self.body.stream_options and self.body.stream_options.include_usage)
 
     def chunk(self, choices: list[dict], usage_body: dict | None = None, with_usage: bool = False) -> dict:
-        out = {"id": self.request_id, "object": self.object_name, "created": self.created, "model": self.host.model_name,
+        out = {"id": self.request_id, "object": self.object_name, "created": self.created, "model": self.model_id,
                "choices": choices}
         if with_usage:
             out["usage"] = usage_body

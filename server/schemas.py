@@ -113,6 +113,16 @@ class ModelLoadRequest(_Request):
     draft_model: str | None = Field(None, max_length=4096)
 
 
+class LoraLoadRequest(_Request):
+    name: str = Field(..., min_length=1, max_length=256, pattern=r"^[^:]+$", description="served as '<model>:<name>'")
+    path: str = Field(..., description="PEFT adapter directory: a name under the server's --models-dir", max_length=4096)
+    scale: float = Field(1.0, description="multiplies the adapter's update")
+
+
+class LoraUnloadRequest(_Request):
+    name: str = Field(..., min_length=1, max_length=256)
+
+
 # ---- responses (plain shapes; documented for the OpenAPI schema) -------------------------------------
 
 
@@ -128,6 +138,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "trellm"
     max_model_len: int | None = Field(None, description="the most tokens (prompt + completion) one request may use")
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

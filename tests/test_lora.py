@@ -23,7 +23,7 @@ def make_tiny_llama(path: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
@@ -216,7 +216,7 @@ def test_bad_adapters_say_what_is_wrong(tiny, tmp_path):
 
     def extra_layer(t):
         t["base_model.model.model.layers.7.mlp.up_proj.lora_A.weight"] = torch.zeros(8, 128)
-        t["base_model.model.model.layers.7.mlp.up_proj.lora_B.weight"] = torch.zeros(256, 8)
+        t["base_model.model.model.layers.7.mlp.up_proj.lora_B.weight"] = torch.zeros(128, 8)
         return t
 
     with pytest.raises(LoraError, match="'model.layers.7.mlp.up_proj', which this model does not have"):
@@ -235,3 +235,79 @@ def test_lora_add_reference_is_per_row():
     for i, s in enumerate(slots.tolist()):
         want = y[i] if s < 0 else y[i] + b[:, s * rank:(s + 1) * rank] @ (a[s * rank:(s + 1) * rank] @ x[i])
         torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
+
+
+# ---- EXL3 bases: the adapter runs beside the quantized weights ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exl3_dir(tiny):
+    from trellm.convert import convert
+
+    root, base, _, _ = tiny
+    convert(base, root / "q4", root / "work", 4.0, device="cpu", progress=False, cal_rows=8, cal_cols=64, head_bits=6)
+    return root / "q4"
+
+
+def merged_reference(model_dir: Path, adapters: dict[str, float], **load) -> "trellm.model.LoadedModel":
+    """The model with each adapter's update ``scale * B @ A`` merged into a dense copy of every projection it
+    targets (EXL3 layers decoded first): the math an adapter beside the base weights must reproduce."""
+    from trellm.modules.linear import DenseLinear, Linear
+
+    lm = trellm.load(model_dir, tokenizer=False, **load)
+    linears = {m.key: m for m in lm.model.modules() if isinstance(m, Linear)}
+    for path, scale in adapters.items():
+        for key, f in read_peft_adapter(path, scale).modules.items():
+            lin = linears[key]
+            w = lin.impl.dense_weight().float().cpu() + f.scale * f.b @ f.a
+            bias = getattr(lin.impl, "bias", None)
+            lin.impl = DenseLinear(w.to(lm.device, lm.dtype), None if bias is None else bias[: lin.out_features].to(lm.dtype))
+    return lm
+
+
+def test_exl3_base_with_adapter_matches_merged_reference(tiny, exl3_dir):
+    _, _, a, b = tiny
+    cpu = dict(device="cpu", dtype=torch.float32)
+    for adapter in (a, b):
+        lm = trellm.load(exl3_dir, tokenizer=False, lora=adapter, **cpu)
+        assert type(lm.model.layers[0].attn.q_proj.impl.base).__name__ == "EXL3Linear"
+        want = merged_reference(exl3_dir, {adapter: 1.0}, **cpu).logits(IDS)
+        assert_close(lm.logits(IDS), want)
+        assert not torch.allclose(lm.logits(IDS, lora=""), want, atol=1e-2)
+        prompt = IDS[1, :10].tolist()
+        ref = merged_reference(exl3_dir, {adapter: 1.0}, **cpu)
+        assert list(lm.generate_ids(prompt, 8, stop_token_ids=[])) == list(ref.generate_ids(prompt, 8, stop_token_ids=[]))
+
+
+# ---- a MoE and hybrids: attention, linear attention, shared experts, the head --------------------------
+
+_ATTN = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
+_LINEAR_ATTN = ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]
+_SHARED = ["shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj", "shared_expert_gate"]
+
+
+@pytest.mark.parametrize("arch,targets", [
+    ("Qwen3MoeForCausalLM", _ATTN),
+    ("Qwen3_5ForCausalLM", _ATTN + _LINEAR_ATTN + ["gate_proj", "up_proj", "down_proj"]),
+    ("Qwen3_5MoeForCausalLM", _ATTN + _LINEAR_ATTN + _SHARED),
+])
+def test_moe_and_hybrid_logits_match_peft(tmp_path, arch, targets):
+    from test_hybrid_families import EXPERTS, LINEAR
+    from trellm.sdk.testing import make_tiny_hf_model
+
+    cfg = {"Qwen3MoeForCausalLM": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                   "mlp_only_layers": [1]},
+           "Qwen3_5ForCausalLM": LINEAR, "Qwen3_5MoeForCausalLM": {**LINEAR, **EXPERTS}}[arch]
+    base = make_tiny_hf_model(arch, tmp_path / "base", **cfg)
+    adapter = make_peft_adapter(base, tmp_path / "adapter", r=4, alpha=8, targets=targets)
+    ids = IDS[:, :16]
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=adapter)
+    assert_close(lm.logits(ids), peft_logits(base, adapter, ids))
+
+
+def test_adapters_on_moe_experts_are_refused_by_name(tiny, tmp_path):
+    _, base, a, _ = tiny
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False)
+    experts = _edit_adapter(a, tmp_path / "experts", {"target_parameters": ["mlp.experts.gate_up_proj"]})
+    with pytest.raises(LoraError, match="target_parameters.*MoE expert"):
+        lm.load_lora(experts)

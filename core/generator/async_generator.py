@@ -100,6 +100,11 @@ class AsyncGenerator:
         self.generator.cancel(job)
         self._wake.set()
 
+    def between_steps(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` while no step runs (blocking: call it from a worker thread), e.g. loading a LoRA adapter."""
+        with self._lock:
+            return fn()
+
     async def close(self) -> None:
         """Cancel what is left and stop the worker thread."""
         with self._lock:

@@ -1,0 +1,134 @@
+"""Decode speed with LoRA adapters: tokens/s with 0, 1, 2 and 4 rank-R adapters at batch 1 and 8.
+
+    python benchmarks/bench_lora.py --out /tmp/bench_lora            # GPU: a random Llama-8B-shaped dense model
+    python benchmarks/bench_lora.py --layers 4 --rank 16 --batches 1,8 --new-tokens 128
+
+A random dense Llama (bf16, the 8B shape unless told otherwise, ``--layers`` of them) is written with
+transformers; PEFT wraps it and saves ``--adapters`` rank-R adapters on every projection q/k/v/o/gate/up/down
+(random non-zero factors). Each row runs the Generator (CUDA graphs on) with B jobs decoding together:
+
+* ``0 adapters``: the base model, no adapter loaded (the baseline, same process);
+* ``N adapters``: N adapters loaded, the B rows spread over them round-robin (1: every row on one adapter).
+
+Printed per row: decode tokens/s over the steps after every prefill, ms per step, the cost against the
+baseline, and the weight-read floor of a step (base weights + the adapters the batch uses, over HBM
+bandwidth ``--hbm-tb-s``). Issue 25's bar: rank-16 adapters cost at most 10% at batch 1 and 15% at batch 8
+with two adapters in the batch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_model(out: Path, layers: int, adapters: int, rank: int) -> tuple[Path, list[Path]]:
+    """The random base model and ``adapters`` PEFT adapters of ``rank`` (made once, reused from ``out``)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = f"{layers}l_h{LLAMA_8B['hidden_size']}"
+    base = out / f"base_{shape}"
+    paths = [out / f"adapter_{shape}_r{rank}_{i}" for i in range(adapters)]
+    if (base / "config.json").is_file() and all((p / "adapter_config.json").is_file() for p in paths):
+        return base, paths
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=layers, **LLAMA_8B)
+    cfg.architectures = ["LlamaForCausalLM"]
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(base)
+    for i, path in enumerate(paths):
+        pm = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
+        g = torch.Generator(device=model.device).manual_seed(i + 1)
+        with torch.no_grad():
+            for name, p in pm.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype) * 0.01)
+        pm.save_pretrained(path)
+        model = pm.unload()  # the base back, without this adapter's layers
+    return base, paths
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def decode_rate(lm, batch: int, names: list[str | None], new_tokens: int, prompt_len: int) -> tuple[float, float]:
+    """(decode tokens/s, ms per step) of ``batch`` jobs decoding together, rows on ``names`` round-robin."""
+    from trellm.generator import Generator, Job
+
+    gen = Generator(lm, max_batch_size=batch, cache_tokens=batch * (prompt_len + new_tokens) + 1024, page_size=256,
+                    max_chunk_tokens=max(512, batch * prompt_len))
+    prompts = [[(7 * i + 13 * j) % 1000 + 10 for j in range(prompt_len)] for i in range(batch)]
+    for warm in (True, False):
+        n = 8 if warm else new_tokens
+        jobs = [Job(p, n, lora=names[i % len(names)], stop_token_ids=[]) for i, p in enumerate(prompts)]
+        gen.enqueue(jobs)
+        while any(r.prefilling for r in gen.active) or gen.pending:  # prefill every job first
+            gen.iterate()
+        _sync()
+        t0, steps, tokens = time.perf_counter(), 0, 0
+        while gen.has_work():
+            tokens += sum(len(getattr(r, "token_ids", ())) for r in gen.iterate() if type(r).__name__ == "TokenChunk")
+            steps += 1
+        _sync()
+        dt = time.perf_counter() - t0
+    return tokens / dt, 1e3 * dt / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="/tmp/bench_lora", help="where the random model and adapters are written")
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers of the 8B shape (32 = the whole 8B)")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--adapters", default="0,1,2,4", help="adapter counts to compare")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--hbm-tb-s", type=float, default=4.8, help="HBM bandwidth for the floor (H200: 4.8 TB/s)")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--device", default="cuda", help="cuda (the figures that count); cpu only checks the script runs")
+    ap.add_argument("--shape", default=None, help="JSON of LlamaConfig values replacing the 8B shape's (smoke runs)")
+    args = ap.parse_args()
+    if args.shape:
+        LLAMA_8B.update(json.loads(args.shape))
+    import trellm
+
+    counts = [int(c) for c in args.adapters.split(",")]
+    base, paths = make_model(Path(args.out), args.layers, max(counts), args.rank)
+    lm = trellm.load(base, device=args.device, dtype=torch.bfloat16, tokenizer=False)
+    weight_bytes = lm.model.nbytes() - lm.model.embed.weight.numel() * 2  # the embedding is gathered, not read whole
+    per_adapter = sum(p.stat().st_size for p in paths[0].glob("*.safetensors")) // 2  # stored fp32 -> bf16 here
+    print(f"model: Llama-8B shape, {args.layers} layers, {weight_bytes / 1e9:.2f} GB read per step; "
+          f"rank-{args.rank} adapters on q/k/v/o/gate/up/down, {per_adapter / 1e6:.1f} MB each (bf16)")
+    rows, baseline = [], {}
+    for count in counts:
+        for name in list(lm.loras):
+            lm.unload_lora(name)
+        names: list[str | None] = [lm.load_lora(p, name=f"a{i}") for i, p in enumerate(paths[:count])] or [None]
+        for batch in [int(b) for b in args.batches.split(",")]:
+            tps, ms = decode_rate(lm, batch, names, args.new_tokens, args.prompt_len)
+            used = min(count, batch)
+            floor_ms = 1e3 * (weight_bytes + used * per_adapter) / (args.hbm_tb_s * 1e12)
+            if count == 0:
+                baseline[batch] = ms
+            cost = f"{100 * (ms / baseline[batch] - 1):+.1f}% vs base" if batch in baseline else ""
+            print(f"batch {batch:2d}, {count} adapter(s): {tps:8.1f} tokens/s, {ms:.3f} ms/step {cost:>16}   "
+                  f"(weight-read floor {floor_ms:.3f} ms/step)", flush=True)
+            rows.append(dict(batch=batch, adapters=count, tokens_s=tps, ms_step=ms, floor_ms=floor_ms,
+                             cost_pct=None if count == 0 else 100 * (ms / baseline[batch] - 1)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""LoRA on the GPU: the per-row kernel against its reference, under graph capture, and whole models
+(dense and EXL3) with several adapters in one batch against their references. GPU only."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _case(rows, k, n, num_slots, rank, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
+    a = (torch.randn(num_slots * rank, k, device="cuda", generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(n, num_slots * rank, device="cuda", generator=g).to(dtype)
+    y = torch.randn(rows, n, device="cuda", generator=g).to(dtype)
+    slots = torch.randint(-1, num_slots, (rows,), device="cuda", generator=g)
+    return y, x, a, b, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,k,n,num_slots,rank", [
+    (1, 128, 256, 1, 8), (8, 4096, 4096, 4, 16), (37, 1024, 14336, 2, 64), (300, 4096, 1024, 3, 16), (5, 384, 200, 2, 256),
+])
+def test_lora_add_kernel_matches_reference(ops, dtype, rows, k, n, num_slots, rank):
+    y, x, a, b, slots = _case(rows, k, n, num_slots, rank, dtype)
+    want = ops.lora_add.reference(y.clone().float(), x.float(), a.float(), b.float(), slots, rank)
+    got = ops.lora_add.impls["cuda"](y.clone(), x, a, b, slots, rank)
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    untouched = slots < 0
+    assert torch.equal(got[untouched], y[untouched])  # rows on the base are left exactly as they were
+
+
+def test_lora_add_kernel_strided_rows_and_bad_arguments(ops, kb):
+    y, x, a, b, slots = _case(6, 256, 512, 2, 8, torch.float16)
+    wide = torch.zeros(6, 1024, dtype=torch.float16, device="cuda")
+    wide[:, 100:612] = y
+    view = wide[:, 100:612]
+    ops.lora_add.impls["cuda"](view, x, a, b, slots, 8)
+    want = ops.lora_add.reference(y.clone().float(), x.float(), a.float(), b.float(), slots, 8)
+    assert rel_err(wide[:, 100:612], want) < 1e-2 and not wide[:, :100].any()
+    with pytest.raises(kb.KernelArgumentError, match="rank 300"):
+        kb.lora_add(y, x, torch.zeros(600, 256, dtype=torch.float16, device="cuda"),
+                    torch.zeros(512, 600, dtype=torch.float16, device="cuda"), slots, 300)
+    with pytest.raises(kb.KernelArgumentError, match="slots"):
+        kb.lora_add(y, x, a, b, slots.int(), 8)
+
+
+def test_lora_add_replays_in_a_cuda_graph_with_new_slots(ops):
+    y0, x, a, b, slots = _case(8, 1024, 2048, 4, 16, torch.bfloat16)
+    y = y0.clone()
+    impl = ops.lora_add.impls["cuda"]
+    impl(y, x, a, b, slots, 16)  # warm-up (library load)
+    graph = torch.cuda.CUDAGraph()
+    y.copy_(y0)
+    with torch.cuda.graph(graph):
+        impl(y, x, a, b, slots, 16)
+    for seed in range(3):
+        slots.copy_(torch.randint(-1, 4, (8,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+        y.copy_(y0)
+        graph.replay()
+        want = ops.lora_add.reference(y0.clone().float(), x.float(), a.float(), b.float(), slots, 16)
+        assert rel_err(y, want) < 1e-2
+
+
+# ---- whole models on the GPU -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from test_lora import ALL_TARGETS, make_peft_adapter, make_tiny_llama
+
+    root = tmp_path_factory.mktemp("cuda_lora")
+    base = make_tiny_llama(root / "base")
+    a = make_peft_adapter(base, root / "all", r=8, alpha=16, targets=ALL_TARGETS, seed=1)
+    b = make_peft_adapter(base, root / "rs", r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"], rslora=True, seed=2)
+    return root, base, a, b
+
+
+@pytest.fixture(scope="module")
+def exl3_dir(tiny):
+    from trellm.convert import convert
+
+    root, base, _, _ = tiny
+    convert(base, root / "q4", root / "work", 4.0, device="cuda", progress=False, cal_rows=8, cal_cols=64, head_bits=6)
+    return root / "q4"
+
+
+@pytest.mark.parametrize("fmt", ["dense", "exl3"])
+def test_generator_mixing_adapters_under_graphs_matches_each_alone_and_the_reference(ops, tiny, exl3_dir, fmt):
+    """Decode steps run as captured CUDA graphs (every route: GEMV / fused adds on EXL3) with rows on two
+    adapters and on none; each job equals its run alone, and the merged-weights reference on the GPU."""
+    import trellm
+    from test_lora import assert_close, merged_reference
+    from trellm.generator import Generator, Job
+
+    _, base, a, b = tiny
+    model_dir = base if fmt == "dense" else exl3_dir
+    load = dict(device="cuda", dtype=torch.float16)
+    lm = trellm.load(model_dir, tokenizer=False, **load)
+    lm.load_lora(a, name="all")
+    lm.load_lora(b, name="rs")
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(3))
+    for name, path in (("all", a), ("rs", b)):
+        ref = merged_reference(model_dir, {path: 1.0}, **load)
+        assert_close(lm.logits(ids, lora=name), ref.logits(ids), tol=2e-2)
+    prompts = [ids[0, :12].tolist(), ids[1, :9].tolist(), ids[0, :12].tolist(), ids[1, :15].tolist()]
+    choices = ["all", None, "rs", "all"]
+    alone = []
+    for p, name in zip(prompts, choices):
+        gen = Generator(lm, max_batch_size=4, cache_tokens=1024, page_size=16)
+        alone.append(gen.generate(p, max_new_tokens=8, return_results=True, lora=name, stop_token_ids=[]).token_ids)
+    gen = Generator(lm, max_batch_size=4, cache_tokens=1024, page_size=16)
+    assert gen.graph_runner is not None
+    jobs = [Job(p, 8, lora=n, stop_token_ids=[], identifier=i) for i, (p, n) in enumerate(zip(prompts, choices))]
+    gen.enqueue(jobs)
+    done = {r.identifier: r.token_ids for r in gen.stream() if type(r).__name__ == "JobFinished"}
+    assert [done[i] for i in range(4)] == alone
+    assert gen.graph_runner.graphs, "decode steps ran eagerly: the graphs were not captured"
