@@ -1144,10 +1144,9 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     expect(a, "a", dtype=x.dtype, shape=(width, k), device=x.device)
     expect(b, "b", dtype=x.dtype, shape=(n, width), device=x.device)
     expect(slots, "slots", dtype=torch.int64, shape=(rows,), device=x.device)
-    h = torch.empty(rows, rank, dtype=torch.float32, device=x.device)
     rc = lib().trellm_lora_add(
         _ptr(x), x.stride(0) if rows else k, _ptr(y), y.stride(0) if rows else n, _ptr(a), _ptr(b),
-        _ptr(slots, "int64_t *"), _ptr(h, "float *"), rows, k, n, width // rank, rank, DTYPE_CODES[x.dtype], _stream(),
+        _ptr(slots, "int64_t *"), rows, k, n, width // rank, rank, DTYPE_CODES[x.dtype], _stream(),
     )
     _check(rc, "lora_add")
     return y
