@@ -3,9 +3,9 @@
     python benchmarks/bench_lora.py --out /tmp/bench_lora            # GPU: a random Llama-8B-shaped dense model
     python benchmarks/bench_lora.py --layers 4 --rank 16 --batches 1,8 --new-tokens 128
 
-A random dense Llama (bf16, the 8B shape unless told otherwise, ``--layers`` of them) is written with
-transformers; PEFT wraps it and saves ``--adapters`` rank-R adapters on every projection q/k/v/o/gate/up/down
-(random non-zero factors). Each row runs the Generator (CUDA graphs on) with B jobs decoding together:
+A random Llama of the 8B shape (``--layers`` of its layers; EXL3 at ``--exl3`` bits, or dense bf16 with
+``--exl3 0``) and rank-R adapters in PEFT's format on every projection q/k/v/o/gate/up/down are written
+straight to safetensors (random codes and factors: the speed is real, the text is not). Each row runs the Generator (CUDA graphs on) with B jobs decoding together:
 
 * ``0 adapters``: the base model, no adapter loaded (the baseline, same process);
 * ``N adapters``: N adapters loaded, the B rows spread over them round-robin (1: every row on one adapter).
@@ -29,31 +29,59 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_model(out: Path, layers: int, adapters: int, rank: int) -> tuple[Path, list[Path]]:
-    """The random base model and ``adapters`` PEFT adapters of ``rank`` (made once, reused from ``out``)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _projections(layers: int) -> dict[str, tuple[int, int]]:
+    """Every projection of the Llama shape: tensor prefix -> (in, out)."""
+    h, i = LLAMA_8B["hidden_size"], LLAMA_8B["intermediate_size"]
+    d = h // LLAMA_8B["num_attention_heads"]
+    kv = LLAMA_8B["num_key_value_heads"] * d
+    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv), "self_attn.o_proj": (h, h),
+              "mlp.gate_proj": (h, i), "mlp.up_proj": (h, i), "mlp.down_proj": (i, h)}
+    return {f"model.layers.{l}.{name}": io for l in range(layers) for name, io in shapes.items()}
+
+
+def make_model(out: Path, layers: int, adapters: int, rank: int, bits: int) -> tuple[Path, list[Path]]:
+    """A random Llama (dense bf16, or EXL3 with ``bits`` per weight and a 6-bit head) and ``adapters`` PEFT-format
+    adapters of ``rank`` on every projection, written straight to safetensors (made once, reused from ``out``).
+    Random trellis codes decode to meaningless weights: the speed is real, the text is not."""
+    from safetensors.torch import save_file
 
     shape = f"{layers}l_h{LLAMA_8B['hidden_size']}"
-    base = out / f"base_{shape}"
+    base = out / (f"base_{shape}" + (f"_exl3_{bits}" if bits else ""))
     paths = [out / f"adapter_{shape}_r{rank}_{i}" for i in range(adapters)]
-    if (base / "config.json").is_file() and all((p / "adapter_config.json").is_file() for p in paths):
-        return base, paths
-    torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=layers, **LLAMA_8B)
-    cfg.architectures = ["LlamaForCausalLM"]
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(base)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(0)
+    h, vocab = LLAMA_8B["hidden_size"], LLAMA_8B["vocab_size"]
+    if not (base / "config.json").is_file():
+        base.mkdir(parents=True, exist_ok=True)
+        config = dict(LLAMA_8B, num_hidden_layers=layers, architectures=["LlamaForCausalLM"], model_type="llama",
+                      torch_dtype="bfloat16", hidden_act="silu")
+        (base / "config.json").write_text(json.dumps(config))
+        tensors = {"model.embed_tokens.weight": torch.randn(vocab, h, device=dev, generator=g).bfloat16() * 0.02,
+                   "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+        for l in range(layers):
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                tensors[f"model.layers.{l}.{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        for key, (k, n) in {**_projections(layers), "lm_head": (h, vocab)}.items():
+            if bits:
+                kb = 6 if key == "lm_head" else bits
+                tensors[f"{key}.trellis"] = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * kb), device=dev,
+                                                          dtype=torch.int16, generator=g)
+                tensors[f"{key}.suh"] = (torch.randn(k, device=dev, generator=g) * 0.02).half()
+                tensors[f"{key}.svh"] = (torch.randn(n, device=dev, generator=g) * 0.02).half()
+            else:
+                tensors[f"{key}.weight"] = (torch.randn(n, k, device=dev, generator=g) * 0.02).bfloat16()
+        save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(base / "model.safetensors"))
     for i, path in enumerate(paths):
-        pm = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
-        g = torch.Generator(device=model.device).manual_seed(i + 1)
-        with torch.no_grad():
-            for name, p in pm.named_parameters():
-                if "lora_" in name:
-                    p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype) * 0.01)
-        pm.save_pretrained(path)
-        model = pm.unload()  # the base back, without this adapter's layers
+        if (path / "adapter_config.json").is_file():
+            continue
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS, "bias": "none"}))
+        factors = {}
+        for key, (k, n) in _projections(layers).items():
+            factors[f"base_model.model.{key}.lora_A.weight"] = (torch.randn(rank, k, device=dev, generator=g) * 0.01).bfloat16()
+            factors[f"base_model.model.{key}.lora_B.weight"] = (torch.randn(n, rank, device=dev, generator=g) * 0.01).bfloat16()
+        save_file({k: v.cpu() for k, v in factors.items()}, str(path / "adapter_model.safetensors"))
     return base, paths
 
 
@@ -90,6 +118,7 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/bench_lora", help="where the random model and adapters are written")
     ap.add_argument("--layers", type=int, default=8, help="decoder layers of the 8B shape (32 = the whole 8B)")
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--exl3", type=int, default=4, metavar="BITS", help="EXL3 base with BITS per weight (0: dense bf16)")
     ap.add_argument("--adapters", default="0,1,2,4", help="adapter counts to compare")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -104,11 +133,12 @@ def main() -> None:
     import trellm
 
     counts = [int(c) for c in args.adapters.split(",")]
-    base, paths = make_model(Path(args.out), args.layers, max(counts), args.rank)
-    lm = trellm.load(base, device=args.device, dtype=torch.bfloat16, tokenizer=False)
+    base, paths = make_model(Path(args.out), args.layers, max(counts), args.rank, args.exl3)
+    lm = trellm.load(base, device=args.device, dtype=torch.float16 if args.exl3 else torch.bfloat16, tokenizer=False)
     weight_bytes = lm.model.nbytes() - lm.model.embed.weight.numel() * 2  # the embedding is gathered, not read whole
-    per_adapter = sum(p.stat().st_size for p in paths[0].glob("*.safetensors")) // 2  # stored fp32 -> bf16 here
-    print(f"model: Llama-8B shape, {args.layers} layers, {weight_bytes / 1e9:.2f} GB read per step; "
+    per_adapter = sum(p.stat().st_size for p in paths[0].glob("*.safetensors")) if paths else 0  # stored 16-bit
+    kind = f"EXL3 {args.exl3} bpw (head 6)" if args.exl3 else "dense bf16"
+    print(f"model: Llama-8B shape, {args.layers} layers, {kind}, {weight_bytes / 1e9:.2f} GB read per step; "
           f"rank-{args.rank} adapters on q/k/v/o/gate/up/down, {per_adapter / 1e6:.1f} MB each (bf16)")
     rows, baseline = [], {}
     for count in counts:

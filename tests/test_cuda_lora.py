@@ -91,7 +91,7 @@ def exl3_dir(tiny):
     from trellm.convert import convert
 
     root, base, _, _ = tiny
-    convert(base, root / "q4", root / "work", 4.0, device="cuda", progress=False, cal_rows=8, cal_cols=64, head_bits=6)
+    convert(base, root / "q4", root / "work", 4.0, device="cpu", progress=False, cal_rows=8, cal_cols=64, head_bits=6)
     return root / "q4"
 
 
