@@ -1128,14 +1128,17 @@ LORA_MAX_RANK = 256  # TRELLM_LORA_MAX_RANK
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-             rank: int) -> torch.Tensor:
-    """``trellm.ops.lora_add`` in place on y: x [rows, k] and y [rows, n] (rows may be strided), a [S*rank, k],
-    b [n, S*rank], all of one dtype; slots int64 [rows]."""
+             rank: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``trellm.ops.lora_add``: y + each row's update into ``out`` (y itself when None). x [rows, k], y and out
+    [rows, n] (rows may be strided), a [S*rank, k], b [n, S*rank], all of one dtype; slots int64 [rows]."""
     expect(x, "x", dtype=_FLOATS, shape=(None, None), contiguous=False)
     rows, k = x.shape
     expect(y, "y", dtype=x.dtype, shape=(rows, None), device=x.device, contiguous=False)
     n = y.shape[1]
-    for t, name in ((x, "x"), (y, "y")):
+    if out is None:
+        out = y
+    expect(out, "out", dtype=x.dtype, shape=(rows, n), device=x.device, contiguous=False)
+    for t, name in ((x, "x"), (y, "y"), (out, "out")):
         if t.shape[1] > 1 and t.stride(1) != 1:
             raise KernelArgumentError(f"{name}: the last dim must be contiguous (strides {t.stride()})")
     if not 1 <= rank <= LORA_MAX_RANK or a.dim() != 2 or a.shape[0] % rank:
@@ -1145,8 +1148,8 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     expect(b, "b", dtype=x.dtype, shape=(n, width), device=x.device)
     expect(slots, "slots", dtype=torch.int64, shape=(rows,), device=x.device)
     rc = lib().trellm_lora_add(
-        _ptr(x), x.stride(0) if rows else k, _ptr(y), y.stride(0) if rows else n, _ptr(a), _ptr(b),
-        _ptr(slots, "int64_t *"), rows, k, n, width // rank, rank, DTYPE_CODES[x.dtype], _stream(),
+        _ptr(x), x.stride(0) if rows else k, _ptr(y), y.stride(0) if rows else n, _ptr(out), out.stride(0) if rows else n,
+        _ptr(a), _ptr(b), _ptr(slots, "int64_t *"), rows, k, n, width // rank, rank, DTYPE_CODES[x.dtype], _stream(),
     )
     _check(rc, "lora_add")
-    return y
+    return out

@@ -31,13 +31,20 @@ __device__ __forceinline__ float dot_row(const T *__restrict__ x, const T *__res
 }
 
 template <typename T>
-__global__ void lora_add_kernel(const T *__restrict__ x, int64_t ldx, T *__restrict__ y, int64_t ldy,
+__global__ void lora_add_kernel(const T *__restrict__ x, int64_t ldx, const T *y, int64_t ldy, T *out, int64_t ldo,
                                 const T *__restrict__ a, const T *__restrict__ b, const int64_t *__restrict__ slots,
                                 int64_t k, int64_t n, int64_t num_slots, int rank, bool vec) {
     __shared__ float hs[TRELLM_LORA_MAX_RANK];
     const int64_t row = blockIdx.x;
     const int64_t s = slots[row];
-    if (s < 0 || s >= num_slots) return;
+    if (s < 0 || s >= num_slots) {  // the row as it is (nothing to do in place)
+        if (y == out) return;
+        for (int i = 0; i < COLS_PER_THREAD; ++i) {
+            const int64_t c = ((int64_t)blockIdx.y * COLS_PER_THREAD + i) * THREADS + threadIdx.x;
+            if (c < n) out[row * ldo + c] = y[row * ldy + c];
+        }
+        return;
+    }
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const T *xr = x + row * ldx;
     for (int j = warp; j < rank; j += THREADS / 32) {
@@ -53,25 +60,24 @@ __global__ void lora_add_kernel(const T *__restrict__ x, int64_t ldx, T *__restr
         const T *br = b + c * width + s * rank;
         float acc = 0.f;
         for (int j = 0; j < rank; ++j) acc += hs[j] * to_f32(br[j]);
-        T *yp = y + row * ldy + c;
-        *yp = from_f32<T>(to_f32(*yp) + acc);
+        out[row * ldo + c] = from_f32<T>(to_f32(y[row * ldy + c]) + acc);
     }
 }
 
 }  // namespace
 
-extern "C" int trellm_lora_add(const void *x, int64_t ldx, void *y, int64_t ldy, const void *a, const void *b,
-                               const int64_t *slots, int64_t rows, int64_t k, int64_t n, int64_t num_slots,
-                               int64_t rank, int dtype, cudaStream_t stream) {
+extern "C" int trellm_lora_add(const void *x, int64_t ldx, const void *y, int64_t ldy, void *out, int64_t ldo,
+                               const void *a, const void *b, const int64_t *slots, int64_t rows, int64_t k, int64_t n,
+                               int64_t num_slots, int64_t rank, int dtype, cudaStream_t stream) {
     if (rows < 0 || rows > 0x7fffffff || k <= 0 || n <= 0 || num_slots <= 0 || rank <= 0 ||
-        rank > TRELLM_LORA_MAX_RANK || ldx < k || ldy < n)
+        rank > TRELLM_LORA_MAX_RANK || ldx < k || ldy < n || ldo < n)
         return TRELLM_E_BAD_SHAPE;
     if (rows == 0) return TRELLM_OK;
     const bool vec = k % VEC == 0 && ldx % VEC == 0 && ((uintptr_t)x % 16) == 0 && ((uintptr_t)a % 16) == 0;
     const dim3 grid((unsigned)rows, (unsigned)((n + THREADS * COLS_PER_THREAD - 1) / (THREADS * COLS_PER_THREAD)));
     TRELLM_DISPATCH_DTYPE(dtype, T, {
         lora_add_kernel<T><<<grid, THREADS, 0, stream>>>(
-            static_cast<const T *>(x), ldx, static_cast<T *>(y), ldy, static_cast<const T *>(a),
+            static_cast<const T *>(x), ldx, static_cast<const T *>(y), ldy, static_cast<T *>(out), ldo, static_cast<const T *>(a),
             static_cast<const T *>(b), slots, k, n, num_slots, (int)rank, vec);
         TRELLM_LAUNCH_CHECK();
     });

@@ -604,7 +604,8 @@ def rotary_qk_write_kv(q, k, v, cos_table, sin_table, positions, k_pages, v_page
 
 
 @_lora.lora_add.register("cuda")
-def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, rank: int):
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, rank: int,
+             out: torch.Tensor | None = None):
     if (
         x.dim() != 2
         or y.dim() != 2
@@ -614,9 +615,10 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         or not 1 <= rank <= binding.LORA_MAX_RANK
         or (x.shape[1] > 1 and x.stride(1) != 1)
         or (y.shape[1] > 1 and y.stride(1) != 1)
+        or (out is not None and (out.shape != y.shape or out.dtype != y.dtype or (out.shape[1] > 1 and out.stride(1) != 1)))
     ):
-        return _lora.lora_add.reference(y, x, a, b, slots, rank)
-    return binding.lora_add(y, x.to(a.dtype), a.contiguous(), b.contiguous(), slots.to(torch.int64).contiguous(), rank)
+        return _lora.lora_add.reference(y, x, a, b, slots, rank, out)
+    return binding.lora_add(y, x.to(a.dtype), a.contiguous(), b.contiguous(), slots.to(torch.int64).contiguous(), rank, out)
 
 
 REGISTERED = sorted(name for name, o in _ops._OPS.items() if "cuda" in o.impls)

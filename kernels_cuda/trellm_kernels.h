@@ -288,12 +288,12 @@ int trellm_paged_attention_prefill(const void *q, const void *k_pages, const voi
 /* The largest adapter rank trellm_lora_add takes. */
 enum { TRELLM_LORA_MAX_RANK = 256 };
 
-/* Per-row LoRA update, in place, one launch: y[i, :] += b[:, s*rank:(s+1)*rank] @ (a[s*rank:(s+1)*rank, :] @ x[i, :])
- * with s = slots[i]; rows whose s is negative (or >= num_slots) are left as they are. x [rows, k] (row stride
- * ldx), y [rows, n] (row stride ldy), a [num_slots*rank, k], b [n, num_slots*rank]: one dtype; slots int64
- * [rows]. Float32 accumulation; y rounded once. */
-int trellm_lora_add(const void *x, int64_t ldx, void *y, int64_t ldy, const void *a, const void *b,
-                    const int64_t *slots, int64_t rows, int64_t k, int64_t n, int64_t num_slots,
+/* Per-row LoRA update, one launch: out[i, :] = y[i, :] + b[:, s*rank:(s+1)*rank] @ (a[s*rank:(s+1)*rank, :] @ x[i, :])
+ * with s = slots[i]; rows whose s is negative (or >= num_slots) get y[i, :] as it is. out may be y (in place).
+ * x [rows, k] (row stride ldx), y and out [rows, n] (row strides ldy, ldo), a [num_slots*rank, k],
+ * b [n, num_slots*rank]: one dtype; slots int64 [rows]. Float32 accumulation; out rounded once. */
+int trellm_lora_add(const void *x, int64_t ldx, const void *y, int64_t ldy, void *out, int64_t ldo, const void *a,
+                    const void *b, const int64_t *slots, int64_t rows, int64_t k, int64_t n, int64_t num_slots,
                     int64_t rank, int dtype, cudaStream_t stream);
 /* ABI END */
 

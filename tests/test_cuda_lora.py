@@ -38,6 +38,9 @@ def test_lora_add_kernel_matches_reference(ops, dtype, rows, k, n, num_slots, ra
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
     untouched = slots < 0
     assert torch.equal(got[untouched], y[untouched])  # rows on the base are left exactly as they were
+    before = y.clone()
+    out = ops.lora_add.impls["cuda"](y, x, a, b, slots, rank, out=torch.full_like(y, float("nan")))
+    assert torch.equal(y, before) and torch.equal(out, got)  # out of place: y kept, every row of out written
 
 
 def test_lora_add_kernel_strided_rows_and_bad_arguments(ops, kb):

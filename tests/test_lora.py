@@ -232,6 +232,8 @@ def test_lora_add_reference_is_per_row():
     x, y = torch.randn(5, k, generator=g), torch.randn(5, n, generator=g)
     slots = torch.tensor([2, -1, 0, 0, 1])
     got = ops.lora_add(y.clone(), x, a, b, slots, rank)
+    out = ops.lora_add(y, x, a, b, slots, rank, out=torch.empty_like(y))
+    assert torch.equal(out, got) and not torch.equal(out, y)  # out of place: y kept
     for i, s in enumerate(slots.tolist()):
         want = y[i] if s < 0 else y[i] + b[:, s * rank:(s + 1) * rank] @ (a[s * rank:(s + 1) * rank] @ x[i])
         torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)

@@ -57,8 +57,9 @@ class LoraWeights:
 
     # ---- the update ------------------------------------------------------------------------------
 
-    def add_update(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``y`` plus each row's adapter update of ``x`` (y is written in place when it is contiguous)."""
+    def add_update(self, y: torch.Tensor, x: torch.Tensor, keep: bool = False) -> torch.Tensor:
+        """``y`` plus each row's adapter update of ``x``: written into y (a contiguous one) unless ``keep``, which
+        leaves y as it was and returns a new tensor (the residual stream a fused add reads)."""
         if not self.carries:
             return y
         x2 = x.reshape(-1, x.shape[-1])
@@ -66,8 +67,10 @@ class LoraWeights:
         if slots is None:
             return y
         y = y if y.is_contiguous() else y.contiguous()
-        ops.lora_add(y.view(-1, y.shape[-1]), x2, self.a, self.b, slots, self.owner.rank)
-        return y
+        flat = y.view(-1, y.shape[-1])
+        out = torch.empty_like(flat) if keep else None
+        ops.lora_add(flat, x2, self.a, self.b, slots, self.owner.rank, out)
+        return y if out is None else out.view(y.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_update(self.base.forward(x), x)
@@ -78,7 +81,7 @@ class LoraWeights:
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``self(x) + residual``: the update is added to the residual the base's fused add takes."""
-        residual = self.add_update(residual.clone(), x) if self.carries else residual
+        residual = self.add_update(residual, x, keep=True)
         if hasattr(self.base, "forward_add"):
             return self.base.forward_add(x, residual)
         return self.base.forward(x) + residual, None
@@ -91,7 +94,7 @@ class LoraWeights:
     def forward_gated_add(self, gate: torch.Tensor, up: torch.Tensor, activation: str,
                           residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.carries:
-            residual = self.add_update(residual.clone(), ops.gated_activation(gate, up, activation))
+            residual = self.add_update(residual, ops.gated_activation(gate, up, activation), keep=True)
         if hasattr(self.base, "forward_gated_add"):
             return self.base.forward_gated_add(gate, up, activation, residual)
         return self.base.forward(ops.gated_activation(gate, up, activation)) + residual, None

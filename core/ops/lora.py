@@ -15,9 +15,10 @@ from . import op
 
 @op
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-             rank: int) -> torch.Tensor:
-    """``y[i] += b[:, s*rank:(s+1)*rank] @ a[s*rank:(s+1)*rank] @ x[i]`` with ``s = slots[i]`` (rows with
-    s = -1 unchanged), in place; returns y. x [rows, in], y [rows, out]; float32 accumulation.
+             rank: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``y[i] + b[:, s*rank:(s+1)*rank] @ a[s*rank:(s+1)*rank] @ x[i]`` with ``s = slots[i]`` (rows with
+    s = -1 unchanged), written into ``out`` (into y itself when None) and returned. x [rows, in], y and out
+    [rows, out_features]; float32 accumulation.
 
     The reference runs every slot's A on every row and masks the other slots' columns out: two matmuls,
     no host sync, exact (masked columns contribute exact zeros).
@@ -25,5 +26,7 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     h = x.float() @ a.float().t()  # [rows, slots * rank]
     column_slot = torch.arange(a.shape[0], device=x.device) // rank
     h = h * (slots.long()[:, None] == column_slot[None, :])
-    y += (h @ b.float().t()).to(y.dtype)
-    return y
+    delta = (h @ b.float().t()).to(y.dtype)
+    if out is None:
+        return y.add_(delta)
+    return torch.add(y, delta, out=out)
