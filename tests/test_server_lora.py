@@ -18,7 +18,7 @@ import trellm  # noqa: E402
 from trellm.server.config import ServerConfig  # noqa: E402
 from trellm.server.testing import ServerThread  # noqa: E402
 
-API_KEY, ADMIN_KEY = "lora-test-api", "lora-test-admin"
+API_KEY, ADMIN_KEY = "lora-test-api-key-0001", "lora-test-admin-key-0001"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 PROMPT = [1, 504, 2306, 314, 253, 6553, 28, 1837, 314]  # token ids: no tokenizer subtleties between the two paths
 
