@@ -46,7 +46,9 @@ class EXL3HFLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._loaded:
             raise RuntimeError(f"{self.key}: EXL3 weights not loaded (load the model with from_pretrained)")
-        return self.linear.forward(x).to(x.dtype)
+        # trellm's projections take [rows, in] (its CUDA kernels read x as one row-major matrix).
+        y = self.linear.forward(x.reshape(-1, self.in_features).contiguous())
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, exl3"
