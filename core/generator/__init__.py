@@ -24,6 +24,8 @@ Public API (stable; the OpenAI server builds on it)::
               logprobs=True, top_logprobs=5, identifier="req-17")
     Job(prompt_with_image_markers, images=["cat.png", png_bytes, "data:image/png;base64,...", pil_image])
     Job(mm.input_ids, images=mm)          # mm = trellm.multimodal.prepare_prompt(lm, prompt, images), reused
+    from trellm.grammar import Grammar    # constrained output (llguidance): masks computed beside the forward
+    Job(prompt, grammar=Grammar.json_schema(schema))   # also .json_object(), .regex(p), .lark(text or GBNF), .choice([...])
     gen.enqueue(job)                      # raises JobTooLargeError if prompt+max_new_tokens > gen.capacity_tokens,
                                           # ImageError for a bad image (before any cache page is touched)
     while gen.has_work():
@@ -47,7 +49,8 @@ Results (attrs classes, all with ``job`` and ``identifier``):
 - ``JobFinished(eos_reason, text, token_ids, stop_token, stop_string, error, prompt_tokens,
   cached_tokens, generated_tokens, time_enqueued, time_started, time_first_token, time_finished,
   draft_proposed, draft_accepted)``; ``finish_reason`` gives OpenAI's "stop"/"length";
-  ``eos_reason`` is one of stop_token, stop_string, max_new_tokens, cancelled, error. ``text`` and
+  ``eos_reason`` is one of stop_token, stop_string, grammar_end (the grammar admits nothing more),
+  max_new_tokens, cancelled, error. ``text`` and
   ``token_ids`` are the whole completion, without the stop token / stop string.
 
 Speculative decoding: ``Generator(lm, proposer=NgramProposer())``,

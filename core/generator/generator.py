@@ -25,6 +25,7 @@ partial acceptance it restores the snapshot and re-feeds only the accepted token
 """
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections import deque
@@ -38,6 +39,7 @@ from ..cache.prefix import ROOT_HASH, page_hashes
 from ..cache.recurrent import alloc_state_slot, copy_state_slot, free_state_slot, slots_in_use
 from ..capabilities import HasDefaultStopIds, config_stop_ids, implements, is_hybrid, wants_hidden_states
 from ..errors import TrellmError
+from ..grammar import GrammarEngine
 from ..model import prompt_too_long
 from ..lora import adapter_root, lora_set
 from ..multimodal import attach_images
@@ -46,6 +48,7 @@ from ..sampling import StopStringMatcher
 from .job import (
     EOS_CANCELLED,
     EOS_ERROR,
+    EOS_GRAMMAR_END,
     EOS_MAX_NEW_TOKENS,
     EOS_STOP_STRING,
     EOS_STOP_TOKEN,
@@ -81,6 +84,7 @@ class _Running:
         self.state_len = seq.length  # tokens the recurrent state has absorbed (hybrid models)
         self.snapshot_slot: int | None = None  # state before a draft verification (hybrid + speculative)
         self.stop_ids = stop_ids
+        self.grammar = job.grammar_state  # GrammarState or None
         stack = job.sampler.build() if isinstance(job.sampler, SamplerSettings) else job.sampler
         self.sampler: SamplerStack = stack
         # the token is the raw logits' argmax (no step changes scores, no logprobs): the whole batch's
@@ -184,6 +188,8 @@ class Generator:
         self.preempted: list[_Running] = []  # oldest first; resumed before any pending job is admitted
         self.stats = {"prefilled_tokens": 0, "reused_tokens": 0, "decoded_tokens": 0, "steps": 0, "forward_tokens": 0,
                       "preempted": 0}
+        self._grammar_engine: GrammarEngine | None = None  # built on the first grammar job
+        self._grammar_lock = threading.Lock()
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -226,6 +232,8 @@ class Generator:
         if (why := prompt_too_long(len(prompt_ids), getattr(self.model, "config", None))) is not None:
             raise JobTooLargeError(f"job {job.identifier!r}: {why}")
         self._adapter_of(job)  # LoraError for an adapter that is not loaded
+        if job.grammar is not None:
+            job.grammar_state = self.grammar_engine.compile(job.grammar)  # GrammarError here
         total = len(prompt_ids) + job.max_new_tokens
         if total > self.capacity_tokens:
             raise JobTooLargeError(
@@ -234,6 +242,14 @@ class Generator:
             )
         job.time_enqueued = time.time()
         return prompt_ids
+
+    @property
+    def grammar_engine(self) -> GrammarEngine:
+        """The engine that compiles grammars for this model's tokenizer (built on first use, ~0.5 s)."""
+        with self._grammar_lock:
+            if self._grammar_engine is None:
+                self._grammar_engine = GrammarEngine(self.tokenizer, self.vocab_size, self.default_stop_ids)
+            return self._grammar_engine
 
     def cancel(self, job: Job) -> None:
         """Stop ``job``; the next ``iterate()`` reports it finished with eos_reason "cancelled" and frees its pages."""
@@ -529,6 +545,8 @@ class Generator:
             per_job = min(self.num_draft_tokens, budget // len(decoding))
             requests = [DraftRequest(r.job.job_id, r.tokens, min(per_job, r.remaining - 1)) for r in decoding]
             drafts = [d[: q.max_tokens] for d, q in zip(self.proposer.propose(requests), requests)]
+            # a draft is cut where its job's grammar refuses a token: the rest could never be kept
+            drafts = [d[: r.grammar.valid_prefix(d)] if r.grammar is not None else d for r, d in zip(decoding, drafts)]
             if self.state_layers:
                 drafts = [self._snapshot(r, d) for r, d in zip(decoding, drafts)]
         plan = []
@@ -600,10 +618,13 @@ class Generator:
                 rows += range(cu[i + 1] - len(draft) - 1, cu[i + 1])
                 sampled.append(i)
         hidden = None
+        masks = self._start_grammar_masks(plan, row_start, sampled, len(rows))
         try:
             logits = self._forward(plan, rows)
             if self.hidden_sink is not None:
                 hidden, logits = logits
+            if masks is not None:
+                self._grammar_engine.apply_masks(logits, masks)
             argmax_ids, full = self._sample_rows(plan, row_start, sampled, logits)
         except Exception as exc:  # keep serving: fail this batch's jobs, free their pages
             warnings.warn(f"trellm generator: forward failed ({exc!r}); failing {len(plan)} jobs")
@@ -638,6 +659,15 @@ class Generator:
                 self._name_full_pages(r)
                 if hidden is not None:
                     self._hand_hidden(r, feed, length_before, hidden[cu[i]: cu[i + 1]])
+
+    def _start_grammar_masks(self, plan, row_start: list[int], sampled: list[int], num_rows: int) -> Any:
+        """Start computing the token masks of the grammar jobs sampled this step (a future), or None.
+        They are computed on the engine's worker thread while this thread runs the forward."""
+        entries = [(plan[i][0].grammar, row_start[i], plan[i][2], plan[i][0]) for i in sampled if plan[i][0].grammar is not None]
+        if not entries:
+            return None
+        stops = [r.stop_ids if r.stop_ids is not self.default_stop_ids else None for *_, r in entries]
+        return self._grammar_engine.start_masks([e[:3] for e in entries], num_rows, stops)
 
     def _forward(self, plan: list[tuple[_Running, list[int], list[int]]], rows: list[int]) -> Any:
         """Build the step's batch (one host->device copy) and run it: a captured graph for a plain decode
@@ -729,6 +759,9 @@ class Generator:
             r.tokens.append(token)
             r.generated.append(token)
             r.held_ids.append(token)
+            if r.grammar is not None and not r.grammar.consume(token):
+                finish = (EOS_ERROR, {"error": f"token {token} breaks the job's grammar: {r.grammar.error}"})
+                break
             if r.job.logprobs:
                 lp = torch.log_softmax(logits[pos], dim=-1)
                 r.held_logprobs.append(float(lp[token]))
@@ -744,6 +777,9 @@ class Generator:
                 break
             if stopped:
                 finish = (EOS_STOP_STRING, {"stop_string": r.matcher.matched})
+                break
+            if r.grammar is not None and r.grammar.finished:
+                finish = (EOS_GRAMMAR_END, {})
                 break
             if r.remaining <= 0:
                 finish = (EOS_MAX_NEW_TOKENS, {})
@@ -786,6 +822,8 @@ class Generator:
         """A banned string completed: drop what followed the last release point, ban the token chosen there."""
         keep = r.released
         r.bans.setdefault(keep, set()).add(r.generated[keep])
+        if r.grammar is not None:
+            r.grammar.rollback(len(r.generated) - keep)
         del r.generated[keep:]
         del r.tokens[r.prompt_len + keep:]
         r.held_ids, r.held_logprobs, r.held_tops, r.held_text = [], [], [], ""

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 import attrs
 
+from ..grammar import Grammar, GrammarState
 from ..samplers import SamplerSettings, SamplerStack
 
 _job_ids = itertools.count(1)
@@ -15,6 +16,7 @@ _job_ids = itertools.count(1)
 EOS_STOP_TOKEN = "stop_token"
 EOS_STOP_STRING = "stop_string"
 EOS_MAX_NEW_TOKENS = "max_new_tokens"
+EOS_GRAMMAR_END = "grammar_end"  # the grammar admits nothing more (a closed JSON object, a whole choice)
 EOS_CANCELLED = "cancelled"
 EOS_ERROR = "error"
 
@@ -33,6 +35,10 @@ class Job:
     ``trellm.multimodal.MultimodalPrompt``; they are decoded and encoded at enqueue. ``lora`` names a LoRA
     adapter loaded into the model (``load_lora``) that this job runs with; None: the model's default
     adapter (``trellm.load(..., lora=DIR)``) or none; ``""``: the base model even when there is a default.
+    ``grammar`` (a :class:`trellm.grammar.Grammar`: JSON schema, regex, Lark grammar, choice) holds the output to it:
+    other tokens are masked out before sampling, stop tokens are allowed only where the output is
+    complete, and the job ends by itself when nothing more can follow. It is compiled at enqueue
+    (``GrammarError`` there).
     """
 
     def __init__(
@@ -52,6 +58,7 @@ class Job:
         decode_special_tokens: bool = False,
         images: Any = None,
         lora: str | None = None,
+        grammar: Grammar | None = None,
     ):
         if isinstance(prompt, str):
             self.prompt_text: str | None = prompt
@@ -79,6 +86,10 @@ class Job:
         self.images = images if images is None or not isinstance(images, (list, tuple)) else list(images)
         self.multimodal = None  # the MultimodalPrompt, set at enqueue when the job has images
         self.lora = lora
+        if grammar is not None and not isinstance(grammar, Grammar):
+            raise TypeError(f"grammar must be a trellm.grammar.Grammar, got {type(grammar).__name__}")
+        self.grammar = grammar
+        self.grammar_state: GrammarState | None = None  # the job's matcher, set at enqueue
         self.job_id = next(_job_ids)
         self.time_enqueued: float | None = None
         self.finished = False
@@ -126,7 +137,7 @@ class TokenChunk(Result):
 class JobFinished(Result):
     """The job ended. ``text``/``token_ids`` are the whole completion (stop string and stop token excluded)."""
 
-    eos_reason: str  # stop_token | stop_string | max_new_tokens | cancelled | error
+    eos_reason: str  # stop_token | stop_string | grammar_end | max_new_tokens | cancelled | error
     text: str
     token_ids: list[int]
     stop_token: int | None = None
@@ -145,7 +156,7 @@ class JobFinished(Result):
     @property
     def finish_reason(self) -> str:
         """OpenAI's spelling: "stop", "length", "cancelled" or "error"."""
-        return {EOS_STOP_TOKEN: "stop", EOS_STOP_STRING: "stop", EOS_MAX_NEW_TOKENS: "length"}.get(self.eos_reason, self.eos_reason)
+        return {EOS_STOP_TOKEN: "stop", EOS_STOP_STRING: "stop", EOS_GRAMMAR_END: "stop", EOS_MAX_NEW_TOKENS: "length"}.get(self.eos_reason, self.eos_reason)
 
     @property
     def queue_time(self) -> float:
