@@ -12,7 +12,8 @@ _FLAGS = ("model", "model_name", "host", "port", "api_key", "admin_key", "max_qu
           "cache_size", "page_size", "cache_bits", "draft_model", "num_draft_tokens", "lora", "device", "dtype",
           "default_max_tokens", "max_tokens_limit", "max_request_bytes", "max_prompt_bytes", "max_images",
           "max_image_pixels", "template_timeout_s", "template_memory_mb", "models_dir", "request_timeout_s",
-          "keep_alive_timeout_s", "max_connections", "shutdown_grace_s", "max_failed_auth", "log_level")
+          "keep_alive_timeout_s", "max_connections", "shutdown_grace_s", "max_failed_auth", "log_level",
+          "tool_parser", "reasoning_parser")
 
 
 def add_cli(subparsers) -> None:
@@ -44,6 +45,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--max-tokens-limit", type=int, help="the most new tokens one request may ask for (default: no limit)")
     p.add_argument("--accept-any-model-name", dest="strict_model_name", action="store_false", default=None,
                    help="serve requests whatever model name they give (default: 404 for another name)")
+    p.add_argument("--tool-parser", help="tool-call format: hermes, llama3_json, mistral, harmony, deepseek_v3, glm45, "
+                   "qwen3_coder (default: read from the chat template)")
+    p.add_argument("--reasoning-parser", help="reasoning split: think, harmony or none (default: read from the chat template)")
     p.add_argument("--max-request-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
     p.add_argument("--max-prompt-bytes", type=int, help="prompt text or message contents over this many UTF-8 bytes get "
                                                         "400 (default 1 MiB)")

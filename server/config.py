@@ -52,6 +52,14 @@ def parse_loras(value: Any) -> dict[str, str]:
     return out
 
 
+def _known_parser(setting: str, value: str | None) -> None:
+    from .chat_parsing import REASONING_PARSERS, TOOL_FORMATS
+
+    known = sorted(TOOL_FORMATS) if setting == "tool_parser" else list(REASONING_PARSERS)
+    if value is not None and value not in known:
+        raise ConfigError(f"{setting}: unknown parser {value!r}; known: {', '.join(known)}")
+
+
 @attrs.define
 class ServerConfig:
     """Everything ``trellm serve`` can be told; keys of a config file use these names."""
@@ -91,6 +99,9 @@ class ServerConfig:
     max_connections: int = 512  # more open connections are closed at once (stay below the process's file limit)
     shutdown_grace_s: float = 10.0  # on SIGTERM, running requests get this long to finish before they are cancelled
     max_failed_auth: int = 20  # failed authentications per client address per minute; more get 429
+    # how the model writes tool calls and reasoning (server/chat_parsing.py); None: read from the chat template
+    tool_parser: str | None = attrs.field(default=None, validator=lambda _, a, v: _known_parser(a.name, v))
+    reasoning_parser: str | None = attrs.field(default=None, validator=lambda _, a, v: _known_parser(a.name, v))
     log_level: str = "info"
 
     @classmethod

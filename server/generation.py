@@ -7,15 +7,22 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
 
+import attrs
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from trellm.generator import AsyncJob, Job, JobFinished, JobTooLargeError, SamplerSettings, TokenChunk
+from trellm.grammar import Grammar, GrammarError
 from trellm.lora import LoraError
+
+from .chat_parsing import (
+    TOOL_FORMATS, ReplyParser, ToolFormat, detect_reasoning, detect_tool_format, lark_literal,
+)
 
 from .engine import ModelHost, QueueFullError
 from .errors import APIError, bad_request
@@ -79,10 +86,14 @@ def check_token_ids(host: ModelHost, ids: Sequence[int], param: str) -> None:
 
 
 def message_dicts(messages: Sequence[ChatMessage]) -> list[dict]:
-    """Messages as plain dicts for the template; content parts joined (text parts only)."""
+    """Messages as plain dicts for the template; content parts joined (text parts only), null content as
+    "" and tool-call arguments as objects (what HF templates expect)."""
     out = []
     for i, m in enumerate(messages):
         d = m.model_dump(exclude_none=True)
+        d.setdefault("content", "")
+        if "tool_calls" in d:
+            d["tool_calls"] = template_tool_calls(d["tool_calls"], f"messages[{i}].tool_calls")
         if isinstance(m.content, list):
             texts = []
             for part in m.content:
@@ -92,6 +103,27 @@ def message_dicts(messages: Sequence[ChatMessage]) -> list[dict]:
                 texts.append(part["text"])
             d["content"] = "".join(texts)
         out.append(d)
+    return out
+
+
+def template_tool_calls(calls: Any, param: str) -> list[dict]:
+    """An assistant turn's OpenAI ``tool_calls`` with their JSON-text arguments parsed (400 when malformed)."""
+    if not isinstance(calls, list):
+        raise bad_request(f"{param}: expected a list of tool calls", param=param)
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"{param}[{j}]: expected {{'type': 'function', 'function': {{'name', 'arguments'}}}}", param=param)
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except json.JSONDecodeError as exc:
+                raise bad_request(f"{param}[{j}].function.arguments is not JSON: {exc}", param=param) from None
+        if not isinstance(args, dict):
+            raise bad_request(f"{param}[{j}].function.arguments must be a JSON object, got {type(args).__name__}", param=param)
+        out.append({**call, "function": {**fn, "arguments": args}, "name": fn["name"], "arguments": args})
     return out
 
 
@@ -137,6 +169,11 @@ def chat_prompt(host: ModelHost, req: ChatCompletionRequest, messages: list[dict
     tok = host.tokenizer
     messages = message_dicts(req.messages) if messages is None else messages
     extra = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        extra.setdefault("reasoning_effort", req.reasoning_effort)
+    template = req.chat_template if req.chat_template is not None else model_template(host)
+    if req.tools and template and (req.tool_choice or "auto") != "none":
+        messages = explain_tools(messages, template, tool_format(host, req.tools), req.tools)
     try:
         if req.chat_template is not None:
             specials = {k: v for k, v in (("bos_token", tok.bos_token), ("eos_token", tok.eos_token)) if v is not None}
@@ -210,8 +247,148 @@ def sampler_settings(host: ModelHost, req: SamplingFields) -> SamplerSettings:
     return settings
 
 
+# ---- structured output and tools ---------------------------------------------------------------------
+
+
+def model_template(host: ModelHost) -> str | None:
+    templates = getattr(host.tokenizer, "chat_templates", None) or {}
+    return templates.get("tool_use") or templates.get("default") or next(iter(templates.values()), None)
+
+
+def tool_format(host: ModelHost, tools: Sequence[dict] = ()) -> ToolFormat:
+    """The model's tool-call format: ``--tool-parser``, else read from its chat template."""
+    name = host.config.tool_parser or detect_tool_format(model_template(host))
+    return TOOL_FORMATS[name](tools)
+
+
+def explain_tools(messages: list[dict], template: str, fmt: ToolFormat, tools: list[dict]) -> list[dict]:
+    """For a template that ignores tools: describe them in a system message, and write earlier calls
+    into their assistant turns, in the model's tool-call format, so the model still sees both."""
+    out = [dict(m) for m in messages]
+    if "tool_calls" not in template:
+        for m in out:
+            if m.get("tool_calls"):
+                calls = [{"name": c["name"], "arguments": c["arguments"]} for c in m["tool_calls"]]
+                m["content"] = "\n".join(p for p in (m.get("content") or "", fmt.render_calls(calls)) if p)
+    if "tools" in template:
+        return out
+    example = fmt.render_calls([{"name": "NAME", "arguments": {"ARGUMENT": "VALUE"}}])
+    text = ("You can call these functions (JSON schemas):\n" + "\n".join(json.dumps(t.get("function", t)) for t in tools)
+            + f"\nTo call one, reply with:\n{example}")
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = f"{out[0]['content']}\n\n{text}"
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def special_literal(host: ModelHost) -> Any:
+    """Lark spelling of a marker: the special token by id when the tokenizer has it as one, else the text."""
+    specials = {t.content: i for i, t in host.tokenizer.backend.get_added_tokens_decoder().items() if t.special}
+
+    def literal(text: str) -> str:
+        return f"<[{specials[text]}]>" if text in specials else lark_literal(text)
+
+    return literal
+
+
+def output_grammar(req: SamplingFields) -> Grammar | None:
+    """The grammar the request's extra fields ask for (json_schema, regex, grammar, choice), or None; 400 for
+    more than one or for one the engine refuses."""
+    given = [name for name in ("json_schema", "regex", "grammar", "choice") if getattr(req, name) is not None]
+    if len(given) > 1:
+        raise bad_request(f"give at most one of json_schema, regex, grammar and choice, got {', '.join(given)}", param=given[1])
+    if not given:
+        return None
+    name = given[0]
+    build = {"json_schema": Grammar.json_schema, "regex": Grammar.regex, "grammar": Grammar.lark, "choice": Grammar.choice}
+    return grammar_or_400(lambda: build[name](getattr(req, name)), name)
+
+
+def grammar_or_400(build: Any, param: str) -> Grammar:
+    try:
+        return build()
+    except GrammarError as exc:
+        raise bad_request(f"{param}: {exc}", param=param, code="invalid_grammar") from None
+
+
+def response_format_grammar(response_format: dict | None) -> Grammar | None:
+    """OpenAI's response_format: text (None), json_object, or json_schema ({"json_schema": {"name", "schema", "strict"}})."""
+    if not response_format:
+        return None
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar.json_object()
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema", {"type": "object"}) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request("response_format.json_schema must be an object with a 'schema' object", param="response_format")
+        return grammar_or_400(lambda: Grammar.json_schema(schema), "response_format")
+    raise bad_request(f"response_format type {kind!r} is not one of text, json_object, json_schema", param="response_format")
+
+
+@attrs.define
+class ChatPlan:
+    """How one chat request's replies are shaped: the grammar its jobs follow and how their text is read."""
+
+    grammar: Grammar | None
+    parser: ReplyParser
+    decode_special_tokens: bool
+
+
+def chat_plan(host: ModelHost, req: ChatCompletionRequest, prompt_ids: list[int]) -> ChatPlan:
+    """Grammar and reply parser of a chat request (400 for a tool_choice or grammar that cannot work)."""
+    tools = [t for t in (req.tools or [])]
+    for i, t in enumerate(tools):
+        fn = t.get("function")
+        if (t.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("parameters", {}), dict)):
+            raise bad_request(f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': str, 'parameters': "
+                              "object}}}}", param="tools")
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    grammar = output_grammar(req)
+    shaped = response_format_grammar(req.response_format)
+    if shaped is not None and grammar is not None:
+        raise bad_request("give either response_format or one of json_schema/regex/grammar/choice", param="response_format")
+    grammar = grammar or shaped
+    fmt = tool_format(host, tools)
+    if choice != "none" and not tools:
+        raise bad_request(f"tool_choice {choice!r} needs tools", param="tool_choice")
+    if isinstance(choice, dict):
+        name = choice.get("function").get("name") if isinstance(choice.get("function"), dict) else None
+        forced = [t for t in tools if t["function"]["name"] == name]
+        if not forced:
+            raise bad_request(f"tool_choice names function {name!r}, which is not among the tools", param="tool_choice")
+    else:
+        forced = tools if choice == "required" else []
+    if forced:
+        if grammar is not None:
+            raise bad_request("a forced tool call cannot also follow response_format or a grammar", param="tool_choice")
+        parallel = req.parallel_tool_calls is not False and not isinstance(choice, dict)
+        lark = fmt.grammar(forced, parallel, special_literal(host))
+        grammar = grammar_or_400(lambda: Grammar.lark(lark), "tools")
+    reasoning = host.config.reasoning_parser or detect_reasoning(model_template(host))
+    starts_open = reasoning == "think" and host.tokenizer.decode(prompt_ids[-4:]).rstrip().endswith("<think>")
+    parser = ReplyParser(tool_format=fmt if choice != "none" else None, reasoning=reasoning, starts_in_reasoning=starts_open)
+    needs_specials = (choice != "none" and fmt.special_tokens) or reasoning == "harmony"
+    return ChatPlan(grammar=grammar, parser=parser, decode_special_tokens=needs_specials)
+
+
+async def compiled(host: ModelHost, grammar: Grammar | None) -> None:
+    """Compile ``grammar`` for the model off the event loop (the first one also builds the engine)."""
+    if grammar is not None:
+        try:
+            await asyncio.to_thread(host.generator.grammar_engine.compile, grammar)
+        except GrammarError as exc:
+            raise bad_request(str(exc), code="invalid_grammar") from None
+
+
 def make_jobs(host: ModelHost, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None, default_max: int,
-              logprobs: int | None, request_id: str, images: Any = None, lora: str | None = None) -> list[Job]:
+              logprobs: int | None, request_id: str, images: Any = None, grammar: Grammar | None = None,
+              decode_special_tokens: bool = False, lora: str | None = None) -> list[Job]:
     """n jobs per prompt; choice index = prompt index * n + j (OpenAI's order). ``images``: a
     MultimodalPrompt (one prompt) whose ids are ``prompts[0]``."""
     n = req.n
@@ -246,7 +423,8 @@ def make_jobs(host: ModelHost, req: SamplingFields, prompts: list[list[int]], ma
                     ids, budget, min_new_tokens=min(req.min_tokens or 0, budget), stop=stops, stop_token_ids=stop_ids,
                     sampler=sampler, seed=seed, banned_strings=req.banned_strings or (), logprobs=logprobs is not None,
                     top_logprobs=logprobs or 0, identifier=(request_id, p * n + j),
-                    decode_special_tokens=not req.skip_special_tokens, images=images, lora=lora,
+                    decode_special_tokens=decode_special_tokens or not req.skip_special_tokens, images=images, lora=lora,
+                    grammar=grammar,
                 ))
             except ValueError as exc:
                 raise bad_request(str(exc)) from None

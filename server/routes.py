@@ -12,10 +12,11 @@ from fastapi import APIRouter, Depends, Request
 
 from .engine import MTP_DRAFT, LoadSettings, ModelHost, ModelNotReadyError
 from .errors import APIError, AsciiJSONResponse, bad_request
+from .chat_parsing import ReplyStream, message_of
 from .limits import check_chat_request, check_prompt_bytes
 from .generation import (
-    JobGroup, JobStreamResponse, chat_prompt, chat_request_prompt, check_finished, check_token_ids, completion_prompts,
-    encode_text, finish_reason, make_jobs, token_piece, token_text,
+    ChatPlan, JobGroup, JobStreamResponse, chat_plan, chat_prompt, chat_request_prompt, check_finished, check_token_ids,
+    compiled, completion_prompts, encode_text, finish_reason, make_jobs, output_grammar, token_piece, token_text,
 )
 from .schemas import (
     ChatCompletionRequest, CompletionRequest, ErrorResponse, LoraLoadRequest, LoraUnloadRequest, ModelCard, ModelList,
@@ -67,8 +68,10 @@ def build_router(keys) -> APIRouter:
             raise bad_request("best_of other than n is not supported", param="best_of")
         prompts = await asyncio.to_thread(completion_prompts, host, body.prompt)
         request_id = "cmpl-" + secrets.token_hex(12)
+        grammar = output_grammar(body)
+        await compiled(host, grammar)
         jobs = make_jobs(host, body, prompts, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs, request_id,
-                         lora=host.adapter_for(body.model))
+                         grammar=grammar, lora=host.adapter_for(body.model))
         echo = [host.tokenizer.decode(p) if body.echo else "" for p in prompts for _ in range(body.n)]
         shaper = CompletionShaper(host, body, request_id, echo)
         group = JobGroup(host, jobs, request_id, "/v1/completions")  # submitted: from here on the response releases them
@@ -81,17 +84,18 @@ def build_router(keys) -> APIRouter:
     @router.post("/v1/chat/completions", dependencies=api, tags=["openai"])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         host = ready_host(request, body.model)
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than 'text' is not supported", param="response_format")
         ids, images = await chat_request_prompt(host, body)
+        plan = chat_plan(host, body, ids)
+        await compiled(host, plan.grammar)
         request_id = "chatcmpl-" + secrets.token_hex(12)
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = body.top_logprobs or 0
         if top and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
         jobs = make_jobs(host, body, [ids], max_tokens, host.config.default_max_tokens, top if body.logprobs else None,
-                         request_id, images=images, lora=host.adapter_for(body.model))
-        shaper = ChatShaper(host, body, request_id, len(jobs))
+                         request_id, images=images, grammar=plan.grammar, decode_special_tokens=plan.decode_special_tokens,
+                         lora=host.adapter_for(body.model))
+        shaper = ChatShaper(host, body, request_id, len(jobs), plan)
         group = JobGroup(host, jobs, request_id, "/v1/chat/completions")
         group.prompt_tokens = len(ids)
         if body.stream:
@@ -327,8 +331,9 @@ class ChatShaper(CompletionShaper):
 
     object_name = "chat.completion.chunk"
 
-    def __init__(self, host: ModelHost, body: ChatCompletionRequest, request_id: str, n: int):
+    def __init__(self, host: ModelHost, body: ChatCompletionRequest, request_id: str, n: int, plan: ChatPlan):
         super().__init__(host, body, request_id, [""] * n)
+        self.replies = [ReplyStream(plan.parser) for _ in range(n)]  # each choice's text, read as reasoning/content/calls
 
     def chunk(self, choices: list[dict], usage_body: dict | None = None, with_usage: bool = False) -> dict:
         out = super().chunk(choices, usage_body, with_usage)
@@ -351,11 +356,15 @@ class ChatShaper(CompletionShaper):
         return {"content": content}
 
     def token_choice(self, index: int, result: TokenChunk) -> dict:
-        delta = {"content": result.text} if result.text else {}
+        delta = self.replies[index].feed(result.text) if result.text else {}
         return {"index": index, "delta": delta, "logprobs": self._logprobs(index, result), "finish_reason": None}
 
     def final_choice(self, index: int, reason: str) -> dict:
-        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
+        reply = self.replies[index]
+        delta = reply.feed("", final=True)  # text held back until the end (a marker that never completed)
+        if reply.has_calls and reason == "stop":
+            reason = "tool_calls"
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
 
     def first_chunks(self, count: int) -> list[dict]:
         return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -365,8 +374,11 @@ class ChatShaper(CompletionShaper):
         body = await super().whole(group)
         body["object"] = "chat.completion"
         for choice in body["choices"]:
-            delta = choice.pop("delta", {})
-            choice["message"] = {"role": "assistant", "content": delta.get("content", "")}
+            choice.pop("delta", None)
+            parsed = self.replies[choice["index"]].parser.parse(self.replies[choice["index"]].text, final=True)
+            choice["message"] = message_of(parsed)
+            if choice["finish_reason"] in ("stop", "tool_calls"):  # the whole text decides, not the stream's guess
+                choice["finish_reason"] = "tool_calls" if parsed.calls else "stop"
         return body
 
 

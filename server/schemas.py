@@ -8,11 +8,13 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LIST = 64
+MAX_GRAMMAR_CHARS = 64 * 1024  # a regex, Lark grammar or one choice
+MAX_TOOLS = 128
 DRY_MAX_RANGE = 512  # DRY's penalty grows as base ** match length: a bounded window keeps it finite
 GREEDY_BELOW_TEMPERATURE = 1e-4  # smaller temperatures overflow the logits; they mean greedy anyway
 
@@ -63,6 +65,16 @@ class SamplingFields(_Request):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_LIST)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # constrained output (trellm.grammar); vLLM's guided_* names are accepted too. At most one of them.
+    json_schema: dict[str, Any] | None = Field(None, validation_alias=AliasChoices("json_schema", "guided_json"),
+                                               description="the output is JSON valid under this schema")
+    regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS, validation_alias=AliasChoices("regex", "guided_regex"),
+                              description="the output matches this regex (Rust syntax)")
+    grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS,
+                                validation_alias=AliasChoices("grammar", "guided_grammar"),
+                                description="the output follows this Lark grammar (or GBNF, with ::=)")
+    choice: list[str] | None = Field(None, max_length=1024, validation_alias=AliasChoices("choice", "guided_choice"),
+                                     description="the output is exactly one of these strings")
 
 
 class CompletionRequest(SamplingFields):
@@ -75,7 +87,8 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    """One message; content is text or a list of parts (only text parts are understood)."""
+    """One message; content is text or a list of parts (only text parts are understood). Assistant turns
+    may carry ``tool_calls`` (content null), ``tool`` turns ``tool_call_id``; extra keys reach the template."""
 
     model_config = ConfigDict(extra="allow")
     role: str = Field(..., max_length=64)
@@ -88,8 +101,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = Field(None, max_length=32, description="passed to chat templates that read it")
     chat_template: str | None = Field(None, description="a Jinja chat template to use instead of the model's")
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
