@@ -178,7 +178,9 @@ class GrammarEngine:
         self.words = (self.vocab_size + 31) // 32
         self.executor = llg.LLExecutor(num_threads=max(1, min(os.cpu_count() or 1, MASK_THREADS)))
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trellm-grammar")
-        self._host_masks = torch.empty(0, self.words, dtype=torch.int32)
+        # two pinned buffers, used in turn: a step's copy to the device never races the next step's fill
+        self._host_masks = [torch.empty(0, self.words, dtype=torch.int32) for _ in range(2)]
+        self._turn = 0
         self._shifts: dict[torch.device, torch.Tensor] = {}
         self._lock = threading.Lock()
         # masks: rows filled; fill_s: time the worker spent filling them; wait_s: time the step then still
@@ -202,16 +204,19 @@ class GrammarEngine:
         """Begin computing masks on the worker thread: for each (state, first logits row, draft tokens), the
         row's mask and one per draft token after it. ``stop_ids[i]`` (None = the engine's) replaces the
         engine's stop tokens in entry i's rows. Resolve with :meth:`apply_masks`."""
-        if self._host_masks.shape[0] < num_rows:
-            self._host_masks = torch.empty(max(num_rows, 64), self.words, dtype=torch.int32,
-                                           pin_memory=torch.cuda.is_available())
-        masks = self._host_masks[:num_rows]
+        self._turn ^= 1
+        if self._host_masks[self._turn].shape[0] < num_rows:
+            self._host_masks[self._turn] = torch.empty(max(num_rows, 64), self.words, dtype=torch.int32,
+                                                       pin_memory=torch.cuda.is_available())
+        masks = self._host_masks[self._turn][:num_rows]
         return self._worker.submit(self._fill, rows, masks, stop_ids)
 
     def _fill(self, rows, masks: torch.Tensor, stop_ids: list[set[int] | None]) -> tuple[list[int], torch.Tensor]:
         import llguidance.torch as llt
 
         started = time.perf_counter()
+        with torch.inference_mode():  # the buffer was made under the generator's inference mode
+            masks.fill_(-1)  # rows of jobs without a grammar allow every token
         plain = [(state.matcher, row) for state, row, draft in rows if not draft]
         drafted = [(state.matcher, row, list(draft)) for state, row, draft in rows if draft]
         if plain:
@@ -250,13 +255,11 @@ class GrammarEngine:
         shifts = self._shifts.get(device)
         if shifts is None:
             shifts = self._shifts[device] = torch.arange(32, dtype=torch.int32, device=device)
-        index = torch.tensor(used, dtype=torch.long)
-        words = masks.index_select(0, index).to(device, non_blocking=True)
-        allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(used), -1)[:, : logits.shape[-1]].bool()
+        words = masks.to(device, non_blocking=True)  # pinned on CUDA: queued behind the forward, no wait here
+        allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)[:, : logits.shape[-1]].bool()
         if logits.shape[-1] > allowed.shape[-1]:  # logits wider than the engine's vocabulary: the rest is refused
             allowed = torch.nn.functional.pad(allowed, (0, logits.shape[-1] - allowed.shape[-1]), value=False)
-        index = index.to(device, non_blocking=True)
-        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+        logits.masked_fill_(~allowed, float("-inf"))
 
     def close(self) -> None:
         self._worker.shutdown(wait=False)
