@@ -7,9 +7,9 @@ and adds the update of each row's adapter to whatever the base weights compute (
 weights cannot be merged). The row -> slot choice comes from the batch (``ForwardBatch.lora_slots``), bound
 when the forward starts, so one captured CUDA graph serves every mix of adapters.
 
-No route may skip an adapter: a wrapped projection runs its base's fused helpers only where the update
-can ride along (added to the residual the fused kernel adds, or after a grouped matmul) and refuses the
-ones that would leave it out (q/k/v + RoPE + KV write in one kernel: ``group_parts`` answers None).
+No route may skip an adapter: ``trellm.ops.project`` fuses steps into the matmul only for the formats it
+knows (EXL3), so a projection carrying an adapter runs project's unfused math (``forward``, then the post
+step), and a q/k/v or gate/up group with one runs part by part (``group_weights`` makes a ``WeightList``).
 """
 from __future__ import annotations
 
@@ -57,9 +57,8 @@ class LoraWeights:
 
     # ---- the update ------------------------------------------------------------------------------
 
-    def add_update(self, y: torch.Tensor, x: torch.Tensor, keep: bool = False) -> torch.Tensor:
-        """``y`` plus each row's adapter update of ``x``: written into y (a contiguous one) unless ``keep``, which
-        leaves y as it was and returns a new tensor (the residual stream a fused add reads)."""
+    def add_update(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y`` plus each row's adapter update of ``x``, written into y (made contiguous first if need be)."""
         if not self.carries:
             return y
         x2 = x.reshape(-1, x.shape[-1])
@@ -67,60 +66,13 @@ class LoraWeights:
         if slots is None:
             return y
         y = y if y.is_contiguous() else y.contiguous()
-        flat = y.view(-1, y.shape[-1])
-        out = torch.empty_like(flat) if keep else None
-        ops.lora_add(flat, x2, self.a, self.b, slots, self.owner.rank, out)
-        return y if out is None else out.view(y.shape)
+        ops.lora_add(y.view(-1, y.shape[-1]), x2, self.a, self.b, slots, self.owner.rank)
+        return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_update(self.base.forward(x), x)
 
     __call__ = forward
-
-    # ---- the fused helpers of core/modules/linear.py, each with the update inside ----------------
-
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``self(x) + residual``: the update is added to the residual the base's fused add takes."""
-        residual = self.add_update(residual, x, keep=True)
-        if hasattr(self.base, "forward_add"):
-            return self.base.forward_add(x, residual)
-        return self.base.forward(x) + residual, None
-
-    def forward_gated(self, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-        if not self.carries and hasattr(self.base, "forward_gated"):
-            return self.base.forward_gated(gate, up, activation)
-        return self.forward(ops.gated_activation(gate, up, activation))
-
-    def forward_gated_add(self, gate: torch.Tensor, up: torch.Tensor, activation: str,
-                          residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.carries:
-            residual = self.add_update(residual, ops.gated_activation(gate, up, activation), keep=True)
-        if hasattr(self.base, "forward_gated_add"):
-            return self.base.forward_gated_add(gate, up, activation, residual)
-        return self.base.forward(ops.gated_activation(gate, up, activation)) + residual, None
-
-    def groups_with(self, other: object) -> bool:
-        base = self.base
-        return hasattr(base, "forward_group") and hasattr(base, "groups_with") and base.groups_with(_unwrap(other))
-
-    @staticmethod
-    def forward_group(linears: Sequence[Any], x: torch.Tensor, row_norm: Any = None) -> list[torch.Tensor]:
-        """The bases' grouped matmul, then each wrapped projection's update (of the normed x with a norm)."""
-        bases = [_unwrap(l) for l in linears]
-        ys = bases[0].forward_group(bases, x, row_norm) if row_norm is not None else bases[0].forward_group(bases, x)
-        if not any(isinstance(l, LoraWeights) and l.carries for l in linears):
-            return ys
-        xn = row_norm.apply(x) if row_norm is not None else x
-        return [l.add_update(y, xn) if isinstance(l, LoraWeights) else y for l, y in zip(linears, ys)]
-
-    @staticmethod
-    def group_parts(linears: Sequence[Any]) -> Any:
-        """None (the caller projects and rotates apart) when an adapter targets any of ``linears``: the
-        one-kernel q/k/v + RoPE + KV write has no place for the update."""
-        if any(isinstance(l, LoraWeights) and l.carries for l in linears):
-            return None
-        bases = [_unwrap(l) for l in linears]
-        return bases[0].group_parts(bases) if hasattr(bases[0], "group_parts") else None
 
     def nbytes(self) -> int:
         own = sum(t.numel() * t.element_size() for t in (self.a, self.b) if t is not None)
