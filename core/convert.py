@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -392,13 +393,16 @@ def convert(
         _write_json(work_dir / "args.json", args)
 
     t_start = time.perf_counter()
-    lm = trellm.load(input_dir, device=dev, dtype=torch.float32, tokenizer=True)
+    # Modules are built here but load their weights one at a time (ModelStream): host and device
+    # memory hold one decoder layer, the embedding and the head, never the whole model.
+    lm = trellm.load(input_dir, device=dev, dtype=torch.float32, tokenizer=True, weights=False)
     model, store = lm.model, lm.store
+    stream = ModelStream(lm)
     layers = list(model.layers)
     num_layers = len(layers)
 
     # Plan: group linears by shared input with a tiny dry run, then allocate bits.
-    groups = _plan_groups(model)
+    groups = _plan_groups(model, stream)
     linear_numel = sum(g.numel for g in groups)
     head = model.lm_head
     head_numel = head.in_features * head.out_features
@@ -429,12 +433,18 @@ def convert(
         if index < num_layers:
             layer = layers[index]
             layer_groups = [g for g in groups if g.layer == index]
+            stream.load(layer)
             state, layer_stats = _quantize_layer(layer, index, layer_groups, state, batch, codebook, scale_search, dev)
+            stream.release()
             tensors = layer_stats.pop("tensors")
             _atomic_save(tensors, work_dir / "qtensors" / f"{layer.key}.safetensors")
         else:
+            stream.load(model.lm_head)
             layer_stats, tensors = _quantize_head(model, state, head_bits, codebook, scale_search, dev, num_layers)
+            model.lm_head.unload()
+            stream.release()
             _atomic_save(tensors, work_dir / "qtensors" / "lm_head.safetensors")
+        del tensors
         n = layer_stats.get("numel", 0)
         weights_done += n
         dt = time.perf_counter() - t0
@@ -461,39 +471,92 @@ def convert(
     return summary
 
 
-def _plan_groups(model) -> list[PlanGroup]:
-    """Linears of each layer grouped by shared input (found with a one-token dry run through the model)."""
+class ModelStream:
+    """Loads a built model's modules one at a time for the converter.
+
+    The embedding, final norm and any other top-level module stay loaded; decoder layers and the head
+    are loaded when their turn comes and unloaded after. Each load gets a fresh LoadContext (its tensor
+    cache would otherwise keep every layer alive), and ``release`` closes the memory maps, so pages
+    read for a finished layer stop counting against the process.
+    """
+
+    def __init__(self, lm):
+        from . import registry
+        from .modules.base import LoadContext
+
+        self.lm = lm
+        self._context = lambda: LoadContext(store=lm.store, device=lm.device, dtype=lm.dtype,
+                                            quant_formats=registry.quant_formats())
+        model = lm.model
+        streamed = {id(m) for m in model.layers} | {id(model.lm_head)}
+        ctx = self._context()
+        for child in model.children():
+            if id(child) not in streamed:
+                child.load(ctx)
+        self.release()
+
+    def load(self, module) -> None:
+        module.load(self._context())
+
+    def release(self) -> None:
+        self.lm.store.close()  # maps reopen lazily on the next read
+
+
+def _layer_signature(layer) -> tuple:
+    """What decides a layer's grouping: its type and its linears (key relative to the layer, shape)."""
+    return (type(layer).__name__,) + tuple(
+        (lin.key[len(layer.key):], lin.in_features, lin.out_features) for lin in layer_linears(layer)
+    )
+
+
+def _plan_groups(model, stream: ModelStream) -> list[PlanGroup]:
+    """Linears of each layer grouped by shared input, found with a four-token dry run of one layer per
+    signature (layers of the same type and shapes group alike), so planning loads only a few layers."""
     from .batch import ForwardBatch
 
     device = model.embed.weight.device
     batch = ForwardBatch.no_cache([[0, 1, 2, 3]], device)
     plan: list[PlanGroup] = []
+    groupings: dict[tuple, list[list[str]]] = {}  # signature -> groups of relative keys
     with torch.inference_mode():
         x = model.embed_tokens(batch)
         for index, layer in enumerate(model.layers):
-            linears = layer_linears(layer)
-            tracker, shared = _InputTracker(), {}
-            recorders = []
-            for lin in linears:
-                rec = HessianRecorder(lin.impl, tracker, shared)
-                recorders.append(rec)
-                lin.impl = rec
-            try:
-                x = layer.forward(x, batch)
-            finally:
-                for lin, rec in zip(linears, recorders):
-                    lin.impl = rec.inner
-            by_group: dict[int, list[Linear]] = {}
-            for lin, rec in zip(linears, recorders):
-                gid = rec.group if rec.group is not None else 10_000 + len(by_group)  # never called: alone
-                by_group.setdefault(gid, []).append(lin)
-            for members in by_group.values():
+            signature = _layer_signature(layer)
+            if signature not in groupings:
+                groupings[signature] = _dry_run_groups(layer, x, batch, stream)
+            by_key = {lin.key[len(layer.key):]: lin for lin in layer_linears(layer)}
+            for rel_keys in groupings[signature]:
+                members = [by_key[r] for r in rel_keys]
                 plan.append(PlanGroup(
                     layer=index, keys=[m.key for m in members],
                     numel=sum(m.in_features * m.out_features for m in members),
                     priority=_priority(layer, members[0]), bits=0,
                 ))
     return plan
+
+
+def _dry_run_groups(layer, x: torch.Tensor, batch, stream: ModelStream) -> list[list[str]]:
+    """Relative keys of the layer's linears, grouped by which ones are called with the same input tensor."""
+    stream.load(layer)
+    linears = layer_linears(layer)
+    tracker, shared = _InputTracker(), {}
+    recorders = []
+    for lin in linears:
+        rec = HessianRecorder(lin.impl, tracker, shared)
+        recorders.append(rec)
+        lin.impl = rec
+    try:
+        layer.forward(x, batch)
+    finally:
+        for lin, rec in zip(linears, recorders):
+            lin.impl = rec.inner
+        layer.unload()
+        stream.release()
+    by_group: dict[int, list[str]] = {}
+    for lin, rec in zip(linears, recorders):
+        gid = rec.group if rec.group is not None else 10_000 + len(by_group)  # never called: alone
+        by_group.setdefault(gid, []).append(lin.key[len(layer.key):])
+    return list(by_group.values())
 
 
 def _dense_parts(lin: Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -568,68 +631,80 @@ def compile_output(input_dir: Path, output_dir: Path, work_dir: Path, raw_config
                    avg_bits: float, head_bits: int, codebook: str, cal_rows: int, cal_cols: int,
                    shard_size_mb: int, progress: bool) -> dict:
     """Assemble the output dir from the source (unquantized tensors) and the work dir (quantized ones)."""
+    from .weights import SafetensorsFile
+
     quantized_keys = {k for g in groups for k in g.keys}
     head_key = model.lm_head.key
-    modules: list[dict[str, torch.Tensor]] = []  # in model order; a module is never split across shards
+    # Modules in model order as lists of (name, bytes, reader); a module is never split across shards.
+    # Tensors are read when their shard is written, so host memory holds one shard at a time.
+    Entry = tuple[str, int, Callable[[], torch.Tensor]]
+    modules: list[list[Entry]] = []
 
-    def source_tensors(prefix: str) -> dict[str, torch.Tensor]:
-        out = {}
+    def source_entry(name: str) -> Entry:
+        info = store.info(name)
+        item = 2 if info.dtype in (torch.float32, torch.float64) else info.dtype.itemsize
+        return name, info.numel * item, lambda: _storage_dtype(store.get(name))
+
+    def source_tensors(prefix: str) -> list[Entry]:
+        out = []
         for name in store.keys():
             if not (name == prefix or name.startswith(prefix + ".")):
                 continue
             owner = name.rsplit(".", 1)[0]
             if owner in quantized_keys or owner == head_key:
                 continue
-            out[name] = _storage_dtype(store.get(name))
+            out.append(source_entry(name))
         return out
 
-    claimed: set[str] = set()
-    embed = source_tensors(model.embed.key)
-    modules.append(embed)
+    def quantized_tensors(path: Path) -> list[Entry]:
+        f = SafetensorsFile(path)
+        return [(name, info.nbytes, lambda f=f, name=name: f.read(name)) for name, info in f.tensors.items()]
+
+    modules.append(source_tensors(model.embed.key))
     for layer in model.layers:
-        t = source_tensors(layer.key)
-        t.update(load_file(str(work_dir / "qtensors" / f"{layer.key}.safetensors")))
-        modules.append(t)
-    modules.append(source_tensors(model.norm.key) if getattr(model.norm, "key", "") else {})
-    modules.append(load_file(str(work_dir / "qtensors" / "lm_head.safetensors")))
-    for m in modules:
-        claimed |= set(m)
+        modules.append(source_tensors(layer.key) + quantized_tensors(work_dir / "qtensors" / f"{layer.key}.safetensors"))
+    modules.append(source_tensors(model.norm.key) if getattr(model.norm, "key", "") else [])
+    modules.append(quantized_tensors(work_dir / "qtensors" / "lm_head.safetensors"))
+    claimed = {name for m in modules for name, _, _ in m}
     # Anything else of the source that no module claimed (extra tensors), unquantized.
-    rest = {}
+    rest = []
     for name in store.keys():
         owner = name.rsplit(".", 1)[0]
         if name in claimed or owner in quantized_keys or owner == head_key or name.startswith(head_key + "."):
             continue
-        rest[name] = _storage_dtype(store.get(name))
-    if rest:
-        modules.append(rest)
+        rest.append(source_entry(name))
+    modules.append(rest)
     modules = [m for m in modules if m]
 
     # Shards: start a new file when the next module would exceed the limit.
     limit = shard_size_mb * 2**20
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    shards: list[list[Entry]] = [[]]
     size = 0
     for m in modules:
-        m_size = sum(t.numel() * t.element_size() for t in m.values())
+        m_size = sum(nbytes for _, nbytes, _ in m)
         if shards[-1] and size + m_size > limit:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1].update(m)
+        shards[-1].extend(m)
         size += m_size
-    needed = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+    needed = sum(nbytes for shard in shards for _, nbytes, _ in shard)
     _check_free_space(output_dir, needed + (1 << 20), "output")
     output_dir.mkdir(parents=True, exist_ok=True)
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]
-    weight_map = {}
+    weight_map, storage = {}, {}
     for name, shard in zip(names, shards):
         path = output_dir / name
+        tensors = {key: read().contiguous() for key, _, read in shard}
         try:
-            save_file({k: v.contiguous() for k, v in shard.items()}, str(path))
+            save_file(tensors, str(path))
         except OSError as e:
             _raise_disk(e, path)
-        weight_map.update({k: name for k in shard})
+        weight_map.update({k: name for k in tensors})
+        storage.update(_tensor_storage(tensors))
+        del tensors
+        store.close()
     if len(shards) > 1:
         _write_json(output_dir / "model.safetensors.index.json", {"metadata": {"total_size": needed}, "weight_map": weight_map})
 
@@ -652,7 +727,7 @@ def compile_output(input_dir: Path, output_dir: Path, work_dir: Path, raw_config
         qconfig["original_quantization_config"] = old_q
     config["quantization_config"] = qconfig
     _write_json(output_dir / "config.json", config)
-    _write_json(output_dir / "quantization_config.json", dict(qconfig, tensor_storage=_tensor_storage(shards)))
+    _write_json(output_dir / "quantization_config.json", dict(qconfig, tensor_storage=storage))
 
     for src in sorted(input_dir.iterdir()):
         if src.is_file() and src.suffix not in NOT_COPIED and src.name not in NOT_COPIED_NAMES:
@@ -663,18 +738,18 @@ def compile_output(input_dir: Path, output_dir: Path, work_dir: Path, raw_config
     return {"output_dir": str(output_dir), "shards": names, "output_bytes": needed}
 
 
-def _tensor_storage(shards: list[dict[str, torch.Tensor]]) -> dict:
+def _tensor_storage(tensors: dict[str, torch.Tensor]) -> dict:
+    """quantization_config.json's tensor_storage entries of one shard's tensors, by leaf module."""
     leaves: dict[str, dict] = {}
-    for shard in shards:
-        for name, t in shard.items():
-            leaf, tensor_name = name.rsplit(".", 1)
-            entry = leaves.setdefault(leaf, {"stored_tensors": {}})
-            entry["stored_tensors"][name] = {"shape": list(t.shape), "n_bytes": t.numel() * t.element_size(), "dtype": str(t.dtype)}
-            if tensor_name == "trellis":
-                entry["quant_format"] = "exl3"
-                entry["bits_per_weight"] = t.shape[-1] // 16
-            if tensor_name in MARKER_VALUES:
-                entry[f"{tensor_name}_multiplier"] = int(t.item()) & 0xFFFFFFFF
+    for name, t in tensors.items():
+        leaf, tensor_name = name.rsplit(".", 1)
+        entry = leaves.setdefault(leaf, {"stored_tensors": {}})
+        entry["stored_tensors"][name] = {"shape": list(t.shape), "n_bytes": t.numel() * t.element_size(), "dtype": str(t.dtype)}
+        if tensor_name == "trellis":
+            entry["quant_format"] = "exl3"
+            entry["bits_per_weight"] = t.shape[-1] // 16
+        if tensor_name in MARKER_VALUES:
+            entry[f"{tensor_name}_multiplier"] = int(t.item()) & 0xFFFFFFFF
     return leaves
 
 

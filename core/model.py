@@ -352,11 +352,12 @@ def model_path(path: str | Path) -> Path:
 
 
 def load(path: str | Path, device=None, dtype=None, progress: bool = False, tokenizer: bool = True,
-         lora: str | Path | None = None) -> LoadedModel:
+         lora: str | Path | None = None, weights: bool = True) -> LoadedModel:
     """Load an HF model directory (bf16/fp16/fp32 safetensors, or EXL3) with the plugin that serves it.
 
     ``lora``: a PEFT LoRA adapter directory loaded beside the base weights and used by default
-    (``LoadedModel.load_lora`` adds more)."""
+    (``LoadedModel.load_lora`` adds more). ``weights=False`` builds the modules without loading any
+    tensor (the converter loads one layer at a time)."""
     model_dir = model_path(path)
     raw = read_config_json(model_dir)
     archs = raw.get("architectures") or []
@@ -371,7 +372,7 @@ def load(path: str | Path, device=None, dtype=None, progress: bool = False, toke
     model = spec.build(config)
     ctx = LoadContext(store=store, device=dev, dtype=dt, quant_formats=registry.quant_formats())
     t0 = time.time()
-    children = list(model.children())
+    children = list(model.children()) if weights else []
     try:
         for i, child in enumerate(children):
             child.load(ctx)

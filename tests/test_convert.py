@@ -33,10 +33,37 @@ def make_tiny_llama(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
+    """The tiny Llama converted at 4 bpw; records how many decoder layers held weights at each layer's turn."""
+    import trellm.convert as conv
+
     root = tmp_path_factory.mktemp("convert")
     src = make_tiny_llama(root / "dense")
-    summary = convert(src, root / "q4", root / "work", 4.0, **FAST)
+    loaded_layers = []
+    quantize_layer = conv._quantize_layer
+
+    def counting(layer, *args, **kwargs):
+        model_layers = [m for m in layer_owner[0].layers] if layer_owner else []
+        loaded_layers.append(sum(any(lin.impl is not None for lin in conv.layer_linears(m)) for m in model_layers))
+        return quantize_layer(layer, *args, **kwargs)
+
+    layer_owner = []
+    plan_groups = conv._plan_groups
+
+    def remember_model(model, stream):
+        layer_owner.append(model)
+        return plan_groups(model, stream)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(conv, "_quantize_layer", counting)
+        mp.setattr(conv, "_plan_groups", remember_model)
+        summary = convert(src, root / "q4", root / "work", 4.0, **FAST)
+    summary["loaded_layers"] = loaded_layers
     return src, root, summary
+
+
+def test_layers_are_streamed_one_at_a_time(converted):
+    _, _, summary = converted
+    assert summary["loaded_layers"] == [1, 1]  # 2 layers: only the one being quantized holds weights
 
 
 def _kl(dense_dir: Path, quant_dir: Path) -> tuple[float, float]:

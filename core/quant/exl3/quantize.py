@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...ops.exl3 import CODEBOOKS, hadamard_128, matrix_to_tiles, pack_trellis, tiles_to_matrix
+from ...ops.exl3 import CODEBOOKS, TILE_PERM, hadamard_128, matrix_to_tiles, pack_trellis, tiles_to_matrix
 from .viterbi import encode_tiles
 
 CODEBOOK_SCALE = 1.24371088  # RMS of the 3INST codebook; W_reg rows are normalized to it
@@ -61,7 +61,7 @@ class QuantizedTensors:
 class QuantStats:
     bits: int
     numel: int  # unpadded weights quantized
-    proxy_error: float  # tr(E H E^T) / tr(W H W^T) in the regularized domain
+    proxy_error: float  # tr(E^T H E) / tr(W^T H W): relative output error on the calibration inputs
     scale: float  # the global scale g
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -74,6 +74,27 @@ def _had_rows(x: torch.Tensor) -> torch.Tensor:
 
 def _random_signs(n: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randint(0, 2, (n,), generator=generator).float() * 2 - 1
+
+
+SLAB_ELEMENTS = 1 << 25  # columns are transformed and measured in slabs of about this many weights (128 MiB fp32)
+
+
+def _column_slabs(k: int, n: int) -> list[slice]:
+    """Column ranges (multiples of 128 wide) that split a [k, n] matrix into slabs of ~SLAB_ELEMENTS.
+
+    Every column-wise step (output Hadamard, H products, LDLQ) is independent per 128 columns, so a
+    large head is processed slab by slab instead of through whole-matrix temporaries."""
+    width = max(PAD, SLAB_ELEMENTS // max(k, 1) // PAD * PAD)
+    return [slice(c, min(c + width, n)) for c in range(0, n, width)]
+
+
+def hessian_form(x: torch.Tensor, h: torch.Tensor) -> float:
+    """tr(x^T h x) for x [k, n], h [k, k], without the n x n product: sum of x * (h @ x), slab by slab."""
+    total = 0.0
+    for cols in _column_slabs(*x.shape):
+        xs = x[:, cols]
+        total += (xs * (h @ xs)).sum(dtype=torch.float64).item()
+    return total
 
 
 def block_ldl(hessian: torch.Tensor, block: int = 16, max_tries: int = 10) -> torch.Tensor:
@@ -96,17 +117,34 @@ def block_ldl(hessian: torch.Tensor, block: int = 16, max_tries: int = 10) -> to
     return u
 
 
+def _sample_tiles(w_reg: torch.Tensor, generator: torch.Generator, max_tiles: int) -> torch.Tensor:
+    """[m, 256] tiles (trellis order) of w_reg for the scale search: the lowest- and highest-RMS tiles
+    plus a random sample, gathered by index (the whole matrix is never re-laid out as tiles)."""
+    k, n = w_reg.shape
+    tk, tn = k // 16, n // 16
+    total = tk * tn
+    if total <= max_tiles:
+        picks = torch.arange(total)
+    else:
+        tile_ms = torch.empty(tk, tn, device=w_reg.device)
+        rows_per = max(1, SLAB_ELEMENTS // (16 * n))
+        for r in range(0, tk, rows_per):
+            blk = w_reg[16 * r : 16 * min(r + rows_per, tk)].view(-1, 16, tn, 16)
+            tile_ms[r : r + blk.shape[0]] = blk.pow(2).mean((1, 3))
+        order = torch.argsort(tile_ms.flatten()).cpu()
+        extremes = torch.cat([order[: max_tiles // 8], order[-(max_tiles // 8) :]])
+        rand = torch.randperm(total, generator=generator)[: max_tiles - extremes.numel()]
+        picks = torch.cat([extremes, rand]).unique()
+    picks = picks.to(w_reg.device)
+    tiles = w_reg.view(tk, 16, tn, 16)[picks // tn, :, picks % tn, :]  # [m, 16, 16] row-major
+    return tiles.reshape(-1, 256)[:, TILE_PERM.to(w_reg.device)]
+
+
 def _search_scale(w_reg: torch.Tensor, K: int, codebook: str, generator: torch.Generator, max_tiles: int = 48) -> float:
     """Global scale g minimising the tile quantization MSE of a tile sample (coarse grid, fine grid, parabola)."""
-    tiles = matrix_to_tiles(w_reg).reshape(-1, 256)
-    n = tiles.shape[0]
-    max_tiles = max(8, min(max_tiles, n // 8))  # the search costs ~7 encodes of the sample: keep it small
-    if n > max_tiles:
-        rms = tiles.pow(2).mean(1)
-        order = torch.argsort(rms)
-        extremes = torch.cat([order[: max_tiles // 8], order[-(max_tiles // 8) :]])
-        rand = torch.randperm(n, generator=generator)[: max_tiles - extremes.numel()].to(tiles.device)
-        tiles = tiles[torch.cat([extremes, rand]).unique()]
+    n_tiles = (w_reg.shape[0] // 16) * (w_reg.shape[1] // 16)
+    max_tiles = max(8, min(max_tiles, n_tiles // 8))  # the search costs ~7 encodes of the sample: keep it small
+    tiles = _sample_tiles(w_reg, generator, max_tiles)
 
     def err(s: float) -> float:
         _, vals = encode_tiles(tiles * s, K, codebook)
@@ -123,6 +161,49 @@ def _search_scale(w_reg: torch.Tensor, K: int, codebook: str, generator: torch.G
     return max(best + offset * step, 0.01)
 
 
+def _to_original(e_reg: torch.Tensor, su: torch.Tensor, sv: torch.Tensor) -> torch.Tensor:
+    """diag(su) Had e_reg Had diag(sv), slab by slab, into a new [k, n] tensor."""
+    out = torch.empty_like(e_reg)
+    for cols in _column_slabs(*e_reg.shape):
+        out[:, cols] = hadamard_128(_had_rows(e_reg[:, cols]) * su[:, None]) * sv[None, cols]
+    return out
+
+
+def refit_scales(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor, members: list[slice], rounds: int = 2
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input-row and output-column factors (r [k], c [n]) that minimise tr(E^T H E), E = W - diag(r) Q diag(c).
+
+    The trellis stays fixed; the factors fold into the stored fp16 ``suh`` / ``svh`` (one suh per member
+    of a group, so each member's column range gets its own r). Alternates the closed-form column fit
+    c_j = q_j^T H w_j / q_j^T H q_j with the row fit ((Q Q^T) o H) r = rowsum(Q o H W), ``rounds`` times.
+    ``q`` is scaled in place. A factor that comes out non-finite or non-positive stays 1.
+    """
+    k, n = q.shape
+    r_all = torch.ones(len(members), k, device=q.device)
+    c = torch.ones(n, device=q.device)
+    for _ in range(rounds):
+        for m, cols in enumerate(members):
+            gram = torch.zeros(k, k, device=q.device)
+            rhs = torch.zeros(k, device=q.device)
+            for sub in _column_slabs(k, cols.stop - cols.start):
+                sl = slice(cols.start + sub.start, cols.start + sub.stop)
+                qs, hw = q[:, sl], h @ w[:, sl]
+                num, den = (qs * hw).sum(0), (qs * (h @ qs)).sum(0)
+                fit = torch.where(den > 0, num / den.clamp_min(1e-30), torch.ones_like(num))
+                fit = torch.where(torch.isfinite(fit) & (fit > 0), fit, torch.ones_like(fit))
+                qs.mul_(fit)
+                c[sl] *= fit
+                gram.addmm_(qs, qs.t())
+                rhs += (qs * hw).sum(1)
+            a = gram * h
+            a.diagonal().add_(1e-6 * a.diagonal().mean().clamp_min(1e-30))
+            r = torch.linalg.solve(a, rhs)
+            r = torch.where(torch.isfinite(r) & (r > 0), r, torch.ones_like(r))
+            q[:, cols].mul_(r[:, None])
+            r_all[m] *= r
+    return r_all, c
+
+
 def quantize_group(
     weights: list[torch.Tensor],
     hessian: torch.Tensor | None,
@@ -133,10 +214,14 @@ def quantize_group(
     out_scales: bool = True,
     scale_search: bool = True,
     device: torch.device | str | None = None,
+    refit: bool = True,
 ) -> tuple[list[QuantizedTensors], QuantStats]:
     """Quantize linears that share one input (HF weights [out_i, in]) to EXL3 at ``bits`` per weight.
 
     ``hessian`` is E[x x^T] [in, in] of the shared input (None: no calibration, plain tile rounding).
+    ``refit``: after the trellis is chosen, refit each member's suh and svh in the Hessian metric
+    (:func:`refit_scales`). Memory: the padded float32 weight, about three slab-sized temporaries and
+    [in, in] matrices; the weight is overwritten with the LDLQ error as the strips are done.
     """
     import time
 
@@ -156,79 +241,103 @@ def quantize_group(
     outs = [w.shape[0] for w in weights]
     widths = [padded(o) for o in outs]
     n = sum(widths)
-
-    # W [k, n]: the weights transposed to (in, out), zero-padded, side by side.
-    w = torch.zeros(k, n, device=device)
+    members = []
     col = 0
-    for wi, width in zip(weights, widths):
-        w[:in_features, col : col + wi.shape[0]] = wi.t().to(device=device, dtype=torch.float32)
+    for width in widths:
+        members.append(slice(col, col + width))
         col += width
 
+    def original_weight() -> torch.Tensor:
+        """W [k, n]: the weights transposed to (in, out), zero-padded, side by side, float32."""
+        full = torch.zeros(k, n, device=device)
+        for wi, cols in zip(weights, members):
+            full[:in_features, cols.start : cols.start + wi.shape[0]] = wi.t().to(device=device, dtype=torch.float32)
+        return full
+
+    w = original_weight()
     h = torch.zeros(k, k, device=device)
     calibrated = hessian is not None and bool(torch.isfinite(hessian).all()) and hessian.diagonal().mean() > 1e-20
     if calibrated:
         h[:in_features, :in_features] = hessian.to(device=device, dtype=torch.float32)
     else:
         h.diagonal().fill_(1.0)
+    undamped = h.clone() if refit or calibrated else h
     h.diagonal().add_(DAMPING * h.diagonal().mean())
+    slabs = _column_slabs(k, n)
 
     # Output side: random signs times the normalized column RMS.
-    col_rms = w.pow(2).mean(0).sqrt()
+    col_rms = torch.cat([w[:, cols].pow(2).mean(0) for cols in slabs]).sqrt()
     zero_cols = col_rms == 0
     sv = _random_signs(n, gen).to(device)
     if out_scales:
         mean_rms = col_rms[~zero_cols].mean() if (~zero_cols).any() else torch.tensor(1.0, device=device)
         sv = sv * torch.where(zero_cols, torch.ones_like(col_rms), col_rms / mean_rms)
-    w_reg = hadamard_128(w / sv)
+    row_ss = torch.zeros(k, device=device)
+    for cols in slabs:
+        w[:, cols] = hadamard_128(w[:, cols] / sv[cols])
+        row_ss += w[:, cols].pow(2).sum(1)
     # Input side: random signs times the row RMS, normalized to the codebook RMS.
-    row_rms = w_reg.pow(2).mean(1).sqrt()
+    row_rms = (row_ss / n).sqrt()
     row_rms = torch.where(row_rms == 0, torch.full_like(row_rms, 0.1), row_rms)
     su = _random_signs(k, gen).to(device) * row_rms / CODEBOOK_SCALE
-    w_reg = _had_rows(w_reg / su[:, None])
+    for cols in slabs:
+        w[:, cols] = _had_rows(w[:, cols] / su[:, None])
 
-    g = _search_scale(w_reg, bits, codebook, gen) if scale_search else 1.0
-    w_reg = w_reg * g
+    g = _search_scale(w, bits, codebook, gen) if scale_search else 1.0
+    w.mul_(g)
     su = su / g
 
     h_reg = _had_rows(hadamard_128(h * su[:, None] * su[None, :]))
     h_reg = 0.5 * (h_reg + h_reg.t())
-    u = block_ldl(h_reg) if calibrated else torch.zeros(k, k, device=device)
+    u = block_ldl(h_reg) if calibrated else None
 
-    q = torch.zeros_like(w_reg)
-    states = torch.empty(k // 16, n // 16, 256, dtype=torch.int32, device=device)
+    # LDLQ, strips from last to first. w[rows] becomes the strip's error E = W_reg - Q once it is
+    # quantized, so the feedback of a strip reads the later strips' errors straight from w.
+    trellis = torch.empty(k // 16, n // 16, 16 * bits, dtype=torch.int16, device=device)
     for strip in range(k // 16 - 1, -1, -1):
         rows = slice(16 * strip, 16 * strip + 16)
         after = 16 * strip + 16
-        target = w_reg[rows]
-        if calibrated and after < k:
-            target = target + u[after:, rows].t() @ (w_reg[after:] - q[after:])
-        s, vals = encode_tiles(matrix_to_tiles(target).reshape(-1, 256), bits, codebook)
-        states[strip] = s
-        q[rows] = tiles_to_matrix(vals.view(1, n // 16, 256))
+        target = w[rows]
+        if u is not None and after < k:
+            target = target + u[after:, rows].t() @ w[after:]
+        states, vals = encode_tiles(matrix_to_tiles(target).reshape(-1, 256), bits, codebook)
+        trellis[strip] = pack_trellis(states.view(n // 16, 256), bits)
+        w[rows] -= tiles_to_matrix(vals.view(1, n // 16, 256))
 
-    err = w_reg - q
-    proxy = (torch.trace(err.t() @ h_reg @ err) / torch.trace(w_reg.t() @ h_reg @ w_reg).clamp_min(1e-30)).item()
-    trellis = pack_trellis(states, bits)
+    # The stored fp16 scales; Q (original basis) = W - E_orig, with the fp16 rounding of su / sv.
     suh = su.half()
     svh = torch.where(zero_cols, torch.zeros_like(sv), sv).half()
+    e_orig = _to_original(w, su, sv)
+    del w
+    q = original_weight()
+    q.sub_(e_orig)
+    del e_orig
+    q.mul_((suh.float() / su)[:, None])
+    q.mul_((svh.float() / sv)[None, :])
+    w = original_weight()
+    suhs = [suh] * len(weights)
+    if refit:
+        r, c = refit_scales(w, q, h, members)
+        svh = (svh.float() * c).half()
+        suhs = [(suh.float() * r[m]).half() for m in range(len(weights))]
+    q.sub_(w)  # the error of what is stored
+    proxy = hessian_form(q, undamped) / max(hessian_form(w, undamped), 1e-30)
 
     results = []
-    col = 0
-    for out, width, b in zip(outs, widths, biases):
+    for m, (out, cols, b) in enumerate(zip(outs, members, biases)):
         bias = None
         if b is not None:
-            bias = torch.zeros(width, dtype=torch.float16, device=device)
+            bias = torch.zeros(cols.stop - cols.start, dtype=torch.float16, device=device)
             bias[:out] = b.to(device=device, dtype=torch.float16)
         results.append(
             QuantizedTensors(
-                trellis=trellis[:, col // 16 : (col + width) // 16].contiguous(),
-                suh=suh.clone(),
-                svh=svh[col : col + width].contiguous(),
+                trellis=trellis[:, cols.start // 16 : cols.stop // 16].contiguous(),
+                suh=suhs[m].clone(),
+                svh=svh[cols].contiguous(),
                 codebook=codebook,
                 bias=bias,
             )
         )
-        col += width
     numel = in_features * sum(outs)
     return results, QuantStats(bits, numel, proxy, g, time.perf_counter() - t0)
 
