@@ -10,11 +10,14 @@ import json
 import mmap
 import struct
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from .errors import WeightError
+
+if TYPE_CHECKING:
+    from .quant.source import VirtualTensor
 
 DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
@@ -27,7 +30,11 @@ DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
     "F32": torch.float32,
     "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
+if hasattr(torch, "float8_e8m0fnu"):
+    DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -114,19 +121,28 @@ class SafetensorsFile:
             if a1 < b0 and b1 > a1:
                 raise self._fail(f"tensors {n0!r} and {n1!r} overlap in the data section")
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """The tensor, or only ``rows`` (a step-1 slice of its first dimension: one expert of a stack)."""
         t = self.tensors[name]
-        if t.nbytes == 0:
-            return torch.empty(t.shape, dtype=t.dtype)
+        shape, start, end = t.shape, t.start, t.end
+        if rows is not None:
+            first, stop, step = rows.indices(shape[0])
+            if step != 1:
+                raise ValueError(f"{self.path}: tensor {name!r}: row slices must have step 1")
+            row_bytes = t.nbytes // max(shape[0], 1)
+            shape = (max(stop - first, 0), *shape[1:])
+            start, end = t.start + first * row_bytes, t.start + first * row_bytes + shape[0] * row_bytes
+        if end == start:
+            return torch.empty(shape, dtype=t.dtype)
         if self._mm is None:
             with open(self.path, "rb") as f:
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        buf = memoryview(self._mm)[self.data_offset + t.start : self.data_offset + t.end]
+        buf = memoryview(self._mm)[self.data_offset + start : self.data_offset + end]
         import warnings
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only buffer: we clone before handing it out
-            return torch.frombuffer(buf, dtype=t.dtype).reshape(t.shape).clone()
+            return torch.frombuffer(buf, dtype=t.dtype).reshape(shape).clone()
 
     def close(self) -> None:
         if self._mm is not None:
@@ -160,6 +176,14 @@ class WeightStore:
                 if name in self._index:
                     raise WeightError(f"tensor {name!r} appears in both {self._index[name].file.path.name} and {f.path.name}")
                 self._index[name] = info
+        # Quantized sources (FP8, MXFP4): their weights appear as dense virtual tensors (quant/source.py).
+        from .quant.source import source_views
+
+        stored = dict(self._index)
+        views, hidden = source_views(self.model_dir, stored, lambda name, rows: stored[name].file.read(name, rows))
+        for name in hidden:
+            del self._index[name]
+        self._index.update(views)
 
     def __contains__(self, name: str) -> bool:
         return name in self._index
@@ -170,7 +194,7 @@ class WeightStore:
     def keys(self) -> list[str]:
         return list(self._index)
 
-    def info(self, name: str) -> TensorInfo:
+    def info(self, name: str) -> "TensorInfo | VirtualTensor":
         try:
             return self._index[name]
         except KeyError:
@@ -189,7 +213,7 @@ class WeightStore:
             raise WeightError(
                 f"{info.file.path.name}: tensor {name!r} has shape {list(info.shape)}, expected {list(shape)}"
             )
-        t = info.file.read(name)
+        t = info.file.read(name) if isinstance(info, TensorInfo) else info.read().to(dtype or info.dtype)
         if dtype is not None or device is not None:
             t = t.to(device=device, dtype=dtype)
         return t
