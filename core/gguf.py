@@ -1,9 +1,11 @@
-"""Import a llama-architecture GGUF file (llama.cpp's format) as an HF model directory.
+"""Import a GGUF file (llama.cpp's format) of a llama or gemma3 model as an HF model directory.
 
 The result is what trellm (and transformers) load natively: config.json, model.safetensors
-(dequantised to bf16, Q/K rows put back in HF's order), tokenizer.json rebuilt from the GGUF
-vocabulary, tokenizer_config.json with the chat template, and generation_config.json. The
-directory appears atomically: it is written under a temporary name and renamed at the end.
+(dequantised to bf16; llama Q/K rows put back in HF's order, gemma norm weights back to HF's
+``1 + w`` convention), tokenizer.json rebuilt from the GGUF vocabulary (byte-level BPE, or
+SentencePiece BPE with byte fallback), tokenizer_config.json with the chat template, and
+generation_config.json. The directory appears atomically: it is written under a temporary name
+and renamed at the end.
 """
 from __future__ import annotations
 
@@ -51,6 +53,18 @@ _LAYER_TENSORS = {
     "ffn_up.bias": "mlp.up_proj.bias",
     "ffn_down.bias": "mlp.down_proj.bias",
 }
+# gemma3 names its four norms differently (llama's ffn_norm is gemma's pre-feedforward norm).
+_GEMMA3_LAYER_TENSORS = {
+    **{k: v for k, v in _LAYER_TENSORS.items() if k != "ffn_norm.weight"},
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+_ARCH_LAYER_TENSORS = {"llama": _LAYER_TENSORS, "gemma3": _GEMMA3_LAYER_TENSORS}
+# llama.cpp stores gemma's RMSNorm weights with the +1 of HF's ``x * (1 + w)`` already added.
+_NORM_SHIFT = {"llama": 0.0, "gemma3": 1.0}
 _TOP_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -110,13 +124,14 @@ class _Metadata:
 
 
 def _build_config(meta: _Metadata, has_output: bool, tensor_names: set[str], dtype: str) -> dict:
-    """config.json for LlamaForCausalLM from the GGUF hyperparameters."""
+    """config.json (LlamaForCausalLM or Gemma3ForCausalLM) from the GGUF hyperparameters."""
     arch = meta.require("general.architecture")
-    if arch != "llama":
+    if arch not in _ARCH_LAYER_TENSORS:
         raise GGUFImportError(
-            f"{meta.path}: architecture {arch!r} is not supported by the GGUF importer (only 'llama')"
+            f"{meta.path}: architecture {arch!r} is not supported by the GGUF importer "
+            f"(supported: {', '.join(sorted(_ARCH_LAYER_TENSORS))})"
         )
-    p = "llama."
+    p = arch + "."
     hidden = int(meta.require(p + "embedding_length"))
     n_heads = int(meta.require(p + "attention.head_count"))
     n_kv = int(meta.get(p + "attention.head_count_kv", n_heads))
@@ -142,7 +157,18 @@ def _build_config(meta: _Metadata, has_output: bool, tensor_names: set[str], dty
         "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
         "torch_dtype": dtype,
     }
-    rope_scaling = _rope_scaling(meta)
+    if arch == "gemma3":
+        # Facts of llama.cpp's gemma3 graph that the GGUF does not store: local layers use RoPE base
+        # 10000, every 6th layer is global, the query scale is 1/sqrt(head_dim), GELU (tanh) MLP.
+        config.update(
+            architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_activation="gelu_pytorch_tanh",
+            rope_local_base_freq=10000.0, sliding_window=int(meta.get(p + "attention.sliding_window", 4096)),
+            sliding_window_pattern=6, query_pre_attn_scalar=head_dim, final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+        )
+        config.pop("hidden_act")
+        config.pop("mlp_bias")
+    rope_scaling = _rope_scaling(meta, p)
     if rope_scaling:
         config["rope_scaling"] = rope_scaling
     for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
@@ -153,18 +179,18 @@ def _build_config(meta: _Metadata, has_output: bool, tensor_names: set[str], dty
     return config
 
 
-def _rope_scaling(meta: _Metadata) -> dict | None:
-    kind = meta.get("llama.rope.scaling.type")
+def _rope_scaling(meta: _Metadata, p: str) -> dict | None:
+    kind = meta.get(p + "rope.scaling.type")
     if kind in (None, "none"):
         return None
-    factor = float(meta.require("llama.rope.scaling.factor"))
+    factor = float(meta.require(p + "rope.scaling.factor"))
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
         return {
             "rope_type": "yarn",
             "factor": factor,
-            "original_max_position_embeddings": int(meta.require("llama.rope.scaling.original_context_length")),
+            "original_max_position_embeddings": int(meta.require(p + "rope.scaling.original_context_length")),
         }
     raise GGUFImportError(f"{meta.path}: rope scaling type {kind!r} is not supported by the GGUF importer")
 
@@ -172,8 +198,8 @@ def _rope_scaling(meta: _Metadata) -> dict | None:
 # ---- tensors ------------------------------------------------------------------------------------
 
 
-def _hf_tensor_name(gguf_name: str, path: Path) -> str:
-    """HF name of a GGUF tensor (a clear error for tensors a plain Llama does not have)."""
+def _hf_tensor_name(gguf_name: str, path: Path, arch: str = "llama") -> str:
+    """HF name of a GGUF tensor (a clear error for tensors the architecture does not have)."""
     if gguf_name in _TOP_TENSORS:
         return _TOP_TENSORS[gguf_name]
     if gguf_name == "rope_freqs.weight":
@@ -182,9 +208,14 @@ def _hf_tensor_name(gguf_name: str, path: Path) -> str:
             "importer cannot turn back into HF's rope_scaling parameters; convert from the HF checkpoint instead"
         )
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
-    raise GGUFImportError(f"{path}: tensor {gguf_name!r} has no known HF name for a llama model")
+    layer_tensors = _ARCH_LAYER_TENSORS[arch]
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}"
+    raise GGUFImportError(f"{path}: tensor {gguf_name!r} has no known HF name for a {arch} model")
+
+
+def _arch(config: dict) -> str:
+    return "gemma3" if config["model_type"] == "gemma3_text" else "llama"
 
 
 def _unpermute_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -201,9 +232,10 @@ def _convert_tensors(reader, config: dict, path: Path, dtype: str, show_progress
 
     torch_dtype = getattr(torch, dtype)
     tensors: dict[str, torch.Tensor] = {}
+    arch = _arch(config)
     total = len(reader.tensors)
     for index, tensor in enumerate(reader.tensors, 1):
-        hf_name = _hf_tensor_name(tensor.name, path)
+        hf_name = _hf_tensor_name(tensor.name, path, arch)
         try:
             values = dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as exc:
@@ -213,10 +245,12 @@ def _convert_tensors(reader, config: dict, path: Path, dtype: str, show_progress
             ) from exc
         expected = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         values = np.array(values, dtype=np.float32).reshape(expected)  # a copy: the reader maps the file read-only
-        if tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
+        if arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
             values = _unpermute_rows(values, config["num_attention_heads"])
-        elif tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
+        elif arch == "llama" and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
             values = _unpermute_rows(values, config["num_key_value_heads"])
+        elif tensor.name.endswith("norm.weight"):
+            values = values - _NORM_SHIFT[arch]
         tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(values)).to(torch_dtype)
         _progress("dequantising tensors", index, total, show_progress)
     return tensors
@@ -254,18 +288,10 @@ def _pre_tokenizer(pre: str | None, path: Path):
     return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
 
 
-def build_tokenizer(meta: _Metadata):
-    """A byte-level BPE `tokenizers.Tokenizer` from the GGUF vocabulary, merges and token types."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+def _byte_level_bpe(meta: _Metadata, tokens: list[str]):
+    """GPT-2 style BPE: (model, pre-tokenizer, decoder, spell) where spell maps a GGUF token to its vocab key."""
+    from tokenizers import decoders, models
 
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise TokenizerError(
-            f"{meta.path}: tokenizer model {kind!r} is not supported by the GGUF importer "
-            "(only byte-level BPE, 'gpt2')"
-        )
-    tokens = [str(t) for t in meta.require("tokenizer.ggml.tokens")]
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
@@ -278,16 +304,75 @@ def build_tokenizer(meta: _Metadata):
     vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
         vocab.setdefault(spell(token), index)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"), meta.path)
-    backend.decoder = decoders.ByteLevel()
+    model = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    return model, _pre_tokenizer(meta.get("tokenizer.ggml.pre"), meta.path), decoders.ByteLevel(), spell, spelled
+
+
+def _sentencepiece_bpe(meta: _Metadata, tokens: list[str], types: list[int]):
+    """SentencePiece BPE (gemma, llama 1/2 GGUFs, ``tokenizer.ggml.model == 'llama'``) as a `tokenizers` BPE.
+
+    Spaces are written as U+2581, unknown bytes fall back to the <0xNN> tokens. SentencePiece merges the
+    pair whose result scores highest; a BPE merge list ranks every split of every normal token (both
+    halves in the vocabulary) by that token's score, which gives the same order.
+    """
+    from tokenizers import decoders, models, normalizers
+
+    scores = meta.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    candidates = []
+    for index, (token, kind) in enumerate(zip(tokens, types)):
+        if kind != 1 or len(token) < 2:
+            continue
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                candidates.append((-float(scores[index]), vocab[left], vocab[right], left, right))
+    candidates.sort()
+    merges = [(left, right) for *_, left, right in candidates]
+    unk = next((t for t, kind in zip(tokens, types) if kind == 2), None) or ("<unk>" if "<unk>" in vocab else None)
+    model = models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    steps = [normalizers.Replace(" ", "\u2581")]
+    if meta.get("tokenizer.ggml.add_space_prefix", True):
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                + ([decoders.Strip(" ", 1, 0)] if meta.get("tokenizer.ggml.add_space_prefix", True) else []))
+    model_parts = (model, None, decoder, lambda token: token, None)
+    return model_parts, normalizers.Sequence(steps)
+
+
+def build_tokenizer(meta: _Metadata):
+    """A `tokenizers.Tokenizer` from the GGUF vocabulary, merges or scores, and token types."""
+    from tokenizers import AddedToken, Tokenizer, processors
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
+        raise TokenizerError(
+            f"{meta.path}: tokenizer model {kind!r} is not supported by the GGUF importer "
+            "(only byte-level BPE 'gpt2' and SentencePiece BPE 'llama')"
+        )
+    tokens = [str(t) for t in meta.require("tokenizer.ggml.tokens")]
+    types = [int(t) for t in (meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))]
+    normalizer = None
+    if kind == "gpt2":
+        model, pre_tokenizer, decoder, spell, spelled = _byte_level_bpe(meta, tokens)
+    else:
+        (model, pre_tokenizer, decoder, spell, spelled), normalizer = _sentencepiece_bpe(meta, tokens, types)
+    backend = Tokenizer(model)
+    if normalizer is not None:
+        backend.normalizer = normalizer
+    if pre_tokenizer is not None:
+        backend.pre_tokenizer = pre_tokenizer
+    backend.decoder = decoder
 
     # Control tokens match whole and are special; user-defined ones match whole but are text.
     # A token only joins when its text is its vocabulary entry, so no new ids appear.
+    def whole(t: str) -> bool:
+        return spelled is None or set(t) <= spelled
+
     control = [AddedToken(t, special=True, normalized=False)
-               for t, kind_ in zip(tokens, types) if kind_ == _TOKEN_CONTROL and set(t) <= spelled]
+               for t, kind_ in zip(tokens, types) if kind_ == _TOKEN_CONTROL and whole(t)]
     user = [AddedToken(t, special=False, normalized=False)
-            for t, kind_ in zip(tokens, types) if kind_ == _TOKEN_USER_DEFINED and set(t) <= spelled]
+            for t, kind_ in zip(tokens, types) if kind_ == _TOKEN_USER_DEFINED and whole(t)]
     backend.add_special_tokens(control)
     backend.add_tokens(user)
 
@@ -296,13 +381,15 @@ def build_tokenizer(meta: _Metadata):
         return tokens[int(token_id)] if token_id is not None and 0 <= int(token_id) < len(tokens) else None
 
     bos, eos = token_of("bos"), token_of("eos")
+    ids = {spell(t): i for i, t in enumerate(tokens)}
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
     pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-    specials = ([(bos, vocab[spell(bos)])] if add_bos else []) + ([(eos, vocab[spell(eos)])] if add_eos else [])
+    specials = ([(bos, ids[spell(bos)])] if add_bos else []) + ([(eos, ids[spell(eos)])] if add_eos else [])
     backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
+    arch = meta.get("general.architecture", "llama")
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": add_bos,
@@ -312,7 +399,7 @@ def build_tokenizer(meta: _Metadata):
         "unk_token": token_of("unknown"),
         "pad_token": token_of("padding"),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get("llama.context_length", 2048)),
+        "model_max_length": int(meta.get(f"{arch}.context_length", 2048)),
     }
     template = meta.get("tokenizer.chat_template")
     if template:
@@ -347,7 +434,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloat
     names = {t.name for t in reader.tensors}
     config = _build_config(meta, has_output="output.weight" in names, tensor_names=names, dtype=dtype)
     for name in names:  # refuse unknown tensors before any work is done
-        _hf_tensor_name(name, gguf_path)
+        _hf_tensor_name(name, gguf_path, _arch(config))
     if "token_embd.weight" not in names:
         raise WeightError(f"{gguf_path}: tensor 'token_embd.weight' is missing")
     backend, tokenizer_config = build_tokenizer(meta)
@@ -390,7 +477,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloat
 
 def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `import-gguf GGUF_PATH [-o OUT_DIR]` to the trellm CLI."""
-    parser = subparsers.add_parser("import-gguf", help="convert a llama GGUF file into an HF model directory")
+    parser = subparsers.add_parser("import-gguf", help="convert a llama or gemma3 GGUF file into an HF model directory")
     parser.add_argument("gguf_path", metavar="GGUF_PATH", help="the .gguf file")
     parser.add_argument("-o", "--out-dir", default=None,
                         help="output directory (default: $TRELLM_CACHE/models/<GGUF name without .gguf>)")

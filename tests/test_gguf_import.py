@@ -272,3 +272,90 @@ def test_synthetic_untied_gqa_gguf_round_trips(tmp_path: Path, tiny_llama_gguf):
     ids = torch.tensor([[0, 5, 17, 42, 99]])
     with torch.no_grad():
         assert torch.equal(hf_model(ids).logits, model(ids).logits)
+
+
+# ---- gemma3 ------------------------------------------------------------------------------------
+
+
+def _write_tiny_gemma3_gguf(path: Path, state: dict, config) -> None:
+    """A gemma3 GGUF laid out as llama.cpp writes it: gemma norm names, norms stored as 1 + w, no Q/K
+    permutation, and a small SentencePiece-style vocabulary (scores, byte tokens, control tokens)."""
+    import gguf
+
+    from trellm.gguf import _GEMMA3_LAYER_TENSORS
+
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "\n"]
+    pieces += [f"<0x{b:02X}>" for b in range(256)]
+    normal = ["▁", "e", "l", "o", "h", "w", "r", "d", "▁h", "el", "lo", "▁hel", "▁hello", "▁w", "or", "▁wor", "ld", "▁world"]
+    pieces += normal
+    pieces += [f"<unused{i}>" for i in range(config.vocab_size - len(pieces))]
+    types = [3, 3, 3, 2, 3, 3, 4] + [6] * 256 + [1] * len(normal) + [3] * (config.vocab_size - 7 - 256 - len(normal))
+    scores = [0.0] * 263 + [-float(i) for i in range(len(normal))] + [0.0] * (config.vocab_size - 263 - len(normal))
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_theta if hasattr(config, "rope_theta") else 1e6)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(pieces)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+    layer_names = {hf: name for name, hf in _GEMMA3_LAYER_TENSORS.items()}
+    for hf_name, tensor in state.items():
+        if hf_name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif hf_name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif hf_name == "lm_head.weight":
+            continue  # tied
+        else:
+            layer, rest = hf_name.split(".", 3)[2:]
+            gguf_name = f"blk.{layer}.{layer_names[rest]}"
+        if gguf_name.endswith("norm.weight"):
+            tensor = tensor + 1.0
+        writer.add_tensor(gguf_name, tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_tiny_gemma3_gguf_imports_to_the_same_function(tmp_path: Path):
+    """Gemma 3 (sliding/global layers, QK-norm, 1 + w norms, tied head) through GGUF and back: trellm's
+    logits on the import equal transformers' on the original model; the SentencePiece vocabulary
+    tokenizes and decodes text."""
+    pytest.importorskip("gguf")
+    import trellm
+    from trellm.sdk.testing import make_tiny_hf_model
+
+    src = make_tiny_hf_model("Gemma3ForCausalLM", tmp_path / "hf", vocab_size=320, num_hidden_layers=7, head_dim=16,
+                             sliding_window=4, query_pre_attn_scalar=16, rope_local_base_freq=10000.0,
+                             tie_word_embeddings=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32).eval()
+    state = {k: v.detach().float() for k, v in hf.state_dict().items()}
+    _write_tiny_gemma3_gguf(tmp_path / "tiny-gemma3.gguf", state, hf.config)
+    out = import_gguf(tmp_path / "tiny-gemma3.gguf", tmp_path / "imported", dtype="float32", show_progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"] and config["query_pre_attn_scalar"] == 16
+    ids = [[2, 270, 281, 275, 290, 4, 6, 300, 301, 280, 271, 272]]
+    with torch.no_grad():
+        expected = hf(torch.tensor(ids)).logits
+    got = trellm.load(out, device="cpu", dtype=torch.float32, tokenizer=False).logits(ids)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+    tok = Tokenizer.from_dir(out)
+    ids = tok.encode("hello world\n")
+    assert ids[0] == 2 and tok.decode(ids[1:]) == "hello world\n"
+    assert tok.encode(" hello world", add_special_tokens=False) == [275, 280]  # "▁hello", "▁world": merged by score
+    assert tok.encode("hé", add_special_tokens=False) == [267, 7 + 0xC3, 7 + 0xA9]  # "h", then é by byte fallback
