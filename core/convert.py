@@ -81,13 +81,18 @@ def log(msg: str, enabled: bool = True) -> None:
 # Calibration
 
 
-def calibration_rows(tokenizer, vocab_size: int, rows: int, cols: int, text_file: str | Path | None = None) -> list[list[int]]:
-    """``rows`` token rows of ``cols`` tokens: the text (built-in mix or a user file), then random tokens.
+CHARS_PER_ROW = 8  # characters of text cut per calibration token wanted (tokens average 3-5 characters)
 
-    About 1/8 of the rows are uniform random tokens (as upstream does), so every embedding row and
-    rare token direction contributes a little to the Hessians. Deterministic.
+
+def calibration_rows(tokenizer, vocab_size: int, rows: int, cols: int, text_file: str | Path | None = None) -> list[list[int]]:
+    """``rows`` token rows of ``cols`` tokens from the built-in mix (or a user text file), then random tokens.
+
+    Each source of the mix (``trellm.data.calibration_sources``) gets its share of the rows, cut as
+    windows spread evenly over its token stream; chat dialogues are rendered with the tokenizer's chat
+    template. The remaining rows (about 1/10; 1/8 with a user file) are uniform random tokens, so every
+    embedding row and rare token direction contributes a little to the Hessians. Deterministic.
     """
-    from .data import calibration_text
+    from .data import CalibrationSource, calibration_sources
 
     if text_file is not None:
         path = Path(text_file)
@@ -95,21 +100,51 @@ def calibration_rows(tokenizer, vocab_size: int, rows: int, cols: int, text_file
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ConversionError(f"calibration file {path}: cannot read as UTF-8 text ({e})") from None
+        sources: tuple[CalibrationSource, ...] = (CalibrationSource(path.name, text, 0.875),)
     else:
-        text = calibration_text()
-    gen = torch.Generator().manual_seed(0)
-    n_random = max(1, rows // 8) if tokenizer is not None else rows
+        sources = calibration_sources()
     out: list[list[int]] = []
     if tokenizer is not None:
-        ids = tokenizer.encode(text)
-        if len(ids) < cols:
-            raise ConversionError(f"calibration text has {len(ids)} tokens, fewer than one row of {cols}")
-        n_text = rows - n_random
-        starts = torch.linspace(0, len(ids) - cols, steps=max(n_text, 1)).long().tolist()
-        out = [ids[s : s + cols] for s in starts[:n_text]]
+        for source in sources:
+            n = max(1, round(source.share * rows))
+            if len(out) + n >= rows:
+                n = rows - len(out) - 1
+            if n <= 0:
+                break
+            span = CHARS_PER_ROW * cols
+            if not source.chat and len(source.text) > n * span:  # a long source: tokenize only n spread-out pieces
+                starts = torch.linspace(0, len(source.text) - span, steps=n).long().tolist()
+                pieces = [tokenizer.encode(source.text[s : s + span]) for s in starts]
+                if all(len(p) >= cols for p in pieces):
+                    out += [p[:cols] for p in pieces]
+                    continue
+            ids = _source_tokens(tokenizer, source)
+            if len(ids) < cols and text_file is not None:
+                raise ConversionError(f"calibration text has {len(ids)} tokens, fewer than one row of {cols}")
+            if len(ids) < n * cols:  # a short source repeats (windows then start at different offsets)
+                ids = ids * -(-n * cols // max(len(ids), 1))
+            starts = torch.linspace(0, len(ids) - cols, steps=n).long().tolist()
+            out += [ids[s : s + cols] for s in starts]
+    gen = torch.Generator().manual_seed(0)
     for _ in range(rows - len(out)):
         out.append(torch.randint(0, vocab_size, (cols,), generator=gen).tolist())
     return out
+
+
+def _source_tokens(tokenizer, source) -> list[int]:
+    """Token ids of one calibration source; chat dialogues rendered by the model's chat template when it has one."""
+    if not source.chat:
+        return tokenizer.encode(source.text)
+    from .data import chat_dialogues
+
+    ids: list[int] = []
+    for messages in chat_dialogues(source.text):
+        if tokenizer.chat_templates:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+        else:
+            text = "\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages) + "\n\n"
+        ids += tokenizer.encode(text)
+    return ids
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,15 +1,36 @@
-"""Built-in calibration text for EXL3 conversion: prose, dialogue, code, numbers and several languages.
+"""Built-in calibration mix for EXL3 conversion: prose, code, several languages, technical text, chat.
 
-Written for trellm (no downloaded corpus). The numeric section is generated deterministically,
-so arithmetic, dates, tables and digits are covered without storing a large file.
+The files here are written for trellm (no downloaded corpus). Two sources come from the running
+Python instead of files, for volume: the source code of a fixed list of standard-library modules
+(code) and the language reference topics of ``pydoc_data`` (technical English). The numeric section
+is generated deterministically. Chat dialogues are rendered with the model's own chat template by
+the converter, so its special tokens and turn markers are calibrated too.
 """
 from __future__ import annotations
 
+import importlib.util
 import random
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-_FILES = ("prose.txt", "code.txt", "multilingual.txt")
+_HERE = Path(__file__).parent
+# Standard-library modules read as code (pure Python in every CPython 3.9+).
+STDLIB_CODE_MODULES = (
+    "argparse", "bisect", "calendar", "configparser", "csv", "dataclasses", "difflib", "fractions", "functools",
+    "heapq", "json.decoder", "json.encoder", "pathlib", "shlex", "statistics", "string", "textwrap", "tokenize",
+    "uuid", "zipfile",
+)
+
+
+@dataclass(frozen=True)
+class CalibrationSource:
+    """One part of the mix: its text and its share of the calibration rows."""
+
+    name: str
+    text: str
+    share: float
+    chat: bool = False  # dialogues ("user: ..." / "assistant: ..." lines, blank line between dialogues)
 
 
 def _numbers(lines: int = 400, seed: int = 0) -> str:
@@ -35,10 +56,55 @@ def _numbers(lines: int = 400, seed: int = 0) -> str:
     return "\n".join(out)
 
 
-@lru_cache(maxsize=1)
-def calibration_text() -> str:
-    """The built-in calibration mix as one string."""
-    here = Path(__file__).parent
-    parts = [(here / name).read_text(encoding="utf-8") for name in _FILES]
-    parts.append(_numbers())
+def _read(name: str) -> str:
+    return (_HERE / name).read_text(encoding="utf-8")
+
+
+def stdlib_code() -> str:
+    """Source of STDLIB_CODE_MODULES (those this Python has as .py files), concatenated."""
+    parts = []
+    for module in STDLIB_CODE_MODULES:
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.origin and spec.origin.endswith(".py"):
+            parts.append(Path(spec.origin).read_text(encoding="utf-8"))
     return "\n\n".join(parts)
+
+
+def reference_topics() -> str:
+    """The Python language reference topics shipped with pydoc (technical English), in key order."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        return ""
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+@lru_cache(maxsize=1)
+def calibration_sources() -> tuple[CalibrationSource, ...]:
+    """The built-in mix. Shares sum to 0.9: the converter fills the rest with uniform random tokens."""
+    return (
+        CalibrationSource("prose", _read("prose.txt"), 0.20),
+        CalibrationSource("code", _read("code.txt") + "\n\n" + stdlib_code(), 0.22),
+        CalibrationSource("multilingual", _read("multilingual.txt"), 0.13),
+        CalibrationSource("technical", _read("technical.txt") + "\n\n" + reference_topics(), 0.17),
+        CalibrationSource("numbers", _numbers(), 0.05),
+        CalibrationSource("chat", _read("chat.txt"), 0.13, chat=True),
+    )
+
+
+def chat_dialogues(text: str) -> list[list[dict]]:
+    """Dialogues of a chat source as message lists (role from each line's "user:" / "assistant:" prefix;
+    other lines continue the previous message)."""
+    dialogues = []
+    for block in ("\n" + text.strip()).split("\n\nuser: "):
+        block = "user: " + block.lstrip("\n").removeprefix("user: ")
+        messages: list[dict] = []
+        for line in block.split("\n"):
+            role, sep, content = line.partition(": ")
+            if sep and role in ("user", "assistant"):
+                messages.append({"role": role, "content": content})
+            elif messages:
+                messages[-1]["content"] += "\n" + line
+        if messages:
+            dialogues.append(messages)
+    return dialogues
