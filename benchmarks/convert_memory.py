@@ -32,8 +32,22 @@ SIZES = {
 }
 
 
-def make_random_llama(path: Path, layers: int, hidden: int, inter: int, heads: int, kv: int, vocab: int) -> Path:
-    """A bf16 LlamaForCausalLM directory with random weights, written tensor by tensor (no transformers)."""
+def _fp8_block(w, block: int = 128):
+    """(e4m3 values, float32 scale per block x block tile) of w, as DeepSeek-style FP8 checkpoints store it."""
+    import torch
+
+    out, inp = w.shape
+    tiles = torch.nn.functional.pad(w.float(), (0, -inp % block, 0, -out % block))
+    tiles = tiles.view(tiles.shape[0] // block, block, tiles.shape[1] // block, block)
+    scale = tiles.abs().amax((1, 3)).clamp_min(1e-12) / 448.0
+    q = (tiles / scale[:, None, :, None]).view(tiles.shape[0] * block, -1)[:out, :inp].to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def make_random_llama(path: Path, layers: int, hidden: int, inter: int, heads: int, kv: int, vocab: int,
+                      fp8: bool = False) -> Path:
+    """A LlamaForCausalLM directory with random weights, written tensor by tensor (no transformers):
+    bf16, or with ``fp8`` the decoder linears as FP8 with 128x128 block scales (``quant_method: fp8``)."""
     import torch
     from safetensors.torch import save_file
 
@@ -56,6 +70,9 @@ def make_random_llama(path: Path, layers: int, hidden: int, inter: int, heads: i
             p + "mlp.gate_proj.weight": rnd(inter, hidden), p + "mlp.up_proj.weight": rnd(inter, hidden),
             p + "mlp.down_proj.weight": rnd(hidden, inter),
         })
+        if fp8:
+            for name in [n for n in shards[-1] if n.endswith("proj.weight")]:
+                shards[-1][name], shards[-1][name + "_scale_inv"] = _fp8_block(shards[-1][name])
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for name, shard in zip(names, shards):
@@ -67,6 +84,7 @@ def make_random_llama(path: Path, layers: int, hidden: int, inter: int, heads: i
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv, "vocab_size": vocab,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
         "tie_word_embeddings": False,
+        **({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}} if fp8 else {}),
     }))
     return path
 
@@ -113,6 +131,7 @@ def main() -> int:
     ap.add_argument("--cal-rows", type=int, default=8)
     ap.add_argument("--cal-cols", type=int, default=256)
     ap.add_argument("--work", default=None, help="scratch dir (default: a temp dir)")
+    ap.add_argument("--fp8", action="store_true", help="write the decoder linears as FP8 with block scales (an FP8 source)")
     ap.add_argument("--stub-encoder", action="store_true",
                     help="memory only: replace the Viterbi tile encoder by a constant one (CPU runs; output is garbage)")
     ap.add_argument("--out", default=None, help="write convert_memory.json here")
@@ -124,7 +143,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         for name in [s.strip() for s in args.sizes.split(",") if s.strip()]:
             layers, hidden, inter, heads, kv, vocab = SIZES[name]
-            src = make_random_llama(Path(tmp) / name / "src", *SIZES[name])
+            src = make_random_llama(Path(tmp) / name / "src", *SIZES[name], fp8=args.fp8)
             layer_params = 2 * hidden * hidden + 2 * hidden * (hidden // heads * kv) + 3 * hidden * inter
             ckpt_bytes = 2 * (2 * vocab * hidden + layers * layer_params)
             cmd = [sys.executable, __file__, "--one", str(src), "--work", str(Path(tmp) / name), "--device", args.device,
@@ -135,7 +154,7 @@ def main() -> int:
             if line is None:
                 print(f"{name}: failed (exit {res.returncode})\n{res.stderr[-2000:]}", flush=True)
                 continue
-            row = dict(size=name, layers=layers, hidden=hidden, vocab=vocab, checkpoint_bytes=ckpt_bytes,
+            row = dict(size=name + (" fp8" if args.fp8 else ""), layers=layers, hidden=hidden, vocab=vocab, checkpoint_bytes=ckpt_bytes,
                        layer_bytes=2 * layer_params, head_bytes=2 * vocab * hidden, **json.loads(line[7:]))
             rows.append(row)
             gib = 2**30
