@@ -225,7 +225,7 @@ def test_exl3_matmul_mid_residual_stream(ops, dtype):
     from test_cuda_ops import _random_layer
     from trellm.kernels_cuda import binding
     from trellm.kernels_cuda.binding import KernelArgumentError
-    from trellm.ops import rms_norm
+    from trellm.ops import RowNorm, rms_norm
     from trellm.ops.dense import group_sum_squares
 
     torch.manual_seed(8)
@@ -240,12 +240,12 @@ def test_exl3_matmul_mid_residual_stream(ops, dtype):
         h, ssq = binding.exl3_matmul_mid(x, *o_proj[:3], "mcg", o_proj[3], residual=residual)
         assert torch.equal(h, binding.exl3_matmul_mid(x, *o_proj[:3], "mcg", o_proj[3]) + residual), rows
         assert ssq.shape == (rows, n // 128) and rel_err(ssq, group_sum_squares(h)) < 1e-5, rows
-        ys = binding.exl3_matmul_mid_multi(h, qk, "mcg", row_norm=(ssq, w, 1e-5, False))
+        ys = binding.exl3_matmul_mid_multi(h, qk, "mcg", row_norm=RowNorm(ssq, w, 1e-5, False))
         ys_sep = binding.exl3_matmul_mid_multi(cuda_impl(rms_norm)(h, w, 1e-5), qk, "mcg")
         for y, y_sep in zip(ys, ys_sep):
             assert rel_err(y, y_sep) < close, rows
     with pytest.raises(KernelArgumentError, match="row_norm.ssq"):
-        binding.exl3_matmul_mid_multi(h, qk, "mcg", row_norm=(torch.zeros(rows, 3, device="cuda"), w, 1e-5, False))
+        binding.exl3_matmul_mid_multi(h, qk, "mcg", row_norm=RowNorm(torch.zeros(rows, 3, device="cuda"), w, 1e-5, False))
 
 
 @pytest.mark.parametrize("weight", ["plain", "unit_offset", None])
@@ -292,7 +292,7 @@ def test_exl3_group_row_norm(ops, dtype, weight):
         for c, sep in zip(caches, sep_caches):
             assert rel_err(c, sep) < close, rows
     with pytest.raises(KernelArgumentError, match="row_norm.ssq"):
-        binding.exl3_matmul_small_multi(h, parts[:1], "mcg", row_norm=(torch.zeros(3, 7, device="cuda"), w, eps, unit))
+        binding.exl3_matmul_small_multi(h, parts[:1], "mcg", row_norm=RowNorm(torch.zeros(3, 7, device="cuda"), w, eps, unit))
 
 
 def rotary_qk_write_kv_op():
