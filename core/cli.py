@@ -99,7 +99,8 @@ def _model_dir(args) -> Path:
 def _load(args):
     import trellm
 
-    return trellm.load(_model_dir(args), device=args.device, dtype=args.dtype, progress=True, lora=getattr(args, "lora", None))
+    return trellm.load(_model_dir(args), device=args.device, dtype=args.dtype, progress=True, lora=getattr(args, "lora", None),
+                       tensor_parallel=args.tp)
 
 
 def _sampling(args) -> dict:
@@ -217,9 +218,11 @@ def cmd_info(args) -> int:
     model_dir = _model_dir(args)
     raw = read_config_json(model_dir)
     arch = (raw.get("architectures") or ["?"])[0]
+    spec = None
     try:
         claim = registry.resolve_architecture(arch, source=str(model_dir / "config.json"))
         served_by = f"plugin {claim.plugin!r} ({claim.spec.name})"
+        spec = claim.spec
     except ArchitectureConflictError as e:
         served_by = f"CONFLICT: {e}"
     except UnknownArchitectureError:
@@ -244,7 +247,26 @@ def cmd_info(args) -> int:
         print(f"context:       {cfg.max_position_embeddings} positions, rope {cfg.rope.type} theta {cfg.rope.theta:g}")
         print(f"KV cache:      {_fmt_bytes(per_token)} per token in fp16 ({_fmt_bytes(per_token * 4096)} for 4096 tokens)")
         print(f"memory need:   ~{_fmt_bytes(weight_bytes + per_token * 4096)} (weights as stored + 4096-token fp16 cache)")
+        _print_memory_plan(args, model_dir)
     return 0
+
+
+def _print_memory_plan(args, model_dir: Path) -> None:
+    """The memory plan per device (trellm.distributed.plan) and the largest context that fits."""
+    from .distributed.plan import plan_layer_split, plan_memory
+
+    if args.gpu_split:
+        split = "auto" if args.gpu_split == "auto" else [float(g) for g in args.gpu_split.split(",")]
+        plan = plan_layer_split(model_dir, split, args.context, args.device, args.dtype)
+        print(f"layer split:   over {len(plan.ranks)} device(s) for {args.context} tokens")
+    else:
+        plan = plan_memory(model_dir, args.tp, args.device, args.dtype)
+        print(f"memory plan:   {'tensor parallel over ' + str(args.tp) + ' ranks' if args.tp > 1 else 'one device'}")
+    for line in plan.lines(args.context):
+        print(f"  {line}")
+    fit = plan.max_context()
+    if fit is not None:
+        print(f"largest context that fits: {fit} tokens")
 
 
 
@@ -272,9 +294,11 @@ def _add_model_args(p: argparse.ArgumentParser, sampling: bool = True) -> None:
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
-    """--device and --dtype, checked when parsed (every command that loads a model uses these)."""
+    """--device, --dtype and --tp, checked when parsed (every command that loads a model uses these)."""
     p.add_argument("--device", type=device_name, default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bf16 on GPU")
+    p.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                   help="tensor parallel: split the model over N GPUs from --device (N processes with gloo on cpu)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -297,8 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="image for the first message (repeatable; vision models); /image PATH adds more later")
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("info", help="which plugin serves a model, its size and memory need")
+    p = sub.add_parser("info", help="which plugin serves a model, its size and memory plan")
     _add_model_args(p, sampling=False)
+    p.add_argument("--context", type=int, default=4096, help="cache tokens the memory plan sizes for (default 4096)")
+    p.add_argument("--gpu-split", default=None, metavar="auto|GB,GB,...",
+                   help="plan a layer split over GPUs: 'auto' (their free memory) or GiB per GPU")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("plugins", help="list installed plugins and what they register")

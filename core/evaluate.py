@@ -34,11 +34,11 @@ def token_windows(tokenizer, text: str, seq_len: int, max_windows: int) -> list[
 
 @torch.inference_mode()
 def score(model_dir: str | Path, windows: list[list[int]], reference_dir: str | Path | None = None,
-          device: str | None = None, dtype: str | None = None) -> dict:
+          device: str | None = None, dtype: str | None = None, tensor_parallel: int = 1) -> dict:
     """Perplexity of ``model_dir`` (and of ``reference_dir``) and mean KL(reference || model) per token."""
     import trellm
 
-    quant = trellm.load(model_dir, device=device, dtype=dtype, tokenizer=False)
+    quant = trellm.load(model_dir, device=device, dtype=dtype, tokenizer=False, tensor_parallel=tensor_parallel)
     ref = trellm.load(reference_dir, device=device, dtype=dtype, tokenizer=False) if reference_dir else None
     nll_q = nll_r = kl = 0.0
     agree = tokens = 0
@@ -53,6 +53,7 @@ def score(model_dir: str | Path, windows: list[list[int]], reference_dir: str | 
             kl += (lr.exp() * (lr - lq)).sum().item()
             agree += (lr.argmax(-1) == lq.argmax(-1)).sum().item()
         tokens += target.numel()
+    quant.close()
     out = {"tokens": tokens, "ppl": math.exp(nll_q / tokens)}
     if ref is not None:
         out.update(ref_ppl=math.exp(nll_r / tokens), kl=kl / tokens, top1_agreement=agree / tokens)
@@ -60,7 +61,8 @@ def score(model_dir: str | Path, windows: list[list[int]], reference_dir: str | 
 
 
 def evaluate(model_dir: str | Path, reference_dir: str | Path | None = None, text_file: str | Path | None = None,
-             device: str | None = None, dtype: str | None = None, seq_len: int = 512, max_windows: int = 16) -> dict:
+             device: str | None = None, dtype: str | None = None, seq_len: int = 512, max_windows: int = 16,
+             tensor_parallel: int = 1) -> dict:
     """Load the tokenizer of ``model_dir``, cut the text into windows, and :func:`score`."""
     from .tokenizer import Tokenizer
 
@@ -75,7 +77,7 @@ def evaluate(model_dir: str | Path, reference_dir: str | Path | None = None, tex
             raise TrellmError(f"evaluation text {text_file}: cannot read as UTF-8 ({e})") from None
     else:
         text = eval_text()
-    return score(model_dir, token_windows(tok, text, seq_len, max_windows), reference_dir, device, dtype)
+    return score(model_dir, token_windows(tok, text, seq_len, max_windows), reference_dir, device, dtype, tensor_parallel)
 
 
 def plot_sweep(rows: list[dict], path: str | Path, title: str = "EXL3 quality vs bitrate") -> bool:
@@ -122,7 +124,7 @@ def add_cli(subparsers) -> None:
 
 def run(args) -> int:
     try:
-        r = evaluate(args.model, args.reference, args.text, args.device, args.dtype, args.seq_len, args.max_windows)
+        r = evaluate(args.model, args.reference, args.text, args.device, args.dtype, args.seq_len, args.max_windows, args.tp)
     except TrellmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

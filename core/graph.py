@@ -36,7 +36,8 @@ class GraphRunner:
     def __init__(self, model, cache, batch_sizes=DEFAULT_BATCH_SIZES, max_context: int | None = None):
         self.model, self.cache = model, cache
         self.device = cache.device
-        self.enabled = self.device.type == "cuda"
+        # a tensor-parallel model sends each step's inputs to its other ranks: no graph can hold that
+        self.enabled = self.device.type == "cuda" and getattr(model, "capturable", True)
         self.batch_sizes = sorted(batch_sizes)
         self.page_size = cache.page_size
         self.max_pages = cache.pages_for(max_context) if max_context else cache.num_pages

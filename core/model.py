@@ -256,7 +256,8 @@ class LoadedModel:
                 self._runner.close()
             floor = 8192 if self.device.type == "cuda" else 1024  # CPU: keep memory small, grow on demand
             self._cache = self.new_cache(max_tokens=max(floor, 2 * tokens) + 256)
-            capturable = self.device.type == "cuda" and not is_hybrid(self.model)
+            capturable = (self.device.type == "cuda" and not is_hybrid(self.model)
+                          and getattr(self.model, "capturable", True))
             self._runner = GraphRunner(self.model, self._cache, batch_sizes=(1,)) if capturable else None
         return self._cache, self._runner
 
@@ -321,6 +322,21 @@ class LoadedModel:
     def num_parameters(self) -> int:
         return self.store.num_elements()
 
+    def close(self) -> None:
+        """End what this model holds beyond its memory: a tensor-parallel model's other ranks."""
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "LoadedModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 
 def _warn_if_slow_here(raw_config: dict, device: torch.device) -> None:
@@ -352,23 +368,50 @@ def model_path(path: str | Path) -> Path:
 
 
 def load(path: str | Path, device=None, dtype=None, progress: bool = False, tokenizer: bool = True,
-         lora: str | Path | None = None, weights: bool = True) -> LoadedModel:
+         lora: str | Path | None = None, weights: bool = True, tensor_parallel: int = 1,
+         step_timeout: float | None = None) -> LoadedModel:
     """Load an HF model directory (bf16/fp16/fp32 safetensors, or EXL3) with the plugin that serves it.
 
     ``lora``: a PEFT LoRA adapter directory loaded beside the base weights and used by default
     (``LoadedModel.load_lora`` adds more). ``weights=False`` builds the modules without loading any
-    tensor (the converter loads one layer at a time)."""
+    tensor (the converter loads one layer at a time).
+    ``tensor_parallel=N``: split the model over N ranks (N GPUs from ``device``, or N CPU processes with
+    gloo); trellm starts the other ranks itself (or joins a ``torchrun`` launch). ``step_timeout``: seconds
+    a step may wait on another rank before the model is ended with an error. ``close()`` ends the ranks.
+    """
     model_dir = model_path(path)
+    if tensor_parallel != 1:
+        from .distributed import TensorParallelError, load_tensor_parallel
+
+        if lora is not None or not weights:
+            raise TensorParallelError("tensor parallel loads the whole model's weights and no LoRA adapter yet")
+        return load_tensor_parallel(model_dir, tensor_parallel, device, dtype, progress, tokenizer, step_timeout)
+    dev = resolve_device(device)
+    if dev.type == "cuda" and weights:
+        from .distributed.plan import device_and_dtype, refuse_unfit
+
+        refuse_unfit(model_dir, 1, *device_and_dtype(model_dir, dev, dtype))
+    lm = load_local(model_dir, dev, dtype, progress, tokenizer, weights=weights)
+    if lora is not None:
+        lm.default_lora = lm.load_lora(lora)
+    return lm
+
+
+def load_local(path: str | Path, dev: torch.device, dtype, progress: bool, tokenizer: bool,
+               on_child_loaded=None, store: WeightStore | None = None, weights: bool = True) -> LoadedModel:
+    """:func:`load` on one device. ``on_child_loaded(model, child, ctx)`` runs after each top-level module
+    loads (tensor parallel cuts it to this rank's shard there, before the next one loads); ``store``: where
+    tensors come from (the memory plan reads shapes only)."""
+    model_dir = Path(path)
     raw = read_config_json(model_dir)
     archs = raw.get("architectures") or []
     if not archs:
         raise ConfigError(f"{model_dir / 'config.json'}: no 'architectures' entry; cannot tell which plugin serves it")
     spec = registry.find_architecture(archs[0], source=str(model_dir / "config.json"))
     config = spec.read_config(raw)
-    dev = resolve_device(device)
     dt = _resolve_dtype(dtype, dev, getattr(config, "torch_dtype", None))
     _warn_if_slow_here(raw, dev)
-    store = WeightStore(model_dir)
+    store = store or WeightStore(model_dir)
     model = spec.build(config)
     ctx = LoadContext(store=store, device=dev, dtype=dt, quant_formats=registry.quant_formats())
     t0 = time.time()
@@ -376,6 +419,8 @@ def load(path: str | Path, device=None, dtype=None, progress: bool = False, toke
     try:
         for i, child in enumerate(children):
             child.load(ctx)
+            if on_child_loaded is not None:
+                on_child_loaded(model, child, ctx)
             if progress:
                 print(f"\rloading {model_dir.name}: {i + 1}/{len(children)} modules", end="", file=sys.stderr, flush=True)
     except BaseException:
@@ -390,7 +435,4 @@ def load(path: str | Path, device=None, dtype=None, progress: bool = False, toke
             from .tokenizer import Tokenizer
 
             tok = Tokenizer.from_dir(model_dir, vocab_size=getattr(config, "vocab_size", None))
-    lm = LoadedModel(model_dir, raw, spec, config, model, store, tok, dev, dt)
-    if lora is not None:
-        lm.default_lora = lm.load_lora(lora)
-    return lm
+    return LoadedModel(model_dir, raw, spec, config, model, store, tok, dev, dt)

@@ -82,6 +82,7 @@ class ServerConfig:
     lora: dict[str, str] = attrs.field(factory=dict, converter=parse_loras)  # NAME -> PEFT adapter directory
     device: str | None = None
     dtype: str | None = None
+    tensor_parallel: int = 1  # ranks the model is split over (GPUs from device; gloo processes on cpu)
     default_max_tokens: int = 512  # chat requests without max_tokens: at most this many (and what the context allows)
     max_tokens_limit: int | None = 4096  # requests asking for more new tokens get 400; None = what the context allows
     max_request_bytes: int = 4 * 1024 * 1024

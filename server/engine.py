@@ -70,6 +70,7 @@ class LoadSettings:
     device: str | None
     dtype: str | None
     loras: dict[str, str] = attrs.field(factory=dict)  # NAME -> PEFT adapter directory, served as <model_name>:NAME
+    tensor_parallel: int = 1
 
     @classmethod
     def from_config(cls, config: ServerConfig, model_dir: Path) -> "LoadSettings":
@@ -79,6 +80,7 @@ class LoadSettings:
             draft_model=Path(config.draft_model) if config.draft_model else None, num_draft_tokens=config.num_draft_tokens,
             max_batch_size=config.max_batch_size, max_chunk_tokens=config.max_chunk_tokens,
             device=config.device, dtype=config.dtype, loras=dict(config.lora),
+            tensor_parallel=config.tensor_parallel,
         )
 
 
@@ -200,6 +202,8 @@ class ModelHost:
     async def _unload_now(self) -> None:
         if self.agen is not None:
             await self.agen.close()  # cancels running jobs; their streams end with finish_reason "cancelled"
+        if self.lm is not None:
+            self.lm.close()  # a tensor-parallel model's other ranks
         self.lm = self.generator = self.agen = None
         self.state, self.loaded_at = STATE_EMPTY, None
         gc.collect()
@@ -259,7 +263,12 @@ def _build(settings: LoadSettings) -> tuple[Any, Generator]:
         from trellm.errors import ConfigError
 
         raise ConfigError(f"{settings.model_dir}: not a model directory (no config.json)")
-    lm = trellm.load(settings.model_dir, device=settings.device, dtype=settings.dtype)
+    if settings.loras and settings.tensor_parallel != 1:
+        from trellm.errors import ConfigError
+
+        raise ConfigError("LoRA adapters do not run under tensor parallel yet: serve with --tp 1 or without --lora")
+    lm = trellm.load(settings.model_dir, device=settings.device, dtype=settings.dtype,
+                     tensor_parallel=settings.tensor_parallel)
     for name, path in settings.loras.items():
         lm.load_lora(path, name=name)
     cache = None  # fp16: the generator builds it (a hybrid model's cache also holds recurrent-state slots)

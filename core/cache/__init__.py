@@ -101,6 +101,7 @@ class KVCache:
         num_pages = paged[0].num_pages if paged else 1
         self.allocator = PageAllocator(num_pages)
         self._prefix = None
+        self.made_with: dict | None = None  # KVCache.for_model's arguments, when it made this cache
 
     @classmethod
     def for_model(
@@ -128,7 +129,10 @@ class KVCache:
                 continue
             heads, dim, vdim = attn.kv_shape()
             layers.append(factory(num_pages, page_size, heads, dim, vdim, dtype, device))
-        return cls(layers, page_size, device)
+        cache = cls(layers, page_size, device)
+        # how to make the same cache for another model of this shape (a tensor-parallel rank: its own heads)
+        cache.made_with = dict(max_tokens=max_tokens, page_size=page_size, dtype=dtype, layer_factory=layer_factory)
+        return cache
 
     @property
     def num_pages(self) -> int:

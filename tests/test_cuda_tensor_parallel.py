@@ -1,0 +1,69 @@
+"""Tensor parallel on the GPU (skipped without CUDA): one rank over its own NCCL group against the plain
+one-device load, and the memory plan against what the device really allocates.
+
+With several GPUs, the same parity at 2 ranks (``NCCL_NVLS_ENABLE=0`` and the other multicast switches set).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trellm
+from trellm.distributed import load_tensor_parallel
+from trellm.distributed.plan import plan_memory
+from trellm.sdk.testing import make_tiny_hf_model
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+PROMPTS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_tiny_hf_model("LlamaForCausalLM", tmp_path_factory.mktemp("tp_cuda") / "llama")
+
+
+def _compare(one, split) -> None:
+    want, got = one.logits(PROMPTS), split.logits(PROMPTS)
+    spread = (want.max() - want.min()).item()
+    assert (want - got).abs().max().item() <= 1e-3 * spread
+    prompt = PROMPTS[0, :8].tolist()
+    greedy = list(one.generate_ids(prompt, max_new_tokens=32, stop_token_ids=[]))
+    assert list(split.generate_ids(prompt, max_new_tokens=32, stop_token_ids=[])) == greedy
+
+
+def test_one_rank_over_nccl_matches_the_plain_load(llama_dir):
+    one = trellm.load(llama_dir, device="cuda", dtype="float16", tokenizer=False)
+    with load_tensor_parallel(llama_dir, 1, "cuda", "float16", progress=False, tokenizer=False) as split:
+        assert "nccl" in split.model.comm.data.name().lower()
+        _compare(one, split)
+        assert split.model.time_all_reduce(8, reps=5) > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_ranks_over_nccl(llama_dir):
+    one = trellm.load(llama_dir, device="cuda", dtype="float16", tokenizer=False)
+    with trellm.load(llama_dir, device="cuda", dtype="float16", tokenizer=False, tensor_parallel=2) as split:
+        _compare(one, split)
+
+
+def test_memory_plan_against_the_allocation(llama_dir):
+    """Weights and cache exactly what the device holds; the prefill peak printed beside the estimate."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    lm = trellm.load(llama_dir, device="cuda", dtype="float16", tokenizer=False)
+    weights = torch.cuda.memory_allocated() - base
+    plan = plan_memory(llama_dir, 1, "cuda", "float16", chunk_tokens=2048).ranks[0]
+    cache = lm.new_cache(max_tokens=4096, page_size=256)
+    cache_bytes = torch.cuda.memory_allocated() - base - weights
+    assert abs(weights - plan.weights) <= 0.05 * plan.weights
+    assert cache_bytes == plan.kv_per_token * cache.capacity_tokens
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    lm.logits([[1] * 2048])
+    peak = torch.cuda.max_memory_allocated() - before
+    print(f"memory plan: weights {plan.weights} B planned, {weights} B allocated; cache {cache_bytes} B; "
+          f"2048-token forward peak {peak} B, estimated {plan.activations} B")

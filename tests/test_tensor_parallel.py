@@ -1,0 +1,248 @@
+"""Tensor parallel on CPU: real gloo worker processes on loopback (2 and 4 ranks) against one process.
+
+Each model directory is loaded once per world size (module-scoped fixtures): starting the workers is
+most of the time these tests take.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import trellm
+from trellm.distributed import ShardingError, TensorParallelError
+from trellm.distributed.sharding import head_shard, partition, shard_columns, shard_rows
+from trellm.generator import Generator, Job
+from trellm.quant.exl3.format import EXL3Linear
+from trellm.sdk.testing import make_tiny_hf_model
+
+STEP_TIMEOUT = 30.0
+
+
+def _exl3_from_dense(dense: Path, out: Path) -> Path:
+    """``dense`` with every projection and the LM head as random EXL3 tensors (2 bits, 3INST codebook)."""
+    out.mkdir()
+    g = torch.Generator().manual_seed(7)
+    tensors = {}
+    for name, t in load_file(dense / "model.safetensors").items():
+        if t.dim() == 2 and (name.endswith("_proj.weight") or name == "lm_head.weight"):
+            key, (n, k) = name.removesuffix(".weight"), t.shape
+            tensors[f"{key}.trellis"] = torch.randint(-32768, 32768, (k // 16, n // 16, 32), generator=g, dtype=torch.int16)
+            sign = lambda size: torch.randint(0, 2, (size,), generator=g) * 2 - 1  # noqa: E731
+            tensors[f"{key}.suh"] = (sign(k) * 0.3).half()
+            tensors[f"{key}.svh"] = (sign(n) * 0.3).half()
+        else:
+            tensors[name] = t
+    save_file(tensors, out / "model.safetensors")
+    (out / "config.json").write_text((dense / "config.json").read_text())
+    return out
+
+
+# EXL3 splits on 128-blocks, so its heads are 128 wide. The CPU reference decodes every weight at every call:
+# the model that generates is as small as 2 ranks allow (1 KV head, so replicated); the one 4 ranks split
+# (128 columns of MLP and vocabulary each) is only compared by its logits.
+EXL3_SMALL = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=128, intermediate_size=256,
+                  vocab_size=256, num_hidden_layers=1, tie_word_embeddings=False)
+EXL3_WIDE = dict(EXL3_SMALL, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512, vocab_size=512)
+MODELS = {  # name: (HF architecture, tiny config overrides)
+    "llama": ("LlamaForCausalLM", {}),
+    "qwen3": ("Qwen3ForCausalLM", dict(head_dim=16, intermediate_size=96, vocab_size=250)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              norm_topk_prob=True, mlp_only_layers=[1])),
+    "glm4_moe": ("Glm4MoeForCausalLM", dict(n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
+                                            topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
+                                            routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True)),
+    "dense_small": ("LlamaForCausalLM", EXL3_SMALL),
+    "dense_wide": ("LlamaForCausalLM", EXL3_WIDE),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """Model directories by name, each written on first use."""
+    root = tmp_path_factory.mktemp("tp")
+
+    class Dirs(dict):
+        def __missing__(self, name: str) -> Path:
+            if name.startswith("exl3_"):
+                self[name] = _exl3_from_dense(self[name.replace("exl3", "dense")], root / name)
+            else:
+                arch, overrides = MODELS[name]
+                self[name] = make_tiny_hf_model(arch, root / name, **overrides)
+            return self[name]
+
+    return Dirs()
+
+
+_loaded: dict = {}
+
+
+def _model(model_dirs, name: str, world: int):
+    key = (name, world)
+    if key not in _loaded:
+        _loaded[key] = trellm.load(model_dirs[name], device="cpu", tokenizer=False, tensor_parallel=world,
+                                   step_timeout=STEP_TIMEOUT)
+    return _loaded[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_models():
+    """Every model loaded here ends with close(); its workers must then have exited cleanly."""
+    yield
+    procs = [p for lm in _loaded.values() if lm.model.__class__.__name__ == "TensorParallelModel" for p in lm.model.workers.procs]
+    for lm in _loaded.values():
+        lm.close()
+    _loaded.clear()
+    _reference.clear()
+    assert [p.poll() for p in procs] == [0] * len(procs)
+
+
+PROMPTS = torch.randint(0, 250, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+_reference: dict = {}
+
+
+def _one_rank(model_dirs, name: str, what: str, compute):
+    """``compute(model)`` on the one-process model, once per model and question."""
+    if (name, what) not in _reference:
+        _reference[name, what] = compute(_model(model_dirs, name, 1))
+    return _reference[name, what]
+
+
+def _greedy(lm) -> list[int]:
+    return list(lm.generate_ids(PROMPTS[0, :8].tolist(), max_new_tokens=32, stop_token_ids=[]))
+
+
+@pytest.mark.parametrize("name,world,generate", [
+    ("llama", 2, True), ("llama", 4, True), ("qwen3", 2, True), ("exl3_small", 2, True), ("exl3_wide", 4, False),
+    ("qwen3_moe", 2, True), ("glm4_moe", 2, True),
+])
+def test_logits_and_greedy_tokens_match_one_rank(model_dirs, name, world, generate):
+    """Heads and MLP columns split (EXL3 on 128-blocks; GQA KV heads replicated), MoE experts spread: the logits
+    of one process within 1e-4 of their range, the same 32 greedy tokens through the paged cache."""
+    split = _model(model_dirs, name, world)
+    want, got = _one_rank(model_dirs, name, "logits", lambda lm: lm.logits(PROMPTS)), split.logits(PROMPTS)
+    spread = (want.max() - want.min()).item()
+    assert spread > 1.0
+    assert (want - got).abs().max().item() <= 1e-4 * spread
+    if generate:
+        assert _greedy(split) == _one_rank(model_dirs, name, "greedy", _greedy)
+
+
+def test_generator_batching_under_tensor_parallel(model_dirs):
+    """Three jobs batched on two ranks give each job's tokens of one rank run alone."""
+    one, split = _model(model_dirs, "llama", 1), _model(model_dirs, "llama", 2)
+    prompts = [PROMPTS[0, :5].tolist(), PROMPTS[1, :11].tolist(), PROMPTS[0, 7:20].tolist()]
+
+    def run(lm, batch):
+        gen = Generator(lm, max_batch_size=batch, max_chunk_tokens=16, cache_tokens=512, page_size=16)
+        done = gen.generate(prompts, max_new_tokens=12, return_results=True, stop_token_ids=[])
+        return [r.token_ids for r in done]
+
+    alone = [list(one.generate_ids(p, max_new_tokens=12, stop_token_ids=[])) for p in prompts]
+    assert run(split, 3) == alone
+    assert run(split, 1) == alone
+
+
+def test_quantized_cache_and_own_kv_heads_per_rank(model_dirs):
+    """A quantized cache made for rank 0 is made on the other rank at its first step: greedy tokens match one
+    process with the same cache; each rank holds its own KV head (2 over 2 ranks); a cache built by hand is refused."""
+    from trellm.batch import ForwardBatch
+    from trellm.cache import KVCache
+    from trellm.cache.quantized import quantized_cache
+
+    def greedy(lm):
+        cache = quantized_cache(lm, k_bits=8, v_bits=8, max_tokens=256, page_size=16)
+        return list(lm.generate_ids(PROMPTS[1, :6].tolist(), max_new_tokens=10, stop_token_ids=[], cache=cache)), cache
+
+    split = _model(model_dirs, "dense_small", 2)  # heads of 128: the quantized cache's groups of 32 fit one
+    tokens, cache = greedy(split)
+    assert tokens == greedy(_model(model_dirs, "dense_small", 1))[0]
+    split = _model(model_dirs, "llama", 2)
+    assert split.new_cache(max_tokens=64, page_size=16).layers[0].k_pages.shape[2] == 1
+    by_hand = KVCache(KVCache.for_model(split.model.local, max_tokens=64, page_size=16).layers, 16, "cpu")
+    with pytest.raises(TensorParallelError, match="not made by KVCache.for_model"):
+        split.model.forward(ForwardBatch.with_cache([[1, 2]], [0], [[0]], by_hand))
+
+
+def test_bad_token_id_is_refused_before_any_rank_runs(model_dirs):
+    split = _model(model_dirs, "llama", 2)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 256\)"):
+        split.logits([[1, 2, 999]])
+    assert split.logits([[1, 2, 3]]).shape == (1, 3, 256)  # the group still works
+
+
+def test_exl3_shards_are_the_dense_weights_slices():
+    g = torch.Generator().manual_seed(0)
+    layer = EXL3Linear(torch.randint(-32768, 32768, (256 // 16, 384 // 16, 48), generator=g, dtype=torch.int16),
+                       torch.randn(256, generator=g).half(), torch.randn(384, generator=g).half(), "3inst", 256, 384)
+    full = layer.dense_weight()  # [out, in]
+    assert torch.equal(shard_columns(layer, 128, 384).dense_weight(), full[128:384])
+    assert torch.equal(shard_rows(layer, 128, 256, keep_bias=False).dense_weight(), full[:, 128:256])
+    with pytest.raises(ShardingError, match="128-wide Hadamard blocks"):
+        shard_columns(layer, 64, 192)
+
+
+def test_split_rules():
+    assert head_shard(8, 2, 3, 4) == head_shard(8, 2, 3, 4) and head_shard(8, 2, 3, 4).kv0 == 1  # KV head replicated
+    assert (head_shard(8, 8, 1, 4).kv0, head_shard(8, 8, 1, 4).kv1) == (2, 4)
+    assert partition(250, 4) == [(0, 63), (63, 126), (126, 189), (189, 250)]
+    with pytest.raises(ShardingError, match="3 KV heads"):
+        head_shard(12, 3, 0, 2)
+    with pytest.raises(ShardingError, match="256 cannot be split over 4 ranks in blocks of 128"):
+        partition(256, 4, 128)
+
+
+def test_unsplittable_model_is_refused_and_workers_end(model_dirs):
+    with pytest.raises(ShardingError, match="4 attention heads cannot be split evenly over 3 ranks"):
+        trellm.load(model_dirs["llama"], device="cpu", tokenizer=False, tensor_parallel=3, step_timeout=STEP_TIMEOUT)
+
+
+def test_killed_worker_ends_the_run_with_a_clear_error(model_dirs):
+    lm = trellm.load(model_dirs["llama"], device="cpu", tokenizer=False, tensor_parallel=2, step_timeout=STEP_TIMEOUT)
+    worker = lm.model.workers.procs[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait()
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"worker rank 1 \(pid \d+\) was killed by SIGKILL"):
+        lm.logits(PROMPTS)
+    assert time.monotonic() - start < STEP_TIMEOUT
+    with pytest.raises(TensorParallelError, match="closed"):
+        lm.logits(PROMPTS)
+    lm.close()
+
+
+def test_worker_killed_mid_generation_ends_the_others(model_dirs):
+    """Rank 2 of 4 killed between decode steps: the next step fails naming it, and ranks 1 and 3 exit too."""
+    with trellm.load(model_dirs["llama"], device="cpu", tokenizer=False, tensor_parallel=4, step_timeout=STEP_TIMEOUT) as lm:
+        procs = lm.model.workers.procs
+        steps = lm.generate_ids(PROMPTS[0, :4].tolist(), max_new_tokens=20, stop_token_ids=[])
+        next(steps)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        with pytest.raises(TensorParallelError, match="worker rank 2 .* killed by SIGKILL"):
+            list(steps)
+        assert all(p.poll() is not None for p in procs)
+
+
+def test_torchrun_launch(model_dirs, tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys, torch, trellm\n"
+        f"lm = trellm.load({str(model_dirs['llama'])!r}, device='cpu', tokenizer=False, tensor_parallel=2)\n"
+        "ids = list(lm.generate_ids([1, 2, 3], max_new_tokens=8, stop_token_ids=[]))\n"
+        "print('TOKENS', ids)\n"
+        "lm.close()\n"
+    )
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    one = _model(model_dirs, "llama", 1)
+    assert f"TOKENS {list(one.generate_ids([1, 2, 3], max_new_tokens=8, stop_token_ids=[]))}" in out.stdout
