@@ -51,6 +51,8 @@ def test_dense_model_is_untouched(exl3_dirs):
 def test_exl3_dir_in_transformers_on_cuda_runs_the_kernels(ops, exl3_dirs):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    import trellm.integrations.transformers  # noqa: F401  (a `-m cuda` run skips the tests that import it)
+
     _, q4 = exl3_dirs
     hf = transformers.AutoModelForCausalLM.from_pretrained(q4, dtype=torch.float16, device_map="cuda")
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
