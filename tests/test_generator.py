@@ -519,7 +519,9 @@ def test_cuda_graphs_capture_with_every_page_taken(tmp_path):
         warnings.simplefilter("always")
         results = gen.generate(prompts, 8, stop_token_ids=[], return_results=True)
     assert not [str(w.message) for w in caught if "trellm" in str(w.message)]
-    assert sorted(gen.graph_runner.graphs) == [1, 8]
+    # Which padded sizes run depends on admission (jobs now take pages as they grow, with headroom):
+    # every size that ran was captured, none fell back.
+    assert gen.graph_runner.graphs and not gen.graph_runner._failed
     assert [r.token_ids for r in results] == [list(cuda_lm.generate_ids(p, 8, stop_token_ids=[])) for p in prompts]
     gen.verify_pages()
 
