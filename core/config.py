@@ -341,6 +341,7 @@ class DecoderConfig:
     layer_types: tuple[str, ...] = ()  # per layer: "full_attention" / "sliding_attention" (empty: all full)
     layer_ropes: dict[str, RopeConfig] = attrs.field(factory=dict, hash=False)  # per layer type, when it differs
     nope_layers: tuple[int, ...] = ()  # layers that apply no RoPE at all (SmolLM3, Cohere2 and EXAONE 4 global layers)
+    layer_heads: tuple[int, ...] = ()  # per layer, its query-head count where layers differ (Laguna; empty: all the same)
     torch_dtype: str | None = None
     architecture: str = ""
     moe: MoEConfig | None = None  # mixture-of-experts keys, when the config names experts
@@ -414,6 +415,10 @@ class DecoderConfig:
         """Window of layer ``i`` (0: full attention)."""
         return self.sliding_window if self.layer_type(i) == "sliding_attention" else 0
 
+    def attention_heads(self, i: int) -> int:
+        """Query heads of layer ``i`` (``num_attention_heads`` unless ``layer_heads`` says otherwise)."""
+        return self.layer_heads[i] if self.layer_heads else self.num_attention_heads
+
     def rope_for(self, layer_type: str) -> RopeConfig:
         """The RoPE of layers of ``layer_type`` (Gemma 3 local layers use their own base)."""
         return self.layer_ropes.get(layer_type, self.rope)
@@ -424,6 +429,12 @@ class DecoderConfig:
             raise ConfigError(f"config.json: layer_types has {len(self.layer_types)} entries for {n} layers")
         if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
             raise ConfigError("config.json: layer_types has sliding_attention layers but sliding_window is not set")
+        if self.layer_heads and len(self.layer_heads) != n:
+            raise ConfigError(f"config.json: the per-layer head counts list {len(self.layer_heads)} entries for {n} layers")
+        uneven = [h for h in self.layer_heads if h <= 0 or h % self.num_key_value_heads]
+        if uneven:
+            raise ConfigError(f"config.json: per-layer head counts {uneven} are not positive multiples of "
+                              f"num_key_value_heads ({self.num_key_value_heads})")
         bad = [i for i in self.nope_layers if not 0 <= i < n]
         if bad:
             raise ConfigError(f"config.json: NoPE layer indices {bad} are outside 0..{n - 1}")

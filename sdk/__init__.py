@@ -50,7 +50,17 @@ from trellm.generator.mtp import MTPHead, MTPLayout, build_qwen_mtp_head
 from trellm.hookspecs import hookimpl
 from trellm.modules.base import LoadContext, Module
 from trellm.modules.decoder import CausalLM, DecoderLayer, DecoderOptions, build_decoder, decoder_family
-from trellm.modules.layers import MLP, Attention, Embedding, GatedMLP, LayerNorm, RMSNorm, RotaryEmbedding
+from trellm.modules.layers import (
+    MLP,
+    Attention,
+    Embedding,
+    GatedMLP,
+    LayerNorm,
+    OutputGate,
+    OutputGatedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+)
 from trellm.modules.linear import Linear, LinearGroup
 from trellm.modules.moe import ExpertMLP, Experts, MoE, Router, ScoreTopK, SoftmaxTopK, TopKSoftmax, clamped_swiglu, dispatch_experts
 from trellm.modules.recurrent import GatedAttention, GatedDeltaNet, HybridCausalLM, Mamba2Mixer, ResidualBlock, ShortConv
@@ -87,7 +97,7 @@ from trellm.sdk.families import (
     read_gemma3_config,
     read_qwen2_config,
 )
-from trellm.sdk.moe import deepseek_moe, replace_mlps, use_deepseek_moe_layers, use_qwen3_moe_layers
+from trellm.sdk.moe import deepseek_moe, mlp_layer_types, replace_mlps, use_deepseek_moe_layers, use_qwen3_moe_layers
 from trellm.sdk.hybrid import build_qwen3_5, build_qwen3_5_moe, build_qwen_hybrid, hybrid_layer_types, qwen_moe_mlp
 from trellm.sdk.qwen_vl import (
     QwenVisionBlock,
@@ -109,14 +119,14 @@ __all__ = [
     "ConfigError", "config_int", "read_keys", "MoEConfig", "LinearAttentionConfig",
     # modules and the Llama-like stack
     "Module", "LoadContext", "ForwardBatch", "Linear", "LinearGroup", "Embedding", "RMSNorm", "LayerNorm", "RotaryEmbedding",
-    "Attention", "GatedMLP", "MLP", "DecoderLayer", "CausalLM", "DecoderOptions", "build_decoder", "decoder_family",
+    "Attention", "OutputGate", "OutputGatedAttention", "GatedMLP", "MLP", "DecoderLayer", "CausalLM", "DecoderOptions", "build_decoder", "decoder_family",
     # the text families others build on (trellm.sdk.families)
     "GEMMA_OPTIONS", "configure_gemma", "GEMMA2_OPTIONS", "configure_gemma2", "read_gemma2_config",
     "GEMMA3_OPTIONS", "configure_gemma3", "read_gemma3_config", "COHERE_OPTIONS", "configure_cohere",
     "OLMO_OPTIONS", "GLM_OPTIONS", "GLM4_OPTIONS", "configure_granite", "read_qwen2_config",
     # mixture of experts
     "MoE", "Router", "Experts", "ExpertMLP", "SoftmaxTopK", "TopKSoftmax", "ScoreTopK", "clamped_swiglu",
-    "dispatch_experts", "replace_mlps", "deepseek_moe", "use_deepseek_moe_layers", "use_qwen3_moe_layers",
+    "dispatch_experts", "replace_mlps", "mlp_layer_types", "deepseek_moe", "use_deepseek_moe_layers", "use_qwen3_moe_layers",
     # recurrent and hybrid stacks, multi-token prediction
     "GatedDeltaNet", "GatedAttention", "ShortConv", "Mamba2Mixer", "ResidualBlock", "HybridCausalLM",
     "MTPHead", "MTPLayout", "build_qwen_mtp_head",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from trellm.config import DecoderConfig
+from trellm.errors import ConfigError
 from trellm.modules.base import Module
 from trellm.modules.layers import GatedMLP
 from trellm.modules.moe import Experts, MoE, Router, ScoreTopK, SoftmaxTopK
@@ -20,6 +21,16 @@ def replace_mlps(model, make_mlp: Callable[[int, str], Module | None]) -> None:
         mlp = make_mlp(i, layer.key)
         if mlp is not None:
             layer.mlp = mlp
+
+
+def mlp_layer_types(cfg: DecoderConfig) -> tuple[str, ...]:
+    """Per layer, ``"dense"`` or ``"sparse"`` (MoE) as ``mlp_layer_types`` lists them (Hy3, Laguna); without the
+    key, the first layer is dense and the rest sparse."""
+    n = cfg.num_hidden_layers
+    kinds = tuple(cfg.extra.get("mlp_layer_types") or ("dense",) + ("sparse",) * (n - 1))
+    if len(kinds) != n or set(kinds) - {"dense", "sparse"}:
+        raise ConfigError(f"config.json: mlp_layer_types must list 'dense' or 'sparse' for each of the {n} layers, got {list(kinds)!r}")
+    return kinds
 
 
 def deepseek_moe(cfg: DecoderConfig, key: str, correction_bias: bool = True, shared_name: str = "shared_experts") -> MoE:

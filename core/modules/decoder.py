@@ -24,6 +24,8 @@ from .layers import (
     Attention,
     Embedding,
     GatedMLP,
+    OutputGate,
+    OutputGatedAttention,
     RMSNorm,
     RotaryEmbedding,
     make_norm,
@@ -70,6 +72,8 @@ class DecoderOptions:
     attn_scale: float | None = None  # softmax scale; None: 1/sqrt(head_dim)
     attn_softcap: float = 0.0  # tanh softcap of attention logits (Gemma 2)
     clip_qkv: float | None = None  # clamp q/k/v projections (OLMo 1)
+    output_gate: OutputGate | None = None  # attention output gated by a projection of its input (Laguna)
+    output_gate_name: str = "gate_proj"  # that projection's tensor name (Laguna: "g_proj")
     # MLP
     mlp_gated: bool = True  # False: down(act(up(x))) (Arcee, Apertus)
     mlp_up_name: str = "up_proj"  # tensor names of the ungated MLP (Starcoder2: c_fc / c_proj)
@@ -257,11 +261,12 @@ def layer_ropes(cfg: DecoderConfig, opts: DecoderOptions) -> list[RotaryEmbeddin
 
 def build_attention(cfg: DecoderConfig, opts: DecoderOptions, i: int, key: str, rope: RotaryEmbedding | None) -> Attention:
     qkv_bias = cfg.attention_bias if opts.qkv_bias is None else opts.qkv_bias
-    return Attention(
+    gated = {} if opts.output_gate is None else {"gate": opts.output_gate, "gate_name": opts.output_gate_name}
+    return (Attention if opts.output_gate is None else OutputGatedAttention)(
         key,
         layer_idx=i,
         hidden_size=cfg.hidden_size,
-        num_heads=cfg.num_attention_heads,
+        num_heads=cfg.attention_heads(i),
         num_kv_heads=cfg.num_key_value_heads,
         head_dim=cfg.head_dim,
         rope=rope,
@@ -276,6 +281,7 @@ def build_attention(cfg: DecoderConfig, opts: DecoderOptions, i: int, key: str, 
         fused_qkv=opts.fused_qkv,
         o_proj_name=opts.o_proj_name,
         clip_qkv=opts.clip_qkv,
+        **gated,
     )
 
 

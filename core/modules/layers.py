@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import attrs
 import torch
+import torch.nn.functional as F
 
 from .. import ops
 from ..batch import ForwardBatch
@@ -395,6 +397,50 @@ class Attention(Sublayer):
     ) -> torch.Tensor | Hidden:
         """Attention of x [T, hidden] (a :class:`~trellm.modules.base.Sublayer`)."""
         return self.project_out(self.attention(x, batch), residual)
+
+
+GATE_ACTIVATIONS = ("sigmoid", "softplus")
+
+
+@attrs.frozen
+class OutputGate:
+    """How an attention scales its output by a gate computed from the layer input: ``o * act(g)``.
+
+    ``act`` is ``"sigmoid"`` (AfMoE, Qwen3-Next) or ``"softplus"`` (Laguna), computed in float32;
+    ``per_head``: ``g`` holds one value per head, broadcast over its channels (Laguna), else one per
+    channel of ``o``.
+    """
+
+    activation: str = attrs.field(default="sigmoid", validator=attrs.validators.in_(GATE_ACTIVATIONS))
+    per_head: bool = False
+
+    def width(self, num_heads: int, head_dim: int) -> int:
+        """How many gate values a token needs (the gate projection's output size)."""
+        return num_heads if self.per_head else num_heads * head_dim
+
+    def apply(self, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """``o`` [T, heads * head_dim] gated by the gate logits ``g`` [T, :meth:`width`]."""
+        g = g.float()
+        g = (torch.sigmoid(g) if self.activation == "sigmoid" else F.softplus(g)).to(o.dtype)
+        if not self.per_head:
+            return o * g.reshape(o.shape)
+        t, heads = g.shape
+        return (o.reshape(t, heads, -1) * g[..., None]).reshape(o.shape)
+
+
+class OutputGatedAttention(Attention):
+    """:class:`Attention` whose output is gated before o_proj by ``{key}.{gate_name}`` of the same input
+    (see :class:`OutputGate`); every other argument is Attention's."""
+
+    def __init__(self, key: str, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rope: RotaryEmbedding | None, gate: OutputGate, gate_name: str = "gate_proj", **attention: Any):
+        super().__init__(key, layer_idx, hidden_size, num_heads, num_kv_heads, head_dim, rope, **attention)
+        self.gate = gate
+        self.gate_proj = Linear(f"{key}.{gate_name}", hidden_size, gate.width(num_heads, head_dim))
+
+    def forward(self, x: torch.Tensor | Normed, batch: ForwardBatch, residual: Hidden | None = None) -> torch.Tensor | Hidden:
+        o = self.gate.apply(self.attention(x, batch), project(x, self.gate_proj.impl))
+        return self.project_out(o, residual)
 
 
 class XIELU(Module):

@@ -60,7 +60,8 @@ class ScoreTopK:
     The bias only steers the choice: the weights are the unbiased scores of the chosen experts,
     renormalised when ``normalize`` and multiplied by ``scaling`` (``routed_scaling_factor``).
     ``num_groups > 1``: experts form groups ranked by the sum of their two best biased scores; only
-    the ``topk_groups`` best groups compete.
+    the ``topk_groups`` best groups compete. ``softcap``: the logits become ``softcap * tanh(logits / softcap)``
+    first (Laguna).
     """
 
     top_k: int
@@ -71,8 +72,11 @@ class ScoreTopK:
     topk_groups: int = 1
     norm_eps: float = 1e-20
     norm_min: bool = False  # ERNIE: clamp the denominator at norm_eps instead of adding it
+    softcap: float = 0.0
 
     def __call__(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.softcap > 0:
+            logits = torch.tanh(logits.float() / self.softcap) * self.softcap
         if self.score == "sigmoid":
             scores = logits.float().sigmoid()
         elif self.score == "softmax":

@@ -22,7 +22,7 @@ from ..errors import WeightError
 from .base import LoadContext, Module
 from .decoder import CausalLM
 from ..ops.projection import Hidden, Normed, project
-from .layers import Attention, Embedding, RMSNorm
+from .layers import Attention, Embedding, OutputGate, RMSNorm
 from .linear import Linear, LinearGroup
 
 
@@ -337,6 +337,8 @@ class GatedAttention(Attention):
     """Attention whose q_proj also yields a per-head output gate, interleaved per head as [q | gate]
     (Qwen3-Next, Qwen3.5): out = o_proj(attn * sigmoid(gate)). ``norm_unit_offset``: q/k norms scale by 1 + w."""
 
+    gate = OutputGate("sigmoid")
+
     def __init__(self, key: str, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  rope, qk_norm_eps: float, norm_unit_offset: bool = True, bias: bool = False):
         super().__init__(key, layer_idx, hidden_size, num_heads, num_kv_heads, head_dim, rope, bias, bias, qk_norm_eps)
@@ -356,7 +358,7 @@ class GatedAttention(Attention):
         else:
             o = self.attend(self.q_norm.forward(q), self.k_norm.forward(k), v, batch)
         o = o.reshape(t, self.num_heads * self.head_dim)
-        return self.project_out(o * torch.sigmoid(gate.reshape(t, -1)), residual)
+        return self.project_out(self.gate.apply(o, gate.reshape(t, -1)), residual)
 
 
 @runtime_checkable

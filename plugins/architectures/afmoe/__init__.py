@@ -1,43 +1,28 @@
 """AfMoE (AfmoeForCausalLM, Arcee Trinity): sandwich-normed blocks, attention with QK-norm and a sigmoid
-output gate, RoPE on sliding-window layers only (global layers are NoPE), and sigmoid-routed experts
+output gate per channel, RoPE on sliding-window layers only (global layers are NoPE), and sigmoid-routed experts
 with an expert bias, ``route_scale`` and shared experts after ``num_dense_layers`` dense layers."""
 from __future__ import annotations
 
-import torch
 import trellm
 from trellm.sdk import (
     ArchitectureSpec,
-    Attention,
     CausalLM,
     DecoderConfig,
     DecoderLayer,
     Embedding,
     Experts,
-    ForwardBatch,
     GatedMLP,
     Linear,
     MoE,
     Module,
+    OutputGate,
+    OutputGatedAttention,
     RMSNorm,
     RotaryEmbedding,
     Router,
     ScoreTopK,
     config_int,
-    ops,
 )
-
-
-class OutputGatedAttention(Attention):
-    """Attention followed by ``o * sigmoid(gate_proj(x))``; no RoPE when ``rope`` is None (NoPE global layers)."""
-
-    def __init__(self, key: str, layer_idx: int, cfg: DecoderConfig, rope: RotaryEmbedding | None, sliding_window: int):
-        super().__init__(key, layer_idx, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                         rope, cfg.attention_bias, cfg.attention_bias, cfg.rms_norm_eps, sliding_window=sliding_window)
-        self.gate_proj = Linear(f"{key}.gate_proj", cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim)
-
-    def forward(self, x, batch: ForwardBatch, residual=None):
-        o = self.attention(x, batch) * torch.sigmoid(ops.project(x, self.gate_proj.impl))
-        return self.project_out(o, residual)
 
 
 def build(cfg: DecoderConfig) -> CausalLM:
@@ -53,7 +38,11 @@ def build(cfg: DecoderConfig) -> CausalLM:
     for i, kind in enumerate(types):
         key = f"model.layers.{i}"
         sliding = kind == "sliding_attention"
-        attn = OutputGatedAttention(f"{key}.self_attn", i, cfg, rope if sliding else None, cfg.sliding_window if sliding else 0)
+        attn = OutputGatedAttention(
+            f"{key}.self_attn", i, hidden, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            rope if sliding else None, OutputGate("sigmoid"), qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
+            qk_norm_eps=eps, sliding_window=cfg.sliding_window if sliding else 0,
+        )
         m = f"{key}.mlp"
         if i < dense_layers:
             mlp: Module = GatedMLP(m, hidden, cfg.intermediate_size, cfg.hidden_act)

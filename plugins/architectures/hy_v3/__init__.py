@@ -10,7 +10,6 @@ from __future__ import annotations
 import trellm
 from trellm.sdk import (
     ArchitectureSpec,
-    ConfigError,
     DecoderConfig,
     DecoderOptions,
     Experts,
@@ -20,6 +19,7 @@ from trellm.sdk import (
     ScoreTopK,
     build_decoder,
     config_int,
+    mlp_layer_types,
     replace_mlps,
 )
 
@@ -38,10 +38,7 @@ def hy_v3_moe(cfg: DecoderConfig, key: str) -> MoE:
 
 
 def build(cfg: DecoderConfig):
-    kinds = cfg.extra.get("mlp_layer_types") or ["dense"] + ["sparse"] * (cfg.num_hidden_layers - 1)
-    if len(kinds) != cfg.num_hidden_layers or set(kinds) - {"dense", "sparse"}:
-        raise ConfigError(f"config.json: mlp_layer_types must list 'dense' or 'sparse' for each of the "
-                          f"{cfg.num_hidden_layers} layers, got {kinds!r}")
+    kinds = mlp_layer_types(cfg)
     model = build_decoder(cfg, DecoderOptions(qk_norm=True))
     replace_mlps(model, lambda i, key: hy_v3_moe(cfg, f"{key}.mlp") if kinds[i] == "sparse" else None)
     return model
