@@ -33,8 +33,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--cache-size", type=int, help="KV cache size in tokens (default 8192)")
     p.add_argument("--page-size", type=int, help="KV cache page size in tokens (default 256)")
     p.add_argument("--cache-bits", help="quantized KV cache: 'K,V' bits, e.g. 4,4 or 8,6 (default: fp16)")
-    p.add_argument("--draft-model", help="HF directory of a draft model for speculative decoding, or 'mtp': the model's "
-                                         "own multi-token-prediction head (Qwen3.5 checkpoints with mtp.* weights)")
+    p.add_argument("--draft-model", help="HF directory of a draft model for speculative decoding; 'ngram': prompt lookup "
+                                         "(copies what followed the last tokens' earlier occurrence; no model); 'mtp': the "
+                                         "model's own multi-token-prediction head (Qwen3.5 checkpoints with mtp.* weights)")
     p.add_argument("--num-draft-tokens", type=int, help="draft tokens per step (default 4)")
     p.add_argument("--lora", action="append", metavar="NAME=DIR",
                    help="serve the PEFT LoRA adapter in DIR as model '<model-name>:NAME' (repeatable; several adapters "

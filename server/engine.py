@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from trellm.generator import AsyncGenerator, AsyncJob, DraftModelProposer, Generator, Job
+from trellm.generator import AsyncGenerator, AsyncJob, DraftModelProposer, Generator, Job, NgramProposer
 
 from .config import ServerConfig
 from .errors import APIError
@@ -253,6 +253,8 @@ class ModelHost:
 
 
 MTP_DRAFT = "mtp"  # draft_model value: draft with the model's multi-token-prediction head (trellm.generator.mtp)
+NGRAM_DRAFT = "ngram"  # draft_model value: prompt lookup (trellm.generator.NgramProposer), no model
+BUILTIN_DRAFTS = (MTP_DRAFT, NGRAM_DRAFT)  # draft_model values that name a proposer, not a directory
 
 
 def _build(settings: LoadSettings) -> tuple[Any, Generator]:
@@ -284,7 +286,9 @@ def _build(settings: LoadSettings) -> tuple[Any, Generator]:
         cache = quantized_cache(lm.model, k_bits=k_bits, v_bits=v_bits, max_tokens=settings.cache_size,
                                 page_size=settings.page_size)
     proposer = None
-    if settings.draft_model is not None and str(settings.draft_model) == MTP_DRAFT:  # the model's own MTP head
+    if settings.draft_model is not None and str(settings.draft_model) == NGRAM_DRAFT:  # copies what followed the context's tail
+        proposer = NgramProposer(num_tokens=settings.num_draft_tokens)
+    elif settings.draft_model is not None and str(settings.draft_model) == MTP_DRAFT:  # the model's own MTP head
         from trellm.generator.mtp import MTPProposer
 
         proposer = MTPProposer(lm, num_tokens=settings.num_draft_tokens, cache_tokens=settings.cache_size,

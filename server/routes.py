@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 
-from .engine import MTP_DRAFT, LoadSettings, ModelHost, ModelNotReadyError
+from .engine import BUILTIN_DRAFTS, LoadSettings, ModelHost, ModelNotReadyError
 from .errors import APIError, AsciiJSONResponse, bad_request
 from .chat_parsing import ReplyStream, message_of
 from .limits import check_chat_request, check_prompt_bytes
@@ -153,7 +153,7 @@ def build_router(keys) -> APIRouter:
         settings.cache_size = body.cache_size or config.cache_size
         settings.cache_bits = cache_bits
         settings.loras = {}  # the configured adapters belong to the configured model; load others with /v1/lora/load
-        settings.draft_model = (Path(MTP_DRAFT) if draft == MTP_DRAFT else model_under_models_dir(config.models_dir, draft, "draft_model")
+        settings.draft_model = (Path(draft) if draft in BUILTIN_DRAFTS else model_under_models_dir(config.models_dir, draft, "draft_model")
                                 if draft else None)
         try:
             await host.load(settings)

@@ -76,7 +76,7 @@ CUDA graphs: ``Generator(lm, cuda_graphs=True)`` (the default) replays captured 
 models with recurrent layers never use graphs. The runner keeps one scratch page, so
 ``capacity_tokens`` is one page less than the cache.
 
-Housekeeping: ``gen.stats`` (prefilled / reused / decoded tokens, steps), ``gen.verify_pages()``
+Housekeeping: ``gen.stats`` (prefilled / reused / decoded tokens, steps, draft tokens proposed / accepted), ``gen.verify_pages()``
 (page refcounts vs holders), ``gen.clear_prefix_cache()``, ``gen.abort(error)`` (fail everything,
 free all pages), ``gen.num_active`` / ``gen.num_pending`` / ``gen.has_work()``.
 Thread safety: a Generator is single-threaded except ``cancel()``, which only sets a flag, and

@@ -187,7 +187,7 @@ class Generator:
         self.active: list[_Running] = []  # in admission order
         self.preempted: list[_Running] = []  # oldest first; resumed before any pending job is admitted
         self.stats = {"prefilled_tokens": 0, "reused_tokens": 0, "decoded_tokens": 0, "steps": 0, "forward_tokens": 0,
-                      "preempted": 0}
+                      "preempted": 0, "draft_proposed": 0, "draft_accepted": 0}
         self._grammar_engine: GrammarEngine | None = None  # built on the first grammar job
         self._grammar_lock = threading.Lock()
 
@@ -747,10 +747,12 @@ class Generator:
         finish: tuple[str, dict] | None = None
         rewound = False
         r.draft_proposed += len(draft)
+        self.stats["draft_proposed"] += len(draft)
         for pos in range(len(draft) + 1):
             token = picked[pos] if picked is not None else self._sample(r, logits[pos])
             if pos < len(draft) and token == draft[pos]:
                 r.draft_accepted += 1
+                self.stats["draft_accepted"] += 1
             if r.time_first_token is None:
                 r.time_first_token = time.time()
             if token in r.stop_ids and len(r.generated) >= r.job.min_new_tokens:
