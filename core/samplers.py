@@ -2,7 +2,8 @@
 
 Each step is a small object ``step(logits, ctx) -> logits`` over one sequence's float32 logits
 [vocab]; a step removes tokens by setting their logit to ``-inf``. The stack ends with a draw
-(categorical, from the job's own ``torch.Generator``) unless a step made the choice greedy.
+(:func:`draw`: the inverse CDF at one uniform number, from the job's ``torch.Generator`` or, in the
+generator, :func:`uniform_for` the job's seed and the token's index) unless a step made the choice greedy.
 
 Steps are looked up by name in a table that plugins extend through the
 ``trellm_register_samplers(register)`` hook (``register(name, factory)``; ``factory(**settings)``
@@ -19,6 +20,31 @@ import attrs
 import torch
 
 NEG_INF = float("-inf")
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finaliser: a 64-bit integer scrambled into another."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def uniform_for(seed: int, index: int) -> float:
+    """The uniform number in [0, 1) that draws the token at generated position ``index`` of a job seeded
+    ``seed``. Counter-based, not a stream: the same whatever else shares the batch, however many draft
+    positions were verified and after a rewind, so seeded output repeats on every path."""
+    return (_mix64(_mix64(seed & _MASK64) ^ index) >> 11) * 2.0**-53
+
+
+def draw(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token ids drawn from ``softmax(scores)`` (float32 [..., vocab], ``-inf`` for excluded tokens) at the
+    uniforms ``u`` [...]: the first token whose cumulative probability passes ``u``. One draw per row, all
+    rows at once, on the scores' device."""
+    cdf = torch.cumsum(torch.softmax(scores, dim=-1), dim=-1)
+    x = (u.to(cdf.dtype) * cdf[..., -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_(max=scores.shape[-1] - 1)
 
 
 @attrs.define
@@ -167,9 +193,7 @@ class Penalties(SamplerStep):
         self.include_prompt = include_prompt
 
     def __call__(self, logits, ctx):
-        history = ctx.tokens if self.include_prompt else ctx.generated
-        if self.penalty_range > 0:
-            history = history[-self.penalty_range:]
+        history = penalty_window(ctx.tokens, ctx.prompt_len, self.include_prompt, self.penalty_range)
         if not history:
             return logits
         ids = torch.tensor(list(history), dtype=torch.long, device=logits.device)
@@ -184,6 +208,12 @@ class Penalties(SamplerStep):
         if self.frequency_penalty != 0.0:
             out = out - counts * self.frequency_penalty
         return out
+
+
+def penalty_window(tokens: Sequence[int], prompt_len: int, include_prompt: bool, penalty_range: int) -> Sequence[int]:
+    """The tokens penalties count: the whole context or the generated part, its last ``penalty_range`` (0: all)."""
+    history = tokens if include_prompt else tokens[prompt_len:]
+    return history[-penalty_range:] if penalty_range > 0 else history
 
 
 class DRY(SamplerStep):
@@ -341,8 +371,9 @@ class SamplerStack:
             out = step(out, ctx)
         return out
 
-    def sample(self, logits: torch.Tensor, ctx: SamplingContext, exclude: Sequence[int] = ()) -> int:
-        """One token id. ``exclude`` bans extra ids for this draw only (banned strings use it)."""
+    def sample(self, logits: torch.Tensor, ctx: SamplingContext, exclude: Sequence[int] = (), u: float | None = None) -> int:
+        """One token id. ``exclude`` bans extra ids for this draw only (banned strings use it); ``u``: the draw's
+        uniform number (None: one from ``ctx.generator``)."""
         scores = self.process(logits, ctx)
         if exclude:
             scores = scores.clone()
@@ -351,11 +382,83 @@ class SamplerStack:
             scores = logits.float()  # every token excluded: fall back to the raw distribution
         if self.greedy:
             return int(torch.argmax(scores))
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs.cpu(), 1, generator=ctx.generator))
+        if u is None:
+            u = float(torch.rand((), generator=ctx.generator))
+        return int(draw(scores, torch.tensor(u, dtype=torch.float64, device=scores.device)))
+
+    def row_sampling(self) -> "RowSampling | None":
+        """These steps as one :class:`RowSampling` (what the generator's batched device sampler runs), or None
+        when a step is not one it knows (DRY, XTC, typical-p, a plugin's) or the order differs from
+        bias/bans, penalties, temperature, top-k, top-p, min-p (temperature first or last)."""
+        fields: dict[str, Any] = {}
+        rank = 0
+        for step in self.steps:
+            kind = type(step)
+            if kind is Greedy or (kind is Temperature and step.temperature in (0.0, 1.0)):  # no change to the scores
+                fields["greedy"] = fields.get("greedy", False) or step.greedy
+                continue
+            if kind is Temperature:
+                if "temperature" in fields:
+                    return None
+                last = rank > _RANKS[Penalties]  # after a truncation step: temperature last
+                fields.update(temperature=step.temperature, temperature_last=last)
+                rank = _TEMPERATURE_LAST if last else _RANKS[Penalties] + 1
+                continue
+            r = _RANKS.get(kind)
+            if r is None or r < rank or kind.__name__ in fields:
+                return None
+            fields[kind.__name__] = step
+            rank = r
+        bias, banned, pen = fields.get("LogitBias"), fields.get("BannedTokens"), fields.get("Penalties")
+        top_k, top_p, min_p = fields.get("TopK"), fields.get("TopP"), fields.get("MinP")
+        return RowSampling(
+            greedy=fields.get("greedy", False),
+            temperature=fields.get("temperature", 1.0),
+            temperature_last=fields.get("temperature_last", False),
+            top_k=top_k.top_k if top_k else 0, top_p=top_p.top_p if top_p else 1.0, min_p=min_p.min_p if min_p else 0.0,
+            repetition_penalty=pen.repetition_penalty if pen else 1.0, presence_penalty=pen.presence_penalty if pen else 0.0,
+            frequency_penalty=pen.frequency_penalty if pen else 0.0, penalty_range=pen.penalty_range if pen else 0,
+            penalty_prompt=pen.include_prompt if pen else True,
+            logit_bias=tuple(bias.logit_bias.items()) if bias else (), banned_tokens=tuple(banned.banned_tokens) if banned else (),
+        )
 
     def __repr__(self) -> str:
         return f"SamplerStack({self.steps!r})"
+
+
+# the order the batched sampler applies steps in (Temperature goes first, before TopK, or last)
+_RANKS: dict[type, int] = {LogitBias: 0, BannedTokens: 0, Penalties: 1, TopK: 3, TopP: 4, MinP: 5}
+_TEMPERATURE_LAST = 6
+
+
+@attrs.frozen
+class RowSampling:
+    """One job's sampler stack as numbers, for sampling every row of a batch at once on the device
+    (``trellm.generator.sampling``); neutral values switch a part off."""
+
+    greedy: bool = False
+    temperature: float = 1.0
+    temperature_last: bool = False
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_range: int = 0
+    penalty_prompt: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    banned_tokens: tuple[int, ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty, self.presence_penalty, self.frequency_penalty) != (1.0, 0.0, 0.0)
+
+    def counted(self, tokens: Sequence[int], prompt_len: int) -> list[int] | None:
+        """The tokens the penalties count in a context of ``tokens`` (None: no penalties)."""
+        if not self.penalized:
+            return None
+        return list(penalty_window(tokens, prompt_len, self.penalty_prompt, self.penalty_range))
 
 
 @attrs.define

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trellm.batch import ForwardBatch, StepBuffers
-from trellm.samplers import Greedy, LogitBias, SamplerSettings, SamplerStack, Temperature, TopK
+from trellm.samplers import DRY, Greedy, LogitBias, SamplerSettings, SamplerStack, Temperature, TopK
 
 FIELDS = ("input_ids", "positions", "cu_seqlens", "logits_indices", "block_table", "context_lens", "slots",
           "cached_lens", "state_slots")
@@ -110,14 +110,17 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def test_device_argmax_matches_host_sampling_in_one_batch(lm, monkeypatch):
-    """Plain greedy jobs (batched argmax) next to greedy jobs whose stack forces per-job host sampling
-    (a zero logit bias: same scores) and a min_new_tokens job (stop ids excluded at first): the same
-    tokens as each job alone, and the argmax jobs never reach SamplerStack.sample."""
+    """Plain greedy jobs (batched argmax) next to greedy jobs whose stack goes through the batched device
+    sampler (a zero logit bias: same scores), a job whose stack only runs on the host (a DRY step that does
+    nothing) and a min_new_tokens job (stop ids excluded at first, on the device): the same tokens as each
+    job alone, and only the host-only job reaches SamplerStack.sample."""
     from trellm.generator import Generator, Job
 
     prompts = _prompts(6, seed=3)
     alone = [list(lm.generate_ids(p, 10, stop_token_ids=[])) for p in prompts]
-    slow = SamplerStack([Greedy(), LogitBias({0: 0.0})])
+    device = SamplerStack([Greedy(), LogitBias({0: 0.0})])
+    host = SamplerStack([Greedy(), DRY(multiplier=0.0)])
+    assert device.row_sampling() is not None and host.row_sampling() is None
     calls = {"n": 0}
     original = SamplerStack.sample
 
@@ -127,7 +130,8 @@ def test_device_argmax_matches_host_sampling_in_one_batch(lm, monkeypatch):
 
     monkeypatch.setattr(SamplerStack, "sample", counting)
     gen = Generator(lm, cache_tokens=1024, page_size=16, max_batch_size=6)
-    jobs = [Job(p, 10, stop_token_ids=[], sampler=slow if i in (1, 4) else None) for i, p in enumerate(prompts)]
+    stacks = {1: device, 4: host}
+    jobs = [Job(p, 10, stop_token_ids=[], sampler=stacks.get(i)) for i, p in enumerate(prompts)]
     jobs.append(Job(prompts[2], 10, stop_token_ids=[alone[2][0]], min_new_tokens=2))
     gen.enqueue(jobs)
     done = {}
@@ -140,7 +144,7 @@ def test_device_argmax_matches_host_sampling_in_one_batch(lm, monkeypatch):
     first = lm.logits([prompts[2]])[0, -1].clone()
     first[alone[2][0]] = float("-inf")  # the stop id is excluded while fewer than min_new_tokens are out
     assert done[jobs[6]][0] == int(first.argmax()) != alone[2][0]
-    assert calls["n"] == 2 * 10 + 2  # the slow-stack jobs, and the min_new_tokens job's first two tokens
+    assert calls["n"] == 10  # the host-only job's tokens
     gen.verify_pages()
 
 

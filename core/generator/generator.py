@@ -43,7 +43,7 @@ from ..grammar import GrammarEngine
 from ..model import prompt_too_long
 from ..lora import adapter_root, lora_set
 from ..multimodal import attach_images
-from ..samplers import SamplerSettings, SamplerStack, SamplingContext
+from ..samplers import RowSampling, SamplerSettings, SamplerStack, SamplingContext, uniform_for
 from ..sampling import StopStringMatcher
 from .job import (
     EOS_CANCELLED,
@@ -59,9 +59,11 @@ from .job import (
     Result,
     TokenChunk,
 )
+from .sampling import DeviceSampler, SampleRow
 from .speculative import DraftRequest, Proposer
 
 ADMIT_SCAN = 64
+_ARGMAX = RowSampling(greedy=True)  # a row nobody samples from goes through the device sampler as a plain argmax
 MAX_REWINDS = 256  # banned strings: rewinds per job before they are no longer enforced  # how deep into the queue admission looks for jobs that fit
 
 
@@ -90,8 +92,11 @@ class _Running:
         # the token is the raw logits' argmax (no step changes scores, no logprobs): the whole batch's
         # are taken on the device at once and only the ids come back
         self.argmax_sampling = stack.is_argmax and not job.logprobs
-        self.rng = torch.Generator()
-        self.rng.manual_seed(job.seed if job.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        # the stack as numbers for the batched device sampler; None: sampled row by row on the host
+        self.row_sampling = stack.row_sampling()
+        self.seed = job.seed if job.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        self.rng = torch.Generator()  # for steps that draw on their own (XTC)
+        self.rng.manual_seed(self.seed)
         self.decoder = tokenizer.stream(skip_special_tokens=not job.decode_special_tokens) if tokenizer else None
         # Banned strings are matched like stop strings (text that may still become one is held back),
         # but a match rewinds the job instead of ending it. They need text, so a tokenizer.
@@ -178,7 +183,8 @@ class Generator:
             self.cache.prefix_cache.free_checkpoint = lambda slot: free_state_slot(self.cache, slot)
         self.graph_runner = self._graph_runner() if cuda_graphs and self.hidden_sink is None else None
         self.step_buffers = StepBuffers(self.cache.device, capacity=8 * (max_chunk_tokens + max_batch_size) + 1024)
-        self._sampled_host: torch.Tensor | None = None  # pinned landing place of each step's argmax ids (CUDA)
+        self.device_sampler = DeviceSampler(self.cache.device)
+        self._sampled_host: torch.Tensor | None = None  # pinned landing place of each step's sampled ids (CUDA)
         self._sampled_event: Any = None
         self.vocab_size = int(getattr(getattr(self.model, "config", None), "vocab_size", 0) or 0)
         self.default_stop_ids = self._default_stop_ids(model)
@@ -625,7 +631,7 @@ class Generator:
                 hidden, logits = logits
             if masks is not None:
                 self._grammar_engine.apply_masks(logits, masks)
-            argmax_ids, full = self._sample_rows(plan, row_start, sampled, logits)
+            picked, logprobs, full = self._sample_rows(plan, row_start, sampled, logits)
         except Exception as exc:  # keep serving: fail this batch's jobs, free their pages
             warnings.warn(f"trellm generator: forward failed ({exc!r}); failing {len(plan)} jobs")
             for r, _, _ in plan:
@@ -648,7 +654,7 @@ class Generator:
                     if i in full:
                         self._accept(r, full[i], draft, results)
                     else:
-                        self._accept(r, None, draft, results, argmax_ids[a:b])
+                        self._accept(r, None, draft, results, picked[a:b], logprobs[a:b] if logprobs else None)
                 except Exception as exc:  # e.g. a plugin sampler step failed: fail this job only
                     if not r.job.finished:
                         r.seq.length = min(r.seq.length, len(r.tokens) - 1)
@@ -695,33 +701,71 @@ class Generator:
             return hidden, self.model.logits_from_hidden(hidden, batch)
         return self.model.forward(batch)
 
-    def _sample_rows(self, plan, row_start: list[int], sampled: list[int],
-                     logits: torch.Tensor) -> tuple[list[int] | None, dict[int, torch.Tensor]]:
-        """For the jobs ``sampled`` (plan indices): the argmax of every logits row, taken on the device with
-        one device->host copy of the ids, when some of them sample plain argmaxes; and float32 CPU
-        logits rows of each job that needs them (other samplers, logprobs, excluded tokens)."""
-        slow = [i for i in sampled if not plan[i][0].argmax_now()]
-        argmax_ids = self._argmax(logits) if len(slow) < len(sampled) else None
-        full: dict[int, torch.Tensor] = {}
-        if slow:
-            every = logits.float().cpu() if argmax_ids is None else None
+    def _sample_rows(self, plan, row_start: list[int], sampled: list[int], logits: torch.Tensor
+                     ) -> tuple[list[int] | None, list[tuple[float, list]] | None, dict[int, torch.Tensor]]:
+        """Tokens of the jobs ``sampled`` (plan indices), chosen on the logits' device for the whole batch:
+        the argmax of every row when each job takes plain argmaxes, else every row through the
+        :class:`DeviceSampler`. One device->host copy brings the ids back (with each row's log-probability
+        and top tokens when a job asks for them). Returns (ids per logits row, (logprob, top logprobs) per
+        row or None, float32 CPU logits rows of each job whose stack only runs on the host)."""
+        slow = {i for i in sampled if plan[i][0].row_sampling is None}
+        fast = [i for i in sampled if i not in slow]
+        out, top = None, -1
+        if fast and all(plan[i][0].argmax_now() for i in fast):
+            out = logits.argmax(dim=-1)
+        elif fast:
+            rows = [SampleRow(_ARGMAX, 0.0)] * logits.shape[0]
+            for i in fast:
+                rows[row_start[i]: row_start[i] + len(plan[i][2]) + 1] = self._sample_rows_of(*plan[i])
+            out = self.device_sampler.sample(logits, rows)
+            top = max((plan[i][0].job.top_logprobs for i in fast if plan[i][0].job.logprobs), default=-1)
+        if top >= 0:  # the model's raw log-probabilities of the chosen tokens, and the best ``top`` of each row
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            k = min(top, lp.shape[-1])
+            values, indices = torch.topk(lp, k, dim=-1)
+            out = torch.cat([out.double(), lp.gather(1, out[:, None]).squeeze(1).double(), values.double().flatten(),
+                             indices.double().flatten()])
+        full = {}
+        if slow:  # queued behind the device work above, so it runs while these rows copy
+            every = logits.float().cpu() if not fast else None
             for i in slow:
                 a, b = row_start[i], row_start[i] + len(plan[i][2]) + 1
                 full[i] = every[a:b] if every is not None else logits[a:b].float().cpu()
-        return argmax_ids, full
+        if out is None:
+            return None, None, full
+        host = self._to_host(out)
+        if top < 0:
+            return host, None, full
+        n = logits.shape[0]
+        values, indices = host[2 * n: 2 * n + n * k], host[2 * n + n * k:]
+        tops = [[(int(t), v) for t, v in zip(indices[j * k:(j + 1) * k], values[j * k:(j + 1) * k])] for j in range(n)]
+        return [int(t) for t in host[:n]], list(zip(host[n: 2 * n], tops)), full
 
-    def _argmax(self, logits: torch.Tensor) -> list[int]:
-        """Argmax ids of all rows, taken on the device; on CUDA one non-blocking copy into pinned memory
-        and a wait on its event (the step's only device->host sync when every job samples greedily)."""
-        ids = logits.argmax(dim=-1)
-        if ids.device.type != "cuda":
-            return ids.tolist()
-        n = ids.shape[0]
-        if self._sampled_host is None or self._sampled_host.shape[0] < n:
-            self._sampled_host = torch.empty(max(n, 2 * self.max_batch_size), dtype=torch.int64, pin_memory=True)
+    def _sample_rows_of(self, r: _Running, feed: list[int], draft: list[int]) -> list[SampleRow]:
+        """The rows job ``r`` samples this step: one per draft position and one after the draft, position ``pos``
+        drawing generated token ``len(r.generated) + pos`` as if the draft before it was accepted."""
+        settings = r.row_sampling
+        out = []
+        for pos in range(len(draft) + 1):
+            index = len(r.generated) + pos
+            exclude = list(r.bans.get(index, ()))
+            if index < r.job.min_new_tokens:
+                exclude += r.stop_ids
+            history = settings.counted(r.tokens + draft[:pos] if pos else r.tokens, r.prompt_len)
+            out.append(SampleRow(settings, uniform_for(r.seed, index), history, exclude))
+        return out
+
+    def _to_host(self, values: torch.Tensor) -> list:
+        """``values`` as a list; on CUDA one non-blocking copy into pinned memory and a wait on its event (the
+        step's only device->host synchronization when no job samples on the host)."""
+        if values.device.type != "cuda":
+            return values.tolist()
+        n = values.numel()
+        if self._sampled_host is None or self._sampled_host.numel() < n:
+            self._sampled_host = torch.empty(max(n, 2 * self.max_batch_size), dtype=torch.float64, pin_memory=True)
             self._sampled_event = torch.cuda.Event()
-        host = self._sampled_host[:n]
-        host.copy_(ids, non_blocking=True)
+        host = self._sampled_host[:n].view(torch.int64) if values.dtype == torch.int64 else self._sampled_host[:n]
+        host.copy_(values, non_blocking=True)
         self._sampled_event.record()
         self._sampled_event.synchronize()
         return host.tolist()
@@ -736,11 +780,11 @@ class Generator:
             self.hidden_sink(r.job.job_id, start, hidden[:kept], r.tokens)
 
     def _accept(self, r: _Running, logits: torch.Tensor | None, draft: list[int], results: list[Result],
-                picked: list[int] | None = None) -> None:
+                picked: list[int] | None = None, logprobs: list[tuple[float, list]] | None = None) -> None:
         """Sample at each fed position; keep draft tokens while the target agrees, then roll the cache back.
 
-        ``picked``: the tokens already chosen at each position (argmax on the device); else ``logits``
-        rows are sampled here. New tokens and text go to the job's held buffer first. It is released as a TokenChunk at once,
+        ``picked``: the tokens already chosen at each position (on the device), with ``logprobs`` (each one's
+        log-probability and top tokens) when the job asks for them; else ``logits`` rows are sampled here. New tokens and text go to the job's held buffer first. It is released as a TokenChunk at once,
         except for a job with banned strings while its text could still grow into one: if a banned
         string completes, the job rewinds to the last release point and bans the token taken there.
         """
@@ -764,7 +808,11 @@ class Generator:
             if r.grammar is not None and not r.grammar.consume(token):
                 finish = (EOS_ERROR, {"error": f"token {token} breaks the job's grammar: {r.grammar.error}"})
                 break
-            if r.job.logprobs:
+            if r.job.logprobs and logprobs is not None:
+                r.held_logprobs.append(logprobs[pos][0])
+                if r.job.top_logprobs:
+                    r.held_tops.append(logprobs[pos][1][: r.job.top_logprobs])
+            elif r.job.logprobs:
                 lp = torch.log_softmax(logits[pos], dim=-1)
                 r.held_logprobs.append(float(lp[token]))
                 if r.job.top_logprobs:
@@ -838,11 +886,13 @@ class Generator:
             r.matcher = StopStringMatcher(r.job.stop_strings)
 
     def _sample(self, r: _Running, logits: torch.Tensor) -> int:
+        """One token from a job's stack on the host (its stack has a step the device sampler lacks)."""
         ctx = SamplingContext(tokens=r.tokens, prompt_len=r.prompt_len, generator=r.rng)
-        exclude: list[int] = list(r.bans.get(len(r.generated), ()))
-        if len(r.generated) < r.job.min_new_tokens:
+        index = len(r.generated)
+        exclude: list[int] = list(r.bans.get(index, ()))
+        if index < r.job.min_new_tokens:
             exclude += [t for t in r.stop_ids if 0 <= t < logits.shape[-1]]
-        return r.sampler.sample(logits, ctx, exclude)
+        return r.sampler.sample(logits, ctx, exclude, u=uniform_for(r.seed, index))
 
     def _name_full_pages(self, r: _Running) -> None:
         """Enter the job's newly completed pages into the prefix cache."""
