@@ -1,13 +1,23 @@
 """Generator throughput: tokens/s vs number of concurrent jobs, and speculative decoding speed-up.
 
     python benchmarks/bench_generator.py                       # SmolLM2 (the default model), CPU or GPU
+    python benchmarks/bench_generator.py --device cuda --random-exl3 /tmp/r8b --batch-sizes 1,8,32,64 \
+        --prompt-tokens 512 --new-tokens 256                    # Llama-3.1-8B shape, random EXL3 4 bpw, mul1
     python benchmarks/bench_generator.py --batch-sizes 1,4,16 --new-tokens 64 --plot gen.png
     python benchmarks/bench_generator.py --speculative ngram   # n-gram lookup on a repetitive task
     python benchmarks/bench_generator.py --speculative draft --draft-model /path/to/small-or-quantized
 
 Prints one row per batch size: wall time, generated tokens/s over the whole run (prefill included),
 decode tokens/s and ms per decode step (over the steps that did no prefill work) and mean time to
-first token. With matplotlib installed, ``--plot`` saves tokens/s vs batch size.
+first token, and on CUDA the captured step alone: the replay of the generator's own decode graph for
+that batch, timed in the same process right after the run, and how much longer the generator's step
+took (its host work: scheduling, staging, sampling, readback, detokenising). Every row names the
+weights' codebook. With matplotlib installed, ``--plot`` saves tokens/s vs batch size.
+
+``--random-exl3 DIR`` writes (once; reused while its settings match) a Llama-3.1-8B-shaped model with
+random EXL3 weights (``--bits``, head 6 bits, ``--codebook`` mul1 by default, what both converters write)
+and benchmarks it; no tokenizer, prompts are token ids. ``--sample`` gives every job the "default" sampler
+preset (temperature 0.8, top-k 50, top-p 0.95) with a seed, instead of greedy decoding.
 
 Fixed per-step overhead (host work around the forward) shows best with a model whose forward is
 cheap: on a GPU the SmolLM2 shape at batch 1; on CPU ``--random-like-smollm2 DIR --tiny`` (2 layers,
@@ -24,15 +34,22 @@ import pstats
 import statistics
 import time
 
+import json
+from pathlib import Path
+
 import torch
 
 import trellm
 from trellm.generator import (DraftModelProposer, Generator, Job, JobFinished, JobStarted, NgramProposer,
-                              PrefillProgress, TokenChunk)
+                              PrefillProgress, SamplerSettings, TokenChunk)
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                      tie_word_embeddings=True, initializer_range=0.02)
+
+LLAMA_8B_SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001)
 
 TOPICS = ["the sea", "a mountain village", "an old clock", "the first snow", "a city at night", "a lost key",
           "the library", "a long train ride", "a garden in spring", "the lighthouse", "a chess game", "the desert"]
@@ -52,15 +69,95 @@ def prompts(lm, n: int, prompt_tokens: int) -> list[list[int]]:
     return out
 
 
+def write_random_exl3(path: Path, bits: int, codebook: str, head_bits: int = 6) -> Path:
+    """A Llama-3.1-8B-shaped model directory whose projections and LM head are random EXL3 tensors (the given
+    codebook's marker on each), random norms and embeddings: for speed only, its output is noise. Written once;
+    a directory written with other settings is rewritten."""
+    from safetensors.torch import save_file
+
+    from trellm.quant.exl3.format import MARKER_VALUES
+
+    quant = {"quant_method": "exl3", "bits": bits, "head_bits": head_bits, "codebook": codebook, "random_weights": True}
+    config = dict(LLAMA_8B_SHAPE, architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype="float16",
+                  quantization_config=quant)
+    if (path / "config.json").is_file() and json.loads((path / "config.json").read_text()) == config:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    h, inter, heads, kv = (config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads"))
+    head_dim = h // heads
+
+    def exl3(key: str, k: int, n: int, K: int) -> dict[str, torch.Tensor]:
+        return {f"{key}.trellis": torch.randint(-32768, 32768, (k // 16, n // 16, 16 * K), generator=g, dtype=torch.int16),
+                f"{key}.suh": torch.where(torch.rand(k, generator=g) < 0.5, -1.0, 1.0).half(),
+                f"{key}.svh": ((torch.rand(n, generator=g) + 0.5) / k**0.5).half(),
+                f"{key}.{codebook}": torch.tensor(MARKER_VALUES[codebook], dtype=torch.int32)}
+
+    files = {}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        t = {f"{p}.input_layernorm.weight": torch.ones(h, dtype=torch.float16),
+             f"{p}.post_attention_layernorm.weight": torch.ones(h, dtype=torch.float16)}
+        for name, k, n in (("self_attn.q_proj", h, heads * head_dim), ("self_attn.k_proj", h, kv * head_dim),
+                           ("self_attn.v_proj", h, kv * head_dim), ("self_attn.o_proj", heads * head_dim, h),
+                           ("mlp.gate_proj", h, inter), ("mlp.up_proj", h, inter), ("mlp.down_proj", inter, h)):
+            t.update(exl3(f"{p}.{name}", k, n, bits))
+        files[f"model-layer{i:02d}.safetensors"] = t
+    files["model-rest.safetensors"] = {
+        "model.embed_tokens.weight": (torch.randn(config["vocab_size"], h, generator=g) * 0.02).half(),
+        "model.norm.weight": torch.ones(h, dtype=torch.float16), **exl3("lm_head", h, config["vocab_size"], head_bits)}
+    weight_map = {}
+    for name, tensors in files.items():
+        save_file(tensors, str(path / name))
+        weight_map.update(dict.fromkeys(tensors, name))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def codebook_of(model_dir: Path) -> str:
+    """The EXL3 codebook the model's config names ("dense" for unquantized weights)."""
+    quant = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config") or {}
+    if quant.get("quant_method") != "exl3":
+        return "dense"
+    return quant.get("codebook", "3inst")
+
+
+def captured_step_ms(gen: Generator, n: int, reps: int = 50) -> float | None:
+    """Median ms of one replay of the generator's own captured decode graph for ``n`` sequences (the step's GPU
+    work alone, on the inputs its last step staged), or None when no graph ran that size."""
+    runner = gen.graph_runner
+    size = None if runner is None else next((b for b in runner.batch_sizes if b >= n), None)
+    if size is None or size not in runner.graphs:
+        return None
+    graph = runner.graphs[size][0]
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 def run_batch(lm, n: int, args, proposer=None, task_prompts=None) -> dict:
-    jobs = [Job(p, args.new_tokens, stop_token_ids=[]) for p in (task_prompts or prompts(lm, n, args.prompt_tokens))]
+    sampler = SamplerSettings.preset("default") if args.sample else None
+    jobs = [Job(p, args.new_tokens, stop_token_ids=[], sampler=sampler, seed=i)
+            for i, p in enumerate(task_prompts or prompts(lm, n, args.prompt_tokens))]
+    short = [len(j.prompt_ids) for j in jobs if task_prompts is None and len(j.prompt_ids) != args.prompt_tokens]
+    if short:
+        raise SystemExit(f"prompts of {short[0]} tokens instead of --prompt-tokens {args.prompt_tokens}")
     # whole pages for every job at once (else fewer than n run together), plus the CUDA graphs' scratch page
     pages = sum(-(-(len(j.prompt_ids) + args.new_tokens + args.draft_tokens) // args.page_size) for j in jobs) + 1
     gen = Generator(lm, cache_tokens=pages * args.page_size, page_size=args.page_size,
                     max_batch_size=max(n, 1), max_chunk_tokens=args.chunk_tokens, proposer=proposer,
                     num_draft_tokens=args.draft_tokens, prefix_caching=False)
     # first-call overheads (and, on CUDA, the capture of this batch size's decode graph) out of the timing
-    gen.generate([j.prompt_ids[:8] for j in jobs], 2, stop_token_ids=[])
+    gen.generate([j.prompt_ids[:8] for j in jobs], 2, stop_token_ids=[], sampler=sampler)
     if lm.device.type == "cuda":
         torch.cuda.synchronize()
     profiler = cProfile.Profile() if args.profile else None
@@ -96,6 +193,7 @@ def run_batch(lm, n: int, args, proposer=None, task_prompts=None) -> dict:
             f", capture failed for {sorted(runner._failed)}" if runner._failed else "")
     return {
         "decode_path": decode_path,
+        "captured_ms": captured_step_ms(gen, n) if lm.device.type == "cuda" else None,
         "jobs": n, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
         "decode_tok_s": decode_tokens / decode_time if decode_time else 0.0,
         "step_ms": 1e3 * decode_time / decode_steps if decode_steps else 0.0,
@@ -119,6 +217,12 @@ def main() -> None:
                     help="build a random-weight Llama of SmolLM2-135M's shape in DIR and use it (no weights needed)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--random-exl3", metavar="DIR", default=None,
+                    help="write (once) a Llama-3.1-8B-shaped model with random EXL3 weights in DIR and use it")
+    ap.add_argument("--bits", type=int, default=4, help="with --random-exl3: bits per weight (head: 6)")
+    ap.add_argument("--codebook", default="mul1", choices=["mul1", "mcg", "3inst"],
+                    help="with --random-exl3: the trellis codebook (default mul1, the converters' default)")
+    ap.add_argument("--sample", action="store_true", help="jobs sample (preset 'default', seeded) instead of greedy")
     ap.add_argument("--tiny", action="store_true",
                     help="with --random-like-smollm2: 2 layers, hidden 64 (SmolLM2's vocabulary): the step is mostly host overhead")
     ap.add_argument("--profile", action="store_true", help="cProfile the decode steps; print the top functions per batch size")
@@ -143,12 +247,16 @@ def main() -> None:
         if args.tiny:
             shape.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
         args.model = make_tiny_hf_model("LlamaForCausalLM", args.random_like_smollm2, **shape)
+    if args.random_exl3:
+        args.model = write_random_exl3(Path(args.random_exl3), args.bits, args.codebook)
     if args.model is None:
         from trellm.default_model import default_model_dir
 
         args.model = default_model_dir()
     lm = trellm.load(args.model, device=args.device, dtype=args.dtype)
-    print(f"model {lm!r}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens per job, torch {torch.__version__}")
+    codebook = codebook_of(lm.model_dir)
+    print(f"model {lm!r}, codebook {codebook}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens per job, "
+          f"{'sampled (preset default)' if args.sample else 'greedy'}, torch {torch.__version__}")
 
     if args.speculative != "none":
         n = int(args.batch_sizes.split(",")[0])
@@ -161,14 +269,15 @@ def main() -> None:
             proposer = DraftModelProposer(draft, num_tokens=args.draft_tokens, cache_tokens=n * 2048, page_size=args.page_size)
         spec = run_batch(lm, n, args, proposer=proposer, task_prompts=task)
         rate = spec["accepted"] / max(spec["proposed"], 1)
-        print(f"{'mode':>12} {'tok/s':>8} {'wall s':>8}")
-        print(f"{'plain':>12} {base['tok_s']:8.2f} {base['wall_s']:8.2f}")
-        print(f"{args.speculative:>12} {spec['tok_s']:8.2f} {spec['wall_s']:8.2f}   speed-up x{spec['tok_s'] / base['tok_s']:.2f}, "
-              f"acceptance {spec['accepted']}/{spec['proposed']} = {rate:.0%}")
+        print(f"{'mode':>12} {'tok/s':>8} {'wall s':>8}  codebook")
+        print(f"{'plain':>12} {base['tok_s']:8.2f} {base['wall_s']:8.2f}  {codebook}")
+        print(f"{args.speculative:>12} {spec['tok_s']:8.2f} {spec['wall_s']:8.2f}  {codebook}   speed-up "
+              f"x{spec['tok_s'] / base['tok_s']:.2f}, acceptance {spec['accepted']}/{spec['proposed']} = {rate:.0%}")
         return
 
     rows = []
-    header = f"{'jobs':>5} {'wall s':>8} {'tok/s':>8} {'decode tok/s':>13} {'ms/step':>8} {'ttft s':>8}  decode path"
+    header = (f"{'jobs':>5} {'wall s':>8} {'tok/s':>8} {'decode tok/s':>13} {'ms/step':>8} {'captured ms':>11} "
+              f"{'host ms':>8} {'ttft s':>8}  codebook  decode path")
     if not args.profile:
         print(header)
     for n in (int(x) for x in args.batch_sizes.split(",")):
@@ -176,8 +285,10 @@ def main() -> None:
         rows.append(row)
         if args.profile:
             print(header)
-        print(f"{n:5d} {row['wall_s']:8.2f} {row['tok_s']:8.2f} {row['decode_tok_s']:13.2f} {row['step_ms']:8.3f} "
-              f"{row['ttft_s']:8.2f}  {row['decode_path']}", flush=True)
+        captured = row["captured_ms"]  # the step's GPU work alone; the generator's step beyond it is host work
+        cap, host = (f"{captured:11.3f}", f"{row['step_ms'] - captured:8.3f}") if captured else (f"{'-':>11}", f"{'-':>8}")
+        print(f"{n:5d} {row['wall_s']:8.2f} {row['tok_s']:8.2f} {row['decode_tok_s']:13.2f} {row['step_ms']:8.3f} {cap} {host} "
+              f"{row['ttft_s']:8.2f}  {codebook:<8}  {row['decode_path']}", flush=True)
     if args.plot:
         from common import pyplot, save_figure  # benchmarks/common.py, next to this script
 
@@ -190,7 +301,7 @@ def main() -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent jobs")
         ax.set_ylabel("generated tokens/s")
-        ax.set_title(f"{lm.model_dir.name} on {lm.device}")
+        ax.set_title(f"{lm.model_dir.name} ({codebook}) on {lm.device}")
         ax.legend()
         save_figure(plt, fig, args.plot)
 
