@@ -49,6 +49,28 @@ def test_batched_rows_equal_the_per_row_stack():
         assert sampler.sample(logits, rows).tolist() == want
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_batched_rows_on_cuda_equal_the_per_row_stack_on_the_host():
+    """The same random rows sampled on CUDA (one upload, one readback) and row by row on the CPU."""
+    rng = random.Random(1)
+    g = torch.Generator().manual_seed(1)
+    sampler = DeviceSampler("cuda")
+    for _ in range(10):
+        n = rng.randint(1, 16)
+        logits = torch.randn(n, VOCAB, generator=g) * 3
+        rows, want = [], []
+        for i in range(n):
+            stack = _settings(rng).build()
+            settings = stack.row_sampling()
+            history = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 30))]
+            exclude = rng.sample(range(VOCAB), rng.choice([0, 2]))
+            u = rng.random()
+            want.append(stack.sample(logits[i], SamplingContext(tokens=history), exclude, u=u))
+            rows.append(SampleRow(settings, u, settings.counted(history, 0), exclude))
+        assert sampler.sample(logits.cuda(), rows).tolist() == want
+
+
 @pytest.mark.parametrize("stack, batched", [
     (SamplerSettings(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.1).build(), True),
     (SamplerSettings.preset("creative").build(), False),  # DRY
@@ -142,3 +164,25 @@ def test_logprobs_from_the_device_path_match_the_host(lm):
     tops = {k: [x for c in v for x in c.top_logprobs] for k, v in chunks.items()}
     assert len(lp[True]) == 6 and torch.allclose(torch.tensor(lp[True]), torch.tensor(lp[False]), atol=1e-5)
     assert [[t for t, _ in row] for row in tops[True]] == [[t for t, _ in row] for row in tops[False]]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_seeded_sampling_on_cuda_with_graphs(tmp_path):
+    """Seeded sampled jobs on CUDA (captured decode steps, device sampler) give the same tokens batched and alone."""
+    import trellm
+    from trellm.generator import Generator
+    from trellm.sdk.testing import make_tiny_hf_model
+
+    # head_dim 64: the paged-attention kernel's smallest, so decode steps capture (see test_generator)
+    model_dir = make_tiny_hf_model("LlamaForCausalLM", tmp_path, hidden_size=128, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=64, max_position_embeddings=1024)
+    cuda_lm = trellm.load(model_dir, device="cuda", dtype="float32", tokenizer=False)
+    prompts = _prompts(4, seed=2)
+    settings = SamplerSettings(temperature=0.9, top_k=30, top_p=0.95, min_p=0.02, repetition_penalty=1.1)
+    gen = Generator(cuda_lm, cache_tokens=2048, page_size=16, max_batch_size=4)
+    together = gen.generate(prompts, 12, sampler=settings, seed=5, stop_token_ids=[], return_results=True)
+    alone = [gen.generate(p, 12, sampler=settings, seed=5, stop_token_ids=[], return_results=True) for p in prompts]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert gen.graph_runner is not None and gen.graph_runner.graphs
+    gen.verify_pages()

@@ -53,7 +53,12 @@ class DeviceSampler:
         bias = [(i, t, b) for i, s in enumerate(settings) for t, b in s.logit_bias if 0 <= t < vocab]
         banned = [(i, t) for i, s in enumerate(settings) for t in s.banned_tokens if 0 <= t < vocab]
         excluded = [(i, t) for i, r in enumerate(rows) for t in r.exclude if 0 <= t < vocab]
-        history = [(i, t) for i, r in enumerate(rows) if r.history is not None for t in r.history if 0 <= t < vocab]
+        counted = [(i, np.asarray(r.history, dtype=np.float64)) for i, r in enumerate(rows) if r.history is not None and len(r.history)]
+        history = np.empty((0, 2))  # (row, token) per counted token, built in numpy: a history may be the whole context
+        if counted:
+            history = np.stack([np.concatenate([np.full(len(h), i, dtype=np.float64) for i, h in counted]),
+                                np.concatenate([h for _, h in counted])], axis=1)
+            history = history[(history[:, 1] >= 0) & (history[:, 1] < vocab)]
         per_row = [(s.temperature, s.temperature_last, s.top_k if 0 < s.top_k < vocab else 0, s.top_p, s.min_p,
                     s.repetition_penalty, s.presence_penalty, s.frequency_penalty, r.u, s.greedy) for s, r in zip(settings, rows)]
         parts = self._upload([per_row, bias, banned, excluded, history], [_PER_ROW, 3, 2, 2, 2])
@@ -67,7 +72,7 @@ class DeviceSampler:
             scores.index_put_((bias_t[:, 0].long(), bias_t[:, 1].long()), bias_t[:, 2].float(), accumulate=True)
         if banned:
             scores.index_put_((banned_t[:, 0].long(), banned_t[:, 1].long()), minus_inf)
-        if history:
+        if len(history):
             counts = torch.zeros_like(scores).index_put_(
                 (history_t[:, 0].long(), history_t[:, 1].long()), scores.new_ones(()), accumulate=True)
             seen = counts > 0
@@ -105,7 +110,7 @@ class DeviceSampler:
             return drawn
         return torch.where(greedy != 0, scores.argmax(dim=-1), drawn)
 
-    def _upload(self, blocks: list[list[tuple]], widths: list[int]) -> list[torch.Tensor]:
+    def _upload(self, blocks: list, widths: list[int]) -> list[torch.Tensor]:
         """Each block (rows of ``width`` numbers) as a float64 [rows, width] view of one device buffer, sent
         with one host->device copy (float64 holds every token id and setting exactly; float32 ones are the same
         numbers the per-row steps use)."""
@@ -122,7 +127,7 @@ class DeviceSampler:
         at = 0
         for block, width, size in zip(blocks, widths, sizes):
             if size:
-                host[at: at + size] = np.asarray(block, dtype=np.float64).reshape(-1)
+                host[at: at + size] = np.asarray(block, dtype=np.float64).reshape(-1)  # lists of tuples or arrays
             at += size
         if self._dev is not self._host:
             self._dev[:total].copy_(self._host[:total], non_blocking=True)
