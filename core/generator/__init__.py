@@ -53,6 +53,12 @@ Results (attrs classes, all with ``job`` and ``identifier``):
   max_new_tokens, cancelled, error. ``text`` and
   ``token_ids`` are the whole completion, without the stop token / stop string.
 
+Sampling: every job of a step samples on the logits' device at once (``trellm.generator.sampling``: bias, bans,
+penalties, temperature, top-k, top-p, min-p, then the argmax or a draw), and one copy brings the ids back;
+stacks with other steps (DRY, XTC, typical-p, a plugin's) sample on the host. A draw is the inverse CDF at
+``trellm.samplers.uniform_for(seed, generated index)``, so a seeded job gives the same tokens batched or
+alone, on either path and with or without speculative drafts.
+
 Speculative decoding: ``Generator(lm, proposer=NgramProposer())``,
 ``proposer=DraftModelProposer(draft_lm)`` or ``proposer=MTPProposer(lm)`` (the model's own MTP head,
 Qwen3.5; docs/speculative.md), ``num_draft_tokens=4``.

@@ -83,15 +83,23 @@ class DeviceSampler:
         if bool_any(settings, lambda s: s.temperature != 1.0 and not s.temperature_last):
             scores = torch.where(first[:, None], scores / temperature.float()[:, None], scores)
         k_max = max((s.top_k for s in settings if 0 < s.top_k < vocab), default=0)
+        candidates = None
         if k_max:
-            kth = torch.topk(scores, k_max, dim=-1).values.gather(1, (top_k.long() - 1).clamp(min=0)[:, None])
-            scores = scores.masked_fill((scores < kth) & (top_k > 0)[:, None], NEG_INF)
+            candidates = torch.topk(scores, k_max, dim=-1)  # sorted, best first
+            kth = candidates.values.gather(1, (top_k.long() - 1).clamp(min=0)[:, None])
+            truncated = (top_k > 0)[:, None]
+            scores = scores.masked_fill((scores < kth) & truncated, NEG_INF)
         if bool_any(settings, lambda s: s.top_p < 1.0):
-            ordered, order = scores.sort(dim=-1, descending=True)
+            if candidates is not None and all(0 < s.top_k < vocab for s in settings if s.top_p < 1.0):
+                # every top-p row keeps at most its top-k (and ties): sort those candidates, not the vocabulary
+                ordered = candidates.values.masked_fill((candidates.values < kth) & truncated, NEG_INF)
+                order = candidates.indices
+            else:
+                ordered, order = scores.sort(dim=-1, descending=True)
             probs = torch.softmax(ordered, dim=-1)
             drop = (torch.cumsum(probs, dim=-1) - probs > top_p.float()[:, None]) & (top_p < 1.0)[:, None]
             drop[:, 0] = False
-            scores = scores.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), NEG_INF)
+            scores = scores.masked_fill(torch.zeros_like(scores, dtype=torch.bool).scatter(1, order, drop), NEG_INF)
         if bool_any(settings, lambda s: s.min_p > 0.0):
             probs = torch.softmax(scores, dim=-1)
             floor = probs.max(dim=-1, keepdim=True).values * min_p.float()[:, None]
