@@ -62,8 +62,16 @@ from trellm.modules.layers import (
     RotaryEmbedding,
 )
 from trellm.modules.linear import Linear, LinearGroup
-from trellm.modules.moe import ExpertMLP, Experts, MoE, Router, ScoreTopK, SoftmaxTopK, TopKSoftmax, clamped_swiglu, dispatch_experts
-from trellm.modules.recurrent import GatedAttention, GatedDeltaNet, HybridCausalLM, Mamba2Mixer, ResidualBlock, ShortConv
+from trellm.modules.moe import ExpertMLP, Experts, MoE, Router, ScoreTopK, SoftmaxTopK, TopKSoftmax, clamped_swiglu, dispatch_experts, limited_swiglu
+from trellm.modules.recurrent import (
+    GatedAttention,
+    GatedDeltaNet,
+    HybridCausalLM,
+    KimiDeltaAttention,
+    Mamba2Mixer,
+    ResidualBlock,
+    ShortConv,
+)
 from trellm.multimodal import (
     FixedSizeProcessor,
     ImageError,
@@ -125,10 +133,10 @@ __all__ = [
     "GEMMA3_OPTIONS", "configure_gemma3", "read_gemma3_config", "COHERE_OPTIONS", "configure_cohere",
     "OLMO_OPTIONS", "GLM_OPTIONS", "GLM4_OPTIONS", "configure_granite", "read_qwen2_config",
     # mixture of experts
-    "MoE", "Router", "Experts", "ExpertMLP", "SoftmaxTopK", "TopKSoftmax", "ScoreTopK", "clamped_swiglu",
+    "MoE", "Router", "Experts", "ExpertMLP", "SoftmaxTopK", "TopKSoftmax", "ScoreTopK", "clamped_swiglu", "limited_swiglu",
     "dispatch_experts", "replace_mlps", "mlp_layer_types", "deepseek_moe", "use_deepseek_moe_layers", "use_qwen3_moe_layers",
     # recurrent and hybrid stacks, multi-token prediction
-    "GatedDeltaNet", "GatedAttention", "ShortConv", "Mamba2Mixer", "ResidualBlock", "HybridCausalLM",
+    "GatedDeltaNet", "KimiDeltaAttention", "GatedAttention", "ShortConv", "Mamba2Mixer", "ResidualBlock", "HybridCausalLM",
     "MTPHead", "MTPLayout", "build_qwen_mtp_head",
     # the Qwen hybrid stack (trellm.sdk.hybrid)
     "hybrid_layer_types", "qwen_moe_mlp", "build_qwen_hybrid", "build_qwen3_5", "build_qwen3_5_moe",

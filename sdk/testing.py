@@ -240,6 +240,24 @@ def _rope_depends_on_length(config, longest: int) -> bool:
     return False
 
 
+def _load_hf(model_dir: Path):
+    """The HF model in float32 with eager attention: AutoModelForCausalLM, or the class config.json names
+    when that has no causal-LM mapping (image-text models such as Glm5NextForConditionalGeneration)."""
+    import json
+
+    import transformers
+
+    kwargs = dict(dtype=torch.float32, attn_implementation="eager")
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).eval()
+    except ValueError:
+        names = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+        model_cls = getattr(transformers, names[0], None) if names else None
+        if model_cls is None:
+            raise
+        return model_cls.from_pretrained(model_dir, **kwargs).eval()
+
+
 def check_parity(
     model_dir: str | Path,
     prompts: Sequence[Sequence[int]] | None = None,
@@ -264,7 +282,7 @@ def _check_parity(model_dir: Path, prompts, max_new_tokens: int, tolerance: floa
     import trellm
 
     t0 = time.perf_counter()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    hf = _load_hf(model_dir)
     lm = trellm.load(model_dir, device="cpu", dtype=torch.float32)
     vocab = lm.config.vocab_size
     if prompts is None:

@@ -157,6 +157,16 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, l
     return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
 
+def limited_swiglu(limit: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """SwiGLU on clamped inputs, silu(min(gate, limit)) * clamp(up, -limit, limit) (GLM 5.3-Flash): unlike
+    :func:`clamped_swiglu`, no alpha and no + 1."""
+
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+    return act
+
+
 def _activation(activation: str | Callable) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     if callable(activation):
         return activation

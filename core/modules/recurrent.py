@@ -32,11 +32,52 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-class GatedRMSNorm(Module):
-    """RMSNorm(x) * w * silu(gate), per head (``{key}.weight`` [dim])."""
+_GATES = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
-    def __init__(self, key: str, dim: int, eps: float):
-        self.key, self.dim, self.eps = key, dim, eps
+
+def load_split_conv(ctx: LoadContext, key: str, conv_dim: int, width: int) -> torch.Tensor:
+    """The q/k/v depthwise conv stored as ``{key}.{q,k,v}_conv1d.weight`` (however the checkpoint split the
+    channels), as one [conv_dim, width] weight."""
+    parts = [ctx.store.get(f"{key}.{n}_conv1d.weight", dtype=ctx.dtype, device=ctx.device) for n in "qkv"]
+    weight = torch.cat(parts)[:, 0].contiguous()
+    if weight.shape != (conv_dim, width):
+        raise WeightError(f"{ctx.store.model_dir}: {key}.{{q,k,v}}_conv1d.weight hold {list(weight.shape)}, "
+                          f"expected {[conv_dim, width]}")
+    return weight
+
+
+def state_cache_inputs(key: str, layer_idx: int, batch: ForwardBatch, tokens: int):
+    """(cache layer or None, fresh rows [B] or None, decode?) of a recurrent mixer for this batch.
+    ``decode``: one new token per sequence, served in place on the cache's slots."""
+    if batch.cache is None:
+        return None, None, False
+    if batch.state_slots is None:
+        raise ValueError(f"{key}: a cached forward pass of a recurrent layer needs batch.state_slots")
+    fresh = batch.cached_lens == 0 if batch.cached_lens is not None else None
+    return batch.cache.layers[layer_idx], fresh, tokens == batch.num_seqs
+
+
+def short_conv(mixed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, batch: ForwardBatch, layer,
+               fresh: torch.Tensor | None, decode: bool):
+    """The causal depthwise conv (+ SiLU) of a recurrent mixer's inputs: (out, conv states or None, recurrent
+    states read from the cache or None). Decoding updates the conv states in place; otherwise the caller
+    writes back the returned conv states with its recurrent states."""
+    if decode:
+        return ops.causal_conv1d_step_slots(mixed, weight, bias, layer.conv_states, batch.state_slots, fresh), None, None
+    conv_state = rec_state = None
+    if layer is not None:
+        conv_state, rec_state = layer.read(batch.state_slots, fresh)
+    out, conv_state = ops.causal_conv1d(mixed, weight, bias, batch.cu_seqlens, conv_state)
+    return out, conv_state, rec_state
+
+
+class GatedRMSNorm(Module):
+    """RMSNorm(x) * w * act(gate), per head (``{key}.weight`` [dim]); act is silu (gated delta net) or sigmoid (KDA)."""
+
+    def __init__(self, key: str, dim: int, eps: float, activation: str = "silu"):
+        if activation not in _GATES:
+            raise ValueError(f"{key}: unknown gate activation {activation!r}; use one of {sorted(_GATES)}")
+        self.key, self.dim, self.eps, self.gate = key, dim, eps, _GATES[activation]
         self.weight: torch.Tensor | None = None
 
     def load(self, ctx: LoadContext) -> None:
@@ -47,7 +88,7 @@ class GatedRMSNorm(Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         normed = ops.rms_norm(x, self.weight, self.eps)
-        return (normed.float() * F.silu(gate.float())).to(x.dtype)
+        return (normed.float() * self.gate(gate.float())).to(x.dtype)
 
 
 class GatedDeltaNet(Module):
@@ -121,12 +162,8 @@ class GatedDeltaNet(Module):
     def load(self, ctx: LoadContext) -> None:
         super().load(ctx)
         get = lambda name, shape, dtype=ctx.dtype: ctx.store.get(f"{self.key}.{name}", shape=shape, dtype=dtype, device=ctx.device)
-        if self.projection == "separate":  # q/k/v convs stored apart (however the checkpoint split the channels)
-            parts = [get(f"{n}_conv1d.weight", None) for n in "qkv"]
-            self.conv_weight = torch.cat(parts)[:, 0].contiguous()
-            if self.conv_weight.shape != (self.conv_dim, self.conv_width):
-                raise WeightError(f"{ctx.store.model_dir}: {self.key}.{{q,k,v}}_conv1d.weight hold "
-                                  f"{list(self.conv_weight.shape)}, expected {[self.conv_dim, self.conv_width]}")
+        if self.projection == "separate":
+            self.conv_weight = load_split_conv(ctx, self.key, self.conv_dim, self.conv_width)
         else:
             self.conv_weight = get("conv1d.weight", (self.conv_dim, 1, self.conv_width))[:, 0].contiguous()
         self.conv_bias_t = get("conv1d.bias", (self.conv_dim,)) if self.conv_bias else None
@@ -167,22 +204,8 @@ class GatedDeltaNet(Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
-        layer = fresh = None
-        conv_state = rec_state = None
-        if batch.cache is not None:
-            if batch.state_slots is None:
-                raise ValueError(f"{self.key}: a cached forward pass of a recurrent layer needs batch.state_slots")
-            layer = batch.cache.layers[self.layer_idx]
-            fresh = batch.cached_lens == 0 if batch.cached_lens is not None else None
-        decode = layer is not None and t == batch.num_seqs  # one new token per sequence
-        if decode:  # in place on the cache's slots: no gather/scatter of the states, no host sync
-            mixed = ops.causal_conv1d_step_slots(
-                mixed, self.conv_weight, self.conv_bias_t, layer.conv_states, batch.state_slots, fresh
-            )
-        else:
-            if layer is not None:
-                conv_state, rec_state = layer.read(batch.state_slots, fresh)
-            mixed, conv_state = ops.causal_conv1d(mixed, self.conv_weight, self.conv_bias_t, batch.cu_seqlens, conv_state)
+        layer, fresh, decode = state_cache_inputs(self.key, self.layer_idx, batch, t)
+        mixed, conv_state, rec_state = short_conv(mixed, self.conv_weight, self.conv_bias_t, batch, layer, fresh, decode)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         groups = self.num_v_heads // self.num_k_heads
         q = l2_normalize(q.reshape(t, self.num_k_heads, self.head_k_dim)).repeat_interleave(groups, dim=1)
@@ -200,6 +223,76 @@ class GatedDeltaNet(Module):
                 layer.write(batch.state_slots, conv_state, rec_state)
         o = self.norm.forward(o.to(x.dtype), z)
         return self.out_proj(o.reshape(t, self.value_dim))
+
+
+class KimiDeltaAttention(Module):
+    """Kimi delta attention (KDA; Kimi Linear, GLM 5.3-Flash): the gated delta rule with a decay per key
+    channel instead of per head.
+
+    ``q_proj``/``k_proj``/``v_proj`` (as many key as value heads) through the causal conv + SiLU
+    (``{q,k,v}_conv1d``), q and k L2-normalised; the log decay g = ``lower_bound`` * sigmoid(exp(A_log) *
+    (f_b(f_a(x)) + dt_bias)) per channel (without a lower bound: -exp(A_log) * softplus(...)); beta =
+    sigmoid(``b_proj``); the output RMS-normalised per head and gated by sigmoid(g_b(g_a(x))) (``o_norm``),
+    then ``o_proj``. Its state (conv inputs and [H, Dk, Dv] per sequence) lives in a recurrent-state slot.
+    """
+
+    def __init__(self, key: str, layer_idx: int, hidden_size: int, num_heads: int, head_dim: int, conv_width: int,
+                 eps: float, lower_bound: float | None = -5.0, chunk_size: int = 32):
+        self.key, self.layer_idx, self.num_heads, self.head_dim = key, layer_idx, num_heads, head_dim
+        self.dim = num_heads * head_dim
+        self.conv_dim, self.conv_width, self.lower_bound, self.chunk_size = 3 * self.dim, conv_width, lower_bound, chunk_size
+        self.q_proj, self.k_proj, self.v_proj = (Linear(f"{key}.{n}_proj", hidden_size, self.dim) for n in "qkv")
+        self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)
+        self.f_a_proj = Linear(f"{key}.f_a_proj", hidden_size, head_dim)
+        self.f_b_proj = Linear(f"{key}.f_b_proj", head_dim, self.dim)
+        self.g_a_proj = Linear(f"{key}.g_a_proj", hidden_size, head_dim)
+        self.g_b_proj = Linear(f"{key}.g_b_proj", head_dim, self.dim)
+        self.b_proj = Linear(f"{key}.b_proj", hidden_size, num_heads)
+        self.o_norm = GatedRMSNorm(f"{key}.o_norm", head_dim, eps, activation="sigmoid")
+        self.o_proj = Linear(f"{key}.o_proj", self.dim, hidden_size)
+        self.conv_weight = self.dt_bias = self.A_log = None
+
+    def load(self, ctx: LoadContext) -> None:
+        super().load(ctx)
+        self.conv_weight = load_split_conv(ctx, self.key, self.conv_dim, self.conv_width)
+        self.dt_bias = ctx.store.get(f"{self.key}.dt_bias", dtype=torch.float32, device=ctx.device).reshape(self.dim)
+        self.A_log = ctx.store.get(f"{self.key}.A_log", dtype=torch.float32, device=ctx.device).reshape(self.num_heads)
+
+    def unload(self) -> None:
+        super().unload()
+        self.conv_weight = self.dt_bias = self.A_log = None
+
+    def state_layer(self, max_slots: int, dtype: torch.dtype, device):
+        """The cache layer this mixer keeps its per-sequence state in."""
+        from ..cache.recurrent import RecurrentStateLayer
+
+        shape = (self.num_heads, self.head_dim, self.head_dim)
+        return RecurrentStateLayer(max_slots, self.conv_dim, self.conv_width, shape, dtype, device)
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """g [T, H, Dk] (float32, <= 0) of the forget gate."""
+        f = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias).view(x.shape[0], self.num_heads, self.head_dim)
+        rate = self.A_log.exp()[:, None]
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(rate * f)
+        return -rate * F.softplus(f)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t, h, d = x.shape[0], self.num_heads, self.head_dim
+        mixed = torch.cat(project(x, self.qkv.weights()), dim=-1)
+        layer, fresh, decode = state_cache_inputs(self.key, self.layer_idx, batch, t)
+        mixed, conv_state, rec_state = short_conv(mixed, self.conv_weight, None, batch, layer, fresh, decode)
+        q, k, v = (part.reshape(t, h, d) for part in mixed.split(self.dim, dim=-1))
+        q, k = l2_normalize(q), l2_normalize(k)
+        g, beta = self.log_decay(x), torch.sigmoid(self.b_proj(x).float())
+        if decode:
+            o = ops.kda_step_slots(q, k, v, g, beta, layer.states, batch.state_slots, fresh)
+        else:
+            o, rec_state = ops.kda_chunked(q, k, v, g, beta, batch.cu_seqlens, rec_state, self.chunk_size)
+            if layer is not None:
+                layer.write(batch.state_slots, conv_state, rec_state)
+        o = self.o_norm.forward(o.to(x.dtype), self.g_b_proj(self.g_a_proj(x)).view(t, h, d))
+        return self.o_proj(o.reshape(t, self.dim))
 
 
 class ShortConv(Module):

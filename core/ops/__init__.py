@@ -115,6 +115,8 @@ from .deltanet import (  # noqa: E402,F401
     gated_delta_rule_chunked,
     gated_delta_rule_step,
     gated_delta_rule_step_slots,
+    kda_chunked,
+    kda_step_slots,
     ssd_chunked,
     ssd_step,
 )

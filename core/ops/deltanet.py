@@ -4,14 +4,15 @@ Varlen layout as everywhere: tokens of all sequences concatenated along dim 0, `
 Each sequence brings its own initial state (from its cache slot, or zeros) and gets its final state back.
 
 The gated delta rule keeps, per value head, a state S [Dk, Dv]; for each token t
-    S <- exp(g_t) * S
+    S <- exp(g_t) * S                       (KDA: diag(exp(g_t)) S, a decay per key channel)
     u_t = beta_t * (v_t - S^T k_t)          (the part of v_t the state does not predict yet)
     S <- S + k_t u_t^T
     o_t = S^T (q_t * Dk^-1/2)
 :func:`gated_delta_rule_step` runs this for one token of every sequence (decode);
 :func:`gated_delta_rule_chunked` gives the same result for long runs with matrix products over
 chunks: inside a chunk the u's solve one unit lower-triangular system, and the state is carried
-from chunk to chunk.
+from chunk to chunk. Kimi delta attention (KDA: Kimi Linear, GLM 5.3-Flash) is the same rule with g
+[.., H, Dk] per key channel: :func:`kda_step_slots` and :func:`kda_chunked`.
 """
 from __future__ import annotations
 
@@ -78,8 +79,13 @@ def gated_delta_rule_step(
 
     Returns (out [B, H, Dv] in v's dtype, new state float32). q/k are expected L2-normalised.
     """
+    return _delta_rule_step(q, k, v, g.float().exp()[..., None, None], beta, state)
+
+
+def _delta_rule_step(q, k, v, decay: torch.Tensor, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """One delta-rule step; ``decay`` multiplies the state's rows ([B, H, 1, 1] scalar per head, [B, H, Dk, 1] KDA)."""
     qf, kf, vf = q.float() * q.shape[-1] ** -0.5, k.float(), v.float()
-    s = state.float() * g.float().exp()[..., None, None]
+    s = state.float() * decay
     predicted = torch.einsum("bhkv,bhk->bhv", s, kf)
     u = beta.float()[..., None] * (vf - predicted)
     s = s + kf[..., :, None] * u[..., None, :]
@@ -125,10 +131,15 @@ def gated_delta_rule_step_slots(
     ``states[slots[b]]`` (float32 [S, H, Dk, Dv]); rows where ``fresh`` [B] is True start from the zero state.
     Returns out [B, H, Dv] in v's dtype. One read and one write of each state instead of three of each.
     """
+    return _step_on_slots(lambda state: gated_delta_rule_step.reference(q, k, v, g, beta, state), states, slots, fresh)
+
+
+def _step_on_slots(step, states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor | None) -> torch.Tensor:
+    """``step(state) -> (out, new state)`` on the states of ``slots``, written back in place (fresh rows from zero)."""
     state = states[slots]
     if fresh is not None:
         state = state * (~fresh).view(-1, 1, 1, 1).to(state.dtype)
-    out, new = gated_delta_rule_step.reference(q, k, v, g, beta, state)
+    out, new = step(state)
     states[slots] = new.to(states.dtype)
     return out
 
@@ -165,6 +176,57 @@ def _chunked_one(q, k, v, g, beta, state, chunk: int):
     return out.reshape(h, n * chunk, dv)[:, :length], state
 
 
+def _chunked_kda_one(q, k, v, g, beta, state, chunk: int):
+    """:func:`_chunked_one` with a decay per key channel: g [H, L, Dk]. The pairwise decays exp(c_i - c_j) no
+    longer factor out of the k.k products, so each chunk builds them as [H, C, C, Dk] (all <= 1: stable)."""
+    h, length = k.shape[:2]
+    dv = v.shape[-1]
+    pad = (-length) % chunk
+    if pad:  # padded steps: g = 0, beta = 0, the state passes through
+        q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, g))
+        beta = F.pad(beta, (0, pad))
+    n = (length + pad) // chunk
+    q, k, v, g = (t.reshape(h, n, chunk, t.shape[-1]) for t in (q, k, v, g))
+    beta = beta.reshape(h, n, chunk)
+    c = g.cumsum(2)  # per channel: log decay from the chunk start through step i
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    eye = torch.eye(chunk, device=q.device)
+    out = torch.empty(h, n, chunk, dv, dtype=torch.float32, device=q.device)
+    for i in range(n):
+        ci, ki, qi = c[:, i], k[:, i], q[:, i]
+        kb = ki * beta[:, i, :, None]
+        decay = (ci[:, :, None] - ci[:, None, :]).masked_fill(~causal[None, :, :, None], float("-inf")).exp()
+        system = torch.einsum("hid,hjd,hijd->hij", kb, ki, decay).masked_fill(~causal.tril(-1), 0.0) + eye
+        values = torch.linalg.solve_triangular(system, v[:, i] * beta[:, i, :, None], upper=False, unitriangular=True)
+        keys = torch.linalg.solve_triangular(system, kb * ci.exp(), upper=False, unitriangular=True)
+        u = values - keys @ state
+        scores = torch.einsum("hid,hjd,hijd->hij", qi, ki, decay)
+        out[:, i] = (qi * ci.exp()) @ state + scores @ u
+        last = ci[:, -1:]
+        state = state * last.transpose(-1, -2).exp() + (ki * (last - ci).exp()).transpose(-1, -2) @ u
+    return out.reshape(h, n * chunk, dv)[:, :length], state
+
+
+def _chunked_varlen(one, q, k, v, g, beta, cu_seqlens, initial_states, chunk_size):
+    """Run ``one`` (a per-sequence chunked delta rule) over each sequence of a varlen batch, heads first."""
+    bounds = cu_seqlens.tolist()
+    nseq = len(bounds) - 1
+    h, dk, dv = k.shape[1], k.shape[2], v.shape[2]
+    if initial_states is None:
+        initial_states = torch.zeros(nseq, h, dk, dv, dtype=torch.float32, device=q.device)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    finals = []
+    scale = dk**-0.5
+    for b in range(nseq):
+        s0, s1 = bounds[b], bounds[b + 1]
+        heads_first = [t[s0:s1].float().transpose(0, 1) for t in (q, k, v, g, beta)]
+        heads_first[0] = heads_first[0] * scale
+        o, state = one(*heads_first, initial_states[b].float(), chunk_size)
+        out[s0:s1] = o.transpose(0, 1).to(v.dtype)
+        finals.append(state)
+    return out, torch.stack(finals)
+
+
 @op
 def gated_delta_rule_chunked(
     q: torch.Tensor,
@@ -180,22 +242,40 @@ def gated_delta_rule_chunked(
 
     Returns (out [T, H, Dv] in v's dtype, final states [B, H, Dk, Dv] float32). q/k are expected L2-normalised.
     """
-    bounds = cu_seqlens.tolist()
-    nseq = len(bounds) - 1
-    h, dk, dv = k.shape[1], k.shape[2], v.shape[2]
-    if initial_states is None:
-        initial_states = torch.zeros(nseq, h, dk, dv, dtype=torch.float32, device=q.device)
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    finals = []
-    scale = dk**-0.5
-    for b in range(nseq):
-        s0, s1 = bounds[b], bounds[b + 1]
-        heads_first = [t[s0:s1].float().transpose(0, 1) for t in (q, k, v, g, beta)]
-        heads_first[0] = heads_first[0] * scale
-        o, state = _chunked_one(*heads_first, initial_states[b].float(), chunk_size)
-        out[s0:s1] = o.transpose(0, 1).to(v.dtype)
-        finals.append(state)
-    return out, torch.stack(finals)
+    return _chunked_varlen(_chunked_one, q, k, v, g, beta, cu_seqlens, initial_states, chunk_size)
+
+
+@op
+def kda_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_states: torch.Tensor | None = None,
+    chunk_size: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kimi delta attention over a varlen batch: :func:`gated_delta_rule_chunked` with g [T, H, Dk] (log decay
+    per key channel, <= 0). Returns (out [T, H, Dv] in v's dtype, final states [B, H, Dk, Dv] float32)."""
+    return _chunked_varlen(_chunked_kda_one, q, k, v, g, beta, cu_seqlens, initial_states, chunk_size)
+
+
+@op
+def kda_step_slots(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One KDA token per sequence on the cache's slots, in place (:func:`gated_delta_rule_step_slots` with
+    g [B, H, Dk]). Returns out [B, H, Dv] in v's dtype."""
+    return _step_on_slots(lambda state: _delta_rule_step(q, k, v, g.float().exp()[..., None], beta, state),
+                          states, slots, fresh)
 
 
 # ---- Mamba-2 (state-space duality): the same varlen/state conventions, a scalar decay and no delta rule ----

@@ -1,0 +1,136 @@
+"""GLM 5.3-Flash and Qwen 3.8-Flash-Next (issue 30): Kimi delta attention, the pooled DSA indexer,
+hyper-connections, each held against transformers on tiny random weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from trellm import ops
+from trellm.sdk.testing import check_parity, make_tiny_hf_model, torch_threads
+
+from test_moe_families import randomize
+
+# ---- Kimi delta attention: the chunked and the one-step ops against transformers' token-by-token loop ----
+
+
+def _kda_inputs(lengths, heads=3, dk=8, dv=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    q, k = torch.randn(t, heads, dk, generator=g), torch.randn(t, heads, dk, generator=g)
+    v = torch.randn(t, heads, dv, generator=g)
+    decay = -5 * torch.sigmoid(torch.randn(t, heads, dk, generator=g))  # the lower-bounded gate's range
+    beta = torch.sigmoid(torch.randn(t, heads, generator=g))
+    init = torch.randn(len(lengths), heads, dk, dv, generator=g)
+    return q, k, v, decay, beta, init
+
+
+def _hf_kda(q, k, v, g, beta, state):
+    from transformers.models.glm5_next.modeling_glm5_next import recurrent_kimi_delta_attention
+
+    out, final = recurrent_kimi_delta_attention(q[None], k[None], v[None], g[None], beta[None], state, True,
+                                                use_qk_l2norm_in_kernel=True)
+    return out[0], final
+
+
+def test_kda_chunked_matches_the_recurrence_across_chunks_and_sequences():
+    from trellm.modules.recurrent import l2_normalize
+
+    lengths = [23, 5, 40]  # within one chunk, shorter than one, several chunks with a remainder
+    q, k, v, g, beta, init = _kda_inputs(lengths)
+    cu = torch.tensor([0, 23, 28, 68])
+    out, finals = ops.kda_chunked(l2_normalize(q), l2_normalize(k), v, g, beta, cu, init, chunk_size=8)
+    for b in range(3):
+        s0, s1 = int(cu[b]), int(cu[b + 1])
+        ref, ref_state = _hf_kda(q[s0:s1], k[s0:s1], v[s0:s1], g[s0:s1], beta[s0:s1], init[b : b + 1])
+        torch.testing.assert_close(out[s0:s1], ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(finals[b], ref_state[0], atol=1e-5, rtol=1e-5)
+
+
+def test_kda_step_on_slots_updates_in_place_and_fresh_rows_start_from_zero():
+    from trellm.modules.recurrent import l2_normalize
+
+    q, k, v, g, beta, init = _kda_inputs([1, 1, 1])
+    states = init.clone()
+    slots, fresh = torch.tensor([2, 0, 1]), torch.tensor([False, True, False])
+    out = ops.kda_step_slots(l2_normalize(q), l2_normalize(k), v, g, beta, states, slots, fresh)
+    for row, (slot, start) in enumerate([(2, init[2:3]), (0, None), (1, init[1:2])]):
+        ref, ref_state = _hf_kda(q[row : row + 1], k[row : row + 1], v[row : row + 1], g[row : row + 1],
+                                 beta[row : row + 1], start)
+        torch.testing.assert_close(out[row], ref[0], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(states[slot], ref_state[0], atol=1e-6, rtol=1e-5)
+
+
+# ---- GLM 5.3-Flash ----
+
+GLM5_NEXT = dict(
+    moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+    n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+    kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=0, qk_nope_head_dim=16, v_head_dim=16,
+    index_topk=8, index_head_dim=16, index_n_heads=8, index_kpool=4,  # 2 pools of 4 out of up to 7: sparse
+    layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+    indexer_types=["full", "full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse", "dense"],
+    linear_head_dim=16, linear_num_heads=4, hc_mult=4, hc_sinkhorn_iters=5, swiglu_limit=1.0,
+    pad_token_id=0, image_token_id=250, video_token_id=251, image_start_token_id=252, image_end_token_id=253,
+    video_start_token_id=254, video_end_token_id=255,
+    vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
+                       projection_intermediate_size=64),
+)
+
+
+def glm5_next_checkpoint(tmp_path, **overrides):
+    model_dir = make_tiny_hf_model("Glm5NextForConditionalGeneration", tmp_path, **{**GLM5_NEXT, **overrides})
+    for suffix, scale in (("index_kpool_compress_ape", 0.5), ("index_kpool_compress_gate", 0.3), ("hc_attn_fn", 0.2),
+                          ("hc_ffn_fn", 0.2), ("e_score_correction_bias", 0.5)):
+        randomize(model_dir, suffix, scale)
+    return model_dir
+
+
+@pytest.mark.parametrize("variant", [
+    {},
+    {"linear_lower_bound": None, "index_topk": 4},  # softplus decay; one pool kept
+])
+def test_glm5_next_text_parity(tmp_path, variant):
+    report = check_parity(glm5_next_checkpoint(tmp_path, **variant))
+    print(report)
+    report.assert_ok()
+
+
+def test_glm5_next_indexer_attends_to_a_strict_subset(tmp_path):
+    """The selection is sparse at this size (else parity would not test the indexer), and a shared layer
+    attends exactly where the full layer before it does."""
+    import trellm
+    from trellm.sdk import ForwardBatch
+
+    lm = trellm.load(glm5_next_checkpoint(tmp_path), device="cpu", dtype=torch.float32, tokenizer=False)
+    seen = {}
+    attn1, attn2 = lm.model.layers[1].attn, lm.model.layers[2].attn
+    with torch_threads(1), torch.inference_mode():
+        original = attn2.forward
+
+        def record(x, batch):
+            seen["full"] = [m.clone() for m in attn2.selection.masks]
+            return original(x, batch)
+
+        attn2.forward = record
+        lm.model.forward(ForwardBatch.no_cache([list(range(1, 24))]))
+    mask = seen["full"][0]
+    causal = torch.ones(23, 23, dtype=torch.bool).tril()
+    assert not (mask & ~causal).any()
+    assert (mask.sum(-1) <= 8 + 3).all() and mask.sum() < causal.sum() / 2
+    assert attn1.indexer is not None and attn2.indexer is None
+
+
+def test_glm5_next_config_errors(tmp_path):
+    import json
+
+    import trellm
+    from trellm.sdk import ConfigError
+
+    model_dir = glm5_next_checkpoint(tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["text_config"]["indexer_types"] = ["full", "shared", "full", "full"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="layer 1 shares the indexer selection"):
+        trellm.load(model_dir, device="cpu", tokenizer=False)
