@@ -71,6 +71,7 @@ from trellm.modules.recurrent import (
     Mamba2Mixer,
     ResidualBlock,
     ShortConv,
+    state_cache_inputs,
 )
 from trellm.multimodal import (
     FixedSizeProcessor,
@@ -136,7 +137,7 @@ __all__ = [
     "MoE", "Router", "Experts", "ExpertMLP", "SoftmaxTopK", "TopKSoftmax", "ScoreTopK", "clamped_swiglu", "limited_swiglu",
     "dispatch_experts", "replace_mlps", "mlp_layer_types", "deepseek_moe", "use_deepseek_moe_layers", "use_qwen3_moe_layers",
     # recurrent and hybrid stacks, multi-token prediction
-    "GatedDeltaNet", "KimiDeltaAttention", "GatedAttention", "ShortConv", "Mamba2Mixer", "ResidualBlock", "HybridCausalLM",
+    "GatedDeltaNet", "KimiDeltaAttention", "GatedAttention", "ShortConv", "Mamba2Mixer", "ResidualBlock", "HybridCausalLM", "state_cache_inputs",
     "MTPHead", "MTPLayout", "build_qwen_mtp_head",
     # the Qwen hybrid stack (trellm.sdk.hybrid)
     "hybrid_layer_types", "qwen_moe_mlp", "build_qwen_hybrid", "build_qwen3_5", "build_qwen3_5_moe",

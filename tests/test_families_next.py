@@ -134,3 +134,67 @@ def test_glm5_next_config_errors(tmp_path):
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="layer 1 shares the indexer selection"):
         trellm.load(model_dir, device="cpu", tokenizer=False)
+
+
+# ---- Qwen 3.8-Flash-Next ----
+
+QWEN4_EXP_TEXT = dict(
+    vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    max_position_embeddings=256, initializer_range=0.15, num_hidden_layers=4,
+    layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+    hc_count=3, hc_lowrank=16,
+    indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+    ple_layer_ids=[1, 3], ple_embed_dim=32, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=1000,
+    make_ngram_vocab_size_divisible_by=8, split_ngram_parts=2, eos_token_id=2,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                     "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+)
+QWEN4_EXP_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=14)
+
+
+def qwen4_exp_checkpoint(tmp_path, **text):
+    return make_tiny_hf_model("Qwen4ExpForConditionalGeneration", tmp_path, text_config={**QWEN4_EXP_TEXT, **text},
+                              vision_config=QWEN4_EXP_VISION, image_token_id=250, video_token_id=251,
+                              vision_start_token_id=252, vision_end_token_id=253)
+
+
+def _prompts_with_eos(eos: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    long, short = torch.randint(3, 256, (23,), generator=g).tolist(), torch.randint(3, 256, (9,), generator=g).tolist()
+    long[6] = long[7] = long[15] = eos  # n-gram histories restart after each EOS (two in a row too)
+    short[1] = eos
+    return [long, short]
+
+
+@pytest.mark.parametrize("variant", [{}, {"output_gate_type": "sigmoid", "ple_layer_ids": [3]}])
+def test_qwen4_exp_text_parity(tmp_path, variant):
+    report = check_parity(qwen4_exp_checkpoint(tmp_path, **variant), prompts=_prompts_with_eos(2))
+    print(report)
+    report.assert_ok()
+
+
+def test_ngram_embedding_history_in_pieces_matches_transformers():
+    """The hashed n-gram ids of a token stream fed in pieces (the cached path: ngram_size - 1 tokens of
+    history carried over) equal transformers' ids over the whole stream, EOS resets included."""
+    from transformers import Qwen4ExpTextConfig
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEmbedding
+
+    from trellm.plugins.architectures.qwen4_exp import NGramEmbedding
+
+    config = Qwen4ExpTextConfig(**{**QWEN4_EXP_TEXT, "ngram_size": 4, "ple_embed_dim": 48})
+    torch.manual_seed(0)
+    hf = Qwen4ExpTextNGramEmbedding(config, 48, layer_idx=0, ple_layer_index=1)
+    ours = NGramEmbedding("e", 4, 2, 48, eos=2)
+    ours.multipliers, ours.vocab_sizes, ours.offsets = hf.layer_multipliers, hf.ngram_heads_vocab_sizes, hf.ngram_heads_offsets
+    ours.table = hf.ngram_embedding.weight.detach()
+    stream = [5, 9, 2, 7, 7, 2, 2, 11, 13, 17, 19, 2, 23, 29]
+    with torch.no_grad():
+        want = hf(torch.tensor([stream]), None)[0]
+    history, got = [2, 2, 2], []
+    for piece in (stream[:1], stream[1:6], stream[6:7], stream[7:]):
+        full = torch.tensor(history + piece)
+        got.append(ours.forward(full, len(piece)))
+        history = full[-3:].tolist()
+    torch.testing.assert_close(torch.cat(got), want)

@@ -17,7 +17,11 @@ DEFAULT_STATE_SLOTS = 16
 
 
 class RecurrentStateLayer:
-    """Per-slot conv state [slots, conv_dim, conv_width-1] (model dtype) and recurrent state (float32)."""
+    """Per-slot conv state [slots, conv_dim, conv_width-1] (model dtype) and recurrent state (float32).
+
+    ``extra``: more per-slot state a layer keeps beside its mixer's, by name -> (shape, dtype) (Qwen 3.8-Flash-Next's
+    n-gram token history and dilated-conv inputs); zeroed, copied and counted with the rest, in ``self.extra``.
+    """
 
     def __init__(
         self,
@@ -28,13 +32,18 @@ class RecurrentStateLayer:
         dtype: torch.dtype,
         device: torch.device | str,
         state_dtype: torch.dtype = torch.float32,
+        extra: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
     ):
         if max_slots <= 0:
             raise ValueError(f"a recurrent cache layer needs at least one state slot, got {max_slots}")
         self.max_slots = max_slots
         self.conv_states = torch.zeros(max_slots, conv_dim, max(conv_width - 1, 0), dtype=dtype, device=device)
         self.states = torch.zeros(max_slots, *state_shape, dtype=state_dtype, device=device)
+        self.extra = {name: torch.zeros(max_slots, *shape, dtype=dt, device=device) for name, (shape, dt) in (extra or {}).items()}
         self._free = list(range(max_slots - 1, -1, -1))
+
+    def _per_slot(self) -> list[torch.Tensor]:
+        return [self.conv_states, self.states, *self.extra.values()]
 
     @property
     def free_slots(self) -> int:
@@ -45,8 +54,8 @@ class RecurrentStateLayer:
         if not self._free:
             raise CacheFullError(f"all {self.max_slots} recurrent-state slots are in use")
         slot = self._free.pop()
-        self.conv_states[slot].zero_()
-        self.states[slot].zero_()
+        for t in self._per_slot():
+            t[slot].zero_()
         return slot
 
     def free_slot(self, slot: int) -> None:
@@ -55,8 +64,8 @@ class RecurrentStateLayer:
         self._free.append(slot)
 
     def copy_slot(self, src: int, dst: int) -> None:
-        self.conv_states[dst].copy_(self.conv_states[src])
-        self.states[dst].copy_(self.states[src])
+        for t in self._per_slot():
+            t[dst].copy_(t[src])
 
     def read(self, slots: torch.Tensor, fresh: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv states, recurrent states) of ``slots`` [B]; rows where ``fresh`` [B] is True read as zeros."""
@@ -72,7 +81,7 @@ class RecurrentStateLayer:
         self.states[slots] = state.to(self.states.dtype)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.conv_states, self.states))
+        return sum(t.numel() * t.element_size() for t in self._per_slot())
 
 
 def build_hybrid_cache(

@@ -98,7 +98,8 @@ class GatedDeltaNet(Module):
     ``projection="fused"`` (Qwen3-Next): ``in_proj_qkvz`` and ``in_proj_ba``, grouped per key head.
     ``projection="separate"`` (OLMo Hybrid): ``q_proj``/``k_proj``/``v_proj``/``g_proj``/``b_proj``/``a_proj``,
     the conv stored as ``q_conv1d``/``k_conv1d``/``v_conv1d``, output ``o_norm`` + ``o_proj``.
-    ``beta_scale`` 2 lets beta reach (0, 2) (negative eigenvalues, OLMo Hybrid).
+    ``beta_scale`` 2 lets beta reach (0, 2) (negative eigenvalues, OLMo Hybrid). ``gate_activation``: the
+    output gate's (silu; sigmoid in Qwen 3.8-Flash-Next checkpoints that say so).
     """
 
     @classmethod
@@ -128,6 +129,7 @@ class GatedDeltaNet(Module):
         chunk_size: int = 64,
         beta_scale: float = 1.0,
         norm_eps: float | None = None,
+        gate_activation: str = "silu",
     ):
         if num_v_heads % num_k_heads:
             raise ValueError(f"{key}: value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})")
@@ -154,7 +156,8 @@ class GatedDeltaNet(Module):
             self.b_proj = Linear(f"{key}.b_proj", hidden_size, num_v_heads)
             self.a_proj = Linear(f"{key}.a_proj", hidden_size, num_v_heads)
         separate = projection == "separate"
-        self.norm = GatedRMSNorm(f"{key}.{'o_norm' if separate else 'norm'}", head_v_dim, eps if norm_eps is None else norm_eps)
+        self.norm = GatedRMSNorm(f"{key}.{'o_norm' if separate else 'norm'}", head_v_dim, eps if norm_eps is None else norm_eps,
+                                 gate_activation)
         self.out_proj = Linear(f"{key}.{'o_proj' if separate else 'out_proj'}", self.value_dim, hidden_size)
         self.beta_scale = beta_scale
         self.conv_weight = self.conv_bias_t = self.dt_bias = self.A_log = None

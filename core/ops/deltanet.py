@@ -30,28 +30,31 @@ def causal_conv1d(
     cu_seqlens: torch.Tensor,
     initial_states: torch.Tensor | None = None,
     activation: str | None = "silu",
+    dilation: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv of each sequence: x [T, C], weight [C, K] -> (out [T, C], final states [B, C, K-1]).
+    """Depthwise causal conv of each sequence: x [T, C], weight [C, K] -> (out [T, C], final states [B, C, S]).
 
-    ``initial_states`` [B, C, K-1] are the last K-1 inputs before each sequence's new tokens (zeros when None).
+    ``initial_states`` [B, C, S] are the last S = (K-1) * dilation inputs before each sequence's new tokens
+    (zeros when None); tap j of the kernel reads the input (K-1-j) * dilation steps back.
     """
     channels, width = weight.shape
+    span = (width - 1) * dilation
     bounds = cu_seqlens.tolist()
     nseq = len(bounds) - 1
     if initial_states is None:
-        initial_states = x.new_zeros(nseq, channels, width - 1)
+        initial_states = x.new_zeros(nseq, channels, span)
     out = torch.empty_like(x)
     finals = []
     for b in range(nseq):
         s0, s1 = bounds[b], bounds[b + 1]
-        seq = torch.cat([initial_states[b].to(weight.dtype), x[s0:s1].t().to(weight.dtype)], dim=1)  # [C, K-1+L]
-        y = F.conv1d(seq[None], weight[:, None, :], bias, groups=channels)[0]  # [C, L]
+        seq = torch.cat([initial_states[b].to(weight.dtype), x[s0:s1].t().to(weight.dtype)], dim=1)  # [C, S+L]
+        y = F.conv1d(seq[None], weight[:, None, :], bias, groups=channels, dilation=dilation)[0]  # [C, L]
         if activation == "silu":
             y = F.silu(y)
         elif activation is not None:
             raise ValueError(f"causal_conv1d: unsupported activation {activation!r}")
         out[s0:s1] = y.t().to(x.dtype)
-        finals.append(seq[:, seq.shape[1] - (width - 1):])
+        finals.append(seq[:, seq.shape[1] - span:])
     return out, torch.stack(finals).to(initial_states.dtype)
 
 
