@@ -102,6 +102,7 @@ from trellm.sdk.families import (
     configure_gemma2,
     configure_gemma3,
     configure_granite,
+    configure_hyperclovax,
     read_gemma2_config,
     read_gemma3_config,
     read_qwen2_config,
@@ -111,6 +112,8 @@ from trellm.sdk.hybrid import build_qwen3_5, build_qwen3_5_moe, build_qwen_hybri
 from trellm.sdk.qwen_vl import (
     QwenVisionBlock,
     QwenVisionConfig,
+    QwenTowerLanguageModel,
+    QwenVision,
     QwenVisionLanguageModel,
     QwenVisionTower,
     QwenVLConfig,
@@ -132,7 +135,7 @@ __all__ = [
     # the text families others build on (trellm.sdk.families)
     "GEMMA_OPTIONS", "configure_gemma", "GEMMA2_OPTIONS", "configure_gemma2", "read_gemma2_config",
     "GEMMA3_OPTIONS", "configure_gemma3", "read_gemma3_config", "COHERE_OPTIONS", "configure_cohere",
-    "OLMO_OPTIONS", "GLM_OPTIONS", "GLM4_OPTIONS", "configure_granite", "read_qwen2_config",
+    "OLMO_OPTIONS", "GLM_OPTIONS", "GLM4_OPTIONS", "configure_granite", "configure_hyperclovax", "read_qwen2_config",
     # mixture of experts
     "MoE", "Router", "Experts", "ExpertMLP", "SoftmaxTopK", "TopKSoftmax", "ScoreTopK", "clamped_swiglu", "limited_swiglu",
     "dispatch_experts", "replace_mlps", "mlp_layer_types", "deepseek_moe", "use_deepseek_moe_layers", "use_qwen3_moe_layers",
@@ -147,7 +150,7 @@ __all__ = [
     # vision-tower helpers (trellm.sdk.vision) and the Qwen-VL recipe (trellm.sdk.qwen_vl)
     "CLIP_MEAN", "CLIP_STD", "rope_inv_freq", "rope_2d", "frame_lengths", "attention_within_segments",
     "QwenVLProcessor", "QwenVisionConfig", "QwenVisionBlock", "QwenVisionTower", "patch_positions",
-    "QwenVLConfig", "read_qwen_vl_config", "QwenVisionLanguageModel",
+    "QwenVLConfig", "read_qwen_vl_config", "QwenVision", "QwenTowerLanguageModel", "QwenVisionLanguageModel",
     # capabilities (trellm.capabilities): what a model or cache layer can do
     "HasRecurrentState", "SupportsImages", "HasMTPHead", "PagedKVLayer", "DenseKVPages", "StateSlots", "implements",
     "is_hybrid", "supports_images", "mtp_head", "is_paged_layer", "has_dense_pages", "is_state_layer",

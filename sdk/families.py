@@ -147,6 +147,16 @@ def configure_granite(cfg: DecoderConfig, opts: DecoderOptions, divide_logits: b
     )
 
 
+def configure_hyperclovax(cfg: DecoderConfig, opts: DecoderOptions) -> DecoderOptions:
+    """HyperCLOVA X SEED: Granite's multipliers with logits *multiplied* by ``logits_scaling``, and
+    Peri-LN (``use_post_norm``, default on): each sub-layer's output normalised (``post_norm1``,
+    ``post_norm2``) before the scaled residual add."""
+    opts = configure_granite(cfg, opts, divide_logits=False)
+    if cfg.extra.get("use_post_norm", True):
+        opts = attrs.evolve(opts, attn_out_norm_name="post_norm1", mlp_out_norm_name="post_norm2")
+    return opts
+
+
 def read_qwen2_config(raw: dict) -> DecoderConfig:
     """Qwen configs keep ``sliding_window`` even when ``use_sliding_window`` is false: honour the flag
     (sliding layers start at ``max_window_layers``)."""

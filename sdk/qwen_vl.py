@@ -378,18 +378,46 @@ def read_qwen_vl_config(raw: dict, read_text: Callable[[dict], DecoderConfig] = 
 class QwenVision(Module):
     """The tower plus its image processor (read from the model directory at load)."""
 
-    def __init__(self, cfg: QwenVLConfig, key: str):
+    def __init__(self, vision_config: dict[str, Any], key: str):
         self.key = key
-        self.spec, self.vision_config = vision_tower_spec(cfg.vision, "qwen2_5_vl_vision"), cfg.vision
-        self.tower = self.spec.build(cfg.vision, key)
+        self.spec, self.vision_config = vision_tower_spec(vision_config, "qwen2_5_vl_vision"), vision_config
+        self.tower = self.spec.build(vision_config, key)
         self.processor = None
 
     def load(self, ctx: LoadContext) -> None:
         self.processor = load_image_processor(ctx.store.model_dir, self.spec, self.vision_config)
         super().load(ctx)
 
+    def forward(self, patches: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+        """Image tokens [P / merge**2, out_hidden_size] of the patches of images with these grids."""
+        return self.tower.forward(patches, grids)
 
-class QwenVisionLanguageModel(VisionLanguageModel):
+
+class QwenTowerLanguageModel(VisionLanguageModel):
+    """A language model fed by the Qwen-VL tower over plain positions: each image marker becomes a run
+    of image-pad tokens, one per merged patch block, whose embeddings are the tower's output."""
+
+    def __init__(self, language: Module, vision: QwenVision, aliases: Sequence[tuple[str, Sequence[str]]], image_token_id: int):
+        super().__init__(language, vision, aliases)
+        self.image_token_id = self.marker_id = image_token_id
+        self.merge = int(vision.vision_config.get("spatial_merge_size", 2))
+
+    def preprocess(self, image) -> VisionInput:
+        patches, grid = self.image_processor()(image)
+        return VisionInput(patches, patches.shape[0] // self.merge**2, image_digest(image), grid)
+
+    def expansion_ids(self, item: VisionInput) -> list[int]:
+        return [self.image_token_id] * item.num_tokens
+
+    def expansion_text(self, item: VisionInput, tokenizer) -> str:
+        return tokenizer.decode([self.image_token_id]) * item.num_tokens
+
+    def encode(self, items: Sequence[VisionInput]) -> list[torch.Tensor]:
+        feats = self.vision.forward(torch.cat([it.pixels for it in items]), [it.grid for it in items])
+        return list(feats.to(self.language.embed.weight.dtype).split([it.num_tokens for it in items]))
+
+
+class QwenVisionLanguageModel(QwenTowerLanguageModel):
     """Qwen-VL family glue: ``<|vision_start|><|image_pad|>*N<|vision_end|>`` and M-RoPE positions."""
 
     interleaved_sections = False
@@ -405,27 +433,11 @@ class QwenVisionLanguageModel(VisionLanguageModel):
         for attn in language.attention_layers():
             if attn is not None:
                 attn.rope = rope
-        super().__init__(language, QwenVision(cfg, self.vision_key), self.aliases)
+        super().__init__(language, QwenVision(cfg.vision, self.vision_key), self.aliases, cfg.image_token_id)
         self.vl_config = cfg
-        self.image_token_id = self.marker_id = cfg.image_token_id
-        self.merge = int(cfg.vision.get("spatial_merge_size", 2))
 
     def build_language(self, cfg: QwenVLConfig) -> Module:
         return build_decoder(cfg.text, self.text_options)
-
-    def preprocess(self, image) -> VisionInput:
-        patches, grid = self.image_processor()(image)
-        return VisionInput(patches, patches.shape[0] // self.merge**2, image_digest(image), grid)
-
-    def expansion_ids(self, item: VisionInput) -> list[int]:
-        return [self.image_token_id] * item.num_tokens
-
-    def expansion_text(self, item: VisionInput, tokenizer) -> str:
-        return tokenizer.decode([self.image_token_id]) * item.num_tokens
-
-    def encode(self, items: Sequence[VisionInput]) -> list[torch.Tensor]:
-        feats = self.vision.tower.forward(torch.cat([it.pixels for it in items]), [it.grid for it in items])
-        return list(feats.to(self.language.embed.weight.dtype).split([it.num_tokens for it in items]))
 
     def finish_prompt(self, prompt: MultimodalPrompt, items: Sequence[VisionInput]) -> None:
         thw = mrope_positions(prompt.input_ids, self.image_token_id, [it.grid for it in items], self.merge)

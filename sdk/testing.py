@@ -29,6 +29,8 @@ from typing import Any
 import attrs
 import torch
 
+from trellm.capabilities import supports_images
+
 TINY_DEFAULTS: dict[str, Any] = dict(
     vocab_size=256,
     hidden_size=64,
@@ -284,7 +286,8 @@ def _check_parity(model_dir: Path, prompts, max_new_tokens: int, tolerance: floa
     t0 = time.perf_counter()
     hf = _load_hf(model_dir)
     lm = trellm.load(model_dir, device="cpu", dtype=torch.float32)
-    vocab = lm.config.vocab_size
+    text = lm.model.language.config if supports_images(lm.model) else lm.config  # a vision model's config holds its text config
+    vocab = text.vocab_size
     if prompts is None:
         g = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (23, 9)]
@@ -292,7 +295,7 @@ def _check_parity(model_dir: Path, prompts, max_new_tokens: int, tolerance: floa
     with torch.no_grad():
         refs = [hf(torch.tensor([p])).logits[0].float() for p in prompts]
     got = [lm.logits([p])[0] for p in prompts]
-    history_dependent = _rope_depends_on_length(lm.config, max(len(p) for p in prompts))
+    history_dependent = _rope_depends_on_length(text, max(len(p) for p in prompts))
     cached = None if history_dependent else trellm_cached_logits(lm, prompts, page_size)
 
     def compare(outputs) -> tuple[float, float]:

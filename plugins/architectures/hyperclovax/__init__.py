@@ -2,22 +2,14 @@
 
 Peri-LN (``use_post_norm``) normalises each sub-layer's output (``post_norm1``, ``post_norm2``)
 before the scaled residual add; logits are *multiplied* by ``logits_scaling`` (Granite divides).
+Both are :func:`trellm.sdk.configure_hyperclovax`, which HyperCLOVA X with images reuses.
 """
 from __future__ import annotations
 
-import attrs
 import trellm
-from trellm.sdk import DecoderOptions, configure_granite, decoder_family
+from trellm.sdk import configure_hyperclovax, decoder_family
 
-
-def configure(cfg, opts: DecoderOptions) -> DecoderOptions:
-    opts = configure_granite(cfg, opts, divide_logits=False)
-    if cfg.extra.get("use_post_norm", True):
-        opts = attrs.evolve(opts, attn_out_norm_name="post_norm1", mlp_out_norm_name="post_norm2")
-    return opts
-
-
-SPEC = decoder_family("hyperclovax", ("HyperCLOVAXForCausalLM",), configure=configure,
+SPEC = decoder_family("hyperclovax", ("HyperCLOVAXForCausalLM",), configure=configure_hyperclovax,
                       description="NAVER HyperCLOVA X SEED (text): muP multipliers, Peri-LN")
 
 
