@@ -268,23 +268,26 @@ def check_parity(
     page_size: int = 16,
     seed: int = 0,
     num_threads: int | None = 1,
+    reference_dir: str | Path | None = None,
 ) -> ParityReport:
     """Compare prompt logits, cached one-token-at-a-time logits and greedy continuations with HF.
 
     ``tolerance`` is relative to the range of HF's logits; argmax must agree everywhere and the
     greedy tokens must be identical. ``num_threads`` pins torch's thread count while checking
-    (None leaves it alone).
+    (None leaves it alone). ``reference_dir``: the checkpoint HF runs, when transformers cannot load
+    ``model_dir`` itself (the same weights under an architecture it has no class for).
     """
     with torch_threads(num_threads):
-        return _check_parity(Path(model_dir), prompts, max_new_tokens, tolerance, page_size, seed)
+        return _check_parity(Path(model_dir), Path(reference_dir or model_dir), prompts, max_new_tokens, tolerance, page_size, seed)
 
 
-def _check_parity(model_dir: Path, prompts, max_new_tokens: int, tolerance: float, page_size: int, seed: int) -> ParityReport:
+def _check_parity(model_dir: Path, reference_dir: Path, prompts, max_new_tokens: int, tolerance: float, page_size: int,
+                  seed: int) -> ParityReport:
     import transformers
     import trellm
 
     t0 = time.perf_counter()
-    hf = _load_hf(model_dir)
+    hf = _load_hf(reference_dir)
     lm = trellm.load(model_dir, device="cpu", dtype=torch.float32)
     text = lm.model.language.config if supports_images(lm.model) else lm.config  # a vision model's config holds its text config
     vocab = text.vocab_size

@@ -93,16 +93,17 @@ class DecoderLayer(Module):
     """One block. Pre-norm by default: ``h = x + attn(norm(x))``, then ``h + mlp(norm(h))``.
 
     Any norm may be None (absent). ``attn_out_norm`` / ``mlp_out_norm`` normalise the sub-layer
-    output before the residual add. ``parallel``: ``x + attn(norm(x)) + mlp(norm(x))``.
+    output before the residual add. ``parallel``: ``x + attn(norm(x)) + mlp(norm(x))``. A sequential
+    block's ``attn`` or ``mlp`` may be None: that sub-layer is skipped (DeciLM's no-op blocks).
     """
 
     def __init__(
         self,
         key: str,
         input_norm: Module | None,
-        attn: Module,
+        attn: Module | None,
         post_attn_norm: Module | None,
-        mlp: Module,
+        mlp: Module | None,
         attn_out_norm: Module | None = None,
         mlp_out_norm: Module | None = None,
         parallel: bool = False,
@@ -127,11 +128,14 @@ class DecoderLayer(Module):
             out = self._sublayer(self.mlp, self.post_attn_norm, self.mlp_out_norm, a, batch)
         return out if isinstance(x, Hidden) else out.value()
 
-    def _sublayer(self, mixer: Module, norm: Module | None, out_norm: Module | None, hidden: Hidden,
+    def _sublayer(self, mixer: Module | None, norm: Module | None, out_norm: Module | None, hidden: Hidden,
                   batch: ForwardBatch) -> Hidden:
         """``hidden + mixer(norm(hidden))`` (the output normed by ``out_norm`` and scaled by the residual
-        multiplier first). A :class:`~trellm.modules.base.Sublayer` gets its input norm to apply in its first
-        projections and, when nothing comes between its output and the add, makes the add in its last one."""
+        multiplier first); ``hidden`` itself without a mixer. A :class:`~trellm.modules.base.Sublayer` gets its
+        input norm to apply in its first projections and, when nothing comes between its output and the add,
+        makes the add in its last one."""
+        if mixer is None:
+            return hidden
         sublayer = isinstance(mixer, Sublayer)
         x, hidden = _input(norm, hidden, sublayer)
         if sublayer and out_norm is None and self.residual_multiplier == 1.0:

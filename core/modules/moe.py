@@ -227,12 +227,17 @@ class ExpertList(Module):
         return self.pair_set.run_pairs(x, weights, ids, self.activation)
 
 
+SPLIT_STACKED_GATE = "gate_proj.weight"  # every expert's gate rows in one [E, I, H] tensor (per-expert ones are ``{i}.gate_proj``)
+
+
 class StackedExperts(Module):
     """All experts in 3-D tensors: ``{key}.gate_up_proj`` and ``{key}.down_proj`` (+ ``_bias``).
 
     Default layout is HF's in-memory one, [E, 2I, H] with gate rows then up rows, and [E, H, I].
     ``transposed``: stored as [E, H, 2I] / [E, I, H] (gpt-oss checkpoints). ``interleaved``: gate and
-    up alternate along the 2I axis (gpt-oss).
+    up alternate along the 2I axis (gpt-oss). Checkpoints that stack gate and up apart
+    (``{key}.gate_proj.weight``, ``{key}.up_proj.weight`` [E, I, H] and ``{key}.down_proj.weight``
+    [E, H, I], Step 3.5) are joined at load.
     """
 
     def __init__(
@@ -267,8 +272,12 @@ class StackedExperts(Module):
 
     def load(self, ctx: LoadContext) -> None:
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
-        gate_up = self._read(ctx, "gate_up_proj", 2 * i, h)
-        down = self._read(ctx, "down_proj", h, i)
+        if f"{self.key}.gate_up_proj" in ctx.store or f"{self.key}.{SPLIT_STACKED_GATE}" not in ctx.store:
+            gate_up = self._read(ctx, "gate_up_proj", 2 * i, h)
+            down = self._read(ctx, "down_proj", h, i)
+        else:
+            gate_up = torch.cat([self._read(ctx, SPLIT_STACKED_GATE, i, h), self._read(ctx, "up_proj.weight", i, h)], dim=1)
+            down = self._read(ctx, "down_proj.weight", h, i)
         gu_bias = d_bias = None
         if self.has_bias:
             gu_bias = ctx.store.get(f"{self.key}.gate_up_proj_bias", shape=(e, 2 * i), dtype=ctx.dtype, device=ctx.device)
@@ -446,7 +455,8 @@ class Experts(Module):
         return self.stacked if self.layout == "stacked" else self.per_expert
 
     def load(self, ctx: LoadContext) -> None:
-        self.layout = "stacked" if f"{self.key}.gate_up_proj" in ctx.store else "per_expert"
+        stacked = any(f"{self.key}.{name}" in ctx.store for name in ("gate_up_proj", SPLIT_STACKED_GATE))
+        self.layout = "stacked" if stacked else "per_expert"
         self.active.load(ctx)
 
     def unload(self) -> None:

@@ -1,0 +1,228 @@
+"""Step 3.5 Flash (Step3p5ForCausalLM) and the text model of Step 3.7 Flash (Step3p7ForConditionalGeneration,
+text prompts only: its vision tower is not written yet): a sigmoid-routed MoE with per-layer SwiGLU
+clamps, and attention whose sliding layers have their own head counts and RoPE.
+
+- Attention: QK-norm per head, RMSNorms stored as ``w - 1`` (scaled by ``1 + w``), each output head
+  scaled by ``sigmoid(g_proj(x))`` (one gate per head) before o_proj, softmax scale
+  ``query_pre_attn_scalar ** -0.5``. ``sliding_attention`` layers use the window and their own query
+  (and, in StepFun's configs, KV) head counts; RoPE base and rotated fraction are set per layer type.
+- MLP: dense on the first layers, then experts chosen by ``sigmoid(logits) + router_bias``, weighted
+  by the renormalised unbiased scores times ``moe_router_scaling_factor``, plus one shared expert.
+  Where a layer's ``swiglu_limits`` (experts) or ``swiglu_limits_shared`` (shared expert and dense
+  MLP) is non-zero, ``silu(gate)`` is clamped from above and ``up`` to [-limit, limit].
+
+StepFun's config.json spells these its own way (``num_attention_groups``, ``attention_other_setting``,
+per-layer ``rope_theta`` / ``partial_rotary_factors`` lists, ``moe_layers_enum``, lists padded with
+the MTP layers); :func:`normalise_text_config` turns them into transformers' spelling, which configs
+written by ``save_pretrained`` already use. Tensors: ``model.layers.{i}.moe.{gate_proj,up_proj,down_proj}.weight``
+(experts stacked), ``moe.gate.weight``, ``moe.router_bias`` and ``share_expert.*``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+import trellm
+from trellm.sdk import (
+    ArchitectureSpec,
+    Attention,
+    CausalLM,
+    ConfigError,
+    DecoderConfig,
+    DecoderLayer,
+    Embedding,
+    Experts,
+    ForwardBatch,
+    GatedMLP,
+    Linear,
+    MoE,
+    Module,
+    RMSNorm,
+    RotaryEmbedding,
+    Router,
+    ScoreTopK,
+    config_int,
+    ops,
+    read_keys,
+    text_config,
+)
+
+
+def _per_layer(values: Any, n: int, name: str) -> list | None:
+    """A per-layer list cut to the ``n`` decoder layers (StepFun pads them with the MTP layers)."""
+    if values is None:
+        return None
+    if not isinstance(values, list) or len(values) < n:
+        raise ConfigError(f"config.json: {name} must list a value for each of the {n} layers, got {values!r}")
+    return values[:n]
+
+
+def normalise_text_config(c: dict[str, Any]) -> dict[str, Any]:
+    """StepFun's text config in transformers' spelling (a config already in it comes back unchanged in meaning)."""
+    c = dict(c)
+    n = config_int(c, "num_hidden_layers")
+    heads = config_int(c, "num_attention_heads")
+    kv = config_int(c, "num_key_value_heads", default=config_int(c, "num_attention_groups", default=heads))
+    other = c.pop("attention_other_setting", None) or {}
+    layer_types = _per_layer(c.get("layer_types"), n, "layer_types") or ["full_attention"] * n
+    c.update(num_key_value_heads=kv, layer_types=layer_types)
+    c.setdefault("num_sliding_attention_heads", other.get("num_attention_heads", heads))
+    c.setdefault("sliding_num_key_value_heads", other.get("num_attention_groups", kv))
+    c.setdefault("n_routed_experts", c.get("moe_num_experts"))
+    c.setdefault("num_experts_per_tok", c.get("moe_top_k"))
+    if c.get("mlp_layer_types") is None:
+        enum = c.get("moe_layers_enum")
+        items = (enum.split(",") if isinstance(enum, str) else enum) if enum is not None else range(3, n)
+        moe_layers = {int(i) for i in items if str(i).strip()}
+        c["mlp_layer_types"] = ["sparse" if i in moe_layers else "dense" for i in range(n)]
+    for name in ("swiglu_limits", "swiglu_limits_shared", "mlp_layer_types"):
+        c[name] = _per_layer(c.get(name), n, name) or [0] * n
+    params = c.get("rope_parameters")
+    if not (isinstance(params, dict) and all(isinstance(params.get(t), dict) for t in set(layer_types))):
+        theta = c.pop("rope_theta", 10000.0)
+        theta = _per_layer(theta, n, "rope_theta") if isinstance(theta, list) else [theta] * n
+        factors = _per_layer(c.pop("partial_rotary_factors", None), n, "partial_rotary_factors") or [1.0] * n
+        scaling = c.pop("rope_scaling", None) or {}
+        params = {}
+        for t in set(layer_types):
+            i = layer_types.index(t)
+            params[t] = {"rope_type": "default", "rope_theta": float(theta[i]), "partial_rotary_factor": float(factors[i])}
+        if scaling and "full_attention" in params:  # long-context scaling applies to the full-attention layers
+            params["full_attention"].update(scaling)
+        c["rope_parameters"] = params
+    c["hidden_act"] = "silu"  # "swigluoai" in StepFun's configs names the clamped SwiGLU built here
+    return c
+
+
+def read_config(raw: dict) -> DecoderConfig:
+    text = normalise_text_config(text_config(raw))
+    return DecoderConfig.from_hf({**raw, "text_config": text} if "text_config" in raw else {**raw, **text})
+
+
+def _limits(values: list) -> tuple[float, ...]:
+    return tuple(float(v or 0.0) for v in values)
+
+
+@attrs.frozen
+class StepKeys:
+    """Step's own keys, per layer where they vary (read from the normalised config)."""
+
+    num_sliding_attention_heads: int = attrs.field(converter=int)
+    sliding_num_key_value_heads: int = attrs.field(converter=int)
+    mlp_layer_types: tuple[str, ...] = attrs.field(converter=tuple)
+    swiglu_limits: tuple[float, ...] = attrs.field(converter=_limits)
+    swiglu_limits_shared: tuple[float, ...] = attrs.field(converter=_limits)
+    query_pre_attn_scalar: float | None = attrs.field(default=None, converter=attrs.converters.optional(float))
+    moe_router_scaling_factor: float = attrs.field(default=1.0, converter=float)
+    norm_expert_weight: bool = attrs.field(default=True, converter=bool)
+    use_moe_router_bias: bool = attrs.field(default=True, converter=bool)
+    moe_intermediate_size: int = attrs.field(default=0, converter=int)
+    share_expert_dim: int = attrs.field(default=0, converter=int)
+
+
+def clamped_silu_gate(limit: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``silu(gate)`` clamped from above at ``limit`` times ``up`` clamped to [-limit, limit]."""
+
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
+
+    return act
+
+
+class ClampedGatedMLP(GatedMLP):
+    """A SwiGLU MLP whose activation is :func:`clamped_silu_gate`."""
+
+    def __init__(self, key: str, hidden_size: int, intermediate_size: int, limit: float):
+        super().__init__(key, hidden_size, intermediate_size)
+        self.act = clamped_silu_gate(limit)
+
+    def forward(self, x, batch: ForwardBatch | None = None, residual=None):
+        gate, up = ops.project(x, self.gate_up.weights())
+        post = ops.Residual(residual.value()) if residual is not None else None
+        return ops.project(self.act(gate, up), self.down_proj.impl, post=post)
+
+
+def swiglu_mlp(key: str, hidden_size: int, intermediate_size: int, limit: float) -> GatedMLP:
+    return ClampedGatedMLP(key, hidden_size, intermediate_size, limit) if limit > 0 else GatedMLP(key, hidden_size, intermediate_size)
+
+
+class HeadGatedAttention(Attention):
+    """Attention whose output heads are each scaled by ``sigmoid(g_proj(x))`` (one value per head) before o_proj."""
+
+    def __init__(self, key: str, layer_idx: int, hidden_size: int, num_heads: int, **attention: Any):
+        super().__init__(key, layer_idx, hidden_size, num_heads, **attention)
+        self.g_proj = Linear(f"{key}.g_proj", hidden_size, num_heads)
+
+    def forward(self, x, batch: ForwardBatch, residual=None):
+        o = self.attention(x, batch)
+        gate = torch.sigmoid(ops.project(x, self.g_proj.impl).float()).to(o.dtype)
+        o = (o.reshape(o.shape[0], self.num_heads, self.head_dim) * gate[..., None]).reshape(o.shape)
+        return self.project_out(o, residual)
+
+
+def build(cfg: DecoderConfig) -> CausalLM:
+    keys = read_keys(StepKeys, cfg)
+    hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+    scale = (keys.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+    ropes = {t: RotaryEmbedding(cfg.rope_for(t), cfg.head_dim, cfg.max_position_embeddings) for t in set(cfg.layer_types)}
+    layers: list[Module] = []
+    for i in range(cfg.num_hidden_layers):
+        key, kind = f"model.layers.{i}", cfg.layer_type(i)
+        sliding = kind == "sliding_attention"
+        attn = HeadGatedAttention(
+            f"{key}.self_attn", i, hidden,
+            keys.num_sliding_attention_heads if sliding else cfg.num_attention_heads,
+            num_kv_heads=keys.sliding_num_key_value_heads if sliding else cfg.num_key_value_heads,
+            head_dim=cfg.head_dim, rope=ropes[kind], qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
+            qk_norm_eps=eps, qk_norm_unit_offset=True, sliding_window=cfg.layer_sliding_window(i), scale=scale,
+        )
+        if keys.mlp_layer_types[i] == "sparse":
+            moe = cfg.require_moe()
+            strategy = ScoreTopK(moe.experts_per_token, score="sigmoid", normalize=keys.norm_expert_weight,
+                                 scaling=keys.moe_router_scaling_factor, norm_eps=0.0)
+            limit = keys.swiglu_limits[i]
+            mlp: Module = MoE(
+                f"{key}.moe",
+                Router(f"{key}.moe.gate", hidden, moe.num_experts, strategy,
+                       correction_bias_key=f"{key}.moe.router_bias" if keys.use_moe_router_bias else None),
+                Experts(f"{key}.moe", moe.num_experts, hidden, keys.moe_intermediate_size,
+                        clamped_silu_gate(limit) if limit > 0 else "silu"),
+                swiglu_mlp(f"{key}.share_expert", hidden, keys.share_expert_dim, keys.swiglu_limits_shared[i]),
+            )
+        else:
+            mlp = swiglu_mlp(f"{key}.mlp", hidden, cfg.intermediate_size, keys.swiglu_limits_shared[i])
+        norms = (RMSNorm(f"{key}.{n}", hidden, eps, True) for n in ("input_layernorm", "post_attention_layernorm"))
+        layers.append(DecoderLayer(key, next(norms), attn, next(norms), mlp))
+    return CausalLM(
+        cfg,
+        Embedding("model.embed_tokens", cfg.vocab_size, hidden),
+        layers,
+        RMSNorm("model.norm", hidden, eps, True),
+        Linear("lm_head", hidden, cfg.vocab_size, alt_key="model.embed_tokens" if cfg.tie_word_embeddings else None),
+    )
+
+
+SPEC = ArchitectureSpec(
+    name="step3p5",
+    architectures=("Step3p5ForCausalLM",),
+    read_config=read_config,
+    build=build,
+    description="StepFun Step 3.5 Flash: head-gated attention, sliding layers with their own heads and RoPE, clamped SwiGLU MoE",
+)
+
+TEXT_OF_3P7_SPEC = ArchitectureSpec(
+    name="step3p7",
+    architectures=("Step3p7ForConditionalGeneration",),
+    read_config=read_config,
+    build=build,
+    description="StepFun Step 3.7 Flash, text only (its vision tower is not written yet): the Step 3.5 text model",
+)
+
+
+@trellm.hookimpl
+def trellm_register_architectures(register):
+    register(SPEC)
+    register(TEXT_OF_3P7_SPEC)
