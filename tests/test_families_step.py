@@ -173,6 +173,16 @@ def test_step3p5_stepfun_config_against_transformers(step3p7_dir, tmp_path):
     report.assert_ok()
 
 
+def test_step3p5_sliding_head_size_of_its_own_is_refused(tmp_path):
+    from trellm.errors import ConfigError
+
+    config = _stepfun_config()
+    config["attention_other_setting"]["head_dim"] = 32
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="attention_other_setting.head_dim 32 differs from head_dim 16"):
+        trellm.load(tmp_path, device="cpu", dtype="float32")
+
+
 def test_step3p7_text_parity(step3p7_dir):
     """Step 3.7 Flash on text prompts (the checkpoint save_pretrained writes: StepFun's tensor names, a nested text config)."""
     report = check_parity(step3p7_dir)

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 import trellm
 from trellm.sdk import (
     ArchitectureSpec,
-    Attention,
     CausalLM,
     ConfigError,
     DecoderConfig,
@@ -40,11 +39,14 @@ from trellm.sdk import (
     Linear,
     MoE,
     Module,
+    OutputGate,
+    OutputGatedAttention,
     RMSNorm,
     RotaryEmbedding,
     Router,
     ScoreTopK,
     config_int,
+    mlp_layer_types,
     ops,
     read_keys,
     text_config,
@@ -69,6 +71,9 @@ def normalise_text_config(c: dict[str, Any]) -> dict[str, Any]:
     other = c.pop("attention_other_setting", None) or {}
     layer_types = _per_layer(c.get("layer_types"), n, "layer_types") or ["full_attention"] * n
     c.update(num_key_value_heads=kv, layer_types=layer_types)
+    if other.get("head_dim", c.get("head_dim")) != c.get("head_dim"):
+        raise ConfigError(f"config.json: attention_other_setting.head_dim {other['head_dim']} differs from head_dim "
+                          f"{c.get('head_dim')}; sliding layers with their own head size are not supported")
     c.setdefault("num_sliding_attention_heads", other.get("num_attention_heads", heads))
     c.setdefault("sliding_num_key_value_heads", other.get("num_attention_groups", kv))
     c.setdefault("n_routed_experts", c.get("moe_num_experts"))
@@ -112,7 +117,6 @@ class StepKeys:
 
     num_sliding_attention_heads: int = attrs.field(converter=int)
     sliding_num_key_value_heads: int = attrs.field(converter=int)
-    mlp_layer_types: tuple[str, ...] = attrs.field(converter=tuple)
     swiglu_limits: tuple[float, ...] = attrs.field(converter=_limits)
     swiglu_limits_shared: tuple[float, ...] = attrs.field(converter=_limits)
     query_pre_attn_scalar: float | None = attrs.field(default=None, converter=attrs.converters.optional(float))
@@ -145,26 +149,15 @@ class ClampedGatedMLP(GatedMLP):
         return ops.project(self.act(gate, up), self.down_proj.impl, post=post)
 
 
+HEAD_GATE = OutputGate("sigmoid", per_head=True)  # one gate value per head, from g_proj
+
+
 def swiglu_mlp(key: str, hidden_size: int, intermediate_size: int, limit: float) -> GatedMLP:
     return ClampedGatedMLP(key, hidden_size, intermediate_size, limit) if limit > 0 else GatedMLP(key, hidden_size, intermediate_size)
 
 
-class HeadGatedAttention(Attention):
-    """Attention whose output heads are each scaled by ``sigmoid(g_proj(x))`` (one value per head) before o_proj."""
-
-    def __init__(self, key: str, layer_idx: int, hidden_size: int, num_heads: int, **attention: Any):
-        super().__init__(key, layer_idx, hidden_size, num_heads, **attention)
-        self.g_proj = Linear(f"{key}.g_proj", hidden_size, num_heads)
-
-    def forward(self, x, batch: ForwardBatch, residual=None):
-        o = self.attention(x, batch)
-        gate = torch.sigmoid(ops.project(x, self.g_proj.impl).float()).to(o.dtype)
-        o = (o.reshape(o.shape[0], self.num_heads, self.head_dim) * gate[..., None]).reshape(o.shape)
-        return self.project_out(o, residual)
-
-
 def build(cfg: DecoderConfig) -> CausalLM:
-    keys = read_keys(StepKeys, cfg)
+    keys, mlp_kinds = read_keys(StepKeys, cfg), mlp_layer_types(cfg)
     hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
     scale = (keys.query_pre_attn_scalar or cfg.head_dim) ** -0.5
     ropes = {t: RotaryEmbedding(cfg.rope_for(t), cfg.head_dim, cfg.max_position_embeddings) for t in set(cfg.layer_types)}
@@ -172,14 +165,14 @@ def build(cfg: DecoderConfig) -> CausalLM:
     for i in range(cfg.num_hidden_layers):
         key, kind = f"model.layers.{i}", cfg.layer_type(i)
         sliding = kind == "sliding_attention"
-        attn = HeadGatedAttention(
+        attn = OutputGatedAttention(
             f"{key}.self_attn", i, hidden,
             keys.num_sliding_attention_heads if sliding else cfg.num_attention_heads,
-            num_kv_heads=keys.sliding_num_key_value_heads if sliding else cfg.num_key_value_heads,
-            head_dim=cfg.head_dim, rope=ropes[kind], qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
+            keys.sliding_num_key_value_heads if sliding else cfg.num_key_value_heads,
+            cfg.head_dim, ropes[kind], HEAD_GATE, "g_proj", qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
             qk_norm_eps=eps, qk_norm_unit_offset=True, sliding_window=cfg.layer_sliding_window(i), scale=scale,
         )
-        if keys.mlp_layer_types[i] == "sparse":
+        if mlp_kinds[i] == "sparse":
             moe = cfg.require_moe()
             strategy = ScoreTopK(moe.experts_per_token, score="sigmoid", normalize=keys.norm_expert_weight,
                                  scaling=keys.moe_router_scaling_factor, norm_eps=0.0)
