@@ -83,7 +83,7 @@ def tiny(tmp_path_factory):
     from test_lora import ALL_TARGETS, make_peft_adapter, make_tiny_llama
 
     root = tmp_path_factory.mktemp("cuda_lora")
-    base = make_tiny_llama(root / "base")
+    base = make_tiny_llama(root / "base", heads=2, kv_heads=1)  # head_dim 64: graph-capturable attention
     a = make_peft_adapter(base, root / "all", r=8, alpha=16, targets=ALL_TARGETS, seed=1)
     b = make_peft_adapter(base, root / "rs", r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"], rslora=True, seed=2)
     return root, base, a, b

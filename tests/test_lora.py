@@ -18,13 +18,15 @@ peft = pytest.importorskip("peft")
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 
 
-def make_tiny_llama(path: Path) -> Path:
-    """2 layers, hidden 128 (EXL3 needs multiples of 128), an untied head PEFT can target."""
+def make_tiny_llama(path: Path, heads: int = 4, kv_heads: int = 2) -> Path:
+    """2 layers, hidden 128 (EXL3 needs multiples of 128), an untied head PEFT can target. ``heads``: 2 makes
+    head_dim 64, which the CUDA attention kernels take (32 runs the reference attention, which no CUDA graph
+    can hold: it reads the batch's lengths on the host)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=256, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
