@@ -7,9 +7,12 @@ and adds the update of each row's adapter to whatever the base weights compute (
 weights cannot be merged). The row -> slot choice comes from the batch (``ForwardBatch.lora_slots``), bound
 when the forward starts, so one captured CUDA graph serves every mix of adapters.
 
-No route may skip an adapter: ``trellm.ops.project`` fuses steps into the matmul only for the formats it
-knows (EXL3), so a projection carrying an adapter runs project's unfused math (``forward``, then the post
-step), and a q/k/v or gate/up group with one runs part by part (``group_weights`` makes a ``WeightList``).
+No route may skip an adapter: a LoraWeights is a ``WrappedWeights``, so ``trellm.ops.project`` hands it the
+call. It applies the pre step (the update needs the normed or gated input anyway) and projects the base
+weights through ``project`` again, keeping their fused routes: a sub-layer's last projection adds its
+update to the residual before the base's fused residual add (so the sums of squares the next norm reads
+include it); a q/k/v or gate/up group (:class:`LoraGroup`) runs its base group in one launch, adds each
+part's update, then its post step (RoPE and the KV write).
 """
 from __future__ import annotations
 
@@ -21,9 +24,11 @@ import torch
 
 from .. import ops
 from ..modules.linear import Linear
+from ..ops import Residual, WrappedWeights, project, projection_input
+from ..ops.projection import WeightList, group_weights
 from .peft import LoraError, LoraFactors, PeftAdapter, read_peft_adapter
 
-__all__ = ["LoraError", "LoraSet", "LoraWeights", "PeftAdapter", "read_peft_adapter", "lora_set", "adapter_root"]
+__all__ = ["LoraError", "LoraGroup", "LoraSet", "LoraWeights", "PeftAdapter", "read_peft_adapter", "lora_set", "adapter_root"]
 
 # modules whose weight a family reads whole at load (MLA absorbs kv_b_proj into its attention): an update
 # applied in their forward would be skipped, so adapters on them are refused
@@ -31,11 +36,7 @@ _READ_WHOLE = ("kv_b_proj",)
 _uids = itertools.count(1)
 
 
-def _unwrap(impl: Any) -> Any:
-    return impl.base if isinstance(impl, LoraWeights) else impl
-
-
-class LoraWeights:
+class LoraWeights(WrappedWeights):
     """A projection's base implementation plus the LoRA factors of every adapter slot that targets it.
 
     ``a`` [slots * rank, in] and ``b`` [out, slots * rank] (scale folded into b) in the model dtype; rows
@@ -57,22 +58,37 @@ class LoraWeights:
 
     # ---- the update ------------------------------------------------------------------------------
 
-    def add_update(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``y`` plus each row's adapter update of ``x``, written into y (made contiguous first if need be)."""
+    def add_update(self, y: torch.Tensor, x: torch.Tensor, in_place: bool = True) -> torch.Tensor:
+        """``y`` plus each row's adapter update of ``x``: written into y (made contiguous first if need be), or
+        into a new tensor with ``in_place=False`` (y is someone else's, e.g. the residual stream)."""
         if not self.carries:
             return y
         x2 = x.reshape(-1, x.shape[-1])
         slots = self.owner.rows(self.head, x2.shape[0], self.key)
         if slots is None:
             return y
-        y = y if y.is_contiguous() else y.contiguous()
-        ops.lora_add(y.view(-1, y.shape[-1]), x2, self.a, self.b, slots, self.owner.rank)
-        return y
+        if not y.is_contiguous():
+            y, in_place = y.contiguous(), True
+        y2 = y.view(-1, y.shape[-1])
+        out = ops.lora_add(y2, x2, self.a, self.b, slots, self.owner.rank, out=None if in_place else torch.empty_like(y2))
+        return y if in_place else out.view(y.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_update(self.base.forward(x), x)
 
     __call__ = forward
+
+    def project(self, x, pre=None, post=None):
+        """The update joins the residual before the base's fused add (its sums of squares then include it)."""
+        xin = projection_input(x, pre)
+        if isinstance(post, Residual):
+            return project(xin, self.base, post=Residual(self.add_update(post.h, xin, in_place=False)))
+        if post is not None:
+            return project.reference(xin, self, None, post)
+        return self.add_update(project(xin, self.base), xin)
+
+    def grouped(self, parts):
+        return LoraGroup(parts)
 
     def nbytes(self) -> int:
         own = sum(t.numel() * t.element_size() for t in (self.a, self.b) if t is not None)
@@ -80,6 +96,28 @@ class LoraWeights:
 
     def dense_weight(self) -> torch.Tensor:
         raise LoraError(f"{self.key}: its weight is read whole while a LoRA adapter targets it; the update would be lost")
+
+
+class LoraGroup(WrappedWeights):
+    """q/k/v or gate/up of one x with adapters on some parts: the base parts' own group (one launch where their
+    format has one), each part's update, then the post step."""
+
+    def __init__(self, parts):
+        self.parts = list(parts)
+        self.base = group_weights([p.base if isinstance(p, LoraWeights) else p for p in self.parts])
+        self.in_features = self.parts[0].in_features
+        self.out_features = sum(p.out_features for p in self.parts)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:  # type: ignore[override]
+        ys = self.base.forward(x)
+        return [p.add_update(y, x) if isinstance(p, LoraWeights) else y for p, y in zip(self.parts, ys)]
+
+    def project(self, x, pre=None, post=None):
+        ys = self.forward(projection_input(x, pre))
+        return ys if post is None else post.apply(*ys)
+
+    nbytes = WeightList.nbytes
+    dense_weight = WeightList.dense_weight
 
 
 class _Loaded:

@@ -106,7 +106,9 @@ from .dense import (  # noqa: E402,F401
     rotary_embedding,
 )
 from .attention import attention_varlen, paged_attention, write_kv_pages  # noqa: E402,F401
-from .projection import GatedAct, Hidden, Normed, Residual, RopeKV, RowNorm, Weights, project  # noqa: E402,F401
+from .projection import (  # noqa: E402,F401
+    GatedAct, Hidden, Normed, Residual, RopeKV, RowNorm, Weights, WrappedWeights, project, projection_input,
+)
 from . import exl3, moe  # noqa: E402,F401
 from .deltanet import (  # noqa: E402,F401
     causal_conv1d,

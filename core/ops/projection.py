@@ -6,8 +6,8 @@ matmul (:class:`RowNorm`: x is RMSNormed first; :class:`GatedAct`: x is ``act(x)
 the KV-page write). The torch reference below is that math, unfused. A backend registers a faster
 implementation that chooses how to fuse it (``trellm.kernels_cuda.ops``: the EXL3 GEMV / mid-size / cuBLAS
 routes, the norm in the GEMV's input transform, the residual add and the RoPE in its finishing step);
-no module decides a route. Room for what comes next: an ``AllReduce`` post step for tensor-parallel row
-shards, LoRA adapters carried by the weights.
+no module decides a route. Weights that add something around another's projection (a LoRA adapter) are
+:class:`WrappedWeights`: they take the call and run the inner weights through ``project`` again.
 
 :class:`Weights` is what a projection multiplies by (dense, EXL3, later others). Several projections of
 one x (q/k/v, gate/up) are one grouped Weights, made once by :func:`group_weights`; its ``forward``
@@ -25,8 +25,8 @@ from . import Op, _OPS
 from .dense import gated_activation, rms_norm
 
 __all__ = [
-    "GatedAct", "Hidden", "Normed", "Residual", "RopeKV", "RowNorm", "WeightList", "Weights", "group_weights",
-    "project",
+    "GatedAct", "Hidden", "Normed", "Residual", "RopeKV", "RowNorm", "WeightList", "Weights", "WrappedWeights",
+    "group_weights", "project", "projection_input",
 ]
 
 
@@ -54,8 +54,8 @@ class Weights(abc.ABC):
         """The equivalent dense weight [out, in]."""
 
     def grouped(self, parts: Sequence["Weights"]) -> "Weights | None":
-        """``parts`` (self first) as one Weights whose forward runs them together on one x, or None when this
-        format cannot (then they run one by one)."""
+        """``parts`` (self first, or self the first wrapper among them) as one Weights whose forward runs them
+        together on one x, or None when this format cannot (then they run one by one)."""
         return None
 
     def expert_set(self, experts: list, device: torch.device):
@@ -82,11 +82,27 @@ class WeightList(Weights):
         return torch.cat([p.dense_weight() for p in self.parts])
 
 
+class WrappedWeights(Weights):
+    """Weights that add their own part around another Weights' projection (a LoRA adapter's update).
+
+    :func:`project` hands a wrapper the whole call (:meth:`project`); the wrapper runs ``base`` through
+    ``project`` again, so the base keeps every fused route of its format, and no route can skip the
+    wrapper's part. A group with a wrapper among its parts is the wrapper's to make (:meth:`grouped`).
+    """
+
+    base: Weights
+
+    @abc.abstractmethod
+    def project(self, x: "torch.Tensor | Normed", pre: "Pre" = None, post: "Post" = None):
+        """What :func:`project` returns for these weights (the reference's math, any route for the base)."""
+
+
 def group_weights(parts: Sequence[Weights]) -> Weights:
     """One Weights for several projections of one x: the format's own group when it has one
-    (:meth:`Weights.grouped`, e.g. EXL3 parts of one K: one kernel launch), else a :class:`WeightList`."""
-    first = parts[0]
-    grouped = first.grouped(parts) if len(parts) > 1 and isinstance(first, Weights) else None
+    (:meth:`Weights.grouped`, e.g. EXL3 parts of one K: one kernel launch; a wrapper's group when a part is
+    one), else a :class:`WeightList`."""
+    lead = next((p for p in parts if isinstance(p, WrappedWeights)), parts[0])
+    grouped = lead.grouped(parts) if len(parts) > 1 and isinstance(lead, Weights) else None
     return grouped if grouped is not None else WeightList(parts)
 
 
@@ -210,16 +226,19 @@ Pre = RowNorm | GatedAct | None
 Post = Residual | RopeKV | None
 
 
+def projection_input(x: torch.Tensor | Normed, pre: Pre = None) -> torch.Tensor:
+    """The matmul's input as a tensor: x (a :class:`Normed` x computed) with ``pre`` applied."""
+    x = tensor(x)
+    return x if pre is None else pre.apply(x)
+
+
 def _project_reference(x: torch.Tensor | Normed, weights: Weights, pre: Pre = None, post: Post = None):
     """``weights.forward(pre(x))``, then ``post``: the unfused math.
 
     Returns the projection (one tensor per part for a grouped Weights); with :class:`Residual`, a
     :class:`Hidden` whose add is left to the next norm; with :class:`RopeKV`, the rotated ``(q, k)``.
     """
-    x = tensor(x)
-    if pre is not None:
-        x = pre.apply(x)
-    y = weights.forward(x)
+    y = weights.forward(projection_input(x, pre))
     if post is None:
         return y
     if isinstance(post, Residual):
@@ -228,9 +247,12 @@ def _project_reference(x: torch.Tensor | Normed, weights: Weights, pre: Pre = No
 
 
 class ProjectOp(Op):
-    """:func:`project`: dispatched on the device of x (or of a :class:`Normed` x's input)."""
+    """:func:`project`: dispatched on the device of x (or of a :class:`Normed` x's input); a
+    :class:`WrappedWeights` takes the call itself."""
 
     def __call__(self, x, weights, pre: Pre = None, post: Post = None):
+        if isinstance(weights, WrappedWeights):
+            return weights.project(x, pre, post)
         t = x.x if isinstance(x, Normed) else x
         if t.device.type == "cpu":
             return self.reference(x, weights, pre, post)
