@@ -56,14 +56,15 @@ def test_memory_plan_against_the_allocation(llama_dir):
     base = torch.cuda.memory_allocated()
     lm = trellm.load(llama_dir, device="cuda", dtype="float16", tokenizer=False)
     weights = torch.cuda.memory_allocated() - base
-    plan = plan_memory(llama_dir, 1, "cuda", "float16", chunk_tokens=2048).ranks[0]
+    tokens = lm.model.config.max_position_embeddings  # the longest prompt the model takes
+    plan = plan_memory(llama_dir, 1, "cuda", "float16", chunk_tokens=tokens).ranks[0]
     cache = lm.new_cache(max_tokens=4096, page_size=256)
     cache_bytes = torch.cuda.memory_allocated() - base - weights
     assert abs(weights - plan.weights) <= 0.05 * plan.weights
     assert cache_bytes == plan.kv_per_token * cache.capacity_tokens
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    lm.logits([[1] * 2048])
+    lm.logits([[1] * tokens])
     peak = torch.cuda.max_memory_allocated() - before
     print(f"memory plan: weights {plan.weights} B planned, {weights} B allocated; cache {cache_bytes} B; "
-          f"2048-token forward peak {peak} B, estimated {plan.activations} B")
+          f"{tokens}-token forward peak {peak} B, estimated {plan.activations} B")
