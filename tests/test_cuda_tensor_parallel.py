@@ -11,6 +11,7 @@ import torch
 import trellm
 from trellm.distributed import load_tensor_parallel
 from trellm.distributed.plan import plan_memory
+from trellm.model import context_length
 from trellm.sdk.testing import make_tiny_hf_model
 
 pytestmark = [
@@ -56,7 +57,7 @@ def test_memory_plan_against_the_allocation(llama_dir):
     base = torch.cuda.memory_allocated()
     lm = trellm.load(llama_dir, device="cuda", dtype="float16", tokenizer=False)
     weights = torch.cuda.memory_allocated() - base
-    tokens = lm.model.config.max_position_embeddings  # the longest prompt the model takes
+    tokens = context_length(lm.model.config)  # the longest prompt the model takes
     plan = plan_memory(llama_dir, 1, "cuda", "float16", chunk_tokens=tokens).ranks[0]
     cache = lm.new_cache(max_tokens=4096, page_size=256)
     cache_bytes = torch.cuda.memory_allocated() - base - weights
