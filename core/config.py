@@ -248,7 +248,7 @@ class MoEConfig:
     dense_layers: tuple[int, ...] = ()  # mlp_only_layers: dense whatever the step says
     scoring_func: str | None = None  # "softmax" / "sigmoid" (None: the family's default)
     normalize_topk: bool | None = None  # norm_topk_prob (None: the family's default)
-    routed_scaling: float = 1.0  # routed_scaling_factor
+    routed_scaling: float = 1.0  # routed_scaling_factor (Hy3: router_scaling_factor)
     num_groups: int = 1  # n_group: expert groups (DeepSeek-V3)
     topk_groups: int = 1  # topk_group: groups each token may use
 
@@ -271,7 +271,7 @@ class MoEConfig:
             dense_layers=tuple(int(i) for i in c.get("mlp_only_layers") or ()),
             scoring_func=str(c["scoring_func"]) if c.get("scoring_func") is not None else None,
             normalize_topk=bool(norm) if norm is not None else None,
-            routed_scaling=float(c.get("routed_scaling_factor") or 1.0),
+            routed_scaling=float(c.get("routed_scaling_factor") or c.get("router_scaling_factor") or 1.0),
             num_groups=config_int(c, "n_group", default=1),
             topk_groups=config_int(c, "topk_group", default=1),
         )

@@ -33,10 +33,12 @@ def mlp_layer_types(cfg: DecoderConfig) -> tuple[str, ...]:
     return kinds
 
 
-def deepseek_moe(cfg: DecoderConfig, key: str, correction_bias: bool = True, shared_name: str = "shared_experts") -> MoE:
+def deepseek_moe(cfg: DecoderConfig, key: str, correction_bias: bool = True, shared_name: str = "shared_experts",
+                 router_name: str = "gate", correction_bias_name: str = "gate.e_score_correction_bias") -> MoE:
     """The DeepSeek-V3 style MoE block: sigmoid scores (``scoring_func``), ``e_score_correction_bias``
     steering the choice, optional expert groups, ``routed_scaling_factor``, and ``n_shared_experts``
-    always-on experts fused into one MLP of ``n_shared * moe_intermediate_size``."""
+    always-on experts fused into one MLP of ``n_shared * moe_intermediate_size``. The ``*_name`` arguments
+    are the tensor names under ``key`` where a family's checkpoints differ (Hy3: ``router.gate``)."""
     moe = cfg.require_moe()
     size = moe.expert_width()
     strategy = ScoreTopK(
@@ -48,8 +50,8 @@ def deepseek_moe(cfg: DecoderConfig, key: str, correction_bias: bool = True, sha
         topk_groups=moe.topk_groups,
     )
     router = Router(
-        f"{key}.gate", cfg.hidden_size, moe.num_experts, strategy,
-        correction_bias_key=f"{key}.gate.e_score_correction_bias" if correction_bias else None, float32_logits=True,
+        f"{key}.{router_name}", cfg.hidden_size, moe.num_experts, strategy,
+        correction_bias_key=f"{key}.{correction_bias_name}" if correction_bias else None, float32_logits=True,
     )
     n_shared = moe.num_shared_experts
     shared = GatedMLP(f"{key}.{shared_name}", cfg.hidden_size, size * n_shared, cfg.hidden_act) if n_shared else None

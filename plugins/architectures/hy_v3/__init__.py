@@ -8,39 +8,14 @@ The checkpoint's MTP layers (``model.layers.{num_hidden_layers}``) are not loade
 from __future__ import annotations
 
 import trellm
-from trellm.sdk import (
-    ArchitectureSpec,
-    DecoderConfig,
-    DecoderOptions,
-    Experts,
-    GatedMLP,
-    MoE,
-    Router,
-    ScoreTopK,
-    build_decoder,
-    config_int,
-    mlp_layer_types,
-    replace_mlps,
-)
-
-
-def hy_v3_moe(cfg: DecoderConfig, key: str) -> MoE:
-    x = cfg.extra
-    num_experts = config_int(x, "num_experts", "num_local_experts")
-    size = config_int(x, "moe_intermediate_size")
-    strategy = ScoreTopK(config_int(x, "num_experts_per_tok"), score="sigmoid", normalize=True,
-                         scaling=float(x.get("router_scaling_factor", 1.0)))
-    router = Router(f"{key}.router.gate", cfg.hidden_size, num_experts, strategy,
-                    correction_bias_key=f"{key}.expert_bias", float32_logits=True)
-    n_shared = config_int(x, "num_shared_experts", default=0)
-    shared = GatedMLP(f"{key}.shared_mlp", cfg.hidden_size, size * n_shared, cfg.hidden_act) if n_shared else None
-    return MoE(key, router, Experts(f"{key}.experts", num_experts, cfg.hidden_size, size, cfg.hidden_act), shared)
+from trellm.sdk import ArchitectureSpec, DecoderConfig, DecoderOptions, build_decoder, deepseek_moe, mlp_layer_types, replace_mlps
 
 
 def build(cfg: DecoderConfig):
     kinds = mlp_layer_types(cfg)
     model = build_decoder(cfg, DecoderOptions(qk_norm=True))
-    replace_mlps(model, lambda i, key: hy_v3_moe(cfg, f"{key}.mlp") if kinds[i] == "sparse" else None)
+    replace_mlps(model, lambda i, key: deepseek_moe(cfg, f"{key}.mlp", shared_name="shared_mlp", router_name="router.gate",
+                                                   correction_bias_name="expert_bias") if kinds[i] == "sparse" else None)
     return model
 
 
