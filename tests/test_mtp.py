@@ -40,8 +40,12 @@ def attention_layer(tensors: dict[str, torch.Tensor]) -> int:
     return min(int(name.split(".")[2]) for name in tensors if name.endswith("self_attn.q_proj.weight"))
 
 
-def add_mtp_tensors(model_dir, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Write random ``mtp.*`` tensors into the checkpoint (shapes of the model's own attention layer)."""
+def add_mtp_tensors(model_dir, seed: int = 0, layer: str = "mtp.layers.0.", fc: str = "mtp.fc.weight",
+                    norms: tuple[str, ...] = ("mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "mtp.norm"),
+                    norm_center: float = 0.0) -> dict[str, torch.Tensor]:
+    """Write random MTP tensors into the checkpoint: a copy of the shapes of the model's own attention layer
+    under ``layer``, the [hidden, 2 hidden] ``fc`` and the ``norms``, in Qwen3.5's names by default.
+    ``norm_center``: what norm weights scatter around (0 for the 1 + w norms of Qwen3.5, 1 for plain ones)."""
     path = model_dir / "model.safetensors"
     tensors = load_file(path)
     g = torch.Generator().manual_seed(seed)
@@ -50,11 +54,12 @@ def add_mtp_tensors(model_dir, seed: int = 0) -> dict[str, torch.Tensor]:
     prefix = f"model.layers.{attention_layer(tensors)}."
     for name, t in tensors.items():
         if name.startswith(prefix):
-            scale = 0.1 if t.dim() == 1 else float(t.std())  # 1-D: norm weights w of 1 + w
-            mtp["mtp.layers.0." + name[len(prefix):]] = torch.randn(t.shape, generator=g) * scale
-    mtp["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=g) / (2 * hidden) ** 0.5
-    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        mtp[f"mtp.{norm}.weight"] = torch.randn(hidden, generator=g) * 0.1
+            scale = 0.1 if t.dim() == 1 else float(t.std())  # 1-D: norm weights and biases
+            center = norm_center if name.endswith("norm.weight") else 0.0
+            mtp[layer + name[len(prefix):]] = center + torch.randn(t.shape, generator=g) * scale
+    mtp[fc] = torch.randn(hidden, 2 * hidden, generator=g) / (2 * hidden) ** 0.5
+    for norm in norms:
+        mtp[f"{norm}.weight"] = norm_center + torch.randn(hidden, generator=g) * 0.1
     save_file({**tensors, **mtp}, path, metadata={"format": "pt"})
     return mtp
 

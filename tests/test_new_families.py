@@ -85,25 +85,14 @@ def _mimo_checkpoint(tmp_path) -> tuple[Path, Path, dict]:
     """A tiny Qwen2 saved twice: as is, and as MiMo (architecture renamed, random ``model.mtp_layers.0.*``)."""
     import shutil
 
-    import torch
-    from safetensors.torch import load_file, save_file
+    from test_mtp import add_mtp_tensors
 
     plain = make_tiny_hf_model("Qwen2ForCausalLM", tmp_path / "qwen2")
     mimo = tmp_path / "mimo"
     shutil.copytree(plain, mimo)
-    tensors = load_file(mimo / "model.safetensors")
-    g = torch.Generator().manual_seed(5)
-    hidden = tensors["model.norm.weight"].shape[0]
-    mtp = {}
-    for name, t in tensors.items():
-        if name.startswith("model.layers.0."):
-            scale = 0.1 if t.dim() == 1 else float(t.std())
-            base = torch.ones(t.shape) if name.endswith("layernorm.weight") else torch.zeros(t.shape)
-            mtp["model.mtp_layers.0." + name[len("model.layers.0."):]] = base + torch.randn(t.shape, generator=g) * scale
-    mtp["model.mtp_layers.0.input_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=g) / (2 * hidden) ** 0.5
-    for norm in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
-        mtp[f"model.mtp_layers.0.{norm}.weight"] = 1 + torch.randn(hidden, generator=g) * 0.1
-    save_file({**tensors, **mtp}, mimo / "model.safetensors", metadata={"format": "pt"})
+    layer = "model.mtp_layers.0."
+    mtp = add_mtp_tensors(mimo, seed=5, layer=layer, fc=layer + "input_proj.weight", norm_center=1.0,
+                          norms=tuple(layer + n for n in ("token_layernorm", "hidden_layernorm", "final_layernorm")))
     config = json.loads((mimo / "config.json").read_text())
     config.update(architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
     (mimo / "config.json").write_text(json.dumps(config, indent=2))
