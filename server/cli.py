@@ -12,7 +12,7 @@ _FLAGS = ("model", "model_name", "host", "port", "api_key", "admin_key", "max_qu
           "cache_size", "page_size", "cache_bits", "draft_model", "num_draft_tokens", "lora", "device", "dtype", "tensor_parallel",
           "default_max_tokens", "max_tokens_limit", "max_request_bytes", "max_prompt_bytes", "max_images",
           "max_image_pixels", "template_timeout_s", "template_memory_mb", "models_dir", "request_timeout_s",
-          "keep_alive_timeout_s", "max_connections", "shutdown_grace_s", "max_failed_auth", "log_level",
+          "keep_alive_timeout_s", "max_connections", "shutdown_grace_s", "max_failed_auth", "trusted_proxies", "log_level",
           "tool_parser", "reasoning_parser")
 
 
@@ -71,6 +71,8 @@ def add_cli(subparsers) -> None:
                    help="on SIGTERM, seconds running requests get to finish before they are cancelled (default 10)")
     p.add_argument("--max-failed-auth", type=int,
                    help="failed authentications per client address per minute before it gets 429 (default 20)")
+    p.add_argument("--trusted-proxies", help="addresses or networks of reverse proxies whose X-Forwarded-For names the "
+                                             "client, comma-separated ('*': any, '': none; default 127.0.0.1)")
     p.add_argument("--log-level", help="debug, info, warning (default info)")
     p.add_argument("--config", help="YAML or JSON file with the same settings (underscored or dashed names)")
     p.set_defaults(func=run)

@@ -100,6 +100,9 @@ class ServerConfig:
     max_connections: int = 512  # more open connections are closed at once (stay below the process's file limit)
     shutdown_grace_s: float = 10.0  # on SIGTERM, running requests get this long to finish before they are cancelled
     max_failed_auth: int = 20  # failed authentications per client address per minute; more get 429
+    # proxies whose X-Forwarded-For names the client (comma-separated addresses or networks, "*": any, "": none):
+    # behind a reverse proxy every request would otherwise come from the proxy's one address
+    trusted_proxies: str = "127.0.0.1"
     # how the model writes tool calls and reasoning (server/chat_parsing.py); None: read from the chat template
     tool_parser: str | None = attrs.field(default=None, validator=lambda _, a, v: _known_parser(a.name, v))
     reasoning_parser: str | None = attrs.field(default=None, validator=lambda _, a, v: _known_parser(a.name, v))

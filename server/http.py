@@ -100,6 +100,8 @@ def serve(app, config: ServerConfig, *, host: str, port: int, log_level: str) ->
         timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]  (a float works)
         limit_concurrency=config.max_connections + 1,  # our cap closes extra connections first; this bounds tasks too
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        # the client address (failed-auth limits, logs) from X-Forwarded-For only when a trusted proxy sent it
+        proxy_headers=bool(config.trusted_proxies), forwarded_allow_ips=config.trusted_proxies or None,
         timeout_graceful_shutdown=max(1, int(config.shutdown_grace_s) + 5),
     )
     return DrainingServer(uv_config, app.state.host, config.shutdown_grace_s)

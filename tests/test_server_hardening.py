@@ -285,6 +285,31 @@ def test_failed_authentications_are_limited(server):
     assert httpx.get(server.url + "/v1/models", headers=API).status_code == 200
 
 
+def test_failed_authentications_behind_a_trusted_proxy_count_per_forwarded_client(server):
+    """The test client is on 127.0.0.1, the default trusted proxy: X-Forwarded-For names the client, so one
+    client's failures block it alone, not every client behind the proxy."""
+    def get(client: str, key: str) -> int:
+        return httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {key}", "X-Forwarded-For": client}).status_code
+
+    try:
+        codes = [get("203.0.113.7", f"wrong-key-{i:020d}") for i in range(6)]
+        assert codes == [401] * 5 + [429]
+        assert get("203.0.113.7", API_KEY) == 429
+        assert get("198.51.100.9", API_KEY) == 200 and get("198.51.100.9", "wrong-key-" + "0" * 20) == 401
+        assert httpx.get(server.url + "/v1/models", headers=API).status_code == 200  # the proxy's own address
+        assert set(server.app.state.auth_failures) == {"203.0.113.7", "198.51.100.9"}
+    finally:
+        server.app.state.auth_failures.clear()
+
+
+def test_forwarded_for_is_ignored_from_an_untrusted_address(tiny_llama_smollm2_tokenizer_dir):
+    """With no trusted proxy a client cannot escape its limit by naming another address."""
+    with ServerThread(tiny_config(tiny_llama_smollm2_tokenizer_dir, trusted_proxies="", max_failed_auth=2)) as s:
+        codes = [httpx.get(s.url + "/v1/models", headers={"Authorization": f"Bearer wrong-key-{i:020d}",
+                                                          "X-Forwarded-For": f"203.0.113.{i}"}).status_code for i in range(3)]
+        assert codes == [401, 401, 429] and list(s.app.state.auth_failures) == ["127.0.0.1"]
+
+
 # ---- admin and health ---------------------------------------------------------------------------------------
 
 
