@@ -11,6 +11,7 @@ closes, errs or dies.
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import os
@@ -320,10 +321,18 @@ def _spawn(spec: RankSpec, progress: bool, tokenizer: bool):
 _torchrun_models = itertools.count()
 
 
+def _end_default_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _join_torchrun(spec: RankSpec, progress: bool, tokenizer: bool):
     """Every process of the launch loads its shard; ranks > 0 then serve rank 0 and exit when it closes."""
     if not dist.is_initialized():  # torchrun's rendezvous (env://); trellm's groups are made apart from it
         dist.init_process_group("gloo", timeout=_seconds(spec.step_timeout))
+        # ours to end, before the interpreter's teardown: a gloo group destroyed there, its peers gone, aborts
+        # the process ("terminate called without an active exception", about one exit in three)
+        atexit.register(_end_default_group)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != spec.world:
         raise TensorParallelError(f"tensor_parallel={spec.world}, but the launch has {world} processes")
