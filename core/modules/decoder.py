@@ -190,6 +190,20 @@ class CausalLM(Module):
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
         self.final_logit_softcap, self.logit_scale = final_logit_softcap, logit_scale
 
+    @classmethod
+    def from_layers(cls, cfg: DecoderConfig, layers: list[Module], embed_key: str = "model.embed_tokens",
+                    norm_key: str = "model.norm", norm_unit_offset: bool = False, embed_scale: float | None = None):
+        """``layers`` between the token embedding (times ``embed_scale``) and a final RMSNorm; a tied lm_head reads
+        the embedding. The tail of every family that writes its own layers."""
+        hidden, vocab = cfg.hidden_size, cfg.vocab_size
+        return cls(
+            cfg,
+            Embedding(embed_key, vocab, hidden, embed_scale),
+            layers,
+            RMSNorm(norm_key, hidden, cfg.rms_norm_eps, unit_offset=norm_unit_offset),
+            Linear("lm_head", hidden, vocab, alt_key=embed_key if cfg.tie_word_embeddings else None),
+        )
+
     def nbytes(self) -> int:
         """Bytes held, counting a tied LM head that shares the embedding's tensor once."""
         total = super().nbytes()

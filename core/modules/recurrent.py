@@ -467,18 +467,6 @@ class RecurrentMixer(Protocol):
 class HybridCausalLM(CausalLM):
     """A CausalLM whose layers mix attention and recurrent mixers; knows how to build its cache."""
 
-    @classmethod
-    def from_layers(cls, cfg, layers: list[Module], embed_key: str, norm_key: str, norm_unit_offset: bool = False) -> "HybridCausalLM":
-        """``layers`` between the token embedding and a final RMSNorm; a tied lm_head reads the embedding."""
-        hidden, vocab = cfg.hidden_size, cfg.vocab_size
-        return cls(
-            cfg,
-            Embedding(embed_key, vocab, hidden),
-            layers,
-            RMSNorm(norm_key, hidden, cfg.rms_norm_eps, unit_offset=norm_unit_offset),
-            Linear("lm_head", hidden, vocab, alt_key=embed_key if cfg.tie_word_embeddings else None),
-        )
-
     def recurrent_layers(self) -> list[Module | None]:
         """Per decoder layer, the mixer that keeps recurrent state (None for attention layers)."""
         mixers = [getattr(layer, "attn", None) for layer in self.layers]

@@ -9,10 +9,8 @@ from trellm.sdk import (
     CausalLM,
     DecoderConfig,
     DecoderLayer,
-    Embedding,
     Experts,
     GatedMLP,
-    Linear,
     MoE,
     Module,
     OutputGate,
@@ -59,13 +57,7 @@ def build(cfg: DecoderConfig) -> CausalLM:
         )
         layers.append(DecoderLayer(key, inp, attn, pre_mlp, mlp, attn_out_norm=post_attn, mlp_out_norm=post_mlp))
     scale = hidden**0.5 if x.get("mup_enabled") else None
-    return CausalLM(
-        cfg,
-        Embedding("model.embed_tokens", cfg.vocab_size, hidden, scale),
-        layers,
-        RMSNorm("model.norm", hidden, eps),
-        Linear("lm_head", hidden, cfg.vocab_size, alt_key="model.embed_tokens" if cfg.tie_word_embeddings else None),
-    )
+    return CausalLM.from_layers(cfg, layers, embed_scale=scale)
 
 
 SPEC = ArchitectureSpec(

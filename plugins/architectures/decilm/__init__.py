@@ -22,7 +22,6 @@ from trellm.sdk import (
     ConfigError,
     DecoderConfig,
     DecoderLayer,
-    Embedding,
     ForwardBatch,
     GatedMLP,
     Linear,
@@ -118,13 +117,7 @@ def build(cfg: DecoderConfig) -> CausalLM:
             mlp = (LinearMixer(f"{key}.mlp.linear_mlp", hidden, hidden) if f.replace_with_linear else
                    GatedMLP(f"{key}.mlp", hidden, ffn_intermediate_size(f.ffn_mult, hidden), cfg.hidden_act, cfg.mlp_bias))
         layers.append(DecoderLayer(key, attn_norm, attn, mlp_norm, mlp))
-    return CausalLM(
-        cfg,
-        Embedding("model.embed_tokens", cfg.vocab_size, hidden),
-        layers,
-        RMSNorm("model.norm", hidden, eps),
-        Linear("lm_head", hidden, cfg.vocab_size, alt_key="model.embed_tokens" if cfg.tie_word_embeddings else None),
-    )
+    return CausalLM.from_layers(cfg, layers)
 
 
 SPEC = ArchitectureSpec(

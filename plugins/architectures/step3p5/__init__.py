@@ -32,11 +32,9 @@ from trellm.sdk import (
     ConfigError,
     DecoderConfig,
     DecoderLayer,
-    Embedding,
     Experts,
     ForwardBatch,
     GatedMLP,
-    Linear,
     MoE,
     Module,
     OutputGate,
@@ -189,13 +187,7 @@ def build(cfg: DecoderConfig) -> CausalLM:
             mlp = swiglu_mlp(f"{key}.mlp", hidden, cfg.intermediate_size, keys.swiglu_limits_shared[i])
         norms = (RMSNorm(f"{key}.{n}", hidden, eps, True) for n in ("input_layernorm", "post_attention_layernorm"))
         layers.append(DecoderLayer(key, next(norms), attn, next(norms), mlp))
-    return CausalLM(
-        cfg,
-        Embedding("model.embed_tokens", cfg.vocab_size, hidden),
-        layers,
-        RMSNorm("model.norm", hidden, eps, True),
-        Linear("lm_head", hidden, cfg.vocab_size, alt_key="model.embed_tokens" if cfg.tie_word_embeddings else None),
-    )
+    return CausalLM.from_layers(cfg, layers, norm_unit_offset=True)
 
 
 SPEC = ArchitectureSpec(
