@@ -44,33 +44,63 @@ class Proposer(Protocol):
 class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens and copy what followed.
 
-    Tries n from ``max_ngram`` down to ``min_ngram``. Costs no model call; pays off on repetitive
-    text (code edits, quoting the prompt, lists).
+    Tries n from ``max_ngram`` down to ``min_ngram``, within the last ``window`` tokens. Costs no model call;
+    pays off on repetitive text (code edits, quoting the prompt, lists). Each job's n-grams are indexed as its
+    tokens grow (their latest start), so a step looks up ``max_ngram - min_ngram + 1`` keys per job instead of
+    scanning the window.
     """
 
     def __init__(self, num_tokens: int = 4, max_ngram: int = 4, min_ngram: int = 1, window: int = 4096):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.num_tokens, self.max_ngram, self.min_ngram, self.window = num_tokens, max_ngram, min_ngram, window
+        self._index: dict[Hashable, _NgramIndex] = {}
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        return [self._one(list(r.tokens[-self.window:]), min(r.max_tokens, self.num_tokens)) for r in requests]
-
-    def _one(self, tokens: list[int], k: int) -> list[int]:
-        n_tokens = len(tokens)
-        if k <= 0:
-            return []
-        for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
-            tail = tokens[-n:]
-            for start in range(n_tokens - n - 1, -1, -1):
-                if tokens[start:start + n] == tail:
-                    follow = tokens[start + n:start + n + k]
-                    if follow:
-                        return follow
-        return []
+        out = []
+        for r in requests:
+            k = min(r.max_tokens, self.num_tokens)
+            index = self._index.get(r.key)
+            if index is None or not index.extends_to(r.tokens):
+                index = self._index[r.key] = _NgramIndex(self.min_ngram, self.max_ngram)
+            index.extend(r.tokens)
+            out.append(index.lookup(r.tokens, k, self.window) if k > 0 else [])
+        return out
 
     def release(self, key: Hashable) -> None:
-        pass
+        self._index.pop(key, None)
+
+
+class _NgramIndex:
+    """The latest start of every n-gram (n in [lo, hi]) of a token list that ends before its last token, kept
+    as the list grows: the n-gram ending at the last token is the one looked up, so it is added one token later."""
+
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi = lo, hi
+        self.tokens: list[int] = []  # the tokens indexed so far (a copy)
+        self.latest: dict[tuple[int, ...], int] = {}
+
+    def extends_to(self, tokens: Sequence[int]) -> bool:
+        """``tokens`` continue what was indexed (not a rewound or another list)."""
+        n = len(self.tokens)
+        return n <= len(tokens) and list(tokens[:n]) == self.tokens
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        seen = self.tokens
+        for t in tokens[len(seen):]:
+            end = len(seen)  # n-grams ending at the previous last token (now followed by t) become findable
+            for n in range(self.lo, min(self.hi, end) + 1):
+                self.latest[tuple(seen[end - n:end])] = end - n
+            seen.append(t)
+
+    def lookup(self, tokens: Sequence[int], k: int, window: int) -> list[int]:
+        count = len(tokens)
+        first = max(0, count - window)  # the window: the last ``window`` tokens
+        for n in range(min(self.hi, count - first - 1), self.lo - 1, -1):
+            start = self.latest.get(tuple(tokens[count - n:]))
+            if start is not None and start >= first:
+                return list(tokens[start + n:start + n + k])
+        return []
 
 
 class DraftModelProposer:
@@ -115,11 +145,11 @@ class DraftModelProposer:
                 [seq.pages for (_, seq, _, _), _ in active], self.cache,
             )
             logits = self.model.forward(batch)
+            tokens = logits.argmax(dim=-1).tolist()  # one device->host copy for every job's next draft token
             for row, ((i, seq, cached, k), feed) in enumerate(active):
                 seq.length += len(feed)
                 cached += feed
-                token = int(torch.argmax(logits[row]))
-                out[i].append(token)
+                out[i].append(tokens[row])
             feeds = [[out[item[0]][-1]] if out[item[0]] else [] for item in live]
         return out
 
