@@ -50,6 +50,7 @@ from trellm.generator.mtp import MTPHead, MTPLayout, build_qwen_mtp_head
 from trellm.hookspecs import hookimpl
 from trellm.modules.base import LoadContext, Module
 from trellm.modules.decoder import CausalLM, DecoderLayer, DecoderOptions, build_decoder, decoder_family
+from trellm.modules.hyper import HyperConnection, HyperHead, HyperMix, expand_streams
 from trellm.modules.layers import (
     MLP,
     Attention,
@@ -142,6 +143,8 @@ __all__ = [
     # recurrent and hybrid stacks, multi-token prediction
     "GatedDeltaNet", "KimiDeltaAttention", "GatedAttention", "ShortConv", "Mamba2Mixer", "ResidualBlock", "HybridCausalLM", "state_cache_inputs",
     "MTPHead", "MTPLayout", "build_qwen_mtp_head",
+    # hyper-connections: a residual stream of N parallel streams (trellm.modules.hyper)
+    "HyperConnection", "HyperMix", "HyperHead", "expand_streams",
     # the Qwen hybrid stack (trellm.sdk.hybrid)
     "hybrid_layer_types", "qwen_moe_mlp", "build_qwen_hybrid", "build_qwen3_5", "build_qwen3_5_moe",
     # images

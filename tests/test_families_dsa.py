@@ -1,0 +1,71 @@
+"""DeepSeek-style sparse attention families (issue 30) and the shared modules they brought: hyper-connections
+(DeepSeek V4, GLM 5.3), each held against transformers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from safetensors.torch import save_file
+
+from trellm.sdk import HyperConnection, HyperHead, LoadContext, expand_streams
+from trellm.weights import WeightStore
+
+
+def _load(module, tensors: dict[str, torch.Tensor], tmp_path):
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    module.load(LoadContext(store=WeightStore(tmp_path), device=torch.device("cpu"), dtype=torch.float32))
+    return module
+
+
+def _v4_config(**overrides):
+    from transformers import DeepseekV4Config
+
+    values = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=16, q_lora_rank=16,
+                  hc_mult=3, hc_sinkhorn_iters=7, rms_norm_eps=1e-6)
+    return DeepseekV4Config(**{**values, **overrides})
+
+
+def test_hyper_connection_matches_transformers(tmp_path):
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
+
+    config = _v4_config()
+    torch.manual_seed(0)
+    ref = DeepseekV4HyperConnection(config)
+    with torch.no_grad():
+        ref.fn.normal_(0, 0.3)
+        ref.base.normal_(0, 0.5)
+        ref.scale.uniform_(0.5, 1.5)
+    hc = _load(HyperConnection("hc_attn_", 32, 3, 7, config.hc_eps, config.rms_norm_eps),
+               {"hc_attn_fn": ref.fn.data, "hc_attn_base": ref.base.data, "hc_attn_scale": ref.scale.data}, tmp_path)
+    streams = torch.randn(5, 3, 32)
+    block_output = torch.randn(5, 32)
+    with torch.no_grad():
+        post, comb, collapsed = ref(streams[None])
+        want = post[0].unsqueeze(-1) * block_output.unsqueeze(-2) + torch.matmul(comb[0].transpose(-1, -2), streams)
+    x, mix = hc.forward(streams)
+    torch.testing.assert_close(x, collapsed[0])
+    torch.testing.assert_close(mix.merge(streams, block_output), want)
+    # the stream mix is doubly stochastic (Sinkhorn): columns sum to 1, rows nearly
+    torch.testing.assert_close(mix.comb.sum(-2), torch.ones(5, 3), atol=1e-5, rtol=0)
+    assert not torch.allclose(mix.post, mix.post[:1])  # the weights depend on the token
+
+
+def test_hyper_head_matches_transformers(tmp_path):
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead
+
+    config = _v4_config()
+    torch.manual_seed(1)
+    ref = DeepseekV4HyperHead(config)
+    with torch.no_grad():
+        ref.hc_fn.normal_(0, 0.3)
+        ref.hc_base.normal_(0, 0.5)
+        ref.hc_scale.fill_(1.3)
+    head = _load(HyperHead("model.hc_head.hc_", 32, 3, config.hc_eps, config.rms_norm_eps),
+                 {"model.hc_head.hc_fn": ref.hc_fn.data, "model.hc_head.hc_base": ref.hc_base.data,
+                  "model.hc_head.hc_scale": ref.hc_scale.data}, tmp_path)
+    streams = torch.randn(4, 3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(head.forward(streams), ref(streams[None])[0])
+    assert expand_streams(streams[:, 0], 3).shape == (4, 3, 32)
