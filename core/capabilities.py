@@ -139,6 +139,15 @@ class DenseKVPages(PagedKVLayer, Protocol):
 
 
 @runtime_checkable
+class MakesCacheLayer(Protocol):
+    """An attention module whose cache layer keeps more per token than its K/V (a sparse-attention indexer's
+    keys): :meth:`~trellm.cache.KVCache.for_model` hands it the K/V layer its factory made to wrap."""
+
+    def cache_layer(self, kv_layer: Any) -> Any:
+        """The layer this module's cache entry is, built around ``kv_layer``."""
+
+
+@runtime_checkable
 class StateSlots(Protocol):
     """A cache layer holding recurrent state in per-sequence slots."""
 

@@ -50,6 +50,7 @@ from trellm.generator.mtp import MTPHead, MTPLayout, build_qwen_mtp_head
 from trellm.hookspecs import hookimpl
 from trellm.modules.base import LoadContext, Module
 from trellm.modules.decoder import CausalLM, DecoderLayer, DecoderOptions, build_decoder, decoder_family
+from trellm.modules.latent import LatentAttention, SparseIndexer, SparseLatentAttention
 from trellm.modules.hyper import HyperConnection, HyperHead, HyperMix, expand_streams
 from trellm.modules.layers import (
     MLP,
@@ -133,6 +134,8 @@ __all__ = [
     # modules and the Llama-like stack
     "Module", "LoadContext", "ForwardBatch", "Linear", "LinearGroup", "Embedding", "RMSNorm", "LayerNorm", "RotaryEmbedding",
     "Attention", "OutputGate", "OutputGatedAttention", "GatedMLP", "MLP", "DecoderLayer", "CausalLM", "DecoderOptions", "build_decoder", "decoder_family",
+    # multi-head latent attention, dense or with a DSA sparse-attention indexer (trellm.modules.latent)
+    "LatentAttention", "SparseIndexer", "SparseLatentAttention",
     # the text families others build on (trellm.sdk.families)
     "GEMMA_OPTIONS", "configure_gemma", "GEMMA2_OPTIONS", "configure_gemma2", "read_gemma2_config",
     "GEMMA3_OPTIONS", "configure_gemma3", "read_gemma3_config", "COHERE_OPTIONS", "configure_cohere",

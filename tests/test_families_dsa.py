@@ -69,3 +69,47 @@ def test_hyper_head_matches_transformers(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(head.forward(streams), ref(streams[None])[0])
     assert expand_streams(streams[:, 0], 3).shape == (4, 3, 32)
+
+
+# ---- GLM 5: MLA with DeepSeek Sparse Attention ------------------------------------------------------------
+
+from trellm.sdk.testing import check_parity, make_tiny_hf_model
+
+from test_moe_families import randomize
+
+# index_topk 6 < both prompts (23 and 9 tokens): the later queries of each attend to a selection, not to all
+GLM_DSA = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
+               q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+               index_topk=6, index_head_dim=16, index_n_heads=8, first_k_dense_replace=1, num_hidden_layers=3,
+               indexer_types=["full", "shared", "full"], num_key_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def glm_dsa_dir(tmp_path_factory):
+    model_dir = make_tiny_hf_model("GlmMoeDsaForCausalLM", tmp_path_factory.mktemp("glm_dsa"), **GLM_DSA)
+    randomize(model_dir, "e_score_correction_bias")
+    return model_dir
+
+
+def test_glm_moe_dsa_parity(glm_dsa_dir):
+    report = check_parity(glm_dsa_dir)
+    print(report)
+    report.assert_ok()
+
+
+def test_glm_moe_dsa_cache_keeps_indexer_keys_and_refuses_quantized_pages(glm_dsa_dir):
+    import trellm
+    from trellm.cache.indexed import IndexedKVCacheLayer
+    from trellm.cache.quantized import QuantizedKVCacheLayer
+    from trellm.errors import ConfigError
+
+    lm = trellm.load(glm_dsa_dir, device="cpu", dtype=torch.float32)
+    cache = lm.new_cache(max_tokens=64, page_size=16)
+    full, shared, full2 = cache.layers
+    assert isinstance(full, IndexedKVCacheLayer) and isinstance(full2, IndexedKVCacheLayer)
+    assert not isinstance(shared, IndexedKVCacheLayer)  # a "shared" layer has no indexer, so no keys of its own
+    assert full.index_pages.shape == (4, 16, 16)
+    assert cache.nbytes() == sum(l.k_pages.numel() + l.v_pages.numel() for l in cache.layers) * 4 + 2 * full.index_pages.numel() * 4
+    quantized = QuantizedKVCacheLayer(4, 16, 1, 64, 32, torch.float32, "cpu")
+    with pytest.raises(ConfigError, match="QuantizedKVCacheLayer cache cannot serve it: use an unquantized KV cache"):
+        lm.model.layers[0].attn.cache_layer(quantized)

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from .. import ops
-from ..capabilities import is_paged_layer, is_state_layer
+from ..capabilities import MakesCacheLayer, implements, is_paged_layer, is_state_layer
 
 DEFAULT_PAGE_SIZE = 256
 
@@ -128,7 +128,8 @@ class KVCache:
                 layers.append(None)
                 continue
             heads, dim, vdim = attn.kv_shape()
-            layers.append(factory(num_pages, page_size, heads, dim, vdim, dtype, device))
+            layer = factory(num_pages, page_size, heads, dim, vdim, dtype, device)
+            layers.append(attn.cache_layer(layer) if implements(attn, MakesCacheLayer) else layer)
         cache = cls(layers, page_size, device)
         # how to make the same cache for another model of this shape (a tensor-parallel rank: its own heads)
         cache.made_with = dict(max_tokens=max_tokens, page_size=page_size, dtype=dtype, layer_factory=layer_factory)

@@ -24,8 +24,10 @@ def _attend(
     softcap: float,
     sinks: torch.Tensor | None,
     causal: bool = True,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One sequence: q [Tq,Hq,D], k/v [Tk,Hkv,D] -> [Tq,Hq,Dv], float32 math."""
+    """One sequence: q [Tq,Hq,D], k/v [Tk,Hkv,D] -> [Tq,Hq,Dv], float32 math; ``keep`` [Tq, Tk]: the only
+    keys each query may see (sparse attention), on top of the causal and sliding masks."""
     tq, hq, _ = q.shape
     tk, hkv, _ = k.shape
     groups = hq // hkv
@@ -42,6 +44,8 @@ def _attend(
         if sliding_window > 0:
             mask |= kpos <= qpos - sliding_window
         s = s.masked_fill(mask[None], float("-inf"))
+    if keep is not None:
+        s = s.masked_fill(~keep[None], float("-inf"))
     if sinks is not None:
         sink = sinks.float().view(hq, 1, 1).expand(hq, tq, 1)
         s = torch.cat([s, sink], dim=-1)

@@ -1,0 +1,60 @@
+"""A paged K/V layer that also keeps a sparse-attention indexer's key for every token (DSA).
+
+The indexer scores all cached tokens at every step, so its keys live in the cache beside the attention's
+own K/V (for MLA: the latent), in pages of their own indexed by the same block table and slots. Sparse
+attention then reads the K/V rows it selected directly, so the K/V layer must keep plain pages.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..capabilities import has_dense_pages
+from ..errors import ConfigError
+
+
+def require_dense_pages(kv):
+    """``kv`` itself when its K/V pages are plain tensors, which sparse attention reads directly; else a ConfigError."""
+    if not has_dense_pages(kv):
+        raise ConfigError(
+            f"sparse attention (DSA) reads its selected K/V rows from plain pages; a {type(kv).__name__} "
+            "cache cannot serve it: use an unquantized KV cache for this model"
+        )
+    return kv
+
+
+class IndexedKVCacheLayer:
+    """``kv`` (an unquantized paged K/V layer) plus ``index_pages`` [num_pages, page_size, index_dim]."""
+
+    def __init__(self, kv, index_dim: int):
+        self.kv = require_dense_pages(kv)
+        pages = kv.k_pages
+        self.index_pages = torch.zeros(pages.shape[0], pages.shape[1], index_dim, dtype=pages.dtype, device=pages.device)
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv.num_pages
+
+    @property
+    def k_pages(self) -> torch.Tensor:
+        return self.kv.k_pages
+
+    @property
+    def v_pages(self) -> torch.Tensor:
+        return self.kv.v_pages
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        self.kv.store(k, v, slots)
+
+    def store_index_keys(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write new tokens' indexer keys [T, index_dim] at flat ``slots``."""
+        self.index_pages.view(-1, self.index_pages.shape[-1])[slots] = keys.to(self.index_pages.dtype)
+
+    def attend(self, q: torch.Tensor, batch, scale: float, sliding_window: int = 0, softcap: float = 0.0, sinks=None) -> torch.Tensor:
+        return self.kv.attend(q, batch, scale, sliding_window, softcap, sinks)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        self.kv.copy_page(src, dst)
+        self.index_pages[dst].copy_(self.index_pages[src])
+
+    def nbytes(self) -> int:
+        return self.kv.nbytes() + self.index_pages.numel() * self.index_pages.element_size()

@@ -1,0 +1,180 @@
+"""Multi-head latent attention (MLA, DeepSeek V2/V3, Kimi K2, GLM 5), dense or with DSA sparse selection.
+
+MLA caches one latent per token, not per-head keys and values: the normalised compressed KV
+``c`` [kv_lora_rank] and the shared rotary key ``k_pe`` [qk_rope_head_dim]. Attention runs in the
+absorbed form: the per-head key up-projection is folded into the query (q_nope W_uk) and the value
+up-projection is applied after attention, so every head attends to the same single-"head" latent,
+MQA-style. The paged cache therefore holds K = [c | k_pe] and V = c for one KV head, and the shared
+paged-attention op serves prefill and decode unchanged.
+
+:class:`SparseLatentAttention` adds DeepSeek Sparse Attention: a :class:`SparseIndexer` picks the
+``index_topk`` cached tokens each query attends to (its keys kept in the cache beside the latent,
+:class:`~trellm.cache.indexed.IndexedKVCacheLayer`), or a layer reuses the selection of the last layer
+that ran an indexer (GLM 5's shared layers).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import ops
+from ..batch import ForwardBatch
+from ..cache.indexed import IndexedKVCacheLayer, require_dense_pages
+from ..config import DecoderConfig, config_int
+from ..ops.sparse import sparse_index_topk, sparse_paged_attention, varlen_as_pages
+from .base import LoadContext, Module
+from .layers import Attention, LayerNorm, RMSNorm, RotaryEmbedding
+from .linear import Linear, LinearGroup
+
+
+def _yarn_mscale(scale: float, m: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+class LatentAttention(Attention):
+    """Multi-head latent attention; an :class:`Attention` to the cache (``kv_shape`` = one latent head)."""
+
+    def __init__(self, key: str, layer_idx: int, cfg: DecoderConfig, rope: RotaryEmbedding, interleaved: bool):
+        x = cfg.extra
+        self.key, self.layer_idx, self.rope, self.interleaved = key, layer_idx, rope, interleaved
+        self.num_heads = self.num_kv_heads = cfg.num_attention_heads
+        self.q_lora_rank = x.get("q_lora_rank")
+        self.kv_lora_rank = config_int(x, "kv_lora_rank")
+        self.nope_dim, self.rope_dim = config_int(x, "qk_nope_head_dim"), config_int(x, "qk_rope_head_dim")
+        self.v_dim = config_int(x, "v_head_dim")
+        self.head_dim = self.nope_dim + self.rope_dim
+        self.sliding_window, self.softcap = 0, 0.0
+        h, hidden, bias = self.num_heads, cfg.hidden_size, cfg.attention_bias
+        if self.q_lora_rank:
+            self.q_a_proj = Linear(f"{key}.q_a_proj", hidden, self.q_lora_rank, bias)
+            self.q_a_layernorm = RMSNorm(f"{key}.q_a_layernorm", self.q_lora_rank, 1e-6)
+            self.q_b_proj = Linear(f"{key}.q_b_proj", self.q_lora_rank, h * self.head_dim)
+        else:
+            self.q_proj = Linear(f"{key}.q_proj", hidden, h * self.head_dim)
+        self.kv_a_proj_with_mqa = Linear(f"{key}.kv_a_proj_with_mqa", hidden, self.kv_lora_rank + self.rope_dim, bias)
+        self.kv_a_layernorm = RMSNorm(f"{key}.kv_a_layernorm", self.kv_lora_rank, 1e-6)
+        self.kv_b_proj = Linear(f"{key}.kv_b_proj", self.kv_lora_rank, h * (self.nope_dim + self.v_dim))
+        # the projections of x: one kernel launch where the weights format groups them
+        self.x_proj = LinearGroup(*self.x_projections())
+        self.o_proj = Linear(f"{key}.o_proj", h * self.v_dim, hidden, bias)
+        self.scale = self.head_dim**-0.5
+        rp = cfg.rope
+        if rp.type != "default" and rp.mscale_all_dim:
+            self.scale *= _yarn_mscale(rp.factor, rp.mscale_all_dim) ** 2
+        self.w_uk = self.w_uv = None
+
+    def x_projections(self) -> list[Linear]:
+        """The projections of the layer input, grouped into one (a subclass adds its own)."""
+        return [self.q_a_proj if self.q_lora_rank else self.q_proj, self.kv_a_proj_with_mqa]
+
+    def kv_shape(self) -> tuple[int, int, int]:
+        return 1, self.kv_lora_rank + self.rope_dim, self.kv_lora_rank
+
+    def load(self, ctx: LoadContext) -> None:
+        super().load(ctx)
+        w = self.kv_b_proj.impl.dense_weight().to(ctx.dtype).view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        self.w_uk = w[:, : self.nope_dim].contiguous()  # [H, nope, r]
+        self.w_uv = w[:, self.nope_dim :].contiguous()  # [H, v, r]
+
+    def unload(self) -> None:
+        super().unload()
+        self.w_uk = self.w_uv = None
+
+    def attention(self, x, batch: ForwardBatch) -> torch.Tensor:
+        t, h = x.shape[0], self.num_heads
+        q, kv, *rest = ops.project(x, self.x_proj.weights())
+        if self.q_lora_rank:
+            q_resid = self.q_a_layernorm.forward(q)
+            q = self.q_b_proj(q_resid)
+        else:
+            q_resid = None
+        q_nope, q_pe = q.view(t, h, self.head_dim).split([self.nope_dim, self.rope_dim], dim=-1)
+        c, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c = self.kv_a_layernorm.forward(c)
+        cos, sin = self.rope.cos_sin(batch.positions, batch.max_seq_len)
+        q_pe = ops.rotary_embedding(q_pe, cos, sin, self.interleaved)
+        k_pe = ops.rotary_embedding(k_pe[:, None], cos, sin, self.interleaved)
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)
+        q = torch.cat([q_latent, q_pe], dim=-1)
+        k = torch.cat([c[:, None], k_pe], dim=-1)
+        o = self.attend_latent(q, k, c[:, None], batch, (cos, sin), q_resid, rest)
+        o = torch.einsum("thr,hvr->thv", o, self.w_uv)
+        return o.reshape(t, h * self.v_dim)
+
+    def attend_latent(self, q, k, v, batch: ForwardBatch, cos_sin, q_resid, x_rest) -> torch.Tensor:
+        """Attention over the latent keys/values (stored in the cache when there is one): [T, H, kv_lora_rank].
+        ``q_resid`` (the normed query latent) and ``x_rest`` (the subclass's projections of x) are for a subclass."""
+        if batch.cache is None:
+            return ops.attention_varlen(q, k, v, batch.cu_seqlens, self.scale)
+        layer = batch.cache.layers[self.layer_idx]
+        layer.store(k, v, batch.slots)
+        return layer.attend(q, batch, self.scale)
+
+
+class SparseIndexer(Module):
+    """The DSA lightning indexer: ``heads`` small query heads (from the query latent, ``wq_b``) against one key per
+    token (``k_norm(wk(x))``, a LayerNorm with bias), RoPE on the first ``rope_dim`` dims of both, heads weighted
+    per token by ``weights_proj(x) / sqrt(heads)``; keeps the ``topk`` best tokens (:func:`trellm.ops.sparse_index_topk`)."""
+
+    def __init__(self, key: str, hidden_size: int, q_lora_rank: int, heads: int, head_dim: int, topk: int, interleaved: bool):
+        self.key, self.heads, self.head_dim, self.topk, self.interleaved = key, heads, head_dim, topk, interleaved
+        self.wq_b = Linear(f"{key}.wq_b", q_lora_rank, heads * head_dim)
+        self.wk = Linear(f"{key}.wk", hidden_size, head_dim)
+        self.k_norm = LayerNorm(f"{key}.k_norm", head_dim, 1e-6)
+        self.weights_proj = Linear(f"{key}.weights_proj", hidden_size, heads)
+
+    def keys(self, wk_x: torch.Tensor, cos_sin) -> torch.Tensor:
+        """Each token's indexer key [T, head_dim] from its ``wk`` projection."""
+        k = self.k_norm.forward(wk_x)[:, None]
+        return ops.rotary_embedding(k, *cos_sin, self.interleaved)[:, 0]
+
+    def select(self, q_resid: torch.Tensor, weights_x: torch.Tensor, key_pages: torch.Tensor, block_table: torch.Tensor,
+               batch: ForwardBatch, context_lens: torch.Tensor, cos_sin) -> torch.Tensor:
+        """[T, topk] positions each query attends to (-1: none), scoring the keys in ``key_pages``."""
+        q = self.wq_b(q_resid).view(-1, self.heads, self.head_dim)
+        q = ops.rotary_embedding(q, *cos_sin, self.interleaved)
+        weights = weights_x.float() * self.heads**-0.5
+        return sparse_index_topk(q, weights, key_pages, block_table, batch.cu_seqlens, context_lens, self.topk, self.head_dim**-0.5)
+
+
+class SparseLatentAttention(LatentAttention):
+    """MLA over the tokens a :class:`SparseIndexer` selects (DeepSeek V3.2, GLM 5). A layer without an indexer
+    reuses ``source``'s selection of the same forward pass (the layers run in order, so it is made first)."""
+
+    def __init__(self, key: str, layer_idx: int, cfg: DecoderConfig, rope: RotaryEmbedding, interleaved: bool,
+                 indexer: SparseIndexer | None, source: "SparseLatentAttention | None" = None):
+        if (indexer is None) == (source is None):
+            raise ValueError(f"{key}: a sparse attention layer runs its own indexer or reuses another's, not both or neither")
+        self.indexer, self.source = indexer, source
+        super().__init__(key, layer_idx, cfg, rope, interleaved)
+        self.selection: torch.Tensor | None = None  # this forward pass's [T, topk], for the layers that reuse it
+
+    def x_projections(self) -> list[Linear]:
+        extra = [self.indexer.wk, self.indexer.weights_proj] if self.indexer is not None else []
+        return super().x_projections() + extra
+
+    def cache_layer(self, kv_layer):
+        """The K/V layer, with a page pool for the indexer's keys when this layer runs one."""
+        return require_dense_pages(kv_layer) if self.indexer is None else IndexedKVCacheLayer(kv_layer, self.indexer.head_dim)
+
+    def attend_latent(self, q, k, v, batch: ForwardBatch, cos_sin, q_resid, x_rest) -> torch.Tensor:
+        if batch.cache is None:
+            k_pages, table, ctx = varlen_as_pages(k, batch.cu_seqlens)
+            v_pages = v.unsqueeze(1)
+        else:
+            layer = batch.cache.layers[self.layer_idx]
+            layer.store(k, v, batch.slots)
+            k_pages, v_pages, table, ctx = layer.k_pages, layer.v_pages, batch.block_table, batch.context_lens
+        if self.indexer is None:
+            self.selection = self.source.selection
+        else:
+            wk_x, weights_x = x_rest
+            keys = self.indexer.keys(wk_x, cos_sin)
+            if batch.cache is None:
+                key_pages = keys.unsqueeze(1)
+            else:
+                layer.store_index_keys(keys, batch.slots)
+                key_pages = layer.index_pages
+            self.selection = self.indexer.select(q_resid, weights_x, key_pages, table, batch, ctx, cos_sin)
+        return sparse_paged_attention(q, k_pages, v_pages, table, batch.cu_seqlens, ctx, self.selection, self.scale)
