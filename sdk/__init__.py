@@ -51,7 +51,8 @@ from trellm.hookspecs import hookimpl
 from trellm.modules.base import LoadContext, Module
 from trellm.modules.decoder import CausalLM, DecoderLayer, DecoderOptions, build_decoder, decoder_family
 from trellm.modules.latent import LatentAttention, SparseIndexer, SparseLatentAttention
-from trellm.modules.hyper import HyperConnection, HyperHead, HyperMix, expand_streams
+from trellm.modules.compressed import CompressedAttention, CompressedIndexer, WindowCompressor
+from trellm.modules.hyper import HyperCausalLM, HyperConnection, HyperDecoderLayer, HyperHead, HyperMix, expand_streams
 from trellm.modules.layers import (
     MLP,
     Attention,
@@ -136,6 +137,8 @@ __all__ = [
     "Attention", "OutputGate", "OutputGatedAttention", "GatedMLP", "MLP", "DecoderLayer", "CausalLM", "DecoderOptions", "build_decoder", "decoder_family",
     # multi-head latent attention, dense or with a DSA sparse-attention indexer (trellm.modules.latent)
     "LatentAttention", "SparseIndexer", "SparseLatentAttention",
+    # DeepSeek V4's sliding + compressed attention (trellm.modules.compressed)
+    "CompressedAttention", "CompressedIndexer", "WindowCompressor",
     # the text families others build on (trellm.sdk.families)
     "GEMMA_OPTIONS", "configure_gemma", "GEMMA2_OPTIONS", "configure_gemma2", "read_gemma2_config",
     "GEMMA3_OPTIONS", "configure_gemma3", "read_gemma3_config", "COHERE_OPTIONS", "configure_cohere",
@@ -147,7 +150,7 @@ __all__ = [
     "GatedDeltaNet", "KimiDeltaAttention", "GatedAttention", "ShortConv", "Mamba2Mixer", "ResidualBlock", "HybridCausalLM", "state_cache_inputs",
     "MTPHead", "MTPLayout", "build_qwen_mtp_head",
     # hyper-connections: a residual stream of N parallel streams (trellm.modules.hyper)
-    "HyperConnection", "HyperMix", "HyperHead", "expand_streams",
+    "HyperConnection", "HyperMix", "HyperHead", "expand_streams", "HyperDecoderLayer", "HyperCausalLM",
     # the Qwen hybrid stack (trellm.sdk.hybrid)
     "hybrid_layer_types", "qwen_moe_mlp", "build_qwen_hybrid", "build_qwen3_5", "build_qwen3_5_moe",
     # images

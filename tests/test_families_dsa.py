@@ -99,17 +99,56 @@ def test_glm_moe_dsa_parity(glm_dsa_dir):
 
 def test_glm_moe_dsa_cache_keeps_indexer_keys_and_refuses_quantized_pages(glm_dsa_dir):
     import trellm
-    from trellm.cache.indexed import IndexedKVCacheLayer
+    from trellm.cache.indexed import ExtraRowsKVCacheLayer
     from trellm.cache.quantized import QuantizedKVCacheLayer
     from trellm.errors import ConfigError
 
     lm = trellm.load(glm_dsa_dir, device="cpu", dtype=torch.float32)
     cache = lm.new_cache(max_tokens=64, page_size=16)
     full, shared, full2 = cache.layers
-    assert isinstance(full, IndexedKVCacheLayer) and isinstance(full2, IndexedKVCacheLayer)
-    assert not isinstance(shared, IndexedKVCacheLayer)  # a "shared" layer has no indexer, so no keys of its own
-    assert full.index_pages.shape == (4, 16, 16)
-    assert cache.nbytes() == sum(l.k_pages.numel() + l.v_pages.numel() for l in cache.layers) * 4 + 2 * full.index_pages.numel() * 4
+    assert isinstance(full, ExtraRowsKVCacheLayer) and isinstance(full2, ExtraRowsKVCacheLayer)
+    assert not isinstance(shared, ExtraRowsKVCacheLayer)  # a "shared" layer has no indexer, so no keys of its own
+    assert full.row_pages.shape == (4, 16, 16)
+    assert cache.nbytes() == sum(l.k_pages.numel() + l.v_pages.numel() for l in cache.layers) * 4 + 2 * full.row_pages.numel() * 4
     quantized = QuantizedKVCacheLayer(4, 16, 1, 64, 32, torch.float32, "cpu")
     with pytest.raises(ConfigError, match="QuantizedKVCacheLayer cache cannot serve it: use an unquantized KV cache"):
         lm.model.layers[0].attn.cache_layer(quantized)
+
+
+# ---- DeepSeek V4: compressed attention, hyper-connections, hash routing ---------------------------------
+
+# 23- and 9-token prompts against a window of 8, CSA windows of 2 (11 entries) of which the indexer keeps 2,
+# HCA windows of 4; experts chosen by token id on the first layer; a SwiGLU clamp small enough to bite
+DEEPSEEK_V4 = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32, head_dim=32,
+                   num_key_value_heads=1, o_groups=2, o_lora_rank=16, index_topk=2, index_head_dim=16, index_n_heads=8,
+                   num_hidden_layers=3, sliding_window=8, hc_mult=3, hc_sinkhorn_iters=5, swiglu_limit=0.5,
+                   layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+                   compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                   mlp_layer_types=["hash_moe", "moe", "moe"])
+
+
+def _random_tid2eid(model_dir, experts: int) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(0)
+    for name in tensors:
+        if name.endswith("tid2eid"):
+            tensors[name] = torch.stack([torch.randperm(experts, generator=g)[:tensors[name].shape[1]] for _ in tensors[name]])
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def deepseek_v4_dir(tmp_path_factory):
+    model_dir = make_tiny_hf_model("DeepseekV4ForCausalLM", tmp_path_factory.mktemp("dsv4"), **DEEPSEEK_V4)
+    for suffix in ("gate.bias", ".ape"):
+        randomize(model_dir, suffix)
+    _random_tid2eid(model_dir, 8)
+    return model_dir
+
+
+def test_deepseek_v4_parity(deepseek_v4_dir):
+    report = check_parity(deepseek_v4_dir)
+    print(report)
+    report.assert_ok()

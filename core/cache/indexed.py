@@ -1,8 +1,10 @@
-"""A paged K/V layer that also keeps a sparse-attention indexer's key for every token (DSA).
+"""A paged K/V layer that also keeps one extra row per token: a sparse-attention indexer's key (DSA), or a
+compressor's inputs (DeepSeek V4's compressed attention).
 
-The indexer scores all cached tokens at every step, so its keys live in the cache beside the attention's
-own K/V (for MLA: the latent), in pages of their own indexed by the same block table and slots. Sparse
-attention then reads the K/V rows it selected directly, so the K/V layer must keep plain pages.
+The indexer scores all cached tokens at every step, and a compressor folds the tokens of each complete window,
+so what they read lives in the cache beside the attention's own K/V (for MLA: the latent), in pages of
+their own indexed by the same block table and slots. Sparse and compressed attention read K/V rows directly,
+so the K/V layer must keep plain pages.
 """
 from __future__ import annotations
 
@@ -22,13 +24,13 @@ def require_dense_pages(kv):
     return kv
 
 
-class IndexedKVCacheLayer:
-    """``kv`` (an unquantized paged K/V layer) plus ``index_pages`` [num_pages, page_size, index_dim]."""
+class ExtraRowsKVCacheLayer:
+    """``kv`` (an unquantized paged K/V layer) plus ``row_pages`` [num_pages, page_size, width]."""
 
-    def __init__(self, kv, index_dim: int):
+    def __init__(self, kv, width: int):
         self.kv = require_dense_pages(kv)
         pages = kv.k_pages
-        self.index_pages = torch.zeros(pages.shape[0], pages.shape[1], index_dim, dtype=pages.dtype, device=pages.device)
+        self.row_pages = torch.zeros(pages.shape[0], pages.shape[1], width, dtype=pages.dtype, device=pages.device)
 
     @property
     def num_pages(self) -> int:
@@ -45,16 +47,16 @@ class IndexedKVCacheLayer:
     def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         self.kv.store(k, v, slots)
 
-    def store_index_keys(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write new tokens' indexer keys [T, index_dim] at flat ``slots``."""
-        self.index_pages.view(-1, self.index_pages.shape[-1])[slots] = keys.to(self.index_pages.dtype)
+    def store_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write new tokens' rows [T, width] at flat ``slots``."""
+        self.row_pages.view(-1, self.row_pages.shape[-1])[slots] = rows.to(self.row_pages.dtype)
 
     def attend(self, q: torch.Tensor, batch, scale: float, sliding_window: int = 0, softcap: float = 0.0, sinks=None) -> torch.Tensor:
         return self.kv.attend(q, batch, scale, sliding_window, softcap, sinks)
 
     def copy_page(self, src: int, dst: int) -> None:
         self.kv.copy_page(src, dst)
-        self.index_pages[dst].copy_(self.index_pages[src])
+        self.row_pages[dst].copy_(self.row_pages[src])
 
     def nbytes(self) -> int:
-        return self.kv.nbytes() + self.index_pages.numel() * self.index_pages.element_size()
+        return self.kv.nbytes() + self.row_pages.numel() * self.row_pages.element_size()

@@ -8,15 +8,19 @@ into the block's input and, after the block, merges its output back::
     streams = mix.merge(streams, block(norm(x)))  # [T, N, D]
 
 The final hidden state is a collapse of the streams: :class:`HyperHead` (DeepSeek V4's learned
-weights) or their mean (GLM 5.3). The numbers are the ops in :mod:`trellm.ops.hyper`.
+weights) or their mean (GLM 5.3). :class:`HyperDecoderLayer` and :class:`HyperCausalLM` are the pre-norm
+block and the model built this way. The numbers are the ops in :mod:`trellm.ops.hyper`.
 """
 from __future__ import annotations
 
 import attrs
 import torch
 
+from ..batch import ForwardBatch
 from ..ops.hyper import hyper_connection_merge, hyper_connection_weights, hyper_head
+from ..ops.projection import Hidden
 from .base import LoadContext, Module
+from .decoder import CausalLM
 
 
 def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -82,3 +86,40 @@ class HyperHead(Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         return hyper_head(streams, self.fn, self.base, self.scale, self.eps, self.norm_eps)
+
+
+class HyperDecoderLayer(Module):
+    """A pre-norm block on hyper-connection streams: ``attn_hc`` collapses the streams into the attention's
+    input (then ``input_norm``), its output merges back; the same for the MLP with ``mlp_hc`` and
+    ``post_attn_norm``. ``forward(streams [T, N, D], batch)`` gives the new streams; the MLP gets the batch too
+    (token-id routing reads it)."""
+
+    def __init__(self, key: str, attn_hc: HyperConnection, input_norm: Module, attn: Module,
+                 mlp_hc: HyperConnection, post_attn_norm: Module, mlp: Module):
+        self.key, self.attn_hc, self.input_norm, self.attn = key, attn_hc, input_norm, attn
+        self.mlp_hc, self.post_attn_norm, self.mlp = mlp_hc, post_attn_norm, mlp
+
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x, mix = self.attn_hc.forward(streams)
+        streams = mix.merge(streams, self.attn.forward(self.input_norm.forward(x), batch))
+        x, mix = self.mlp_hc.forward(streams)
+        return mix.merge(streams, self.mlp.forward(self.post_attn_norm.forward(x), batch))
+
+
+class HyperCausalLM(CausalLM):
+    """A :class:`~trellm.modules.decoder.CausalLM` whose layers are :class:`HyperDecoderLayer` blocks on ``streams``
+    copies of the embedding; ``hyper_head`` collapses them before the final norm (None: their mean, GLM 5.3)."""
+
+    def __init__(self, config, embed: Module, layers: list[HyperDecoderLayer], norm: Module, lm_head: Module,
+                 streams: int, hyper_head: HyperHead | None = None):
+        super().__init__(config, embed, layers, norm, lm_head)
+        self.streams, self.hyper_head = streams, hyper_head
+
+    def attention_layers(self) -> list:
+        return [layer.attn for layer in self.layers]
+
+    def residual_stream(self, batch: ForwardBatch) -> Hidden:
+        streams = expand_streams(self.embed_tokens(batch), self.streams)
+        for layer in self.layers:
+            streams = layer.forward(streams, batch)
+        return Hidden(streams.mean(dim=1) if self.hyper_head is None else self.hyper_head.forward(streams))

@@ -9,7 +9,7 @@ paged-attention op serves prefill and decode unchanged.
 
 :class:`SparseLatentAttention` adds DeepSeek Sparse Attention: a :class:`SparseIndexer` picks the
 ``index_topk`` cached tokens each query attends to (its keys kept in the cache beside the latent,
-:class:`~trellm.cache.indexed.IndexedKVCacheLayer`), or a layer reuses the selection of the last layer
+:class:`~trellm.cache.indexed.ExtraRowsKVCacheLayer`), or a layer reuses the selection of the last layer
 that ran an indexer (GLM 5's shared layers).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from .. import ops
 from ..batch import ForwardBatch
-from ..cache.indexed import IndexedKVCacheLayer, require_dense_pages
+from ..cache.indexed import ExtraRowsKVCacheLayer, require_dense_pages
 from ..config import DecoderConfig, config_int
 from ..ops.sparse import sparse_index_topk, sparse_paged_attention, varlen_as_pages
 from .base import LoadContext, Module
@@ -135,7 +135,8 @@ class SparseIndexer(Module):
         q = self.wq_b(q_resid).view(-1, self.heads, self.head_dim)
         q = ops.rotary_embedding(q, *cos_sin, self.interleaved)
         weights = weights_x.float() * self.heads**-0.5
-        return sparse_index_topk(q, weights, key_pages, block_table, batch.cu_seqlens, context_lens, self.topk, self.head_dim**-0.5)
+        return sparse_index_topk(q, weights, key_pages, block_table, batch.cu_seqlens, context_lens, batch.positions, self.topk,
+                                 self.head_dim**-0.5)
 
 
 class SparseLatentAttention(LatentAttention):
@@ -156,7 +157,7 @@ class SparseLatentAttention(LatentAttention):
 
     def cache_layer(self, kv_layer):
         """The K/V layer, with a page pool for the indexer's keys when this layer runs one."""
-        return require_dense_pages(kv_layer) if self.indexer is None else IndexedKVCacheLayer(kv_layer, self.indexer.head_dim)
+        return require_dense_pages(kv_layer) if self.indexer is None else ExtraRowsKVCacheLayer(kv_layer, self.indexer.head_dim)
 
     def attend_latent(self, q, k, v, batch: ForwardBatch, cos_sin, q_resid, x_rest) -> torch.Tensor:
         if batch.cache is None:
@@ -174,7 +175,7 @@ class SparseLatentAttention(LatentAttention):
             if batch.cache is None:
                 key_pages = keys.unsqueeze(1)
             else:
-                layer.store_index_keys(keys, batch.slots)
-                key_pages = layer.index_pages
+                layer.store_rows(keys, batch.slots)
+                key_pages = layer.row_pages
             self.selection = self.indexer.select(q_resid, weights_x, key_pages, table, batch, ctx, cos_sin)
         return sparse_paged_attention(q, k_pages, v_pages, table, batch.cu_seqlens, ctx, self.selection, self.scale)

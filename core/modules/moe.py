@@ -65,7 +65,7 @@ class ScoreTopK:
     """
 
     top_k: int
-    score: str = "sigmoid"  # or "softmax"
+    score: str = "sigmoid"  # or "softmax", "sqrtsoftplus" (DeepSeek V4)
     normalize: bool = True
     scaling: float = 1.0
     num_groups: int = 1
@@ -81,8 +81,10 @@ class ScoreTopK:
             scores = logits.float().sigmoid()
         elif self.score == "softmax":
             scores = torch.softmax(logits.float(), dim=-1)
+        elif self.score == "sqrtsoftplus":
+            scores = F.softplus(logits.float()).sqrt()
         else:
-            raise ValueError(f"unknown router score function {self.score!r}; use 'sigmoid' or 'softmax'")
+            raise ValueError(f"unknown router score function {self.score!r}; use 'sigmoid', 'softmax' or 'sqrtsoftplus'")
         choice = scores if bias is None else scores + bias.float()
         if self.num_groups > 1:
             t, e = choice.shape
@@ -416,8 +418,12 @@ class MoE(Module):
             raise ValueError(f"{key}: router has {router.num_experts} experts, expert collection {experts.num_experts}")
         self.key, self.router, self.experts, self.shared, self.shared_gate = key, router, experts, shared, shared_gate
 
+    def route(self, x: torch.Tensor, batch: ForwardBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights [T, k] (float32) and expert ids [T, k]: the router's (a subclass may route otherwise)."""
+        return self.router.forward(x)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
-        weights, ids = self.router.forward(x)
+        weights, ids = self.route(x, batch)
         out = dispatch_experts(self.experts, x, weights, ids)
         if self.shared is not None:
             shared = self.shared.forward(x)

@@ -109,7 +109,7 @@ from .attention import attention_varlen, paged_attention, write_kv_pages  # noqa
 from .projection import (  # noqa: E402,F401
     GatedAct, Hidden, Normed, Residual, RopeKV, RowNorm, Weights, WrappedWeights, project, projection_input,
 )
-from . import exl3, hyper, moe, sparse  # noqa: E402,F401
+from . import compressed, exl3, hyper, moe, sparse  # noqa: E402,F401
 from .deltanet import (  # noqa: E402,F401
     causal_conv1d,
     causal_conv1d_step,

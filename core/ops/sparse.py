@@ -29,29 +29,33 @@ def sparse_index_topk(
     key_pages: torch.Tensor,
     block_table: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    context_lens: torch.Tensor,
+    key_counts: torch.Tensor,
+    positions: torch.Tensor,
     topk: int,
     scale: float,
+    rate: int = 1,
 ) -> torch.Tensor:
-    """The tokens each query attends to: [T, topk] positions in its sequence, -1 where fewer are visible.
+    """The keys each query attends to: [T, topk] indices into its sequence's keys, -1 where fewer are visible.
 
-    Token s scores ``sum_h weights[t, h] * relu(scale * q[t, h] . key[s])`` for query t (``q`` [T, H, D],
-    ``weights`` [T, H], ``key_pages`` [pages, page_size, D]), float32; the ``topk`` best among the tokens at
-    or before the query's position are kept (all of them while there are no more than ``topk``).
+    Sequence b has ``key_counts[b]`` keys in ``key_pages`` [pages, page_size, D] (through its block table row);
+    key s scores ``sum_h weights[t, h] * relu(scale * q[t, h] . key[s])`` for query t (``q`` [T, H, D],
+    ``weights`` [T, H]), float32. A key stands for ``rate`` tokens (1: one token; DeepSeek V4 indexes
+    compressed windows) and is visible once the query at ``positions[t]`` has passed them all,
+    ``s < (pos + 1) // rate``; the ``topk`` best visible keys are kept (all while there are no more).
     """
     out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
-    bounds, ctx = cu_seqlens.tolist(), context_lens.tolist()
+    bounds, counts = cu_seqlens.tolist(), key_counts.tolist()
     for b, (s0, s1) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if s1 == s0:
+        if s1 == s0 or counts[b] == 0:
             continue
-        keys = gather_pages(key_pages, block_table[b], ctx[b]).float()  # [S, D]
+        keys = gather_pages(key_pages, block_table[b], counts[b]).float()  # [S, D]
         scores = torch.relu(torch.einsum("thd,sd->ths", q[s0:s1].float(), keys) * scale)
         index = torch.einsum("th,ths->ts", weights[s0:s1].float(), scores)
-        qpos = torch.arange(s1 - s0, device=q.device)[:, None] + ctx[b] - (s1 - s0)
-        index = index.masked_fill(torch.arange(ctx[b], device=q.device)[None] > qpos, float("-inf"))
-        k = min(topk, ctx[b])
+        visible = (positions[s0:s1, None] + 1) // rate  # keys before this are visible
+        index = index.masked_fill(torch.arange(counts[b], device=q.device)[None] >= visible, float("-inf"))
+        k = min(topk, counts[b])
         chosen = index.topk(k, dim=-1).indices
-        out[s0:s1, :k] = torch.where(chosen <= qpos, chosen, -1)
+        out[s0:s1, :k] = torch.where(chosen < visible, chosen, -1)
     return out
 
 
