@@ -152,3 +152,22 @@ def test_deepseek_v4_parity(deepseek_v4_dir):
     report = check_parity(deepseek_v4_dir)
     print(report)
     report.assert_ok()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["glm_dsa_dir", "deepseek_v4_dir"])
+def test_sparse_families_on_cuda(request, family):
+    """The torch references on CUDA tensors, through the session cache (CUDA graphs where they capture, else eager):
+    the same logits as on the CPU and the same 32 greedy tokens."""
+    import trellm
+
+    model_dir = request.getfixturevalue(family)
+    cpu = trellm.load(model_dir, device="cpu", dtype=torch.float32)
+    gpu = trellm.load(model_dir, device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    for n in (23, 9):
+        prompt = torch.randint(0, cpu.config.vocab_size, (n,), generator=g).tolist()
+        want, got = cpu.logits([prompt])[0], gpu.logits([prompt])[0].cpu()
+        assert float((want - got).abs().max()) <= 1e-3 * float(want.max() - want.min())
+        assert list(gpu.generate_ids(prompt, 32, stop_token_ids=[])) == list(cpu.generate_ids(prompt, 32, stop_token_ids=[]))
