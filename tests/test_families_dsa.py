@@ -1,5 +1,6 @@
-"""DeepSeek-style sparse attention families (issue 30) and the shared modules they brought: hyper-connections
-(DeepSeek V4, GLM 5.3), each held against transformers."""
+"""DeepSeek-style sparse attention families (issue 30), GLM 5 and DeepSeek V4, and the shared modules they brought
+(hyper-connections, MLA with a DSA indexer, compressed attention), each held against transformers. The prompts
+are longer than every window and top-k, so a selection or window that goes wrong changes the logits."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,10 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import save_file
 
 from trellm.sdk import HyperConnection, HyperHead, LoadContext, expand_streams
+from trellm.sdk.testing import check_parity, make_tiny_hf_model
 from trellm.weights import WeightStore
+
+from test_moe_families import randomize
 
 
 def _load(module, tensors: dict[str, torch.Tensor], tmp_path):
@@ -72,10 +76,6 @@ def test_hyper_head_matches_transformers(tmp_path):
 
 
 # ---- GLM 5: MLA with DeepSeek Sparse Attention ------------------------------------------------------------
-
-from trellm.sdk.testing import check_parity, make_tiny_hf_model
-
-from test_moe_families import randomize
 
 # index_topk 6 < both prompts (23 and 9 tokens): the later queries of each attend to a selection, not to all
 GLM_DSA = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
