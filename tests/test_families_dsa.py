@@ -171,3 +171,14 @@ def test_sparse_families_on_cuda(request, family):
         want, got = cpu.logits([prompt])[0], gpu.logits([prompt])[0].cpu()
         assert float((want - got).abs().max()) <= 1e-3 * float(want.max() - want.min())
         assert list(gpu.generate_ids(prompt, 32, stop_token_ids=[])) == list(cpu.generate_ids(prompt, 32, stop_token_ids=[]))
+
+
+def test_deepseek_v4_prompts_shorter_than_a_window(deepseek_v4_dir):
+    """No complete window yet (1 and 3 tokens against windows of 2 and 4): no entries, and decoding goes on."""
+    from trellm.sdk import ops
+
+    for overlap, width in ((False, 8), (True, 16)):
+        assert ops.compressed.compress_windows(torch.randn(1, width), torch.randn(1, width), torch.zeros(2, width), 2, overlap).shape == (0, 8)
+    report = check_parity(deepseek_v4_dir, prompts=[[5], [7, 3, 9]], max_new_tokens=8)
+    print(report)
+    report.assert_ok()

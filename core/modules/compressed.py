@@ -1,5 +1,5 @@
 """Compressed attention (DeepSeek V4): sliding-window attention over one shared K = V head, plus long-range
-entries that each fold a window of ``rate`` tokens into one (:func:`trellm.ops.compress_windows`).
+entries that each fold a window of ``rate`` tokens into one (:func:`trellm.ops.compressed.compress_windows`).
 
 Three layer kinds: ``sliding_attention`` (the window only), ``heavily_compressed_attention`` (HCA: every
 entry the query has passed, non-overlapping windows) and ``compressed_sparse_attention`` (CSA: overlapping

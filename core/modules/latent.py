@@ -115,7 +115,7 @@ class LatentAttention(Attention):
 class SparseIndexer(Module):
     """The DSA lightning indexer: ``heads`` small query heads (from the query latent, ``wq_b``) against one key per
     token (``k_norm(wk(x))``, a LayerNorm with bias), RoPE on the first ``rope_dim`` dims of both, heads weighted
-    per token by ``weights_proj(x) / sqrt(heads)``; keeps the ``topk`` best tokens (:func:`trellm.ops.sparse_index_topk`)."""
+    per token by ``weights_proj(x) / sqrt(heads)``; keeps the ``topk`` best tokens (:func:`trellm.ops.sparse.sparse_index_topk`)."""
 
     def __init__(self, key: str, hidden_size: int, q_lora_rank: int, heads: int, head_dim: int, topk: int, interleaved: bool):
         self.key, self.heads, self.head_dim, self.topk, self.interleaved = key, heads, head_dim, topk, interleaved

@@ -15,13 +15,13 @@ def compress_windows(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.
     ``n = S // rate``, float32: entry w is ``sum_j softmax_j(gate_j + position_bias) * kv_j`` per feature
     over window w's tokens (C = D). ``overlap`` (C = 2D): entry w mixes window w's second halves with window
     w - 1's first halves, 2 * rate slots in one softmax (window -1 contributes nothing)."""
-    n = kv.shape[0] // rate
-    kv = kv[: n * rate].float().view(n, rate, -1)
-    gate = gate[: n * rate].float().view(n, rate, -1) + position_bias.float()
+    n, width = kv.shape[0] // rate, kv.shape[-1]
+    kv = kv[: n * rate].float().view(n, rate, width)
+    gate = gate[: n * rate].float().view(n, rate, width) + position_bias.float()
     if overlap:
         d = kv.shape[-1] // 2
-        prev_kv = torch.cat([kv.new_zeros(1, rate, d), kv[:-1, :, :d]])
-        prev_gate = torch.cat([gate.new_full((1, rate, d), float("-inf")), gate[:-1, :, :d]])
+        prev_kv = torch.cat([kv.new_zeros(1, rate, d), kv[:-1, :, :d]])[:n]
+        prev_gate = torch.cat([gate.new_full((1, rate, d), float("-inf")), gate[:-1, :, :d]])[:n]
         kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
         gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
     return (kv * gate.softmax(dim=1)).sum(dim=1)
