@@ -85,6 +85,16 @@ class HasDefaultStopIds(Protocol):
         """Token ids that stop generation by default."""
 
 
+@runtime_checkable
+class SplitsOverRanks(Protocol):
+    """A module (a plugin's own, e.g. DeepSeek's latent attention) that splits itself for tensor parallel:
+    ``split_over_ranks(comm)`` keeps this rank's part (``comm.rank`` of ``comm.world``), cutting its
+    projections with ``trellm.sdk``'s ``split_columns`` / ``split_rows`` (the latter all-reduces)."""
+
+    def split_over_ranks(self, comm: Any) -> None:
+        """Keep only this rank's share of the module's weights and shrink its sizes to match."""
+
+
 def is_hybrid(model: Any) -> bool:
     """Whether ``model`` keeps recurrent state (:class:`HasRecurrentState`)."""
     return implements(model, HasRecurrentState)

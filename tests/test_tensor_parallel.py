@@ -51,6 +51,9 @@ def _exl3_from_dense(dense: Path, out: Path) -> Path:
 EXL3_SMALL = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=128, intermediate_size=256,
                   vocab_size=256, num_hidden_layers=1, tie_word_embeddings=False)
 EXL3_WIDE = dict(EXL3_SMALL, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512, vocab_size=512)
+# hybrids: gated delta net (2 key heads, 4 value heads) + gated attention, 3 layers
+LINEAR = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+              num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"])
 MODELS = {  # name: (HF architecture, tiny config overrides)
     "llama": ("LlamaForCausalLM", {}),
     "qwen3": ("Qwen3ForCausalLM", dict(head_dim=16, intermediate_size=96, vocab_size=250)),
@@ -59,6 +62,16 @@ MODELS = {  # name: (HF architecture, tiny config overrides)
     "glm4_moe": ("Glm4MoeForCausalLM", dict(n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
                                             topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
                                             routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True)),
+    "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", dict(LINEAR, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                  shared_expert_intermediate_size=32)),
+    "qwen3_5": ("Qwen3_5ForCausalLM", LINEAR),
+    "nemotron_h": ("NemotronHForCausalLM", dict(
+        num_hidden_layers=3, layers_block_type=["linear_attention", "full_attention", "moe"], mamba_num_heads=4,
+        mamba_head_dim=16, ssm_state_size=16, n_groups=2, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32, head_dim=16, n_group=2, topk_group=1, chunk_size=16, routed_scaling_factor=1.5)),
+    "lfm2_moe": ("Lfm2MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1, num_hidden_layers=3,
+        layer_types=["conv", "full_attention", "conv"], routed_scaling_factor=1.5)),
     "dense_small": ("LlamaForCausalLM", EXL3_SMALL),
     "dense_wide": ("LlamaForCausalLM", EXL3_WIDE),
 }
@@ -123,10 +136,12 @@ def _greedy(lm) -> list[int]:
 
 @pytest.mark.parametrize("name,world,generate", [
     ("llama", 2, True), ("llama", 4, True), ("qwen3", 2, True), ("exl3_small", 2, True), ("exl3_wide", 4, False),
-    ("qwen3_moe", 2, True), ("glm4_moe", 2, True),
+    ("qwen3_moe", 2, True), ("glm4_moe", 2, True), ("qwen3_5_moe", 2, True), ("nemotron_h", 2, True),
+    pytest.param("qwen3_5", 2, True, marks=pytest.mark.slow), pytest.param("lfm2_moe", 2, True, marks=pytest.mark.slow),
 ])
 def test_logits_and_greedy_tokens_match_one_rank(model_dirs, name, world, generate):
-    """Heads and MLP columns split (EXL3 on 128-blocks; GQA KV heads replicated), MoE experts spread: the logits
+    """Heads and MLP columns split (EXL3 on 128-blocks; GQA KV heads replicated), MoE experts spread, recurrent
+    mixers by heads (gated delta net, Mamba-2 groups, short-conv channels; state per rank): the logits
     of one process within 1e-4 of their range, the same 32 greedy tokens through the paged cache."""
     split = _model(model_dirs, name, world)
     want, got = _one_rank(model_dirs, name, "logits", lambda lm: lm.logits(PROMPTS)), split.logits(PROMPTS)
@@ -150,6 +165,22 @@ def test_generator_batching_under_tensor_parallel(model_dirs):
     alone = [list(one.generate_ids(p, max_new_tokens=12, stop_token_ids=[])) for p in prompts]
     assert run(split, 3) == alone
     assert run(split, 1) == alone
+
+
+def test_hybrid_prefix_checkpoints_reach_every_rank(model_dirs):
+    """A gated-delta-net hybrid on two ranks in the Generator: the second prompt starts from a recurrent-state
+    checkpoint of the first's shared prefix (a slot copy on rank 0, which the other rank repeats before its next
+    step); each job's tokens are those of one process run alone, and each rank holds half the state."""
+    one, split = _model(model_dirs, "qwen3_5_moe", 1), _model(model_dirs, "qwen3_5_moe", 2)
+    prefix = PROMPTS[1].tolist() + PROMPTS[0, :12].tolist()  # two whole 16-token pages
+    prompts = [prefix + [5, 6, 7], prefix + [9, 8]]
+    alone = [list(one.generate_ids(p, max_new_tokens=10, stop_token_ids=[])) for p in prompts]
+    gen = Generator(split, max_batch_size=2, max_chunk_tokens=16, cache_tokens=256, page_size=16)
+    got = [gen.generate([p], max_new_tokens=10, return_results=True, stop_token_ids=[])[0].token_ids for p in prompts]
+    assert gen.cache.prefix_cache.checkpoint_of  # the second job did start from a checkpoint
+    assert got == alone
+    whole = one.model.make_cache(max_tokens=16, page_size=16, max_slots=1).state_layers()[0].states
+    assert gen.cache.state_layers()[0].states.shape[1] * 2 == whole.shape[1]  # value heads: 2 of 4 per rank
 
 
 def test_quantized_cache_and_own_kv_heads_per_rank(model_dirs):

@@ -102,6 +102,8 @@ class KVCache:
         self.allocator = PageAllocator(num_pages)
         self._prefix = None
         self.made_with: dict | None = None  # KVCache.for_model's arguments, when it made this cache
+        # (src, dst) recurrent-state slot copies not yet sent to the other tensor-parallel ranks (None: not logged)
+        self.state_copies: list[tuple[int, int]] | None = None
 
     @classmethod
     def for_model(

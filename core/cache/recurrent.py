@@ -101,6 +101,7 @@ def build_hybrid_cache(
     for i, mixer in enumerate(model.recurrent_layers()):
         if mixer is not None:
             cache.layers[i] = mixer.state_layer(max_slots, dtype, device)
+    cache.made_with["max_slots"] = max_slots  # a tensor-parallel rank makes its own part with make_cache(**made_with)
     return cache
 
 
@@ -144,6 +145,8 @@ def free_state_slot(cache: KVCache, slot: int | None) -> None:
 def copy_state_slot(cache: KVCache, src: int, dst: int) -> None:
     for l in state_layers(cache):
         l.copy_slot(src, dst)
+    if cache.state_copies is not None:  # the other tensor-parallel ranks copy their part before the next step
+        cache.state_copies.append((src, dst))
 
 
 __all__ = [

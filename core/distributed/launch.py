@@ -92,10 +92,19 @@ def unpack_batch(packed: dict, caches: dict[int, Any], device: torch.device) -> 
 
 def make_local_cache(model: Any, made_with: dict) -> Any:
     """This rank's part of rank 0's cache (``made_with``: its KVCache.for_model arguments): this rank's own
-    KV heads in the same pages."""
+    KV heads in the same pages, and on a hybrid model its own heads' recurrent state in the same slots."""
     from ..cache import KVCache
+    from ..capabilities import is_hybrid
 
-    return KVCache.for_model(model, **made_with)
+    return model.make_cache(**made_with) if is_hybrid(model) else KVCache.for_model(model, **made_with)
+
+
+def copy_state_slots(cache: Any, copies: list[tuple[int, int]]) -> None:
+    """Rank 0's recurrent-state slot copies since its last step (prefix checkpoints, draft snapshots), in order."""
+    from ..cache.recurrent import copy_state_slot
+
+    for src, dst in copies:
+        copy_state_slot(cache, src, dst)
 
 
 # ---- rank 0 -----------------------------------------------------------------------------------------
@@ -217,12 +226,15 @@ class TensorParallelModel:
             cache_id = next(self._next_id)
             self._send("cache", (cache_id, made_with))
             self._cache_ids[cache] = cache_id
+            cache.state_copies = []
             weakref.finalize(cache, self._dropped.append, cache_id)
         return cache_id
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         cache_id = None if batch.cache is None else self._cache_id(batch.cache)
         packed = pack_batch(batch, cache_id)
+        if batch.cache is not None and batch.cache.state_copies:
+            packed["state_copies"], batch.cache.state_copies = batch.cache.state_copies, []
         ids = packed["fields"]["input_ids"]
         vocab = getattr(self.local.config, "vocab_size", None)
         if ids.numel() and vocab and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
@@ -358,11 +370,10 @@ def load_rank(spec: RankSpec, comm: Comm, progress: bool, tokenizer: bool):
     from .sharding import ShardingError, replace_child, shard_module
 
     def shard_child(model, child, ctx):
-        from ..capabilities import is_hybrid, supports_images
+        from ..capabilities import supports_images
 
-        if is_hybrid(model) or supports_images(model):
-            kind = "recurrent layers" if is_hybrid(model) else "image input"
-            raise ShardingError(f"{spec.model_dir}: models with {kind} do not run under tensor parallel yet")
+        if supports_images(model):
+            raise ShardingError(f"{spec.model_dir}: models with image input do not run under tensor parallel yet")
         new = shard_module(child, comm, lm_head=getattr(model, "lm_head", None))
         if new is not child:
             replace_child(model, child, new)
@@ -417,7 +428,9 @@ def serve(model: Any, comm: Comm) -> None:
             for cache_id in step.dropped:
                 caches.pop(cache_id, None)
             if step.kind == "forward":
-                model.forward(unpack_batch(step.payload, caches, comm.device))
+                batch = unpack_batch(step.payload, caches, comm.device)
+                copy_state_slots(batch.cache, step.payload.get("state_copies", ()))
+                model.forward(batch)
             elif step.kind == "cache":
                 cache_id, made_with = step.payload
                 caches[cache_id] = make_local_cache(model, made_with)

@@ -9,7 +9,11 @@ projection's weights for this rank's shard and shrinks the attention's head coun
 
 Split rules: attention by heads (each rank a contiguous block of query heads and the KV heads they
 read; with fewer KV heads than ranks each KV head is replicated on the ranks whose query heads read
-it); MLPs by intermediate columns; embedding and LM head by vocabulary rows. EXL3 weights split only
+it); MLPs by intermediate columns; embedding and LM head by vocabulary rows; recurrent mixers by heads
+(gated delta net: key-head groups with their value heads; Mamba-2: head groups with their B/C; a short
+conv: channels), their conv channels and per-rank recurrent state going with the heads (the cache a
+rank builds from its shrunk mixers holds only its heads' state). A module of a plugin splits itself
+(:class:`~trellm.capabilities.SplitsOverRanks`, with :func:`split_columns` / :func:`split_rows`). EXL3 weights split only
 on 128-row / 128-column boundaries (a 128-block of the Hadamard transform must stay whole); dense
 weights split anywhere. Any module this file does not know runs whole on every rank (replicated):
 that is always correct, because only the inside of an attention or MLP block is ever sharded.
@@ -22,10 +26,12 @@ from functools import singledispatch
 import attrs
 import torch
 
+from ..capabilities import SplitsOverRanks, implements
 from ..modules.base import Module
 from ..modules.layers import MLP, Attention, Embedding, GatedMLP, HeadLayerNorm
 from ..modules.linear import DenseLinear, Linear
 from ..modules.moe import MoE, dispatch_experts
+from ..modules.recurrent import GatedAttention, GatedDeltaNet, Mamba2Mixer, ShortConv
 from ..quant.exl3.format import EXL3Linear
 from .comm import Comm
 
@@ -147,6 +153,31 @@ def _(weights: EXL3Linear, start: int, stop: int, keep_bias: bool) -> EXL3Linear
     )
 
 
+@singledispatch
+def join_columns(*parts: object) -> object:
+    """Column shards of one weights class side by side: one projection whose output is their outputs in order."""
+    raise ShardingError(f"tensor parallel cannot join column shards of {type(parts[0]).__name__} weights yet")
+
+
+@join_columns.register
+def _(*parts: DenseLinear) -> DenseLinear:
+    biases = [p.bias for p in parts]
+    bias = None if biases[0] is None else torch.cat(biases)
+    return DenseLinear(torch.cat([p.weight for p in parts]), bias)
+
+
+@join_columns.register
+def _(*parts: EXL3Linear) -> EXL3Linear:
+    first = parts[0]
+    if any(p.out_features % 128 for p in parts[:-1]):
+        raise ShardingError(f"{first.key}: EXL3 column shards joined must be whole 128-column blocks")
+    biases = [p.bias for p in parts]
+    return EXL3Linear(
+        torch.cat([p.trellis for p in parts], dim=1), first.suh, torch.cat([p.svh for p in parts]), first.codebook,
+        first.in_features, sum(p.out_features for p in parts), None if biases[0] is None else torch.cat(biases), first.key,
+    )
+
+
 class RowParallel:
     """A row shard whose partial outputs are summed over the ranks: the all-reduce is its post step."""
 
@@ -208,15 +239,38 @@ class VocabParallelEmbedding(Embedding):
 # ---- modules ----------------------------------------------------------------------------------------
 
 
-def _columns(linear: Linear, start: int, stop: int) -> None:
+def split_columns(linear: Linear, start: int, stop: int) -> None:
+    """Keep output columns [start, stop) of ``linear`` (column parallel: no collective)."""
     linear.impl = shard_columns(linear.impl, start, stop)
     linear.out_features = stop - start
 
 
-def _rows(linear: Linear, start: int, stop: int, comm: Comm, reduce: bool = True) -> None:
+def split_column_ranges(linear: Linear, ranges: list[tuple[int, int]]) -> None:
+    """Keep the output columns of ``ranges``, in order (a projection whose output is several parts: q|k|v)."""
+    parts = [shard_columns(linear.impl, a, b) for a, b in ranges]
+    linear.impl = parts[0] if len(parts) == 1 else join_columns(*parts)
+    linear.out_features = sum(b - a for a, b in ranges)
+
+
+def split_rows(linear: Linear, start: int, stop: int, comm: Comm, reduce: bool = True) -> None:
+    """Keep input rows [start, stop) of ``linear``; its partial outputs are all-reduced (``reduce=False``: left
+    partial, for a caller that sums them with more)."""
     shard = shard_rows(linear.impl, start, stop, keep_bias=comm.rank == 0)
     linear.impl = RowParallel(shard, comm) if reduce else shard
     linear.in_features = stop - start
+
+
+def take_ranges(t: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """Rows ``ranges`` of ``t`` (dim 0), in order, as a new tensor."""
+    return torch.cat([t[a:b] for a, b in ranges]).clone()
+
+
+def rank_range(size: int, comm: Comm, what: str) -> tuple[int, int]:
+    """This rank's even share [start, stop) of ``size`` heads/groups (raises when ``size`` does not split evenly)."""
+    if size % comm.world:
+        raise ShardingError(f"{what} ({size}) cannot be split evenly over {comm.world} ranks")
+    per = size // comm.world
+    return comm.rank * per, (comm.rank + 1) * per
 
 
 def shard_attention(attn: Attention, comm: Comm) -> None:
@@ -225,19 +279,20 @@ def shard_attention(attn: Attention, comm: Comm) -> None:
         raise ShardingError(f"{attn.key}: a QK-norm over the whole projection (Olmo 2/3) needs every head; not split yet")
     s = head_shard(attn.num_heads, attn.num_kv_heads, comm.rank, comm.world, attn.key)
     d = attn.head_dim
+    qd = attn.q_proj.out_features // attn.num_heads  # 2 d where q_proj also yields a gate per head (GatedAttention)
     align = max(shard_align(lin.impl) for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
     if getattr(attn, "sinks", None) is not None:  # one learned logit per query head (gpt-oss)
         attn.sinks = attn.sinks[s.q0: s.q1].clone()
-    for lo, hi in ((s.q0 * d, s.q1 * d), (s.kv0 * d, s.kv1 * d)):
+    for lo, hi in ((s.q0 * qd, s.q1 * qd), (s.kv0 * d, s.kv1 * d)):
         if lo % align or hi % align:
             raise ShardingError(
                 f"{attn.key}: heads of {d} dims give a rank columns [{lo}, {hi}), not on the {align}-column blocks its "
                 f"weights split on; use fewer ranks"
             )
-    _columns(attn.q_proj, s.q0 * d, s.q1 * d)
-    _columns(attn.k_proj, s.kv0 * d, s.kv1 * d)
-    _columns(attn.v_proj, s.kv0 * d, s.kv1 * d)
-    _rows(attn.o_proj, s.q0 * d, s.q1 * d, comm)
+    split_columns(attn.q_proj, s.q0 * qd, s.q1 * qd)
+    split_columns(attn.k_proj, s.kv0 * d, s.kv1 * d)
+    split_columns(attn.v_proj, s.kv0 * d, s.kv1 * d)
+    split_rows(attn.o_proj, s.q0 * d, s.q1 * d, comm)
     if isinstance(attn.q_norm, HeadLayerNorm):  # one weight row per head
         attn.q_norm.weight = attn.q_norm.weight[s.q0: s.q1].clone()
         attn.k_norm.weight = attn.k_norm.weight[s.kv0: s.kv1].clone()
@@ -253,10 +308,73 @@ def shard_mlp(mlp: GatedMLP | MLP, comm: Comm, reduce: bool = True) -> None:
     size = mlp.down_proj.in_features
     start, stop = partition(size, comm.world, align, f"{mlp.key}: intermediate size")[comm.rank]
     for lin in column_parts:
-        _columns(lin, start, stop)
-    _rows(mlp.down_proj, start, stop, comm, reduce)
+        split_columns(lin, start, stop)
+    split_rows(mlp.down_proj, start, stop, comm, reduce)
     if isinstance(mlp, GatedMLP):
         mlp.intermediate_size = stop - start
+
+
+def shard_gated_delta_net(gdn: GatedDeltaNet, comm: Comm) -> None:
+    """This rank's key heads and the value heads that read them: q/k/v/z/a/b columns, the conv channels of its
+    q|k|v, its heads' decay and dt bias, out_proj rows (all-reduced). Its state layer then holds its heads only."""
+    k0, k1 = rank_range(gdn.num_k_heads, comm, f"{gdn.key}: linear-attention key heads")
+    per, dk, dv = gdn.num_v_heads // gdn.num_k_heads, gdn.head_k_dim, gdn.head_v_dim
+    v0, v1 = k0 * per, k1 * per
+    channels = [(k0 * dk, k1 * dk), (gdn.key_dim + k0 * dk, gdn.key_dim + k1 * dk),
+                (2 * gdn.key_dim + v0 * dv, 2 * gdn.key_dim + v1 * dv)]
+    if gdn.projection == "split":
+        split_column_ranges(gdn.in_proj_qkv, channels)
+        split_columns(gdn.in_proj_z, v0 * dv, v1 * dv)
+        split_columns(gdn.in_proj_b, v0, v1)
+        split_columns(gdn.in_proj_a, v0, v1)
+    elif gdn.projection == "fused":  # grouped per key head: [q | k | v | z] and [b | a] of one key head side by side
+        width = 2 * dk + 2 * per * dv
+        split_columns(gdn.in_proj_qkvz, k0 * width, k1 * width)
+        split_columns(gdn.in_proj_ba, k0 * 2 * per, k1 * 2 * per)
+    else:
+        for lin, (lo, hi) in zip((gdn.q_proj, gdn.k_proj, gdn.v_proj, gdn.g_proj, gdn.b_proj, gdn.a_proj),
+                                 ((k0 * dk, k1 * dk), (k0 * dk, k1 * dk), (v0 * dv, v1 * dv), (v0 * dv, v1 * dv), (v0, v1), (v0, v1))):
+            split_columns(lin, lo, hi)
+    gdn.conv_weight = take_ranges(gdn.conv_weight, channels)
+    if gdn.conv_bias_t is not None:
+        gdn.conv_bias_t = take_ranges(gdn.conv_bias_t, channels)
+    gdn.dt_bias, gdn.A_log = gdn.dt_bias[v0:v1].clone(), gdn.A_log[v0:v1].clone()
+    split_rows(gdn.out_proj, v0 * dv, v1 * dv, comm)
+    gdn.num_k_heads, gdn.num_v_heads = k1 - k0, v1 - v0
+    gdn.key_dim, gdn.value_dim = gdn.num_k_heads * dk, gdn.num_v_heads * dv
+    gdn.conv_dim = 2 * gdn.key_dim + gdn.value_dim
+
+
+def shard_mamba2(mixer: Mamba2Mixer, comm: Comm) -> None:
+    """This rank's head groups (each group's heads share its B and C): in_proj's z/x/B/C/dt columns, the conv
+    channels of x|B|C, the heads' A/D/dt bias and norm weights (the norm is per group), out_proj rows (all-reduced)."""
+    g0, g1 = rank_range(mixer.num_groups, comm, f"{mixer.key}: Mamba-2 groups (n_groups)")
+    per, p, n = mixer.num_heads // mixer.num_groups, mixer.head_dim, mixer.state_size
+    h0, h1, inner, gn = g0 * per, g1 * per, mixer.inner, mixer.num_groups * mixer.state_size
+    xbc = [(h0 * p, h1 * p), (inner + g0 * n, inner + g1 * n), (inner + gn + g0 * n, inner + gn + g1 * n)]
+    split_column_ranges(mixer.in_proj, [(h0 * p, h1 * p), *((inner + a, inner + b) for a, b in xbc),
+                                        (2 * inner + 2 * gn + h0, 2 * inner + 2 * gn + h1)])
+    mixer.conv_weight = take_ranges(mixer.conv_weight, xbc)
+    if mixer.conv_bias is not None:
+        mixer.conv_bias = take_ranges(mixer.conv_bias, xbc)
+    mixer.dt_bias, mixer.A_log, mixer.D = (t[h0:h1].clone() for t in (mixer.dt_bias, mixer.A_log, mixer.D))
+    mixer.norm_weight = mixer.norm_weight[h0 * p: h1 * p].clone()
+    split_rows(mixer.out_proj, h0 * p, h1 * p, comm)
+    mixer.num_heads, mixer.num_groups = h1 - h0, g1 - g0
+    mixer.inner = mixer.num_heads * p
+    mixer.conv_dim = mixer.inner + 2 * mixer.num_groups * n
+
+
+def shard_short_conv(conv: ShortConv, comm: Comm) -> None:
+    """This rank's channels: in_proj's B/C/x columns, the conv channels, out_proj rows (all-reduced)."""
+    c0, c1 = partition(conv.hidden_size, comm.world, 1, f"{conv.key}: conv channels")[comm.rank]
+    h = conv.hidden_size
+    split_column_ranges(conv.in_proj, [(c0, c1), (h + c0, h + c1), (2 * h + c0, 2 * h + c1)])
+    conv.conv_weight = conv.conv_weight[c0:c1].clone()
+    if conv.conv_bias is not None:
+        conv.conv_bias = conv.conv_bias[c0:c1].clone()
+    split_rows(conv.out_proj, c0, c1, comm)
+    conv.hidden_size = c1 - c0  # the width of its state (the conv channels), no longer the model's
 
 
 def shard_head(head: Linear, comm: Comm) -> None:
@@ -338,7 +456,10 @@ class ExpertParallelMoE(Module):
 def shard_module(module: Module, comm: Comm, lm_head: Linear | None = None) -> Module:
     """``module`` (a loaded child of the model) with this rank's shards in place; returns the module to keep
     (a new one where the class changes: the embedding, a MoE block). ``lm_head``: the model's head, split by
-    vocabulary. Modules of other kinds run whole on every rank."""
+    vocabulary. Modules of other kinds run whole on every rank; a module holding no weights (a part the checkpoint
+    lacks, e.g. an MTP head) stays as it is."""
+    if module.nbytes() == 0:
+        return module
     if module is lm_head:
         shard_head(module, comm)
         return module
@@ -347,16 +468,22 @@ def shard_module(module: Module, comm: Comm, lm_head: Linear | None = None) -> M
         return shard_embedding(module, comm)
     if kind is MoE:
         return ExpertParallelMoE(module, comm)
-    if kind is Attention:
-        shard_attention(module, comm)
-    elif kind in (GatedMLP, MLP):
-        shard_mlp(module, comm)
+    if implements(module, SplitsOverRanks):  # a plugin's module: it knows its own split
+        module.split_over_ranks(comm)
+    elif kind in SHARD_BY_KIND:
+        SHARD_BY_KIND[kind](module, comm)
     else:
         for child in list(module.children()):
             new = shard_module(child, comm)
             if new is not child:
                 replace_child(module, child, new)
     return module
+
+
+SHARD_BY_KIND = {
+    Attention: shard_attention, GatedAttention: shard_attention, GatedMLP: shard_mlp, MLP: shard_mlp,
+    GatedDeltaNet: shard_gated_delta_net, Mamba2Mixer: shard_mamba2, ShortConv: shard_short_conv,
+}
 
 
 def replace_child(parent: Module, old: Module, new: Module) -> None:
