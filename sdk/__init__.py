@@ -24,6 +24,7 @@ from trellm.capabilities import (
     HasMTPHead,
     HasRecurrentState,
     PagedKVLayer,
+    SplitsOverRanks,
     StateSlots,
     SupportsImages,
     has_dense_pages,
@@ -45,6 +46,7 @@ from trellm.config import (
     sliding_on_every_layer,
     text_config,
 )
+from trellm.distributed.sharding import rank_range, split_columns, split_rows
 from trellm.errors import ConfigError
 from trellm.generator.mtp import MTPHead, MTPLayout, build_qwen_mtp_head
 from trellm.hookspecs import hookimpl
@@ -163,6 +165,8 @@ __all__ = [
     # capabilities (trellm.capabilities): what a model or cache layer can do
     "HasRecurrentState", "SupportsImages", "HasMTPHead", "PagedKVLayer", "DenseKVPages", "StateSlots", "implements",
     "is_hybrid", "supports_images", "mtp_head", "is_paged_layer", "has_dense_pages", "is_state_layer",
+    # tensor parallel: a module that splits itself (SplitsOverRanks) cuts its projections with these
+    "SplitsOverRanks", "rank_range", "split_columns", "split_rows",
     # numeric ops
     "ops", "activation_fn", "gather_pages",
 ]

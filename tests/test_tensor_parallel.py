@@ -72,6 +72,10 @@ MODELS = {  # name: (HF architecture, tiny config overrides)
     "lfm2_moe": ("Lfm2MoeForCausalLM", dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1, num_hidden_layers=3,
         layer_types=["conv", "full_attention", "conv"], routed_scaling_factor=1.5)),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2, first_k_dense_replace=1,
+        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=24,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, num_key_value_heads=4)),
     "dense_small": ("LlamaForCausalLM", EXL3_SMALL),
     "dense_wide": ("LlamaForCausalLM", EXL3_WIDE),
 }
@@ -136,7 +140,7 @@ def _greedy(lm) -> list[int]:
 
 @pytest.mark.parametrize("name,world,generate", [
     ("llama", 2, True), ("llama", 4, True), ("qwen3", 2, True), ("exl3_small", 2, True), ("exl3_wide", 4, False),
-    ("qwen3_moe", 2, True), ("glm4_moe", 2, True), ("qwen3_5_moe", 2, True), ("nemotron_h", 2, True),
+    ("qwen3_moe", 2, True), ("glm4_moe", 2, True), ("qwen3_5_moe", 2, True), ("nemotron_h", 2, True), ("deepseek_v3", 2, True),
     pytest.param("qwen3_5", 2, True, marks=pytest.mark.slow), pytest.param("lfm2_moe", 2, True, marks=pytest.mark.slow),
 ])
 def test_logits_and_greedy_tokens_match_one_rank(model_dirs, name, world, generate):

@@ -30,6 +30,7 @@ from ..capabilities import SplitsOverRanks, implements
 from ..modules.base import Module
 from ..modules.layers import MLP, Attention, Embedding, GatedMLP, HeadLayerNorm
 from ..modules.linear import DenseLinear, Linear
+from ..modules.latent import LatentAttention
 from ..modules.moe import MoE, dispatch_experts
 from ..modules.recurrent import GatedAttention, GatedDeltaNet, Mamba2Mixer, ShortConv
 from ..quant.exl3.format import EXL3Linear
@@ -377,6 +378,20 @@ def shard_short_conv(conv: ShortConv, comm: Comm) -> None:
     conv.hidden_size = c1 - c0  # the width of its state (the conv channels), no longer the model's
 
 
+def shard_latent_attention(attn: LatentAttention, comm: Comm) -> None:
+    """MLA by heads: q_b (or q) columns, the heads' absorbed w_uk/w_uv (and the kv_b_proj columns they came from),
+    o_proj rows (all-reduced). The compressed latent (kv_a and its norm) stays whole and every rank caches it whole:
+    each head attends over all of it, it is one small vector per token however many heads there are, and a split
+    of its dims would need a reduction inside attention (scores sum over the latent) every layer."""
+    h0, h1 = rank_range(attn.num_heads, comm, f"{attn.key}: attention heads")
+    split_columns(attn.q_b_proj if attn.q_lora_rank else attn.q_proj, h0 * attn.head_dim, h1 * attn.head_dim)
+    per_head = attn.nope_dim + attn.v_dim
+    split_columns(attn.kv_b_proj, h0 * per_head, h1 * per_head)
+    attn.w_uk, attn.w_uv = attn.w_uk[h0:h1].clone(), attn.w_uv[h0:h1].clone()
+    split_rows(attn.o_proj, h0 * attn.v_dim, h1 * attn.v_dim, comm)
+    attn.num_heads = attn.num_kv_heads = h1 - h0
+
+
 def shard_head(head: Linear, comm: Comm) -> None:
     """The LM head split by vocabulary rows, its logits gathered."""
     vocab = head.out_features
@@ -482,7 +497,7 @@ def shard_module(module: Module, comm: Comm, lm_head: Linear | None = None) -> M
 
 SHARD_BY_KIND = {
     Attention: shard_attention, GatedAttention: shard_attention, GatedMLP: shard_mlp, MLP: shard_mlp,
-    GatedDeltaNet: shard_gated_delta_net, Mamba2Mixer: shard_mamba2, ShortConv: shard_short_conv,
+    LatentAttention: shard_latent_attention, GatedDeltaNet: shard_gated_delta_net, Mamba2Mixer: shard_mamba2, ShortConv: shard_short_conv,
 }
 
 
