@@ -339,15 +339,18 @@ class LoadedModel:
 
 
 
-def _warn_if_slow_here(raw_config: dict, device: torch.device) -> None:
-    """EXL3 has no CPU kernel: say so before a user waits for seconds per token."""
-    quant = raw_config.get("quantization_config") or {}
-    if device.type == "cpu" and isinstance(quant, dict) and quant.get("quant_method") == "exl3":
-        import warnings
+def note_decoded(ctx: LoadContext, what: str, stacklevel: int = 2) -> None:
+    """One line on the memory that quantized weights decoded at load take (a format with no kernel on the
+    device, as EXL3 on a CPU: decoding once beats decoding every weight at every forward). ``what``: the
+    format's name for the user."""
+    if not ctx.decoded_nbytes:
+        return
+    import warnings
 
-        warnings.warn("EXL3 weights on CPU: every forward decodes every weight, tens of times slower than the same "
-                      "model unquantized (measured on a small model: 0.5-0.8 tokens/s against 42 dense); on CPU, load the "
-                      "unquantized model", stacklevel=3)
+    from .distributed.plan import gib
+
+    warnings.warn(f"{what} weights on {ctx.device.type} (no kernel there): decoded once at load to "
+                  f"{str(ctx.dtype).removeprefix('torch.')}, {gib(ctx.decoded_nbytes)} of memory", stacklevel=stacklevel + 1)
 
 
 def model_path(path: str | Path) -> Path:
@@ -410,7 +413,6 @@ def load_local(path: str | Path, dev: torch.device, dtype, progress: bool, token
     spec = registry.find_architecture(archs[0], source=str(model_dir / "config.json"))
     config = spec.read_config(raw)
     dt = _resolve_dtype(dtype, dev, getattr(config, "torch_dtype", None))
-    _warn_if_slow_here(raw, dev)
     store = store or WeightStore(model_dir)
     model = spec.build(config)
     ctx = LoadContext(store=store, device=dev, dtype=dt, quant_formats=registry.quant_formats())
@@ -429,6 +431,9 @@ def load_local(path: str | Path, dev: torch.device, dtype, progress: bool, token
         raise
     if progress:
         print(f" ({time.time() - t0:.1f}s)", file=sys.stderr)
+    quant = raw.get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    note_decoded(ctx, str(method).upper() if method else "quantized", stacklevel=4)
     tok = None
     if tokenizer:
         if (model_dir / "tokenizer.json").is_file():

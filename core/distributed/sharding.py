@@ -133,25 +133,32 @@ def _check_exl3_block(weights: EXL3Linear, start: int, stop: int, size: int, wha
         raise ShardingError(f"{weights.key}: EXL3 {what} [{start}, {stop}) do not lie on 128-wide Hadamard blocks")
 
 
+def _decoded_like(whole: EXL3Linear, shard: EXL3Linear) -> EXL3Linear:
+    """``shard``, decoded (its own slice of the trellis) where ``whole`` was (a CPU rank)."""
+    if whole.decoded is not None:
+        shard.decode(whole.decoded.dtype)
+    return shard
+
+
 @shard_columns.register
 def _(weights: EXL3Linear, start: int, stop: int) -> EXL3Linear:
     _check_exl3_block(weights, start, stop, weights.out_features, "columns")
     end = stop if stop % 128 == 0 else weights.padded_out  # the last shard keeps the padding
     bias = None if weights.bias is None else weights.bias[start:end].clone()
-    return EXL3Linear(
+    return _decoded_like(weights, EXL3Linear(
         weights.trellis[:, start // 16: end // 16].clone(), weights.suh, weights.svh[start:end].clone(), weights.codebook,
         weights.in_features, stop - start, bias, weights.key,
-    )
+    ))
 
 
 @shard_rows.register
 def _(weights: EXL3Linear, start: int, stop: int, keep_bias: bool) -> EXL3Linear:
     _check_exl3_block(weights, start, stop, weights.in_features, "rows")
     end = stop if stop % 128 == 0 else weights.padded_in
-    return EXL3Linear(
+    return _decoded_like(weights, EXL3Linear(
         weights.trellis[start // 16: end // 16].clone(), weights.suh[start:end].clone(), weights.svh, weights.codebook,
         stop - start, weights.out_features, weights.bias if keep_bias else None, weights.key,
-    )
+    ))
 
 
 @singledispatch

@@ -22,6 +22,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..errors import WeightError
 from ..modules.base import LoadContext
+from ..model import note_decoded
 from ..modules.linear import Linear
 from ..weights import WeightStore
 
@@ -108,6 +109,7 @@ def load_exl3_linears(model: torch.nn.Module, model_dir: str | Path, device: tor
             module.linear.load(ctx)
             module._loaded = True
             count += 1
+    note_decoded(ctx, QUANT_METHOD.upper(), stacklevel=3)
     return count
 
 

@@ -22,6 +22,8 @@ class LoadContext:
     quant_formats: list = attrs.field(factory=list)
     # tensors already loaded, by (name, dtype): a tied LM head shares the embedding's memory
     loaded: dict = attrs.field(factory=dict)
+    # bytes of dense copies that weights of a format with no kernel on the device decoded at load
+    decoded_nbytes: int = 0
 
     def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """``name`` from the store in the model dtype on the model device, loaded once per model."""

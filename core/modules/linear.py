@@ -62,6 +62,8 @@ class Linear(Module):
         for fmt in ctx.quant_formats:
             if fmt.detect(ctx.store, key):
                 self.impl = fmt.load_linear(ctx.store, key, self.in_features, self.out_features, bias, ctx.device, ctx.dtype)
+                if isinstance(self.impl, Weights):
+                    ctx.decoded_nbytes += self.impl.decoded_nbytes()
                 return
         if f"{key}.weight" not in ctx.store:
             raise WeightError(f"{ctx.store.model_dir}: tensor {key + '.weight'!r} is missing (no dense or quantized weights for {key!r})")

@@ -53,6 +53,11 @@ class Weights(abc.ABC):
     def dense_weight(self) -> torch.Tensor:
         """The equivalent dense weight [out, in]."""
 
+    def decoded_nbytes(self) -> int:
+        """Of :meth:`nbytes`, those of a dense copy decoded at load because no kernel runs this format on the
+        device (0: none)."""
+        return 0
+
     def grouped(self, parts: Sequence["Weights"]) -> "Weights | None":
         """``parts`` (self first, or self the first wrapper among them) as one Weights whose forward runs them
         together on one x, or None when this format cannot (then they run one by one)."""
@@ -77,6 +82,9 @@ class WeightList(Weights):
 
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self.parts)
+
+    def decoded_nbytes(self) -> int:
+        return sum(p.decoded_nbytes() for p in self.parts)
 
     def dense_weight(self) -> torch.Tensor:
         return torch.cat([p.dense_weight() for p in self.parts])

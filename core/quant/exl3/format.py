@@ -35,13 +35,21 @@ def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
     return (1 - 2 * bits).reshape(-1).to(torch.float16)
 
 
+_DECODE_BYTES = 1 << 28  # the bit unpacking's working memory per slice of :meth:`EXL3Linear.dense_weight`
+
+
 def _had_rows(x: torch.Tensor) -> torch.Tensor:
     return hadamard_128(x.t().contiguous()).t()
 
 
 class EXL3Linear(Weights):
     """A loaded EXL3 linear: ``forward`` runs ``trellm.ops.exl3_matmul`` on the padded tensors. The fused
-    routes around it (norm in, residual add out, gated activation) are ``trellm.ops.project``'s."""
+    routes around it (norm in, residual add out, gated activation) are ``trellm.ops.project``'s.
+
+    Where no kernel runs EXL3 (the CPU, whose reference decodes every weight at every call), :meth:`decode`
+    keeps the dense weight beside the EXL3 tensors and ``forward`` multiplies by it; the EXL3 tensors stay
+    (saving, sharding, the transformers bridge and LoRA read them).
+    """
 
     def __init__(
         self,
@@ -78,6 +86,14 @@ class EXL3Linear(Weights):
         self.in_features, self.out_features = in_features, out_features
         self.padded_in, self.padded_out = k, n
         self.key = key
+        self.decoded: torch.Tensor | None = None  # [out, in] in the model dtype, once :meth:`decode` ran
+        self.decoded_bias: torch.Tensor | None = None
+
+    def decode(self, dtype: torch.dtype) -> None:
+        """Hold the dense weight (and bias) in ``dtype`` from now on and project with them: one decode instead of
+        one per call, for a device with no EXL3 kernel."""
+        self.decoded = self.dense_weight(dtype)
+        self.decoded_bias = None if self.bias is None else self.bias[: self.out_features].to(dtype)
 
     @property
     def bits(self) -> int:
@@ -103,6 +119,8 @@ class EXL3Linear(Weights):
         return y.reshape(*lead, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.decoded is not None:
+            return torch.nn.functional.linear(x.to(self.decoded.dtype), self.decoded, self.decoded_bias).to(x.dtype)
         y = exl3_matmul(self._rows_in(x), self.trellis, self.suh, self.svh, self.codebook, self.bias)
         return self._rows_out(y, x.shape[:-1])
 
@@ -116,6 +134,7 @@ class EXL3Linear(Weights):
             and other.bits == self.bits
             and other.padded_in == self.padded_in
             and other.trellis.device == self.trellis.device
+            and self.decoded is None and other.decoded is None  # decoded parts are dense matmuls, one each
         )
 
     def grouped(self, parts: "list[Weights]") -> "EXL3Group | None":
@@ -126,13 +145,24 @@ class EXL3Linear(Weights):
 
     def nbytes(self) -> int:
         ts = (self.trellis, self.suh, self.svh, self.bias)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None) + self.decoded_nbytes()
+
+    def decoded_nbytes(self) -> int:
+        ts = (self.decoded, self.decoded_bias)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
-    def dense_weight(self) -> torch.Tensor:
-        """The equivalent dense weight [out, in] (float32)."""
-        w_hat = exl3_decode_tiles(self.trellis, self.codebook).float()
-        w = _had_rows(hadamard_128(w_hat)) * self.suh.float()[:, None] * self.svh.float()[None, :]
-        return w[: self.in_features, : self.out_features].t().contiguous()
+    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The equivalent dense weight [out, in] (float32 math, in ``dtype``), decoded a slice of 128-wide output
+        blocks at a time: unpacking the trellis takes 8 bytes per bit of every weight."""
+        k, n = self.padded_in, self.padded_out
+        step = max(128, (_DECODE_BYTES // (8 * k * self.bits)) // 128 * 128)
+        rows = []
+        for start in range(0, self.out_features, step):
+            stop = min(start + step, n)
+            w_hat = exl3_decode_tiles(self.trellis[:, start // 16: stop // 16], self.codebook).float()
+            w = _had_rows(hadamard_128(w_hat)) * self.suh.float()[:, None] * self.svh[start:stop].float()[None, :]
+            rows.append(w[: self.in_features, : self.out_features - start].t().to(dtype))
+        return torch.cat(rows).contiguous() if len(rows) > 1 else rows[0].contiguous()
 
     @classmethod
     def random(cls, in_features: int, out_features: int, K: int = 4, codebook: str = "mcg",
@@ -288,9 +318,12 @@ class EXL3Format:
             raise WeightError(f"{store.model_dir}: tensor {key + '.bias'!r} is missing (module {key!r} has a bias)")
         mv = lambda t: t.to(device) if t is not None else None  # noqa: E731
         try:
-            return EXL3Linear(mv(trellis), mv(suh), mv(svh), self._codebook(store, key), in_features, out_features, mv(b), key)
+            linear = EXL3Linear(mv(trellis), mv(suh), mv(svh), self._codebook(store, key), in_features, out_features, mv(b), key)
         except WeightError as e:
             raise WeightError(f"{store.model_dir}: {e}") from None
+        if device.type == "cpu":  # no EXL3 kernel there: decode once, not at every forward
+            linear.decode(dtype)
+        return linear
 
 
 def quantize_linear(
