@@ -3,7 +3,9 @@
 Every op is one :class:`Op` object. Its reference is plain torch (device-agnostic, the oracle in
 tests); a faster backend (``trellm.kernels_cuda``) registers an implementation with
 :meth:`Op.register`. A call dispatches on the device of the first tensor argument: CUDA tensors go
-to the CUDA implementation when it is registered and ``TRELLM_OPS=reference`` is not set.
+to the CUDA implementation when it is registered and ``TRELLM_OPS=reference`` is not set. A few ops
+also register a ``"cpu"`` implementation (torch's fused CPU kernels where the reference's plain math
+costs several times more, as attention's scores matrix); the rest run their reference on CPU.
 This is llama.cpp's test-backend-ops idea: tests hold each backend against the reference.
 """
 from __future__ import annotations
@@ -49,8 +51,9 @@ class Op:
         return deco
 
     def implementation(self, device_type: str) -> Callable[..., Any]:
-        if device_type != "cpu" and os.environ.get("TRELLM_OPS", "") != "reference":
-            load_backends()
+        if os.environ.get("TRELLM_OPS", "") != "reference":
+            if device_type != "cpu":
+                load_backends()
             impl = self.impls.get(device_type)
             if impl is not None:
                 return impl
@@ -58,9 +61,10 @@ class Op:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         t = _first_tensor(args, kwargs)
-        if t is None or t.device.type == "cpu":
+        device_type = "cpu" if t is None else t.device.type
+        if device_type == "cpu" and "cpu" not in self.impls:
             return self.reference(*args, **kwargs)
-        return self.implementation(t.device.type)(*args, **kwargs)
+        return self.implementation(device_type)(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<trellm op {self.name} impls={sorted(self.impls) or ['reference']}>"

@@ -55,6 +55,37 @@ def _attend(
     return torch.matmul(p, vf).transpose(0, 1).to(q.dtype)
 
 
+def _attend_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int, sliding_window: int,
+                  softcap: float, sinks: torch.Tensor | None, causal: bool = True) -> torch.Tensor:
+    """:func:`_attend` through torch's ``scaled_dot_product_attention`` (on CPU its flash kernel: the scores
+    matrix is never stored, and a causal prefill computes half of it). Softcap and sinks take :func:`_attend`."""
+    if softcap > 0 or sinks is not None:
+        return _attend(q, k, v, scale, q_offset, sliding_window, softcap, sinks, causal)
+    tq, tk = q.shape[0], k.shape[0]
+    mask, top_left = None, False
+    if causal and (sliding_window > 0 or (q_offset > 0 and tq > 1)):
+        qpos = torch.arange(tq, device=q.device)[:, None] + q_offset
+        kpos = torch.arange(tk, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if sliding_window > 0:
+            mask &= kpos > qpos - sliding_window
+    elif causal:
+        top_left = q_offset == 0 and tq > 1  # else one query at the end: it sees every key
+    heads = lambda t: t.to(q.dtype).transpose(0, 1).unsqueeze(0)  # noqa: E731  [1, H, T, D] views, 4-D: the flash kernel
+    y = torch.nn.functional.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=mask,
+                                                         is_causal=top_left, scale=scale, enable_gqa=True)
+    return y[0].transpose(0, 1)
+
+
+def _varlen(attend, q, k, v, cu_seqlens, scale, sliding_window, softcap, sinks, causal) -> torch.Tensor:
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        out[a:b] = attend(q[a:b], k[a:b], v[a:b], scale, 0, sliding_window, softcap, sinks, causal)
+    return out
+
+
 @op
 def attention_varlen(
     q: torch.Tensor,
@@ -68,12 +99,12 @@ def attention_varlen(
     causal: bool = True,
 ) -> torch.Tensor:
     """Causal self-attention of each sequence over its own tokens (no cache)."""
-    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    bounds = cu_seqlens.tolist()
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        out[a:b] = _attend(q[a:b], k[a:b], v[a:b], scale, 0, sliding_window, softcap, sinks, causal)
-    return out
+    return _varlen(_attend, q, k, v, cu_seqlens, scale, sliding_window, softcap, sinks, causal)
+
+
+@attention_varlen.register("cpu")
+def _attention_varlen_cpu(q, k, v, cu_seqlens, scale=None, sliding_window=0, softcap=0.0, sinks=None, causal=True):
+    return _varlen(_attend_fused, q, k, v, cu_seqlens, scale, sliding_window, softcap, sinks, causal)
 
 
 @op
@@ -107,6 +138,18 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over each sequence's cached context (prefill chunks and decode)."""
+    return _paged(_attend, q, k_pages, v_pages, block_table, cu_seqlens, context_lens, scale, sliding_window, softcap, sinks)
+
+
+@paged_attention.register("cpu")
+def _paged_attention_cpu(q, k_pages, v_pages, block_table, cu_seqlens, context_lens, scale=None, sliding_window=0,
+                         softcap=0.0, sinks=None):
+    return _paged(_attend_fused, q, k_pages, v_pages, block_table, cu_seqlens, context_lens, scale, sliding_window,
+                  softcap, sinks)
+
+
+def _paged(attend, q, k_pages, v_pages, block_table, cu_seqlens, context_lens, scale, sliding_window, softcap,
+           sinks) -> torch.Tensor:
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out = q.new_empty(q.shape[0], q.shape[1], v_pages.shape[-1])
     bounds = cu_seqlens.tolist()
@@ -116,7 +159,7 @@ def paged_attention(
             continue
         k = gather_pages(k_pages, block_table[b], ctx[b])
         v = gather_pages(v_pages, block_table[b], ctx[b])
-        out[s0:s1] = _attend(q[s0:s1], k, v, scale, ctx[b] - (s1 - s0), sliding_window, softcap, sinks)
+        out[s0:s1] = attend(q[s0:s1], k, v, scale, ctx[b] - (s1 - s0), sliding_window, softcap, sinks)
     return out
 
 

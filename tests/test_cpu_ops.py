@@ -1,0 +1,78 @@
+"""The ops with a CPU implementation of their own (torch's fused kernels), each held against its reference, as
+the cuda tests hold the CUDA ones; and dispatch: CPU tensors reach them unless ``TRELLM_OPS=reference``."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from trellm import ops
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+def _paged_setup(dtype, ctx_lens, q_lens, hq=8, hkv=2, d=64, dv=None, page_size=16):
+    gen = torch.Generator().manual_seed(0)
+    batch = len(ctx_lens)
+    max_blocks = max((c + page_size - 1) // page_size for c in ctx_lens)
+    num_pages = batch * max_blocks + 3
+    k_pages = torch.randn(num_pages, page_size, hkv, d, generator=gen).to(dtype)
+    v_pages = torch.randn(num_pages, page_size, hkv, dv or d, generator=gen).to(dtype)
+    table = torch.randperm(num_pages, generator=gen)[: batch * max_blocks].view(batch, max_blocks).to(torch.int32)
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    q = torch.randn(int(sum(q_lens)), hq, d, generator=gen).to(dtype)
+    return q, k_pages, v_pages, table, cu, torch.tensor(ctx_lens, dtype=torch.int32)
+
+
+CASES = [
+    dict(ctx=[1, 17, 300, 64], q=[1, 1, 1, 1]),  # decode
+    dict(ctx=[40, 77], q=[40, 13]),  # a whole prompt, and a chunk after 64 cached tokens
+    dict(ctx=[200, 33], q=[1, 5], window=32),
+    dict(ctx=[90, 90], q=[90, 3], window=20),  # the window in a whole prompt
+    dict(ctx=[90], q=[3], softcap=30.0, sinks=True),  # the reference's route
+    dict(ctx=[50, 50], q=[50, 1], hq=6, hkv=6),  # no grouping
+    dict(ctx=[70], q=[70], dv=32),  # value heads narrower than the keys (MLA)
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_paged_attention_cpu(dtype, case):
+    q, kp, vp, table, cu, lens = _paged_setup(dtype, case["ctx"], case["q"], hq=case.get("hq", 8),
+                                              hkv=case.get("hkv", 2), dv=case.get("dv"))
+    sinks = torch.randn(q.shape[1]) if case.get("sinks") else None
+    kw = dict(sliding_window=case.get("window", 0), softcap=case.get("softcap", 0.0), sinks=sinks)
+    out = ops.paged_attention.impls["cpu"](q, kp, vp, table, cu, lens, None, **kw)
+    ref = ops.paged_attention.reference(q, kp, vp, table, cu, lens, None, **kw)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw", [dict(), dict(sliding_window=7), dict(causal=False), dict(softcap=20.0), dict(scale=0.3)])
+def test_attention_varlen_cpu(dtype, kw):
+    gen = torch.Generator().manual_seed(1)
+    lens = [1, 30, 9]
+    q = torch.randn(sum(lens), 8, 32, generator=gen).to(dtype)
+    k, v = (torch.randn(sum(lens), 4, 32, generator=gen).to(dtype) for _ in range(2))
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    out = ops.attention_varlen.impls["cpu"](q, k, v, cu, **kw)
+    ref = ops.attention_varlen.reference(q, k, v, cu, **kw)
+    assert out.dtype == ref.dtype and rel_err(out, ref) < TOLERANCE[dtype]
+
+
+def test_cpu_tensors_take_the_cpu_implementation_unless_reference_is_forced(monkeypatch):
+    calls = []
+    monkeypatch.setitem(ops.paged_attention.impls, "cpu", lambda *a, **k: calls.append("cpu"))
+    q, kp, vp, table, cu, lens = _paged_setup(torch.float32, [5], [5])
+    monkeypatch.delenv("TRELLM_OPS", raising=False)
+    ops.paged_attention(q, kp, vp, table, cu, lens)
+    assert calls == ["cpu"]
+    monkeypatch.setenv("TRELLM_OPS", "reference")
+    assert ops.paged_attention(q, kp, vp, table, cu, lens).shape == q.shape and calls == ["cpu"]
