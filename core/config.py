@@ -16,7 +16,7 @@ import torch
 
 from .errors import ConfigError
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 R = TypeVar("R")
 
 
@@ -131,13 +131,22 @@ class RopeConfig:
             long_factor=tup(params.get("long_factor")),
         )
 
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many dims of each head rotate: ``partial_rotary_factor`` of them, or all for ``proportional``
+        RoPE, whose frequencies past that share are zero (Gemma 4's global layers)."""
+        return head_dim if self.type == "proportional" else int(head_dim * self.partial_rotary_factor)
+
     def inv_freq(self, head_dim: int, max_position_embeddings: int, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
         """Inverse frequencies (float32, [rotary_dim/2]) and the cos/sin scaling factor.
 
         ``seq_len`` matters only for ``dynamic`` (NTK) and ``longrope``, which change with the
         longest position in the current forward pass.
         """
-        dim = int(head_dim * self.partial_rotary_factor)
+        if self.type == "proportional":  # the first angles spaced over the whole head, the rest not rotating
+            angles = int(self.partial_rotary_factor * head_dim // 2)
+            inv = 1.0 / self.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim)
+            return torch.cat([inv, torch.zeros(head_dim // 2 - angles)]) / self.factor, 1.0
+        dim = self.rotary_dim(head_dim)
         idx = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         base = self.theta
         inv = 1.0 / (base**idx)

@@ -37,12 +37,49 @@ def test_laguna_parity(tmp_path, gating):
     ({"mlp_layer_types": ["dense", "moe", "sparse"]}, "mlp_layer_types must list 'dense' or 'sparse'"),
 ])
 def test_laguna_config_errors_name_the_key(change, message):
+    assert message in build_error({**TINY_DEFAULTS, **LAGUNA, "architectures": ["LagunaForCausalLM"], **change})
+
+
+def build_error(raw: dict) -> str:
+    """The ConfigError that building the model of config ``raw`` raises."""
     from trellm.registry import find_architecture
     from trellm.sdk import ConfigError
 
-    raw = dict(TINY_DEFAULTS, **LAGUNA, architectures=["LagunaForCausalLM"], gating="per-head")
-    raw.update(change)
-    spec = find_architecture("LagunaForCausalLM")
+    spec = find_architecture(raw["architectures"][0])
     with pytest.raises(ConfigError) as err:
         spec.build(spec.read_config(raw))
-    assert message in str(err.value)
+    return str(err.value)
+
+
+# ---- Gemma 4 text ----------------------------------------------------------------------------------------
+
+GEMMA4_LAYERS = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8,
+                     head_dim=16, global_head_dim=32)
+GEMMA4 = {
+    # E2B/E4B-shaped: per-layer inputs, KV-sharing layers (one of each kind) with double-wide MLPs
+    "per_layer_inputs_kv_sharing": dict(GEMMA4_LAYERS, hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,
+                                        num_kv_shared_layers=2, use_double_wide_mlp=True),
+    # 26B-A4B-shaped: experts beside every dense MLP, K=V global layers with their own KV heads, a logit softcap
+    "moe_k_eq_v": dict(GEMMA4_LAYERS, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24,
+                       attention_k_eq_v=True, num_global_key_value_heads=1, final_logit_softcapping=30.0),
+}
+
+
+@pytest.mark.parametrize("name", list(GEMMA4))
+def test_gemma4_text_parity(tmp_path, name):
+    model_dir = make_tiny_hf_model("Gemma4ForCausalLM", tmp_path, **GEMMA4[name])
+    randomize(model_dir, "layer_scalar", scale=1.0)  # a buffer, 1 in a fresh model
+    report = check_parity(model_dir)
+    print(report)
+    report.assert_ok()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_kv_shared_layers": 4}, "num_kv_shared_layers=4 leaves no layer that makes keys and values"),
+    ({"num_kv_shared_layers": 3, "layer_types": ["sliding_attention"] + ["full_attention"] * 3},
+     "layer 1 (full_attention) shares keys and values, but no earlier layer of that kind makes them"),
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all' is an encoder"),
+    ({"enable_moe_block": True}, "enable_moe_block needs num_experts"),
+])
+def test_gemma4_config_errors_name_the_key(change, message):
+    assert message in build_error({**TINY_DEFAULTS, **GEMMA4_LAYERS, "architectures": ["Gemma4ForCausalLM"], **change})

@@ -172,7 +172,7 @@ class RotaryEmbedding:
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int, interleaved: bool = False):
         self.rope, self.head_dim, self.max_pos, self.interleaved = rope, head_dim, max_position_embeddings, interleaved
-        self.rotary_dim = int(head_dim * rope.partial_rotary_factor)
+        self.rotary_dim = rope.rotary_dim(head_dim)
         self._static = rope.type not in ("dynamic", "longrope")
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -212,6 +212,8 @@ class Attention(Sublayer):
     """Multi-head attention with GQA, RoPE, optional QK-norm, sliding window, softcap and sinks.
 
     ``sinks``: one learned logit per head (``{key}.sinks``) that takes softmax mass but no value (gpt-oss).
+    ``values_from_keys``: no v_proj, the values are the key projection before its norm and RoPE; ``v_norm_eps``:
+    values RMS-normalised per head without a weight (both Gemma 4).
 
     ``qk_norm`` says where the QK-norm (enabled by ``qk_norm_eps``) normalises: ``"head"`` RMSNorm
     over each head (Qwen3, Gemma 3), ``"full"`` RMSNorm over the whole q/k projection (Olmo 2/3),
@@ -240,6 +242,8 @@ class Attention(Sublayer):
         o_proj_name: str = "o_proj",
         clip_qkv: float | None = None,
         sinks: bool = False,
+        values_from_keys: bool = False,
+        v_norm_eps: float | None = None,
     ):
         self.key, self.layer_idx = key, layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -253,7 +257,10 @@ class Attention(Sublayer):
             self.k_proj = Linear(f"{key}.k_proj", hidden_size, kv_size, qkv_bias)
             self.v_proj = Linear(f"{key}.v_proj", hidden_size, kv_size, qkv_bias)
         self.o_proj = Linear(f"{key}.{o_proj_name}", q_size, hidden_size, o_bias)
-        self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)
+        if values_from_keys:
+            self.v_proj = None
+        self.qkv = LinearGroup(*(p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None))
+        self.v_norm = RMSNorm(f"{key}.v_norm", head_dim, v_norm_eps, has_weight=False) if v_norm_eps is not None else None
         self.q_norm = self.k_norm = None
         self.qk_norm = qk_norm
         if qk_norm_eps is not None:
@@ -295,7 +302,8 @@ class Attention(Sublayer):
         ``head_norm=False`` leaves a per-head QK-norm to the caller (the fused RoPE op applies it).
         """
         t = x.shape[0]
-        q, k, v = project(x, self.qkv.weights())
+        qkv = project(x, self.qkv.weights())
+        q, k, v = qkv if self.v_proj is not None else (*qkv, qkv[1].clone())  # a copy: fused RoPE may rotate k in place
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         if self.q_norm is not None and self.qk_norm == "full":
@@ -303,16 +311,22 @@ class Attention(Sublayer):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.v_norm is not None:
+            v = self.v_norm.forward(v)
         if head_norm and self.q_norm is not None and self.qk_norm != "full":
             q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         return q, k, v
 
+    def rotate(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """RoPE of the batch's positions on x [T, heads, D] (x itself without RoPE)."""
+        if self.rope is None:
+            return x
+        cos, sin = self.rope.cos_sin(batch.positions, batch.max_seq_len)
+        return ops.rotary_embedding(x, cos, sin, self.rope.interleaved)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Rotate q/k, store k/v in the cache (when there is one) and attend; returns [T, H, D]."""
-        if self.rope is not None:
-            cos, sin = self.rope.cos_sin(batch.positions, batch.max_seq_len)
-            q = ops.rotary_embedding(q, cos, sin, self.rope.interleaved)
-            k = ops.rotary_embedding(k, cos, sin, self.rope.interleaved)
+        q, k = self.rotate(q, batch), self.rotate(k, batch)
         if batch.cache is None:
             return ops.attention_varlen(q, k, v, batch.cu_seqlens, self.scale, self.sliding_window, self.softcap, self.sinks)
         layer = batch.cache.layers[self.layer_idx]
@@ -350,7 +364,8 @@ class Attention(Sublayer):
         """The q/k/v projection's post step when this layer's math after it is exactly (per-head norm,) RoPE
         from a plain table and a paged-cache write; None otherwise (the caller projects, then rotates)."""
         layer = batch.cache.layers[self.layer_idx] if batch.cache is not None else None
-        if type(layer) is not KVCacheLayer or self.clip_qkv is not None or not self._fused_rope(batch):
+        plain_values = self.v_proj is not None and self.v_norm is None  # the values the projection writes as they are
+        if type(layer) is not KVCacheLayer or self.clip_qkv is not None or not plain_values or not self._fused_rope(batch):
             return None
         cos_table, sin_table = self.rope.tables(batch.max_seq_len, batch.positions.device)
         return RopeKV(self.head_dim, cos_table, sin_table, batch.positions, layer.k_pages, layer.v_pages, batch.slots,

@@ -37,7 +37,6 @@ from trellm.sdk import (
     has_dense_pages,
     image_digest,
     load_image_processor,
-    ops,
     read_gemma3_config,
     read_vision_config,
     vision_tower_spec,
@@ -121,10 +120,7 @@ class ImageBlockAttention(Attention):
         return o.reshape(x.shape[0], self.num_heads * self.head_dim)
 
     def _redo_image_rows(self, o, q, k, v, batch) -> None:
-        if self.rope is not None:
-            cos, sin = self.rope.cos_sin(batch.positions, batch.max_seq_len)
-            q = ops.rotary_embedding(q, cos, sin, self.rope.interleaved)
-            k = ops.rotary_embedding(k, cos, sin, self.rope.interleaved)
+        q, k = self.rotate(q, batch), self.rotate(k, batch)
         bounds = batch.cu_seqlens.tolist()
         for b, (a, e) in enumerate(zip(bounds[:-1], bounds[1:])):
             mask = batch.embed_mask[a:e]
