@@ -126,7 +126,15 @@ from trellm.sdk.qwen_vl import (
     patch_positions,
     read_qwen_vl_config,
 )
-from trellm.sdk.vision import CLIP_MEAN, CLIP_STD, attention_within_segments, frame_lengths, rope_2d, rope_inv_freq
+from trellm.sdk.vision import (
+    CLIP_MEAN,
+    CLIP_STD,
+    attend_image_blocks,
+    attention_within_segments,
+    frame_lengths,
+    rope_2d,
+    rope_inv_freq,
+)
 
 __all__ = [
     # registering a plugin
@@ -159,7 +167,7 @@ __all__ = [
     "VisionLanguageModel", "VisionInput", "MultimodalPrompt", "PixelSteps", "FixedSizeProcessor", "ImageError",
     "image_digest", "read_vision_config", "vision_tower_spec", "load_image_processor",
     # vision-tower helpers (trellm.sdk.vision) and the Qwen-VL recipe (trellm.sdk.qwen_vl)
-    "CLIP_MEAN", "CLIP_STD", "rope_inv_freq", "rope_2d", "frame_lengths", "attention_within_segments",
+    "CLIP_MEAN", "CLIP_STD", "rope_inv_freq", "rope_2d", "frame_lengths", "attention_within_segments", "attend_image_blocks",
     "QwenVLProcessor", "QwenVisionConfig", "QwenVisionBlock", "QwenVisionTower", "patch_positions",
     "QwenVLConfig", "read_qwen_vl_config", "QwenVision", "QwenTowerLanguageModel", "QwenVisionLanguageModel",
     # capabilities (trellm.capabilities): what a model or cache layer can do

@@ -35,6 +35,7 @@ from trellm.modules.layers import Attention, Embedding, GatedMLP, RMSNorm, Rotar
 from trellm.modules.linear import Linear
 from trellm.modules.moe import Experts, Router, SoftmaxTopK, dispatch_experts
 from trellm.ops.dense import activation_fn
+from trellm.sdk.vision import attend_image_blocks
 
 
 @attrs.frozen
@@ -54,6 +55,7 @@ class Gemma4Keys:
     moe_intermediate_size: int = attrs.field(default=0, converter=int)
     final_logit_softcapping: float = attrs.field(default=0.0, converter=float)
     per_layer_config: dict = attrs.field(factory=dict)
+    use_bidirectional_attention: str | None = None  # "vision": image rows see their whole image on sliding layers
 
 
 @attrs.frozen
@@ -110,19 +112,30 @@ class SharedKV:
     v: torch.Tensor | None = None
 
 
+def has_image_rows(batch: ForwardBatch) -> bool:
+    return batch.embed_mask is not None and bool(batch.embed_mask.any())
+
+
 class Gemma4Attention(Attention):
-    """:class:`Attention` that, when later layers reuse its keys and values, hands them over in a
-    cacheless pass through ``shared``."""
+    """:class:`Attention` that hands its rotated keys and values to the later layers reusing them (``shared``)
+    when they cannot read them from the cache: a cacheless pass, or image rows to recompute; with
+    ``image_blocks``, image rows also see their whole image (:func:`~trellm.sdk.attend_image_blocks`)."""
 
     shared: SharedKV | None = None
+    image_blocks = False
 
     def attention(self, x, batch: ForwardBatch) -> torch.Tensor:
-        if self.shared is None or batch.cache is not None:
+        images = self.image_blocks and has_image_rows(batch)
+        if not images and (self.shared is None or batch.cache is not None):
             return super().attention(x, batch)
         q, k, v = self.project_qkv(x)
+        o = self.attend(q, k, v, batch)
         q, k = self.rotate(q, batch), self.rotate(k, batch)
-        self.shared.k, self.shared.v = k, v
-        o = ops.attention_varlen(q, k, v, batch.cu_seqlens, self.scale, self.sliding_window, self.softcap, self.sinks)
+        if self.shared is not None:
+            self.shared.k, self.shared.v = k, v
+        if images:
+            layer = batch.cache.layers[self.layer_idx] if batch.cache is not None else None
+            attend_image_blocks(o, q, k, v, batch, layer, self.scale, self.sliding_window)
         return o.reshape(x.shape[0], self.num_heads * self.head_dim)
 
 
@@ -131,8 +144,8 @@ class SharedKVAttention(Module):
     (its cache pages, or ``shared`` in a cacheless pass). It stores nothing in the cache."""
 
     def __init__(self, key: str, source: int, shared: SharedKV, hidden_size: int, num_heads: int, head_dim: int,
-                 rope: RotaryEmbedding, eps: float, sliding_window: int):
-        self.key, self.source, self.shared = key, source, shared
+                 rope: RotaryEmbedding, eps: float, sliding_window: int, image_blocks: bool = False):
+        self.key, self.source, self.shared, self.image_blocks = key, source, shared, image_blocks
         self.num_heads, self.head_dim, self.rope, self.sliding_window = num_heads, head_dim, rope, sliding_window
         self.q_proj = Linear(f"{key}.q_proj", hidden_size, num_heads * head_dim)
         self.q_norm = RMSNorm(f"{key}.q_norm", head_dim, eps)
@@ -143,10 +156,13 @@ class SharedKVAttention(Module):
         q = self.q_norm.forward(self.q_proj(x).reshape(t, self.num_heads, self.head_dim))
         cos, sin = self.rope.cos_sin(batch.positions, batch.max_seq_len)
         q = ops.rotary_embedding(q, cos, sin, self.rope.interleaved)
-        if batch.cache is None:
+        layer = batch.cache.layers[self.source] if batch.cache is not None else None
+        if layer is None:
             o = ops.attention_varlen(q, self.shared.k, self.shared.v, batch.cu_seqlens, 1.0, self.sliding_window)
         else:
-            o = batch.cache.layers[self.source].attend(q, batch, 1.0, self.sliding_window)
+            o = layer.attend(q, batch, 1.0, self.sliding_window)
+        if self.image_blocks and has_image_rows(batch):
+            attend_image_blocks(o, q, self.shared.k, self.shared.v, batch, layer, 1.0, self.sliding_window)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -280,17 +296,19 @@ def build_gemma4_text(cfg: DecoderConfig, prefix: str = "model", lm_head_key: st
         if (kind, shape.head_dim) not in ropes:
             ropes[kind, shape.head_dim] = RotaryEmbedding(cfg.rope_for(kind), shape.head_dim, cfg.max_position_embeddings)
         rope, window = ropes[kind, shape.head_dim], cfg.layer_sliding_window(i)
+        image_blocks = keys.use_bidirectional_attention == "vision" and kind == "sliding_attention"
         if shape.kv_source is None:
             attn: Module = Gemma4Attention(
                 f"{key}.self_attn", i, hidden, cfg.num_attention_heads, shape.kv_heads, shape.head_dim, rope,
                 qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm_eps=eps, sliding_window=window, scale=1.0,
                 values_from_keys=keys.attention_k_eq_v and kind == "full_attention", v_norm_eps=eps,
             )
+            attn.image_blocks = image_blocks
         else:
             source = shared.setdefault(shape.kv_source, SharedKV())
             layers[shape.kv_source].attn.shared = source
             attn = SharedKVAttention(f"{key}.self_attn", shape.kv_source, source, hidden, cfg.num_attention_heads,
-                                     shape.head_dim, rope, eps, window)
+                                     shape.head_dim, rope, eps, window, image_blocks)
         wide = 2 if keys.use_double_wide_mlp and shape.kv_source is not None else 1
         mlp = GatedMLP(f"{key}.mlp", hidden, cfg.intermediate_size * wide, cfg.hidden_act)
         norm = lambda name: RMSNorm(f"{key}.{name}", hidden, eps)

@@ -83,3 +83,80 @@ def test_gemma4_text_parity(tmp_path, name):
 ])
 def test_gemma4_config_errors_name_the_key(change, message):
     assert message in build_error({**TINY_DEFAULTS, **GEMMA4_LAYERS, "architectures": ["Gemma4ForCausalLM"], **change})
+
+
+# ---- Gemma 4 with images -----------------------------------------------------------------------------------
+
+IMAGE, BOI, EOI = 310, 308, 309
+VL_PROMPTS = ([5, 6, IMAGE, 7, 8, 9], [11, IMAGE, 12])
+
+
+@pytest.fixture(scope="module", params=["causal", "bidirectional"])
+def gemma4_vl(request, tmp_path_factory):
+    """(HF model, HF image processor, trellm model) of a tiny random Gemma 4 with vision: per-layer inputs, a
+    KV-sharing layer of each kind, 4-pixel patches pooled 2x2; "bidirectional": image rows see their whole image
+    on sliding layers."""
+    import torch
+    import transformers
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    import trellm
+    from trellm.sdk.testing import torch_threads
+
+    text = dict(TINY_DEFAULTS, **GEMMA4_LAYERS, vocab_size=320, hidden_size_per_layer_input=8, vocab_size_per_layer_input=320,
+                num_kv_shared_layers=2, use_bidirectional_attention="vision" if request.param == "bidirectional" else None)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                  head_dim=16, patch_size=4, pooling_kernel_size=2, position_embedding_size=64, standardize=True)
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None, image_token_id=IMAGE,
+                                       boi_token_id=BOI, eoi_token_id=EOI, video_token_id=311, audio_token_id=312)
+    config.architectures = ["Gemma4ForConditionalGeneration"]
+    torch.manual_seed(0)
+    hf = transformers.Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # norms start at one, layer scalars and standardisation at constants: give them values
+        for name, p in list(hf.named_parameters()) + list(hf.named_buffers()):
+            if ("norm" in name or "scalar" in name or "std_" in name or "position_embedding" in name) and p.is_floating_point():
+                p.normal_(1, 0.3)
+    path = tmp_path_factory.mktemp(f"gemma4_vl_{request.param}")
+    hf.save_pretrained(path)
+    proc = Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
+    proc.save_pretrained(path)
+    with torch_threads(1):
+        yield hf, proc, trellm.load(path, device="cpu", dtype="float32")
+
+
+def hf_vl_logits(hf, ids, inputs):
+    import torch
+
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        return hf(input_ids=x, pixel_values=inputs["pixel_values"], image_position_ids=inputs["image_position_ids"],
+                  mm_token_type_ids=(x == IMAGE).int()).logits[0]
+
+
+def test_gemma4_vl_images(gemma4_vl):
+    import torch
+    from test_vision import batched_greedy
+    from test_vision_qwen import random_image
+    from trellm.multimodal import prepare_prompt
+    from trellm.sdk.testing import torch_threads
+
+    hf, proc, lm = gemma4_vl
+    images = [random_image(0), random_image(1, size=(20, 90))]
+    prompts = [prepare_prompt(lm, p, [img]) for p, img in zip(VL_PROMPTS, images)]
+    with torch_threads(1):
+        for text, img, mm in zip(VL_PROMPTS, images, prompts):
+            inputs = proc(img, return_tensors="pt")
+            with torch.no_grad():
+                ref = hf.model.get_image_features(inputs["pixel_values"], inputs["image_position_ids"]).pooler_output[0]
+            assert mm.embeds.shape == ref.shape and (mm.embeds - ref).abs().max() < 1e-4
+            want = hf_vl_logits(hf, mm.input_ids, inputs)
+            got = lm.logits([text], images=[[img]])[0]
+            assert (got - want).abs().max() < 1e-3 * float(want.max() - want.min())
+        refs = []
+        for img, mm in zip(images, prompts):
+            inputs, ids = proc(img, return_tensors="pt"), list(mm.input_ids)
+            for _ in range(32):
+                ids.append(int(hf_vl_logits(hf, ids, inputs)[-1].argmax()))
+            refs.append(ids[len(mm.input_ids):])
+        assert refs[0] != refs[1]
+        assert batched_greedy(lm, prompts, 32, page_size=8) == refs  # both prompts in one batch, through the paged cache

@@ -13,7 +13,6 @@ arrive whole in one prefill chunk (``MultimodalPrompt.safe_chunk_end`` picks suc
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Sequence
 
 import attrs
@@ -31,10 +30,9 @@ from trellm.sdk import (
     RMSNorm,
     VisionInput,
     VisionLanguageModel,
+    attend_image_blocks,
     build_decoder,
     configure_gemma3,
-    gather_pages,
-    has_dense_pages,
     image_digest,
     load_image_processor,
     read_gemma3_config,
@@ -106,8 +104,6 @@ class ImageBlockAttention(Attention):
     (runs of ``batch.embed_mask``) are then recomputed with the causal-or-same-block mask.
     """
 
-    _warned = False
-
     def attention(self, x, batch) -> torch.Tensor:
         """Attention's own fused path for batches without image rows (every decode step), else causal then
         the image rows again."""
@@ -116,54 +112,10 @@ class ImageBlockAttention(Attention):
         q, k, v = self.project_qkv(x)
         o = self.attend(q, k, v, batch)
         if bool(batch.embed_mask.any()):
-            self._redo_image_rows(o, q, k, v, batch)
+            layer = batch.cache.layers[self.layer_idx] if batch.cache is not None else None
+            attend_image_blocks(o, self.rotate(q, batch), self.rotate(k, batch), v, batch, layer, self.scale,
+                                self.sliding_window, self.softcap)
         return o.reshape(x.shape[0], self.num_heads * self.head_dim)
-
-    def _redo_image_rows(self, o, q, k, v, batch) -> None:
-        q, k = self.rotate(q, batch), self.rotate(k, batch)
-        bounds = batch.cu_seqlens.tolist()
-        for b, (a, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-            mask = batch.embed_mask[a:e]
-            if not bool(mask.any()):
-                continue
-            if batch.cache is None:
-                keys, values, offset = k[a:e], v[a:e], 0
-            else:
-                layer = batch.cache.layers[self.layer_idx]
-                total = int(batch.context_lens[b])
-                offset = total - (e - a)
-                if offset == 0:
-                    keys, values = k[a:e], v[a:e]
-                elif has_dense_pages(layer):
-                    keys = gather_pages(layer.k_pages, batch.block_table[b], total)
-                    values = gather_pages(layer.v_pages, batch.block_table[b], total)
-                else:
-                    if not ImageBlockAttention._warned:
-                        warnings.warn("Gemma 3: image rows after a cached prefix in a quantized KV cache attend causally only")
-                        ImageBlockAttention._warned = True
-                    continue
-            o[a:e][mask] = self._block_attention(q[a:e][mask], keys, values, mask, offset)
-
-    def _block_attention(self, q, keys, values, mask, offset) -> torch.Tensor:
-        """Image-row queries over all keys of the sequence with the causal-or-same-image mask."""
-        n = mask.shape[0]
-        block = torch.full((offset + n,), -1, dtype=torch.long, device=mask.device)
-        starts = mask & ~torch.cat([mask.new_zeros(1), mask[:-1]])
-        block[offset:] = torch.where(mask, torch.cumsum(starts.long(), 0) - 1, -1)
-        kpos = torch.arange(offset + n, device=mask.device)
-        qpos = kpos[offset:][mask]
-        qblock = block[offset:][mask]
-        allowed = (kpos[None, :] <= qpos[:, None]) | (block[None, :] == qblock[:, None])
-        if self.sliding_window > 0:
-            allowed &= qpos[:, None] - kpos[None, :] < self.sliding_window
-        groups = self.num_heads // self.num_kv_heads
-        kf = keys.float().transpose(0, 1).repeat_interleave(groups, 0)
-        vf = values.float().transpose(0, 1).repeat_interleave(groups, 0)
-        s = torch.matmul(q.float().transpose(0, 1), kf.transpose(1, 2)) * self.scale
-        if self.softcap > 0:
-            s = torch.tanh(s / self.softcap) * self.softcap
-        s = s.masked_fill(~allowed[None], float("-inf"))
-        return torch.matmul(torch.softmax(s, dim=-1), vf).transpose(0, 1).to(q.dtype)
 
 
 class Gemma3Vision(Module):

@@ -1,0 +1,117 @@
+"""Gemma 4 with images (Gemma4ForConditionalGeneration): the Gemma 4 language model (:mod:`trellm.sdk.gemma4`)
+and the ``gemma4_vision`` tower, whose pooled features are RMS-normalised (no weight) and projected to the text
+width by ``embed_vision.embedding_projection``. The processor writes each image as
+``<boi><image>*N<eoi>``, N the image's pooled patches; the per-layer inputs of image rows use ``pad_token_id``.
+
+``use_bidirectional_attention: "vision"`` (the larger models): on sliding layers the rows of one image also see
+that image's later rows; full layers stay causal. The audio tower is not loaded.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import attrs
+import torch
+
+import trellm
+from trellm.sdk import (
+    ArchitectureSpec,
+    ConfigError,
+    DecoderConfig,
+    Linear,
+    LoadContext,
+    Module,
+    RMSNorm,
+    VisionInput,
+    VisionLanguageModel,
+    image_digest,
+    load_image_processor,
+    read_vision_config,
+    vision_tower_spec,
+)
+from trellm.sdk.gemma4 import build_gemma4_text, read_gemma4_config
+
+
+@attrs.frozen
+class Gemma4VLConfig:
+    text: DecoderConfig
+    vision: dict[str, Any] = attrs.field(hash=False)
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text.hidden_size
+
+
+def read_config(raw: dict) -> Gemma4VLConfig:
+    cfg = Gemma4VLConfig(
+        text=read_gemma4_config(raw),
+        vision=read_vision_config(raw, "Gemma4ForConditionalGeneration"),
+        image_token_id=int(raw.get("image_token_id", 258880)),
+        boi_token_id=int(raw.get("boi_token_id", 255999)),
+        eoi_token_id=int(raw.get("eoi_token_id", 258882)),
+    )
+    if cfg.image_token_id >= cfg.text.vocab_size:
+        raise ConfigError(f"config.json: image_token_id {cfg.image_token_id} is outside the vocabulary ({cfg.text.vocab_size})")
+    return cfg
+
+
+class Gemma4Vision(Module):
+    """Tower + weightless RMSNorm + projection to the text width; its image processor comes from the model dir."""
+
+    def __init__(self, cfg: Gemma4VLConfig):
+        self.key = "model.embed_vision"
+        v = cfg.vision
+        self.tower_spec = vision_tower_spec(v, "gemma4_vision")
+        self.tower = self.tower_spec.build(v, "model.vision_tower")
+        width = int(v.get("hidden_size", 768))
+        self.norm = RMSNorm("model.embed_vision.embedding_pre_projection_norm", width, float(v.get("rms_norm_eps", 1e-6)),
+                            has_weight=False)
+        self.projection = Linear("model.embed_vision.embedding_projection", width, cfg.hidden_size)
+        self.vision_config, self.processor = v, None
+
+    def load(self, ctx: LoadContext) -> None:
+        self.processor = load_image_processor(ctx.store.model_dir, self.tower_spec, self.vision_config)
+        super().load(ctx)
+
+    def forward(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        return self.projection(self.norm.forward(self.tower.forward(patches, grid)))
+
+
+class Gemma4VisionLanguageModel(VisionLanguageModel):
+    def __init__(self, cfg: Gemma4VLConfig):
+        super().__init__(build_gemma4_text(cfg.text, prefix="model.language_model"), Gemma4Vision(cfg))
+        self.vl_config = cfg
+        self.image_token_id = self.marker_id = cfg.image_token_id
+
+    def preprocess(self, image) -> VisionInput:
+        patches, grid = self.image_processor()(image)
+        kernel = self.vision.tower.c.pooling_kernel_size
+        return VisionInput(patches, grid[0] * grid[1] // kernel**2, image_digest(image), grid)
+
+    def expansion_ids(self, item: VisionInput) -> list[int]:
+        c = self.vl_config
+        return [c.boi_token_id] + [c.image_token_id] * item.num_tokens + [c.eoi_token_id]
+
+    def expansion_text(self, item: VisionInput, tokenizer) -> str:
+        return tokenizer.decode(self.expansion_ids(item))
+
+    def encode(self, items: Sequence[VisionInput]) -> list[torch.Tensor]:
+        dtype = self.language.embed.weight.dtype
+        return [self.vision.forward(it.pixels, it.grid).to(dtype) for it in items]
+
+
+SPEC = ArchitectureSpec(
+    name="gemma4_vl",
+    architectures=("Gemma4ForConditionalGeneration",),
+    read_config=read_config,
+    build=Gemma4VisionLanguageModel,
+    description="Gemma 4 with images: aspect-kept patches, 2D-RoPE tower, pooled soft tokens",
+)
+
+
+@trellm.hookimpl
+def trellm_register_architectures(register):
+    register(SPEC)
