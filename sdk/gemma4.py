@@ -55,7 +55,8 @@ class Gemma4Keys:
     moe_intermediate_size: int = attrs.field(default=0, converter=int)
     final_logit_softcapping: float = attrs.field(default=0.0, converter=float)
     per_layer_config: dict = attrs.field(factory=dict)
-    use_bidirectional_attention: str | None = None  # "vision": image rows see their whole image on sliding layers
+    use_bidirectional_attention: str | None = None  # "vision": image rows see their whole image (below)
+    model_type: str = ""  # "gemma4_unified_text": on every layer, beyond the sliding window
 
 
 @attrs.frozen
@@ -123,6 +124,7 @@ class Gemma4Attention(Attention):
 
     shared: SharedKV | None = None
     image_blocks = False
+    window_cuts_images = True
 
     def attention(self, x, batch: ForwardBatch) -> torch.Tensor:
         images = self.image_blocks and has_image_rows(batch)
@@ -135,7 +137,7 @@ class Gemma4Attention(Attention):
             self.shared.k, self.shared.v = k, v
         if images:
             layer = batch.cache.layers[self.layer_idx] if batch.cache is not None else None
-            attend_image_blocks(o, q, k, v, batch, layer, self.scale, self.sliding_window)
+            attend_image_blocks(o, q, k, v, batch, layer, self.scale, self.sliding_window, 0.0, self.window_cuts_images)
         return o.reshape(x.shape[0], self.num_heads * self.head_dim)
 
 
@@ -144,8 +146,10 @@ class SharedKVAttention(Module):
     (its cache pages, or ``shared`` in a cacheless pass). It stores nothing in the cache."""
 
     def __init__(self, key: str, source: int, shared: SharedKV, hidden_size: int, num_heads: int, head_dim: int,
-                 rope: RotaryEmbedding, eps: float, sliding_window: int, image_blocks: bool = False):
+                 rope: RotaryEmbedding, eps: float, sliding_window: int, image_blocks: bool = False,
+                 window_cuts_images: bool = True):
         self.key, self.source, self.shared, self.image_blocks = key, source, shared, image_blocks
+        self.window_cuts_images = window_cuts_images
         self.num_heads, self.head_dim, self.rope, self.sliding_window = num_heads, head_dim, rope, sliding_window
         self.q_proj = Linear(f"{key}.q_proj", hidden_size, num_heads * head_dim)
         self.q_norm = RMSNorm(f"{key}.q_norm", head_dim, eps)
@@ -162,7 +166,8 @@ class SharedKVAttention(Module):
         else:
             o = layer.attend(q, batch, 1.0, self.sliding_window)
         if self.image_blocks and has_image_rows(batch):
-            attend_image_blocks(o, q, self.shared.k, self.shared.v, batch, layer, 1.0, self.sliding_window)
+            attend_image_blocks(o, q, self.shared.k, self.shared.v, batch, layer, 1.0, self.sliding_window, 0.0,
+                                self.window_cuts_images)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -296,19 +301,20 @@ def build_gemma4_text(cfg: DecoderConfig, prefix: str = "model", lm_head_key: st
         if (kind, shape.head_dim) not in ropes:
             ropes[kind, shape.head_dim] = RotaryEmbedding(cfg.rope_for(kind), shape.head_dim, cfg.max_position_embeddings)
         rope, window = ropes[kind, shape.head_dim], cfg.layer_sliding_window(i)
-        image_blocks = keys.use_bidirectional_attention == "vision" and kind == "sliding_attention"
+        unified = keys.model_type == "gemma4_unified_text"
+        image_blocks = keys.use_bidirectional_attention == "vision" and (unified or kind == "sliding_attention")
         if shape.kv_source is None:
             attn: Module = Gemma4Attention(
                 f"{key}.self_attn", i, hidden, cfg.num_attention_heads, shape.kv_heads, shape.head_dim, rope,
                 qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm_eps=eps, sliding_window=window, scale=1.0,
                 values_from_keys=keys.attention_k_eq_v and kind == "full_attention", v_norm_eps=eps,
             )
-            attn.image_blocks = image_blocks
+            attn.image_blocks, attn.window_cuts_images = image_blocks, not unified
         else:
             source = shared.setdefault(shape.kv_source, SharedKV())
             layers[shape.kv_source].attn.shared = source
             attn = SharedKVAttention(f"{key}.self_attn", shape.kv_source, source, hidden, cfg.num_attention_heads,
-                                     shape.head_dim, rope, eps, window, image_blocks)
+                                     shape.head_dim, rope, eps, window, image_blocks, not unified)
         wide = 2 if keys.use_double_wide_mlp and shape.kv_source is not None else 1
         mlp = GatedMLP(f"{key}.mlp", hidden, cfg.intermediate_size * wide, cfg.hidden_act)
         norm = lambda name: RMSNorm(f"{key}.{name}", hidden, eps)

@@ -48,12 +48,14 @@ _warned_quantized = False
 
 
 def attend_image_blocks(o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, layer,
-                        scale: float, sliding_window: int = 0, softcap: float = 0.0) -> None:
+                        scale: float, sliding_window: int = 0, softcap: float = 0.0, window_cuts_images: bool = True) -> None:
     """Recompute, in place, the rows of ``o`` [T, H, D] that are image rows (runs of ``batch.embed_mask``) so that
     each also sees the later rows of its own image (Gemma 3, Gemma 4's sliding layers); other pairs stay causal.
 
     ``q`` [T, H, D] and ``k``, ``v`` [T, Hkv, D] are the chunk's, q/k rotated; a sequence with a cached prefix
     reads its keys and values from the pages of the cache ``layer``. An image must arrive whole in one chunk.
+    ``window_cuts_images``: the sliding window applies to pairs inside an image too (Gemma 3, Gemma 4); else only
+    to causal pairs (Gemma 4 Unified).
     """
     global _warned_quantized
     bounds = batch.cu_seqlens.tolist()
@@ -72,10 +74,12 @@ def attend_image_blocks(o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                 warnings.warn("image rows after a cached prefix in a quantized KV cache attend causally only")
                 _warned_quantized = True
             continue
-        o[a:e][mask] = _image_block_attention(q[a:e][mask], keys, values, mask, offset, scale, sliding_window, softcap)
+        o[a:e][mask] = _image_block_attention(q[a:e][mask], keys, values, mask, offset, scale, sliding_window, softcap,
+                                              window_cuts_images)
 
 
-def _image_block_attention(q, keys, values, mask, offset: int, scale: float, sliding_window: int, softcap: float) -> torch.Tensor:
+def _image_block_attention(q, keys, values, mask, offset: int, scale: float, sliding_window: int, softcap: float,
+                           window_cuts_images: bool) -> torch.Tensor:
     """Image-row queries over all keys of the sequence with the causal-or-same-image mask."""
     n = mask.shape[0]
     block = torch.full((offset + n,), -1, dtype=torch.long, device=mask.device)
@@ -84,9 +88,10 @@ def _image_block_attention(q, keys, values, mask, offset: int, scale: float, sli
     kpos = torch.arange(offset + n, device=mask.device)
     qpos = kpos[offset:][mask]
     qblock = block[offset:][mask]
-    allowed = (kpos[None, :] <= qpos[:, None]) | (block[None, :] == qblock[:, None])
-    if sliding_window > 0:
-        allowed &= qpos[:, None] - kpos[None, :] < sliding_window
+    causal = kpos[None, :] <= qpos[:, None]
+    same_image = block[None, :] == qblock[:, None]
+    in_window = qpos[:, None] - kpos[None, :] < sliding_window if sliding_window > 0 else torch.ones_like(causal)
+    allowed = ((causal | same_image) & in_window) if window_cuts_images else ((causal & in_window) | same_image)
     groups = q.shape[1] // keys.shape[1]
     kf = keys.float().transpose(0, 1).repeat_interleave(groups, 0)
     vf = values.float().transpose(0, 1).repeat_interleave(groups, 0)

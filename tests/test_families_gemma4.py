@@ -91,11 +91,13 @@ IMAGE, BOI, EOI = 310, 308, 309
 VL_PROMPTS = ([5, 6, IMAGE, 7, 8, 9], [11, IMAGE, 12])
 
 
-@pytest.fixture(scope="module", params=["causal", "bidirectional"])
+@pytest.fixture(scope="module", params=["causal", "bidirectional", "unified"])
 def gemma4_vl(request, tmp_path_factory):
     """(HF model, HF image processor, trellm model) of a tiny random Gemma 4 with vision: per-layer inputs, a
     KV-sharing layer of each kind, 4-pixel patches pooled 2x2; "bidirectional": image rows see their whole image
-    on sliding layers."""
+    on sliding layers. "unified": Gemma 4 Unified (no tower; bidirectional image rows; no per-layer inputs), whose
+    8-pixel merged patches transformers makes with torchvision (not installed): the PIL processor cutting 8-pixel
+    patches makes the same ones."""
     import torch
     import transformers
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
@@ -103,23 +105,32 @@ def gemma4_vl(request, tmp_path_factory):
     import trellm
     from trellm.sdk.testing import torch_threads
 
-    text = dict(TINY_DEFAULTS, **GEMMA4_LAYERS, vocab_size=320, hidden_size_per_layer_input=8, vocab_size_per_layer_input=320,
-                num_kv_shared_layers=2, use_bidirectional_attention="vision" if request.param == "bidirectional" else None)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                  head_dim=16, patch_size=4, pooling_kernel_size=2, position_embedding_size=64, standardize=True)
-    config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None, image_token_id=IMAGE,
-                                       boi_token_id=BOI, eoi_token_id=EOI, video_token_id=311, audio_token_id=312)
-    config.architectures = ["Gemma4ForConditionalGeneration"]
+    unified = request.param == "unified"
+    text = dict(TINY_DEFAULTS, **GEMMA4_LAYERS, vocab_size=320, num_kv_shared_layers=2,
+                use_bidirectional_attention=None if request.param == "causal" else "vision")
+    if unified:
+        vision = dict(patch_size=4, pooling_kernel_size=2, mm_embed_dim=48, mm_posemb_size=64, output_proj_dims=48)
+        config_cls, model_cls = transformers.Gemma4UnifiedConfig, transformers.Gemma4UnifiedForConditionalGeneration
+    else:
+        text.update(hidden_size_per_layer_input=8, vocab_size_per_layer_input=320)
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                      head_dim=16, patch_size=4, pooling_kernel_size=2, position_embedding_size=64, standardize=True)
+        config_cls, model_cls = transformers.Gemma4Config, transformers.Gemma4ForConditionalGeneration
+    config = config_cls(text_config=text, vision_config=vision, audio_config=None, image_token_id=IMAGE,
+                        boi_token_id=BOI, eoi_token_id=EOI, video_token_id=311, audio_token_id=312)
+    config.architectures = [model_cls.__name__]
     torch.manual_seed(0)
-    hf = transformers.Gemma4ForConditionalGeneration(config).eval()
+    hf = model_cls(config).eval()
     with torch.no_grad():  # norms start at one, layer scalars and standardisation at constants: give them values
         for name, p in list(hf.named_parameters()) + list(hf.named_buffers()):
-            if ("norm" in name or "scalar" in name or "std_" in name or "position_embedding" in name) and p.is_floating_point():
+            if ("norm" in name or "scalar" in name or "std_" in name or "pos" in name or "_ln" in name) and p.is_floating_point():
                 p.normal_(1, 0.3)
     path = tmp_path_factory.mktemp(f"gemma4_vl_{request.param}")
     hf.save_pretrained(path)
     proc = Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
     proc.save_pretrained(path)
+    if unified:
+        proc = Gemma4ImageProcessorPil(patch_size=8, pooling_kernel_size=1, max_soft_tokens=70)
     with torch_threads(1):
         yield hf, proc, trellm.load(path, device="cpu", dtype="float32")
 
@@ -142,6 +153,8 @@ def test_gemma4_vl_images(gemma4_vl):
 
     hf, proc, lm = gemma4_vl
     images = [random_image(0), random_image(1, size=(20, 90))]
+    if hf.config.model_type == "gemma4_unified":  # sizes the processor keeps: no resampling to differ from torchvision's
+        images = [random_image(0, size=(64, 64)), random_image(1, size=(128, 32))]
     prompts = [prepare_prompt(lm, p, [img]) for p, img in zip(VL_PROMPTS, images)]
     with torch_threads(1):
         for text, img, mm in zip(VL_PROMPTS, images, prompts):

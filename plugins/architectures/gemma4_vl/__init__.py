@@ -1,10 +1,12 @@
-"""Gemma 4 with images (Gemma4ForConditionalGeneration): the Gemma 4 language model (:mod:`trellm.sdk.gemma4`)
-and the ``gemma4_vision`` tower, whose pooled features are RMS-normalised (no weight) and projected to the text
+"""Gemma 4 with images (Gemma4ForConditionalGeneration, Gemma4UnifiedForConditionalGeneration): the Gemma 4
+language model (:mod:`trellm.sdk.gemma4`) and the ``gemma4_vision`` tower (Unified: the encoder-free
+``gemma4_unified_vision`` embedder), whose features are RMS-normalised (no weight) and projected to the text
 width by ``embed_vision.embedding_projection``. The processor writes each image as
 ``<boi><image>*N<eoi>``, N the image's pooled patches; the per-layer inputs of image rows use ``pad_token_id``.
 
 ``use_bidirectional_attention: "vision"`` (the larger models): on sliding layers the rows of one image also see
-that image's later rows; full layers stay causal. The audio tower is not loaded.
+that image's later rows, within the window; full layers stay causal. Unified: on every layer, and the window does
+not cut an image. Audio and video inputs are not supported.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ class Gemma4VLConfig:
 def read_config(raw: dict) -> Gemma4VLConfig:
     cfg = Gemma4VLConfig(
         text=read_gemma4_config(raw),
-        vision=read_vision_config(raw, "Gemma4ForConditionalGeneration"),
+        vision=read_vision_config(raw, (raw.get("architectures") or ["Gemma4ForConditionalGeneration"])[0]),
         image_token_id=int(raw.get("image_token_id", 258880)),
         boi_token_id=int(raw.get("boi_token_id", 255999)),
         eoi_token_id=int(raw.get("eoi_token_id", 258882)),
@@ -58,6 +60,9 @@ def read_config(raw: dict) -> Gemma4VLConfig:
     return cfg
 
 
+TOWER_KEYS = {"gemma4_vision": "model.vision_tower", "gemma4_unified_vision": "model.vision_embedder"}
+
+
 class Gemma4Vision(Module):
     """Tower + weightless RMSNorm + projection to the text width; its image processor comes from the model dir."""
 
@@ -65,8 +70,8 @@ class Gemma4Vision(Module):
         self.key = "model.embed_vision"
         v = cfg.vision
         self.tower_spec = vision_tower_spec(v, "gemma4_vision")
-        self.tower = self.tower_spec.build(v, "model.vision_tower")
-        width = int(v.get("hidden_size", 768))
+        self.tower = self.tower_spec.build(v, TOWER_KEYS.get(self.tower_spec.name, "model.vision_tower"))
+        width = int(v.get("output_proj_dims") or v.get("hidden_size", 768))
         self.norm = RMSNorm("model.embed_vision.embedding_pre_projection_norm", width, float(v.get("rms_norm_eps", 1e-6)),
                             has_weight=False)
         self.projection = Linear("model.embed_vision.embedding_projection", width, cfg.hidden_size)
@@ -88,8 +93,7 @@ class Gemma4VisionLanguageModel(VisionLanguageModel):
 
     def preprocess(self, image) -> VisionInput:
         patches, grid = self.image_processor()(image)
-        kernel = self.vision.tower.c.pooling_kernel_size
-        return VisionInput(patches, grid[0] * grid[1] // kernel**2, image_digest(image), grid)
+        return VisionInput(patches, self.vision.tower.num_tokens(grid), image_digest(image), grid)
 
     def expansion_ids(self, item: VisionInput) -> list[int]:
         c = self.vl_config
@@ -105,10 +109,10 @@ class Gemma4VisionLanguageModel(VisionLanguageModel):
 
 SPEC = ArchitectureSpec(
     name="gemma4_vl",
-    architectures=("Gemma4ForConditionalGeneration",),
+    architectures=("Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration"),
     read_config=read_config,
     build=Gemma4VisionLanguageModel,
-    description="Gemma 4 with images: aspect-kept patches, 2D-RoPE tower, pooled soft tokens",
+    description="Gemma 4 with images: aspect-kept patches, 2D-RoPE tower and pooled soft tokens (Unified: no tower)",
 )
 
 

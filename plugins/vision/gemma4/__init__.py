@@ -1,4 +1,5 @@
-"""Gemma 4 vision tower (``gemma4_vision``) and its image processor.
+"""Gemma 4 vision tower (``gemma4_vision``), the encoder-free embedder of Gemma 4 Unified
+(``gemma4_unified_vision``) and their image processor.
 
 Images keep their aspect ratio: resized (bicubic) to the largest size whose patches fit the budget of
 ``max_soft_tokens`` x pooling_kernel_size² patches with both sides multiples of patch x kernel, scaled to
@@ -9,9 +10,13 @@ each head turns with the column, the second with the row), all patches of an ima
 The output is average-pooled over kernel x kernel patches, times sqrt(hidden), and optionally standardised
 (``std_bias``, ``std_scale``). Linears may clamp their inputs and outputs to stored bounds
 (``use_clipped_linears``).
+
+The unified embedder has no layers: each kernel x kernel block of patches is one token, its pixels
+LayerNorm-ed, projected (with bias) and LayerNorm-ed again, plus learned column and row embeddings, LayerNorm-ed.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -23,6 +28,7 @@ import torch.nn.functional as F
 import trellm
 from trellm.sdk import (
     ConfigError,
+    LayerNorm,
     Linear,
     LoadContext,
     Module,
@@ -39,21 +45,23 @@ SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 
 @attrs.frozen
 class Gemma4ImageProcessor:
-    """PIL image -> (patches [N, 3 * patch²] in [0, 1], the (rows, columns) of its patch grid)."""
+    """PIL image -> (patches [N, 3 * patch²] in [0, 1], the (rows, columns) of its patch grid); ``merged``: one
+    patch per kernel x kernel block (the unified embedder's tokens)."""
 
     patch_size: int = 16
     pooling_kernel_size: int = 3
     max_soft_tokens: int = 280
     steps: PixelSteps = PixelSteps(resample=3, do_normalize=False)
+    merged: bool = False
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any], vision_config: dict[str, Any]) -> "Gemma4ImageProcessor":
+    def from_config(cls, cfg: dict[str, Any], vision_config: dict[str, Any], merged: bool = False) -> "Gemma4ImageProcessor":
         budget = int(cfg.get("max_soft_tokens", 280))
         if budget not in SOFT_TOKEN_BUDGETS:
             raise ConfigError(f"preprocessor_config.json: max_soft_tokens={budget}; must be one of {SOFT_TOKEN_BUDGETS}")
         steps = PixelSteps.from_config({"resample": 3, "do_normalize": False, **cfg})
         return cls(int(cfg.get("patch_size", vision_config.get("patch_size", 16))),
-                   int(cfg.get("pooling_kernel_size", vision_config.get("pooling_kernel_size", 3))), budget, steps)
+                   int(cfg.get("pooling_kernel_size", vision_config.get("pooling_kernel_size", 3))), budget, steps, merged)
 
     def target_size(self, height: int, width: int) -> tuple[int, int]:
         """The largest (height, width) within the patch budget, both multiples of patch x kernel, aspect kept."""
@@ -73,7 +81,7 @@ class Gemma4ImageProcessor:
     def __call__(self, img) -> tuple[torch.Tensor, tuple[int, int]]:
         h, w = self.target_size(img.height, img.width)
         x = self.steps.to_array(self.steps.resize(img, h, w))  # [3, H, W]
-        p = self.patch_size
+        p = self.patch_size * (self.pooling_kernel_size if self.merged else 1)
         rows, cols = h // p, w // p
         patches = x.reshape(3, rows, p, cols, p).transpose(1, 3, 2, 4, 0).reshape(rows * cols, -1)
         return torch.from_numpy(np.ascontiguousarray(patches)), (rows, cols)
@@ -205,6 +213,9 @@ class Gemma4VisionTower(Module):
         super().unload()
         self.position_table = self.std_bias = self.std_scale = None
 
+    def num_tokens(self, grid: tuple[int, int]) -> int:
+        return grid[0] * grid[1] // self.c.pooling_kernel_size**2
+
     def forward(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         c, (rows, cols) = self.c, grid
         if max(rows, cols) > c.position_embedding_size:
@@ -226,6 +237,42 @@ class Gemma4VisionTower(Module):
         return pooled.to(x.dtype)
 
 
+class Gemma4UnifiedEmbedder(Module):
+    """merged patches [N, 3 * (kernel x patch)²] with their (rows, columns) grid -> tokens [N, mm_embed_dim]."""
+
+    def __init__(self, vision_config: dict[str, Any], key: str):
+        self.key = key
+        width = int(vision_config.get("mm_embed_dim", 3840))
+        side = int(vision_config.get("patch_size", 16)) * int(vision_config.get("pooling_kernel_size", 3))
+        self.width, self.positions = width, int(vision_config.get("mm_posemb_size", 1120))
+        self.patch_ln1 = LayerNorm(f"{key}.patch_ln1", 3 * side**2, 1e-5)
+        self.patch_dense = Linear(f"{key}.patch_dense", 3 * side**2, width, bias=True)
+        self.patch_ln2 = LayerNorm(f"{key}.patch_ln2", width, 1e-5)
+        self.pos_norm = LayerNorm(f"{key}.pos_norm", width, 1e-5)
+        self.pos_embedding = None
+
+    def load(self, ctx: LoadContext) -> None:
+        super().load(ctx)
+        self.pos_embedding = ctx.store.get(f"{self.key}.pos_embedding", shape=(self.positions, 2, self.width),
+                                           dtype=ctx.dtype, device=ctx.device)
+
+    def unload(self) -> None:
+        super().unload()
+        self.pos_embedding = None
+
+    def num_tokens(self, grid: tuple[int, int]) -> int:
+        return grid[0] * grid[1]
+
+    def forward(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        rows, cols = grid
+        if max(rows, cols) > self.positions:
+            raise ConfigError(f"an image of {rows}x{cols} tokens exceeds the embedder's {self.positions} positions per side")
+        x = self.patch_ln2.forward(self.patch_dense(self.patch_ln1.forward(patches.to(self.pos_embedding))))
+        dev = self.pos_embedding.device
+        ys, xs = torch.meshgrid(torch.arange(rows, device=dev), torch.arange(cols, device=dev), indexing="ij")
+        return self.pos_norm.forward(x + self.pos_embedding[xs.reshape(-1), 0] + self.pos_embedding[ys.reshape(-1), 1])
+
+
 SPEC = VisionTowerSpec(
     name="gemma4_vision",
     model_types=("gemma4_vision",),
@@ -233,8 +280,16 @@ SPEC = VisionTowerSpec(
     description="Gemma 4 vision: aspect-kept patches, 2D RoPE, pooled soft tokens",
     processor=Gemma4ImageProcessor.from_config,
 )
+UNIFIED_SPEC = VisionTowerSpec(
+    name="gemma4_unified_vision",
+    model_types=("gemma4_unified_vision",),
+    build=Gemma4UnifiedEmbedder,
+    description="Gemma 4 Unified: encoder-free, one normed projection per kernel x kernel block of patches",
+    processor=functools.partial(Gemma4ImageProcessor.from_config, merged=True),
+)
 
 
 @trellm.hookimpl
 def trellm_register_vision_towers(register):
     register(SPEC)
+    register(UNIFIED_SPEC)
