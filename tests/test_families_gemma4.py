@@ -7,6 +7,7 @@ with random values in the saved checkpoint so the biased choice is exercised.
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -98,7 +99,6 @@ def gemma4_vl(request, tmp_path_factory):
     on sliding layers. "unified": Gemma 4 Unified (no tower; bidirectional image rows; no per-layer inputs), whose
     8-pixel merged patches transformers makes with torchvision (not installed): the PIL processor cutting 8-pixel
     patches makes the same ones."""
-    import torch
     import transformers
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
@@ -136,8 +136,6 @@ def gemma4_vl(request, tmp_path_factory):
 
 
 def hf_vl_logits(hf, ids, inputs):
-    import torch
-
     x = torch.tensor([ids])
     with torch.no_grad():
         return hf(input_ids=x, pixel_values=inputs["pixel_values"], image_position_ids=inputs["image_position_ids"],
@@ -145,7 +143,6 @@ def hf_vl_logits(hf, ids, inputs):
 
 
 def test_gemma4_vl_images(gemma4_vl):
-    import torch
     from test_vision import batched_greedy
     from test_vision_qwen import random_image
     from trellm.multimodal import prepare_prompt
@@ -173,3 +170,38 @@ def test_gemma4_vl_images(gemma4_vl):
             refs.append(ids[len(mm.input_ids):])
         assert refs[0] != refs[1]
         assert batched_greedy(lm, prompts, 32, page_size=8) == refs  # both prompts in one batch, through the paged cache
+
+
+# ---- on the GPU ------------------------------------------------------------------------------------------
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("architecture, config", [
+    ("LagunaForCausalLM", dict(LAGUNA, gating="per-head")),
+    ("Gemma4ForCausalLM", GEMMA4["per_layer_inputs_kv_sharing"]),
+    ("Gemma4ForCausalLM", GEMMA4["moe_k_eq_v"]),
+])
+def test_text_families_on_cuda(tmp_path, architecture, config):
+    """float32 on the GPU (kernels, CUDA-graph decode) gives the CPU's logits and greedy tokens."""
+    import trellm
+
+    model_dir = make_tiny_hf_model(architecture, tmp_path, **config)
+    cpu, gpu = (trellm.load(model_dir, device=d, dtype=torch.float32) for d in ("cpu", "cuda"))
+    prompt = list(range(3, 40))
+    assert (gpu.logits([prompt])[0].cpu() - cpu.logits([prompt])[0]).abs().max() < 1e-3
+    want = list(cpu.generate_ids(prompt, 16, stop_token_ids=[]))
+    assert list(gpu.generate_ids(prompt, 16, stop_token_ids=[])) == want
+
+
+@pytest.mark.cuda
+@cuda
+def test_gemma4_vl_on_cuda(gemma4_vl):
+    from test_vision import check_on_cuda
+    from test_vision_qwen import random_image
+
+    _, _, lm = gemma4_vl
+    check_on_cuda(lm, VL_PROMPTS[0], [random_image(0, size=(64, 64))])
