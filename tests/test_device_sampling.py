@@ -98,14 +98,7 @@ def test_uniforms_are_counter_based():
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def lm(tmp_path_factory):
-    import trellm
-    from trellm.sdk.testing import make_tiny_hf_model
-
-    torch.set_num_threads(1)
-    model_dir = make_tiny_hf_model("LlamaForCausalLM", tmp_path_factory.mktemp("tiny"), max_position_embeddings=1024)
-    return trellm.load(model_dir, device="cpu", dtype="float32", tokenizer=False)
+from test_generator_step_inputs import lm  # noqa: E402,F401  (the tiny Llama fixture both files drive)
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
