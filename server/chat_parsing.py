@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import attrs
 
@@ -151,6 +151,14 @@ class ToolFormat:
         return "\n".join(f'<tool_call>\n{json.dumps({"name": c["name"], "arguments": c["arguments"]})}\n</tool_call>'
                          for c in calls)
 
+    def _blocks(self, text: str, at: int) -> Iterator[tuple[str, bool]]:
+        """Each ``<tool_call>`` block's body from the marker at ``at`` on, and whether it is closed yet."""
+        while at >= 0:
+            start = at + len("<tool_call>")
+            end = text.find("</tool_call>", start)
+            yield (text[start:] if end < 0 else text[start:end]), end >= 0
+            at = -1 if end < 0 else text.find("<tool_call>", end)
+
     def _content_before(self, text: str, final: bool) -> tuple[str, int]:
         """(content before the first marker, index of that marker or -1)."""
         found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
@@ -203,16 +211,12 @@ class Hermes(ToolFormat):
     def parse(self, text: str, final: bool) -> Parsed:
         content, at = self._content_before(text, final)
         calls: list[ToolCall] = []
-        while at >= 0:
-            start = at + len("<tool_call>")
-            end = text.find("</tool_call>", start)
-            body = text[start:] if end < 0 else text[start:end]
-            call = json_call(body.strip(), final=final and end >= 0)
+        for body, closed in self._blocks(text, at):
+            call = json_call(body.strip(), final=final and closed)
             if call is None and final:
                 return Parsed(content=text, calls=[])  # not a call after all: the whole reply is text
             if call is not None:
                 calls.append(call)
-            at = -1 if end < 0 else text.find("<tool_call>", end)
         return Parsed(content=content.rstrip() if calls else content, calls=calls)
 
     def grammar(self, tools, parallel, literal):
@@ -363,92 +367,81 @@ def _xml_value_rule(rule: str, schema: dict, close: str) -> str:
     return f"{rule}: {schema_json(schema)} {lark_literal(close)}"
 
 
-class Glm45(ToolFormat):
+class XmlToolFormat(ToolFormat):
+    """Calls with one XML-style element per argument inside ``<tool_call>`` blocks. ``CALL`` and ``ARG``
+    are the text a call and an argument are written as; the grammar and ``render_calls`` follow them,
+    ``find_call`` reads a block (leniently, as models write them)."""
+
+    markers = ("<tool_call>",)
+    CALL: ClassVar[str]  # with {name} and {args}
+    ARG: ClassVar[str]  # with {key} and {value}
+
+    def find_call(self, block: str, closed: bool) -> tuple[str, list[tuple[str, str]]] | None:
+        """(name, [(key, raw value)]) of a block, or None while its name is still being written."""
+        raise NotImplementedError
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        content, at = self._content_before(text, final)
+        calls: list[ToolCall] = []
+        for block, closed in self._blocks(text, at):
+            found = self.find_call(block, closed)
+            if found is None:
+                break
+            name, pairs = found
+            args = {k.strip(): self.typed(name, k.strip(), v) for k, v in pairs}
+            calls.append(_xml_call(name, args, complete=closed))
+        if final and any(not c.complete for c in calls):
+            return Parsed(content=text)
+        return Parsed(content=content.rstrip() if calls else content, calls=calls)
+
+    def grammar(self, tools, parallel, literal):
+        call_open, rest = self.CALL.split("{name}")
+        name_to_args, call_close = rest.split("{args}")
+        arg_open, rest = self.ARG.split("{key}")
+        key_to_value, value_close = rest.split("{value}")
+        rules = []
+        for i, tool in enumerate(tools):
+            params = parameters_of(tool)
+            required = set(params.get("required") or [])
+            parts = []
+            for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+                pair = f"{lark_literal(arg_open)} {lark_literal(key)} {lark_literal(key_to_value)} v{i}_{j}"
+                parts.append(f"({pair})" + ("" if key in required else "?"))
+                rules.append(_xml_value_rule(f"v{i}_{j}", schema, value_close))
+            rules.append(f"fn{i}: {lark_literal(call_open)} {lark_literal(tool['function']['name'])} "
+                         f"{lark_literal(name_to_args)} {' '.join(parts)} {lark_literal(call_close)}")
+        start = 'start: fn ("\\n" fn)*' if parallel else "start: fn"
+        return "\n".join([start, f"fn: {_alternatives(len(tools))}", *rules])
+
+    def render_calls(self, calls):
+        return "\n".join(self.CALL.format(name=c["name"], args="".join(
+            self.ARG.format(key=k, value=v if isinstance(v, str) else json.dumps(v))
+            for k, v in c["arguments"].items())) for c in calls)
+
+
+class Glm45(XmlToolFormat):
     name = "glm45"
     template_markers = ("<arg_key>",)
-    markers = ("<tool_call>",)
+    CALL = "<tool_call>{name}\n{args}</tool_call>"
+    ARG = "<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n"
     PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
-    def parse(self, text: str, final: bool) -> Parsed:
-        content, at = self._content_before(text, final)
-        calls: list[ToolCall] = []
-        while at >= 0:
-            start = at + len("<tool_call>")
-            end = text.find("</tool_call>", start)
-            block = text[start:] if end < 0 else text[start:end]
-            name = re.split(r"\n|<arg_key>", block, maxsplit=1)[0].strip()
-            if end < 0 and "\n" not in block and "<arg_key>" not in block:
-                break  # the name is still being written
-            args = {k.strip(): self.typed(name, k.strip(), v) for k, v in self.PAIR.findall(block)}
-            calls.append(_xml_call(name, args, complete=end >= 0))
-            at = -1 if end < 0 else text.find("<tool_call>", end)
-        if final and any(not c.complete for c in calls):
-            return Parsed(content=text)
-        return Parsed(content=content.rstrip() if calls else content, calls=calls)
-
-    def grammar(self, tools, parallel, literal):
-        rules = []
-        for i, tool in enumerate(tools):
-            fn = tool["function"]["name"]
-            props = parameters_of(tool).get("properties") or {}
-            required = set(parameters_of(tool).get("required") or [])
-            parts = []
-            for j, (key, schema) in enumerate(props.items()):
-                pair = f'"<arg_key>" {lark_literal(key)} "</arg_key>\\n<arg_value>" v{i}_{j}'
-                parts.append(f"({pair})" + ("" if key in required else "?"))
-                rules.append(_xml_value_rule(f"v{i}_{j}", schema, "</arg_value>\n"))
-            rules.append(f'fn{i}: "<tool_call>" {lark_literal(fn)} "\\n" {" ".join(parts)} "</tool_call>"')
-        start = 'start: fn ("\\n" fn)*' if parallel else "start: fn"
-        return "\n".join([start, f"fn: {_alternatives(len(tools))}", *rules])
-
-    def render_calls(self, calls):
-        return "\n".join("<tool_call>" + c["name"] + "\n" + "".join(
-            f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>\n"
-            for k, v in c["arguments"].items()) + "</tool_call>" for c in calls)
+    def find_call(self, block, closed):
+        if not closed and "\n" not in block and "<arg_key>" not in block:
+            return None
+        return re.split(r"\n|<arg_key>", block, maxsplit=1)[0].strip(), self.PAIR.findall(block)
 
 
-class Qwen3Coder(ToolFormat):
+class Qwen3Coder(XmlToolFormat):
     name = "qwen3_coder"
     template_markers = ("<function=",)
-    markers = ("<tool_call>",)
+    CALL = "<tool_call>\n<function={name}>\n{args}</function>\n</tool_call>"
+    ARG = "<parameter={key}>\n{value}\n</parameter>\n"
     PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
-    def parse(self, text: str, final: bool) -> Parsed:
-        content, at = self._content_before(text, final)
-        calls: list[ToolCall] = []
-        while at >= 0:
-            end = text.find("</tool_call>", at)
-            block = text[at:] if end < 0 else text[at:end]
-            fn = re.search(r"<function=([^>\n]+)>", block)
-            if fn is None:
-                break
-            name = fn.group(1).strip()
-            args = {k.strip(): self.typed(name, k.strip(), v) for k, v in self.PARAM.findall(block)}
-            calls.append(_xml_call(name, args, complete=end >= 0))
-            at = -1 if end < 0 else text.find("<tool_call>", end)
-        if final and any(not c.complete for c in calls):
-            return Parsed(content=text)
-        return Parsed(content=content.rstrip() if calls else content, calls=calls)
-
-    def grammar(self, tools, parallel, literal):
-        rules = []
-        for i, tool in enumerate(tools):
-            props = parameters_of(tool).get("properties") or {}
-            required = set(parameters_of(tool).get("required") or [])
-            parts = []
-            for j, (key, schema) in enumerate(props.items()):
-                pair = f'"<parameter=" {lark_literal(key)} ">\\n" v{i}_{j}'
-                parts.append(f"({pair})" + ("" if key in required else "?"))
-                rules.append(_xml_value_rule(f"v{i}_{j}", schema, "\n</parameter>\n"))
-            rules.append(f'fn{i}: "<tool_call>\\n<function=" {lark_literal(tool["function"]["name"])} ">\\n" '
-                         f'{" ".join(parts)} "</function>\\n</tool_call>"')
-        start = 'start: fn ("\\n" fn)*' if parallel else "start: fn"
-        return "\n".join([start, f"fn: {_alternatives(len(tools))}", *rules])
-
-    def render_calls(self, calls):
-        return "\n".join("<tool_call>\n<function=" + c["name"] + ">\n" + "".join(
-            f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
-            for k, v in c["arguments"].items()) + "</function>\n</tool_call>" for c in calls)
+    def find_call(self, block, closed):
+        fn = re.search(r"<function=([^>\n]+)>", block)
+        return None if fn is None else (fn.group(1).strip(), self.PARAM.findall(block))
 
 
 def _xml_call(name: str, args: dict, complete: bool) -> ToolCall:
