@@ -21,7 +21,7 @@ import hashlib
 import io
 import json
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -29,6 +29,9 @@ import torch
 
 from .errors import ConfigError, TrellmError
 from .modules.base import LoadContext, Module
+
+if TYPE_CHECKING:
+    from .config import DecoderConfig
 
 MAX_IMAGE_BYTES = 32 * 1024 * 1024  # encoded size
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # decoded width * height
@@ -149,6 +152,33 @@ def read_vision_config(raw: dict[str, Any], architecture: str) -> dict[str, Any]
     if not isinstance(vision, dict):
         raise ConfigError(f"config.json: {architecture} needs a 'vision_config' object")
     return vision
+
+
+def config_token(raw: dict[str, Any], *names: str, default: int) -> int:
+    """The first of ``names`` set in config.json as an int (configs spell token ids ``*_token_id`` or ``*_token_index``)."""
+    for name in names:
+        if raw.get(name) is not None:
+            return int(raw[name])
+    return default
+
+
+@attrs.frozen
+class VisionLanguageConfig:
+    """A text decoder with a vision tower: both configs and the token id image rows take in the prompt.
+    Families subclass it with their own keys."""
+
+    text: "DecoderConfig"
+    vision: dict[str, Any] = attrs.field(hash=False)
+    image_token_id: int
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 <= self.image_token_id < self.text.vocab_size:
+            raise ConfigError(f"config.json: image_token_id {self.image_token_id} is outside the vocabulary "
+                              f"({self.text.vocab_size})")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text.hidden_size
 
 
 def vision_tower_spec(vision_config: dict[str, Any], default_model_type: str):

@@ -84,7 +84,9 @@ from trellm.multimodal import (
     MultimodalPrompt,
     PixelSteps,
     VisionInput,
+    VisionLanguageConfig,
     VisionLanguageModel,
+    config_token,
     image_digest,
     load_image_processor,
     read_vision_config,
@@ -165,7 +167,7 @@ __all__ = [
     "hybrid_layer_types", "qwen_moe_mlp", "build_qwen_hybrid", "build_qwen3_5", "build_qwen3_5_moe",
     # images
     "VisionLanguageModel", "VisionInput", "MultimodalPrompt", "PixelSteps", "FixedSizeProcessor", "ImageError",
-    "image_digest", "read_vision_config", "vision_tower_spec", "load_image_processor",
+    "VisionLanguageConfig", "config_token", "image_digest", "read_vision_config", "vision_tower_spec", "load_image_processor",
     # vision-tower helpers (trellm.sdk.vision) and the Qwen-VL recipe (trellm.sdk.qwen_vl)
     "CLIP_MEAN", "CLIP_STD", "rope_inv_freq", "rope_2d", "frame_lengths", "attention_within_segments", "attend_image_blocks",
     "QwenVLProcessor", "QwenVisionConfig", "QwenVisionBlock", "QwenVisionTower", "patch_positions",

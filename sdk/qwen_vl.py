@@ -39,6 +39,7 @@ from trellm.multimodal import (
     MultimodalPrompt,
     PixelSteps,
     VisionInput,
+    VisionLanguageConfig,
     VisionLanguageModel,
     image_digest,
     load_image_processor,
@@ -344,17 +345,10 @@ def mrope_positions(ids: Sequence[int], image_token_id: int, grids: Sequence[tup
 
 
 @attrs.frozen
-class QwenVLConfig:
-    text: DecoderConfig
-    vision: dict[str, Any] = attrs.field(hash=False)
-    image_token_id: int
+class QwenVLConfig(VisionLanguageConfig):
     vision_start_token_id: int
     vision_end_token_id: int
     mrope_section: tuple[int, ...]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.text.hidden_size
 
 
 def read_qwen_vl_config(raw: dict, read_text: Callable[[dict], DecoderConfig] = read_qwen2_config) -> QwenVLConfig:

@@ -114,6 +114,24 @@ def test_vision_tower_registered():
     assert "Gemma3ForConditionalGeneration" in registry.architectures()
 
 
+@pytest.mark.parametrize("reader", ["plugins.architectures.hyperclovax_vision:read_config",
+                                    "plugins.architectures.mistral3:read_config", "sdk.qwen_vl:read_qwen_vl_config"])
+def test_image_token_outside_vocabulary_is_refused(reader):
+    """Every vision family's config record (VisionLanguageConfig) checks the image token against the vocabulary."""
+    import importlib
+
+    from trellm.errors import ConfigError
+
+    module, name = reader.split(":")
+    read_config = getattr(importlib.import_module(f"trellm.{module}"), name)
+    text = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "rope_parameters": {"mrope_section": [8, 12, 12]}}
+    raw = {**text, "text_config": text, "vision_config": {}, "image_token_id": 127}
+    assert read_config(raw).image_token_id == 127
+    with pytest.raises(ConfigError, match="image_token_id 128 is outside the vocabulary \\(128\\)"):
+        read_config({**raw, "image_token_id": 128})
+
+
 # ---- Gemma 3 with vision --------------------------------------------------------------------------
 
 

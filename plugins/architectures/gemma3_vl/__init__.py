@@ -13,7 +13,7 @@ arrive whole in one prefill chunk (``MultimodalPrompt.safe_chunk_end`` picks suc
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import attrs
 import torch
@@ -24,14 +24,15 @@ from trellm.sdk import (
     ArchitectureSpec,
     Attention,
     ConfigError,
-    DecoderConfig,
     LoadContext,
     Module,
     RMSNorm,
     VisionInput,
+    VisionLanguageConfig,
     VisionLanguageModel,
     attend_image_blocks,
     build_decoder,
+    config_token,
     configure_gemma3,
     image_digest,
     load_image_processor,
@@ -57,43 +58,28 @@ TEXT_OPTIONS = attrs.evolve(
 
 
 @attrs.frozen
-class Gemma3VLConfig:
-    text: DecoderConfig
-    vision: dict[str, Any] = attrs.field(hash=False)
+class Gemma3VLConfig(VisionLanguageConfig):
     mm_tokens_per_image: int
-    image_token_id: int
     boi_token_id: int
     eoi_token_id: int
-
-    @property
-    def hidden_size(self) -> int:
-        return self.text.hidden_size
 
 
 def read_config(raw: dict) -> Gemma3VLConfig:
     vision = read_vision_config(raw, "Gemma3ForConditionalGeneration")
 
-    def token(*names: str, default: int) -> int:
-        for n in names:
-            if raw.get(n) is not None:
-                return int(raw[n])
-        return default
-
     cfg = Gemma3VLConfig(
         text=read_gemma3_config(raw),
         vision=vision,
         mm_tokens_per_image=int(raw.get("mm_tokens_per_image", 256)),
-        image_token_id=token("image_token_id", "image_token_index", default=262144),
-        boi_token_id=token("boi_token_id", "boi_token_index", default=255999),
-        eoi_token_id=token("eoi_token_id", "eoi_token_index", default=256000),
+        image_token_id=config_token(raw, "image_token_id", "image_token_index", default=262144),
+        boi_token_id=config_token(raw, "boi_token_id", "boi_token_index", default=255999),
+        eoi_token_id=config_token(raw, "eoi_token_id", "eoi_token_index", default=256000),
     )
     side = int(round(cfg.mm_tokens_per_image**0.5))
     patches = int(vision.get("image_size", 896)) // int(vision.get("patch_size", 14))
     if side * side != cfg.mm_tokens_per_image or patches % side:
         raise ConfigError(f"config.json: mm_tokens_per_image {cfg.mm_tokens_per_image} must be a square whose side divides "
                           f"the tower's {patches} patches per side")
-    if cfg.image_token_id >= cfg.text.vocab_size:
-        raise ConfigError(f"config.json: image_token_id {cfg.image_token_id} is outside the vocabulary ({cfg.text.vocab_size})")
     return cfg
 
 

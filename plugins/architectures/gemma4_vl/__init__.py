@@ -10,7 +10,7 @@ not cut an image. Audio and video inputs are not supported.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import attrs
 import torch
@@ -18,13 +18,12 @@ import torch
 import trellm
 from trellm.sdk import (
     ArchitectureSpec,
-    ConfigError,
-    DecoderConfig,
     Linear,
     LoadContext,
     Module,
     RMSNorm,
     VisionInput,
+    VisionLanguageConfig,
     VisionLanguageModel,
     image_digest,
     load_image_processor,
@@ -35,16 +34,9 @@ from trellm.sdk.gemma4 import build_gemma4_text, read_gemma4_config
 
 
 @attrs.frozen
-class Gemma4VLConfig:
-    text: DecoderConfig
-    vision: dict[str, Any] = attrs.field(hash=False)
-    image_token_id: int
+class Gemma4VLConfig(VisionLanguageConfig):
     boi_token_id: int
     eoi_token_id: int
-
-    @property
-    def hidden_size(self) -> int:
-        return self.text.hidden_size
 
 
 def read_config(raw: dict) -> Gemma4VLConfig:
@@ -55,8 +47,6 @@ def read_config(raw: dict) -> Gemma4VLConfig:
         boi_token_id=int(raw.get("boi_token_id", 255999)),
         eoi_token_id=int(raw.get("eoi_token_id", 258882)),
     )
-    if cfg.image_token_id >= cfg.text.vocab_size:
-        raise ConfigError(f"config.json: image_token_id {cfg.image_token_id} is outside the vocabulary ({cfg.text.vocab_size})")
     return cfg
 
 

@@ -11,9 +11,8 @@ both load.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
-import attrs
 import torch
 
 import trellm
@@ -24,6 +23,7 @@ from trellm.sdk import (
     Linear,
     QwenTowerLanguageModel,
     QwenVision,
+    VisionLanguageConfig,
     build_decoder,
     configure_hyperclovax,
     read_vision_config,
@@ -42,19 +42,8 @@ TEXT_OPTIONS = DecoderOptions(
 )
 
 
-@attrs.frozen
-class HCXVisionConfig:
-    text: DecoderConfig
-    vision: dict[str, Any] = attrs.field(hash=False)
-    image_token_id: int
-
-    @property
-    def hidden_size(self) -> int:
-        return self.text.hidden_size
-
-
-def read_config(raw: dict) -> HCXVisionConfig:
-    return HCXVisionConfig(
+def read_config(raw: dict) -> VisionLanguageConfig:
+    return VisionLanguageConfig(
         text=DecoderConfig.from_hf(raw),
         vision=read_vision_config(raw, raw.get("architectures", ARCHITECTURES)[0]),
         image_token_id=int(raw.get("image_token_id", 128060)),
@@ -68,7 +57,7 @@ class HCXVision(QwenVision):
     placed, so the image rows are scaled here (trellm places them after the embedding's own scale).
     """
 
-    def __init__(self, cfg: HCXVisionConfig, embed_scale: float):
+    def __init__(self, cfg: VisionLanguageConfig, embed_scale: float):
         super().__init__(cfg.vision, "model.vision_model")
         self.projector = Linear("model.vision_projector", int(cfg.vision["out_hidden_size"]), cfg.hidden_size, bias=True)
         self.embed_scale = embed_scale
@@ -78,7 +67,7 @@ class HCXVision(QwenVision):
 
 
 class HCXVisionLanguageModel(QwenTowerLanguageModel):
-    def __init__(self, cfg: HCXVisionConfig):
+    def __init__(self, cfg: VisionLanguageConfig):
         options = configure_hyperclovax(cfg.text, TEXT_OPTIONS)
         language = build_decoder(cfg.text, options)
         super().__init__(language, HCXVision(cfg, options.embed_scale or 1.0), ALIASES, cfg.image_token_id)

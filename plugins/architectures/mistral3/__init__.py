@@ -7,7 +7,7 @@ two-layer MLP projects them to the text width. In the prompt, each ``[IMG]`` mar
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import attrs
 import torch
@@ -23,6 +23,7 @@ from trellm.sdk import (
     Module,
     RMSNorm,
     VisionInput,
+    VisionLanguageConfig,
     VisionLanguageModel,
     activation_fn,
     build_decoder,
@@ -50,18 +51,11 @@ DEFAULT_BREAK_ID, DEFAULT_END_ID = 12, 13
 
 
 @attrs.frozen
-class Mistral3Config:
-    text: DecoderConfig
-    vision: dict[str, Any] = attrs.field(hash=False)
-    image_token_id: int
+class Mistral3Config(VisionLanguageConfig):
     spatial_merge_size: int
     feature_layers: tuple[int, ...]
     projector_act: str
     projector_bias: bool
-
-    @property
-    def hidden_size(self) -> int:
-        return self.text.hidden_size
 
 
 def read_config(raw: dict) -> Mistral3Config:
