@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from trellm import ops
 from trellm.batch import ForwardBatch
+from trellm.cache.indexed import ExtraRowsKVCacheLayer
 from trellm.capabilities import (
     DenseKVPages,
     HasMTPHead,
@@ -174,6 +175,8 @@ __all__ = [
     "QwenVLConfig", "read_qwen_vl_config", "QwenVision", "QwenTowerLanguageModel", "QwenVisionLanguageModel",
     # capabilities (trellm.capabilities): what a model or cache layer can do
     "HasRecurrentState", "SupportsImages", "HasMTPHead", "PagedKVLayer", "DenseKVPages", "StateSlots", "implements",
+    # a cache layer keeping more per token than K/V (an indexer's keys, positions)
+    "ExtraRowsKVCacheLayer",
     "is_hybrid", "supports_images", "mtp_head", "is_paged_layer", "has_dense_pages", "is_state_layer",
     # tensor parallel: a module that splits itself (SplitsOverRanks) cuts its projections with these
     "SplitsOverRanks", "rank_range", "split_columns", "split_rows",

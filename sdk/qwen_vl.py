@@ -1,5 +1,5 @@
 """The Qwen-VL recipe: image processor, ViT and M-RoPE language model, shared by Qwen2.5-VL,
-Qwen3-VL, Qwen3.5 with images and GLM 4.1V.
+Qwen3-VL, Qwen3.5 and Qwen 3.8 with images, GLM 4.1V and GLM 5.3.
 
 Dynamic resolution: each image is resized (keeping its aspect ratio) to multiples of
 ``patch_size * merge_size`` within [min_pixels, max_pixels], cut into patches and flattened in
@@ -97,10 +97,15 @@ class QwenVLProcessor:
         """The resized (height, width) of an image."""
         return fit_size(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
 
-    def __call__(self, img) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    def canvas(self, img):
+        """The PIL image the patches are cut from: ``img`` resized to :meth:`fit` (a multiple of patch * merge)."""
         w0, h0 = img.size
         h, w = self.fit(h0, w0)
-        x = self.steps.to_array(self.steps.resize(img, h, w))  # [C, h, w]
+        return self.steps.resize(img, h, w)
+
+    def __call__(self, img) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        x = self.steps.to_array(self.canvas(img))  # [C, h, w]
+        h, w = x.shape[1:]
         p, m, c = self.patch_size, self.merge_size, x.shape[0]
         gh, gw = h // p, w // p
         x = x.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # blocks, in-block, C, p, p
@@ -183,7 +188,11 @@ def window_order(grids: Sequence[tuple[int, int, int]], merge: int, units_per_wi
 
 
 class QwenVisionBlock(Module):
-    """x + proj(attn(norm1(x))) with 2D RoPE, then x + mlp(norm2(x)) (gated, with biases)."""
+    """x + proj(attn(norm1(x))) with 2D RoPE, then x + mlp(norm2(x)) (gated, with biases). A block that sets
+    ``q_norm`` / ``k_norm`` norms each head's q and k before the RoPE (GLM 5.3)."""
+
+    q_norm: Module | None = None
+    k_norm: Module | None = None
 
     def __init__(self, key: str, cfg: QwenVisionConfig):
         d = cfg.hidden_size
@@ -197,6 +206,8 @@ class QwenVisionBlock(Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int]) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(self.norm1.forward(x)).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        if self.q_norm is not None:
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         q, k = ops.rotary_embedding(q, cos, sin), ops.rotary_embedding(k, cos, sin)
         out = attention_within_segments(q, k, v, segments)  # attention stays inside each window (or image)
         x = x + self.proj(out.reshape(n, -1))

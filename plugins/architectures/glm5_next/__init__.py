@@ -11,6 +11,10 @@ sub-layer, and SwiGLU MLPs with clamped inputs (dense, and DeepSeek-style groupe
 - Hyper-connections: the residual is ``hc_mult`` streams; each sub-layer reads a sigmoid-weighted sum of
   them and writes back ``post * out + comb^T streams`` (comb Sinkhorn-normalised); the final hidden is
   the streams' mean.
+- Images (a ``vision_config``): the GLM 5.3 tower (``glm5_next_vision``) fills each image's run of
+  ``<|image|>`` tokens (one per merged 2x2 patch block; the chat template writes ``<|begin_of_image|>`` and
+  ``<|end_of_image|>`` around it). The text model is NoPE and its delta attention and indexer read no
+  positions, so the image rows need no M-RoPE: positions stay plain.
 """
 from __future__ import annotations
 
@@ -34,14 +38,19 @@ from trellm.sdk import (
     LoadContext,
     Module,
     MoE,
+    QwenTowerLanguageModel,
+    QwenVision,
     RMSNorm,
     Router,
     ScoreTopK,
+    VisionLanguageConfig,
+    config_token,
     gather_pages,
     has_dense_pages,
     limited_swiglu,
     ops,
     read_keys,
+    read_vision_config,
 )
 
 PREFIX = "model.language_model"
@@ -366,13 +375,33 @@ def build(cfg: DecoderConfig) -> HyperConnectedLM:
     return model
 
 
+class Glm5NextVisionLanguageModel(QwenTowerLanguageModel):
+    """The text model fed by the GLM 5.3 tower (``model.visual``) at the ``<|image|>`` placeholders."""
+
+    def __init__(self, cfg: VisionLanguageConfig):
+        super().__init__(build(cfg.text), QwenVision(cfg.vision, "model.visual"), (), cfg.image_token_id)
+
+
+def read_config(raw: dict) -> VisionLanguageConfig | DecoderConfig:
+    """With a ``vision_config`` the model takes images; a flat text-only config (text keys at the top) does not."""
+    text = DecoderConfig.from_hf(raw)
+    if "vision_config" not in raw:
+        return text
+    return VisionLanguageConfig(text=text, vision=read_vision_config(raw, "Glm5NextForConditionalGeneration"),
+                                image_token_id=config_token(raw, "image_token_id", default=154854))
+
+
+def build_model(cfg: VisionLanguageConfig | DecoderConfig) -> Module:
+    return Glm5NextVisionLanguageModel(cfg) if isinstance(cfg, VisionLanguageConfig) else build(cfg)
+
+
 SPEC = ArchitectureSpec(
     name="glm5_next",
     architectures=("Glm5NextForConditionalGeneration",),
-    read_config=DecoderConfig.from_hf,
-    build=build,
+    read_config=read_config,
+    build=build_model,
     description="GLM 5.3-Flash: KDA linear attention + NoPE MLA with a pooled DSA indexer, hyper-connections, "
-                "clamped SwiGLU MoE",
+                "clamped SwiGLU MoE, the GLM 5.3 (GLM-OCR) vision tower",
 )
 
 

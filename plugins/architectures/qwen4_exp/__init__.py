@@ -7,10 +7,15 @@ MoE with a gated shared expert on every layer) with three additions.
 - Sparse attention (QSA): an indexer scores blocks of ``indexer_compress_ratio`` keys (the mean of the raw
   index keys, normed, rotated at the block start) against multi-head index queries (ReLU, summed); each
   query attends to the best ``indexer_budget / ratio`` whole blocks it sees plus its incomplete tail block.
-  The raw index key of each token rides in its cache row after the attention keys.
+  The raw index key and the position of each token ride in the cache beside its K/V.
 - Per-layer embeddings (PLE) on ``ple_layer_ids`` (1-based; linear-attention layers): hashed n-gram
   embeddings of the last ``ngram_size`` tokens (reset at EOS) gate a value into every stream, plus a
   dilated causal conv of it. The token history and conv inputs ride in the layer's recurrent-state slot.
+
+Images (a ``vision_config``): the Qwen3.5 tower (``qwen4_exp_vision``, the Qwen3-VL tower without DeepStack)
+fills ``<|vision_start|><|image_pad|>*N<|vision_end|>``, and the attention layers take Qwen3.5's interleaved
+M-RoPE (time, row, column) positions, the indexer's pooled block keys included. The n-gram embeddings hash
+the placeholder ids as they are.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from trellm.sdk import (
     ConfigError,
     DecoderConfig,
     Embedding,
+    ExtraRowsKVCacheLayer,
     ForwardBatch,
     GatedAttention,
     GatedDeltaNet,
@@ -33,13 +39,15 @@ from trellm.sdk import (
     Linear,
     LoadContext,
     Module,
+    QwenVisionLanguageModel,
+    QwenVLConfig,
     RMSNorm,
     RotaryEmbedding,
     gather_pages,
-    has_dense_pages,
     ops,
     qwen_moe_mlp,
     read_keys,
+    read_qwen_vl_config,
     state_cache_inputs,
 )
 
@@ -128,8 +136,9 @@ class StreamMixer(Module):
 
 
 class IndexedAttention(GatedAttention):
-    """Gated attention over the tokens the QSA indexer picks (see the module docstring). The cache row of a
-    token holds each KV head's key followed by the token's raw index key."""
+    """Gated attention over the tokens the QSA indexer picks (see the module docstring). The cache keeps each
+    token's raw index key and its position value beside its K/V: a pooled block key rotates at its first
+    token's position, which with images is an M-RoPE (time, row, column) position, not its index."""
 
     def __init__(self, key: str, layer_idx: int, cfg: DecoderConfig, keys: Qwen4ExpKeys, rope: RotaryEmbedding):
         super().__init__(key, layer_idx, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
@@ -140,26 +149,26 @@ class IndexedAttention(GatedAttention):
         self.index_q_norm = RMSNorm(f"{key}.indexer.q_layernorm", self.index_dim, cfg.rms_norm_eps, unit_offset=True)
         self.index_k_norm = RMSNorm(f"{key}.indexer.k_layernorm", self.index_dim, cfg.rms_norm_eps, unit_offset=True)
 
-    def kv_shape(self) -> tuple[int, int, int]:
-        return self.num_kv_heads, self.head_dim + self.index_dim, self.head_dim
+    def cache_layer(self, kv_layer) -> ExtraRowsKVCacheLayer:
+        return ExtraRowsKVCacheLayer(kv_layer, self.index_dim, positions=True)
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rope.cos_sin(positions, int(positions.max()) + 1 if positions.numel() else 1)
         return ops.rotary_embedding(x, cos, sin)
 
-    def select(self, q: torch.Tensor, raw_keys: torch.Tensor, first: int) -> torch.Tensor:
-        """[n, L] bool: the tokens the n queries (index queries [n, heads, dim], rotated) at positions
-        first, first + 1, ... attend to, from the context's raw index keys [L, dim]."""
+    def select(self, q: torch.Tensor, raw_keys: torch.Tensor, positions: torch.Tensor, first: int) -> torch.Tensor:
+        """[n, L] bool: the tokens the n queries (index queries [n, heads, dim], rotated) at indices
+        first, first + 1, ... attend to, from the context's raw index keys [L, dim] and position values [L]."""
         n, length, r = q.shape[0], raw_keys.shape[0], self.ratio
-        positions = torch.arange(first, first + n, device=q.device)
+        queries = torch.arange(first, first + n, device=q.device)
         tokens = torch.arange(length, device=q.device)
-        whole_blocks = (positions + 1) // r  # blocks each query sees whole
+        whole_blocks = (queries + 1) // r  # blocks each query sees whole
         tail_start = whole_blocks * r
-        mask = (tokens[None] >= tail_start[:, None]) & (tokens[None] <= positions[:, None])
+        mask = (tokens[None] >= tail_start[:, None]) & (tokens[None] <= queries[:, None])
         blocks = length // r
         if blocks:
             pooled = self.index_k_norm.forward(raw_keys[: blocks * r].float().view(blocks, r, -1).mean(1).to(raw_keys.dtype))
-            pooled = self._rotate(pooled[:, None], torch.arange(blocks, device=q.device) * r)[:, 0]
+            pooled = self._rotate(pooled[:, None], positions[: blocks * r : r])[:, 0]
             scores = F.relu(torch.einsum("nhd,bd->nbh", q.float(), pooled.float())).sum(-1) / math.sqrt(self.index_dim)
             seen = torch.arange(blocks, device=q.device)[None] < whole_blocks[:, None]
             scores = scores.masked_fill(~seen, float("-inf"))
@@ -177,26 +186,23 @@ class IndexedAttention(GatedAttention):
         v = v.view(t, kvh, d)
         index_q, raw_key = self.index_qk_proj(x).split([self.index_heads * self.index_dim, self.index_dim], dim=-1)
         index_q = self._rotate(self.index_q_norm.forward(index_q.view(t, self.index_heads, self.index_dim)), batch.positions)
-        rows = torch.cat([k, raw_key[:, None].expand(t, kvh, self.index_dim)], dim=-1)
         bounds = batch.cu_seqlens.tolist()
         spans = list(zip(bounds[:-1], bounds[1:]))
-        if batch.cache is None:
-            contexts = [(rows[s0:s1], v[s0:s1], 0) for s0, s1 in spans]
+        if batch.cache is None:  # (keys, values, raw index keys, positions, index of the first new token)
+            contexts = [(k[s0:s1], v[s0:s1], raw_key[s0:s1], batch.positions[s0:s1], 0) for s0, s1 in spans]
         else:
             layer = batch.cache.layers[self.layer_idx]
-            if not has_dense_pages(layer):
-                raise ValueError(f"{self.key}: indexed attention reads its cache rows directly; "
-                                 f"a {type(layer).__name__} cache layer does not offer them")
-            layer.store(rows, v, batch.slots)
-            lengths = batch.context_lens.tolist()
-            contexts = [(gather_pages(layer.k_pages, batch.block_table[b], lengths[b]),
-                         gather_pages(layer.v_pages, batch.block_table[b], lengths[b]), lengths[b] - (s1 - s0))
-                        for b, (s0, s1) in enumerate(spans)]
+            layer.store(k, v, batch.slots)
+            layer.store_rows(raw_key, batch.slots, batch.positions)
+            lengths, table = batch.context_lens.tolist(), batch.block_table
+            contexts = [tuple(gather_pages(pages, table[b], lengths[b])
+                              for pages in (layer.k_pages, layer.v_pages, layer.row_pages, layer.position_pages))
+                        + (lengths[b] - (s1 - s0),) for b, (s0, s1) in enumerate(spans)]
         out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
         groups = h // kvh
-        for (s0, s1), (ctx_rows, ctx_v, first) in zip(spans, contexts):
-            mask = self.select(index_q[s0:s1], ctx_rows[:, 0, d:], first)
-            keys = ctx_rows[..., :d].float().repeat_interleave(groups, dim=1)  # [L, H, d]
+        for (s0, s1), (ctx_k, ctx_v, ctx_raw, ctx_positions, first) in zip(spans, contexts):
+            mask = self.select(index_q[s0:s1], ctx_raw, ctx_positions, first)
+            keys = ctx_k.float().repeat_interleave(groups, dim=1)  # [L, H, d]
             scores = torch.einsum("nhd,lhd->nhl", q[s0:s1].float(), keys) * self.head_dim**-0.5
             probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
             out[s0:s1] = torch.einsum("nhl,lhd->nhd", probs, ctx_v.float().repeat_interleave(groups, dim=1)).to(x.dtype)
@@ -406,13 +412,33 @@ def build(cfg: DecoderConfig) -> Qwen4ExpLM:
     return model
 
 
+class Qwen4ExpVisionLanguageModel(QwenVisionLanguageModel):
+    """The text model with interleaved M-RoPE, fed by the Qwen3.5 tower (``model.visual``)."""
+
+    interleaved_sections = True
+    vision_key = "model.visual"
+    aliases = ()
+
+    def build_language(self, cfg: QwenVLConfig) -> Qwen4ExpLM:
+        return build(cfg.text)
+
+
+def read_config(raw: dict) -> QwenVLConfig | DecoderConfig:
+    """With a ``vision_config`` the model takes images (and needs ``mrope_section``); without one it is text-only."""
+    return read_qwen_vl_config(raw, DecoderConfig.from_hf) if "vision_config" in raw else DecoderConfig.from_hf(raw)
+
+
+def build_model(cfg: QwenVLConfig | DecoderConfig) -> Module:
+    return Qwen4ExpVisionLanguageModel(cfg) if isinstance(cfg, QwenVLConfig) else build(cfg)
+
+
 SPEC = ArchitectureSpec(
     name="qwen4_exp",
     architectures=("Qwen4ExpForConditionalGeneration",),
-    read_config=DecoderConfig.from_hf,
-    build=build,
+    read_config=read_config,
+    build=build_model,
     description="Qwen 3.8-Flash-Next: gated delta net + QSA sparse gated attention, hyper-connections, hashed n-gram "
-                "per-layer embeddings, MoE",
+                "per-layer embeddings, MoE, the Qwen3.5 vision tower with M-RoPE",
 )
 
 

@@ -1,10 +1,16 @@
-"""GLM 4.1V / 4.5V vision tower (``glm4v_vision``) and its image processor.
+"""GLM vision towers and their image processors: GLM 4.1V / 4.5V (``glm4v_vision``) and GLM 5.3-Flash
+(``glm5_next_vision``, the GLM-OCR tower).
 
 Patches are cut and flattened as for Qwen-VL (dynamic resolution, merge-block order). The tower:
-patch embedding, RMSNorm, a learned position table resampled bicubically to each image's grid
-(added after the norm), 2D RoPE, full-attention RMSNorm blocks with a gated MLP, a final RMSNorm,
-a strided convolution that merges each ``merge x merge`` block, and a projection + LayerNorm +
-GELU + gated MLP merger.
+patch embedding, full-attention RMSNorm blocks with 2D RoPE and a gated MLP, a final RMSNorm, a strided
+convolution that merges each ``merge x merge`` block, and a projection + LayerNorm + GELU + gated MLP merger.
+
+- GLM 4.1V adds an RMSNorm after the patch embedding and a learned position table resampled bicubically to
+  each image's grid; its block MLPs are ``out_hidden_size`` wide, without biases.
+- GLM 5.3 has no position table; it RMS-norms each head's q and k before the RoPE, its block MLPs
+  (``intermediate_size`` wide, biased as the attention) and its merger (``projection_intermediate_size``) clamp
+  their SwiGLU inputs at ``swiglu_limit``. Its processor shrinks an image only past the token budget and pads
+  the resized content with black to the patch grid instead of stretching it.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from trellm.sdk import (
     CLIP_MEAN,
     CLIP_STD,
     ConfigError,
+    ExpertMLP,
     GatedMLP,
     ImageError,
     LayerNorm,
@@ -33,6 +40,7 @@ from trellm.sdk import (
     RMSNorm,
     VisionTowerSpec,
     frame_lengths,
+    limited_swiglu,
     patch_positions,
     rope_inv_freq,
 )
@@ -74,13 +82,78 @@ class Glm4vProcessor(QwenVLProcessor):
 
 
 @attrs.frozen
-class Glm4vVisionConfig:
+class Glm5NextProcessor(QwenVLProcessor):
+    """Qwen-VL patching of GLM 5.3's canvas: the image, scaled (aspect kept) to fit a budget of
+    [min_image_tokens, max_image_tokens] merged tokens over both frames, padded with black to whole merge blocks."""
+
+    min_tokens: int = 16
+    max_tokens: int = 8000
+
+    @property
+    def pixels_per_token(self) -> int:
+        return self.temporal_patch_size * (self.patch_size * self.merge_size) ** 2
+
+    def fit(self, height: int, width: int) -> tuple[int, int]:
+        """The padded canvas (height, width): the image rounded up to whole merge blocks, grown to the minimum
+        budget or cut down to the largest canvas of its aspect within the maximum."""
+        factor, frames, per_token = self.patch_size * self.merge_size, self.temporal_patch_size, self.pixels_per_token
+        up = lambda v: math.ceil(v / factor) * factor  # noqa: E731
+        h, w = up(height), up(width)
+        if frames * h * w < self.min_tokens * per_token:
+            scale = math.sqrt(self.min_tokens * per_token / (frames * height * width))
+            h, w = up(max(1, math.ceil(height * scale))), up(max(1, math.ceil(width * scale)))
+        if frames * h * w > self.max_tokens * per_token:
+            h, w = factor, factor
+            low, high = 1, height  # the tallest content height whose canvas stays within the budget
+            while low <= high:
+                content = (low + high) // 2
+                ch, cw = up(content), up(max(1, math.floor(width * content / height)))
+                if frames * ch * cw <= self.max_tokens * per_token:
+                    h, w, low = ch, cw, content + 1
+                else:
+                    high = content - 1
+        return h, w
+
+    def canvas(self, img):
+        """The image resized to its content size (shrunk only beyond the minimum budget), black below and right."""
+        from PIL import Image
+
+        w0, h0 = img.size
+        h, w = self.fit(h0, w0)
+        scale = min(h / h0, w / w0)
+        if self.temporal_patch_size * h0 * w0 >= self.min_tokens * self.pixels_per_token:  # grown only when too small
+            scale = min(1.0, scale)
+        ch, cw = max(1, min(h, math.floor(h0 * scale))), max(1, min(w, math.floor(w0 * scale)))
+        out = Image.new(img.mode, (w, h))
+        out.paste(self.steps.resize(img, ch, cw), (0, 0))
+        return out
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], vision_config: dict[str, Any]) -> "Glm5NextProcessor":
+        base = Glm4vProcessor.from_config(cfg, vision_config)
+        min_tokens, max_tokens = int(cfg.get("min_image_tokens", 16)), int(cfg.get("max_image_tokens", 8000))
+        if not 1 <= min_tokens <= max_tokens:
+            raise ConfigError(f"preprocessor_config.json: min_image_tokens={min_tokens}, max_image_tokens={max_tokens}; "
+                              "need 1 <= min <= max")
+        return cls(patch_size=base.patch_size, merge_size=base.merge_size, temporal_patch_size=base.temporal_patch_size,
+                   steps=base.steps, min_tokens=min_tokens, max_tokens=max_tokens)
+
+
+@attrs.frozen
+class GlmVisionConfig:
+    """The GLM tower's shape; ``from_hf`` reads GLM 4.1V's layout, ``from_hf(raw, ocr=True)`` GLM 5.3's."""
+
     depth: int
     hidden_size: int
-    intermediate_size: int
     num_heads: int
     out_hidden_size: int
-    image_size: int
+    mlp_width: int  # the blocks' gated MLPs
+    merger_width: int  # the merger's gated MLP
+    image_size: int = 0  # with learned positions: the table covers (image_size / patch_size)**2 patches
+    learned_positions: bool = True
+    qk_norm: bool = False
+    block_bias: bool = False  # biases on the attention output and the block MLPs
+    swiglu_limit: float = 0.0  # 0: plain SwiGLU
     patch_size: int = 14
     spatial_merge_size: int = 2
     temporal_patch_size: int = 2
@@ -91,17 +164,24 @@ class Glm4vVisionConfig:
     rope_theta: float = 10000.0
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any]) -> "Glm4vVisionConfig":
+    def from_hf(cls, raw: dict[str, Any], ocr: bool = False) -> "GlmVisionConfig":
         try:
-            return cls(
-                depth=int(raw["depth"]), hidden_size=int(raw["hidden_size"]), intermediate_size=int(raw["intermediate_size"]),
-                num_heads=int(raw["num_heads"]), out_hidden_size=int(raw["out_hidden_size"]), image_size=int(raw["image_size"]),
+            common = dict(
+                depth=int(raw["depth"]), hidden_size=int(raw["hidden_size"]), num_heads=int(raw["num_heads"]),
+                out_hidden_size=int(raw["out_hidden_size"]),
                 patch_size=int(raw.get("patch_size", 14)), spatial_merge_size=int(raw.get("spatial_merge_size", 2)),
                 temporal_patch_size=int(raw.get("temporal_patch_size", 2)), in_channels=int(raw.get("in_channels", 3)),
-                attention_bias=bool(raw.get("attention_bias", False)), hidden_act=str(raw.get("hidden_act", "silu")),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+                hidden_act=str(raw.get("hidden_act", "silu")), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
                 rope_theta=float((raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             )
+            if ocr:
+                bias = bool(raw.get("attention_bias", True))
+                return cls(**common, mlp_width=int(raw["intermediate_size"]),
+                           merger_width=int(raw.get("projection_intermediate_size", 10240)), learned_positions=False,
+                           qk_norm=True, attention_bias=bias, block_bias=bias,
+                           swiglu_limit=float(raw.get("swiglu_limit", 10.0)))
+            return cls(**common, mlp_width=int(raw["out_hidden_size"]), merger_width=int(raw["intermediate_size"]),
+                       image_size=int(raw["image_size"]), attention_bias=bool(raw.get("attention_bias", False)))
         except KeyError as e:
             raise ConfigError(f"config.json: vision_config is missing {e.args[0]!r}") from None
 
@@ -110,35 +190,44 @@ class Glm4vVisionConfig:
         return self.hidden_size // self.num_heads
 
 
-class Glm4vBlock(Module):
-    """RMSNorm blocks: 2D-RoPE attention over the image (qkv bias per config, no proj bias), gated MLP of width out_hidden_size."""
+def gated_mlp(key: str, width_in: int, width: int, cfg: GlmVisionConfig, bias: bool) -> Module:
+    """SwiGLU of ``width``, its inputs clamped at ``swiglu_limit`` when it is set."""
+    if cfg.swiglu_limit:
+        return ExpertMLP(key, width_in, width, limited_swiglu(cfg.swiglu_limit), bias)
+    return GatedMLP(key, width_in, width, cfg.hidden_act, bias)
 
-    def __init__(self, key: str, cfg: Glm4vVisionConfig):
-        d = cfg.hidden_size
+
+class GlmVisionBlock(QwenVisionBlock):
+    """RMSNorm blocks: 2D-RoPE attention over the image (qkv bias per config), gated MLP."""
+
+    def __init__(self, key: str, cfg: GlmVisionConfig):
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.key, self.num_heads, self.head_dim = key, cfg.num_heads, cfg.head_dim
-        self.norm1 = RMSNorm(f"{key}.norm1", d, cfg.rms_norm_eps)
-        self.norm2 = RMSNorm(f"{key}.norm2", d, cfg.rms_norm_eps)
+        self.norm1 = RMSNorm(f"{key}.norm1", d, eps)
+        self.norm2 = RMSNorm(f"{key}.norm2", d, eps)
         self.qkv = Linear(f"{key}.attn.qkv", d, 3 * d, cfg.attention_bias)
-        self.proj = Linear(f"{key}.attn.proj", d, d, False)
-        self.mlp = GatedMLP(f"{key}.mlp", d, cfg.out_hidden_size, cfg.hidden_act, False)
+        self.proj = Linear(f"{key}.attn.proj", d, d, cfg.block_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(f"{key}.attn.q_norm", cfg.head_dim, eps)
+            self.k_norm = RMSNorm(f"{key}.attn.k_norm", cfg.head_dim, eps)
+        self.mlp = gated_mlp(f"{key}.mlp", d, cfg.mlp_width, cfg, cfg.block_bias)
 
-    forward = QwenVisionBlock.forward
 
-
-class Glm4vVisionTower(Module):
+class GlmVisionTower(Module):
     """patches [P, C * T * p * p] with grids (t, h, w) -> tokens [P / merge**2, out_hidden_size]."""
 
-    def __init__(self, key: str, cfg: Glm4vVisionConfig):
+    def __init__(self, key: str, cfg: GlmVisionConfig):
         self.key, self.cfg = key, cfg
         self.patch_weight = self.patch_bias = self.pos_table = None
         self.downsample_weight = self.downsample_bias = None
-        self.post_conv_layernorm = RMSNorm(f"{key}.post_conv_layernorm", cfg.hidden_size, cfg.rms_norm_eps)
-        self.blocks = [Glm4vBlock(f"{key}.blocks.{i}", cfg) for i in range(cfg.depth)]
+        self.post_conv_layernorm = RMSNorm(f"{key}.post_conv_layernorm", cfg.hidden_size, cfg.rms_norm_eps) \
+            if cfg.learned_positions else None
+        self.blocks = [GlmVisionBlock(f"{key}.blocks.{i}", cfg) for i in range(cfg.depth)]
         self.post_layernorm = RMSNorm(f"{key}.post_layernorm", cfg.hidden_size, cfg.rms_norm_eps)
         out = cfg.out_hidden_size
         self.merger_proj = Linear(f"{key}.merger.proj", out, out, False)
         self.merger_norm = LayerNorm(f"{key}.merger.post_projection_norm", out, 1e-5)
-        self.merger_mlp = GatedMLP(f"{key}.merger", out, cfg.intermediate_size, cfg.hidden_act, False)
+        self.merger_mlp = gated_mlp(f"{key}.merger", out, cfg.merger_width, cfg, False)
         self.inv_freq = rope_inv_freq(cfg.head_dim // 2, cfg.rope_theta)
         self.side = cfg.image_size // cfg.patch_size
 
@@ -147,7 +236,8 @@ class Glm4vVisionTower(Module):
         kw = dict(dtype=ctx.dtype, device=ctx.device)
         self.patch_weight = get(f"{k}.patch_embed.proj.weight", shape=(c.hidden_size, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size), **kw)
         self.patch_bias = get(f"{k}.patch_embed.proj.bias", shape=(c.hidden_size,), **kw)
-        self.pos_table = get(f"{k}.embeddings.position_embedding.weight", shape=(self.side**2, c.hidden_size), **kw)
+        if c.learned_positions:
+            self.pos_table = get(f"{k}.embeddings.position_embedding.weight", shape=(self.side**2, c.hidden_size), **kw)
         m = c.spatial_merge_size
         self.downsample_weight = get(f"{k}.downsample.weight", shape=(c.out_hidden_size, c.hidden_size, m, m), **kw)
         self.downsample_bias = get(f"{k}.downsample.bias", shape=(c.out_hidden_size,), **kw)
@@ -172,7 +262,8 @@ class Glm4vVisionTower(Module):
     def forward(self, patches: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
         c, w = self.cfg, self.patch_weight
         x = patches.to(device=w.device, dtype=w.dtype) @ w.reshape(c.hidden_size, -1).T + self.patch_bias
-        x = self.post_conv_layernorm.forward(x) + self.positions(grids)
+        if c.learned_positions:
+            x = self.post_conv_layernorm.forward(x) + self.positions(grids)
         cos, sin = self.rope(grids)
         images = frame_lengths(grids)
         for block in self.blocks:
@@ -184,8 +275,12 @@ class Glm4vVisionTower(Module):
         return self.merger_mlp.forward(F.gelu(self.merger_norm.forward(self.merger_proj(x))))
 
 
-def build(vision_config: dict[str, Any], key: str) -> Glm4vVisionTower:
-    return Glm4vVisionTower(key, Glm4vVisionConfig.from_hf(vision_config))
+def build(vision_config: dict[str, Any], key: str) -> GlmVisionTower:
+    return GlmVisionTower(key, GlmVisionConfig.from_hf(vision_config))
+
+
+def build_glm5_next(vision_config: dict[str, Any], key: str) -> GlmVisionTower:
+    return GlmVisionTower(key, GlmVisionConfig.from_hf(vision_config, ocr=True))
 
 
 SPEC = VisionTowerSpec(
@@ -197,6 +292,16 @@ SPEC = VisionTowerSpec(
 )
 
 
+GLM5_NEXT_SPEC = VisionTowerSpec(
+    name="glm5_next",
+    model_types=("glm5_next_vision",),
+    build=build_glm5_next,
+    processor=Glm5NextProcessor.from_config,
+    description="GLM 5.3 ViT (GLM-OCR): 2D RoPE over q/k-normed heads, conv merge, clamped SwiGLU merger",
+)
+
+
 @trellm.hookimpl
 def trellm_register_vision_towers(register):
     register(SPEC)
+    register(GLM5_NEXT_SPEC)

@@ -29,7 +29,7 @@ from trellm.sdk import (
 )
 
 
-class Qwen3VisionBlock(Module):
+class Qwen3VisionBlock(QwenVisionBlock):
     """Qwen3-VL block: LayerNorms, 2D-RoPE attention over the whole image, ungated MLP."""
 
     def __init__(self, key: str, cfg: QwenVisionConfig):
@@ -40,8 +40,6 @@ class Qwen3VisionBlock(Module):
         self.qkv = Linear(f"{key}.attn.qkv", d, 3 * d, True)
         self.proj = Linear(f"{key}.attn.proj", d, d, True)
         self.mlp = MLP(f"{key}.mlp", d, cfg.intermediate_size, cfg.hidden_act, True, "linear_fc1", "linear_fc2")
-
-    forward = QwenVisionBlock.forward
 
 
 class Qwen3Merger(Module):
@@ -137,7 +135,7 @@ def build_qwen3(vision_config: dict[str, Any], key: str) -> Qwen3VisionTower:
 
 QWEN3_SPEC = VisionTowerSpec(
     name="qwen3_vl",
-    model_types=("qwen3_vl_vision", "qwen3_vl_moe_vision", "qwen3_5_vision", "qwen3_5_moe_vision"),
+    model_types=("qwen3_vl_vision", "qwen3_vl_moe_vision", "qwen3_5_vision", "qwen3_5_moe_vision", "qwen4_exp_vision"),
     build=build_qwen3,
     processor=QwenVLProcessor.from_config,
     description="Qwen3-VL ViT: resampled learned positions + 2D RoPE, full attention, deepstack features",
