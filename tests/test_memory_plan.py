@@ -83,7 +83,7 @@ def test_layer_split_over_simulated_devices(dirs):
     split = plan_layer_split(dirs["gemma3"], [one_layer / GiB, 4.0], context=1 << 20, device="cpu")
     assert [r.layers for r in split.ranks] == [(0, 1), (1, 2)]
     assert sum(r.kv_per_token for r in split.ranks) == device.kv_per_token
-    with pytest.raises(MemoryPlanError, match="layers 1-1 are left"):
+    with pytest.raises(MemoryPlanError, match="layers 1-1 and the head are left"):
         plan_layer_split(dirs["gemma3"], [one_layer / GiB, 0.1], context=1 << 20, device="cpu")
 
 

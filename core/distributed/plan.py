@@ -18,7 +18,7 @@ from typing import Sequence
 import attrs
 import torch
 
-from ..capabilities import is_hybrid
+from ..capabilities import is_hybrid, is_state_layer
 from ..errors import TrellmError
 from ..weights import WeightStore
 
@@ -164,8 +164,9 @@ def device_and_dtype(model_dir: Path, device, dtype) -> tuple[torch.device, torc
 
 
 def _rank_memory(model_dir: Path, comm: PlanComm | None, dtype: torch.dtype, chunk_tokens: int, max_batch: int,
-                 cache_kwargs: dict) -> tuple[object, int, int, int]:
-    """(model, weight bytes, KV bytes per token, state bytes per slot) of one rank, loaded onto ``meta``."""
+                 cache_kwargs: dict) -> tuple[object, int, int, int, object]:
+    """(model, weight bytes, KV bytes per token, state bytes per slot, a cache with one state slot) of one rank,
+    loaded onto ``meta``."""
     from ..model import load_local
     from .sharding import replace_child, shard_module
 
@@ -194,7 +195,7 @@ def _rank_memory(model_dir: Path, comm: PlanComm | None, dtype: torch.dtype, chu
         cache = KVCache.for_model(model, **kwargs)
     state = sum(l.nbytes() for l in cache.state_layers())
     kv = (cache.nbytes() - state) // (cache.num_pages * cache.page_size)
-    return model, weights, kv, state
+    return model, weights, kv, state, cache
 
 
 def _free_bytes(device: torch.device) -> int | None:
@@ -217,7 +218,7 @@ def plan_memory(model_dir: str | Path, tensor_parallel: int = 1, device: str | t
     ranks = []
     for rank in range(tensor_parallel):
         comm = PlanComm(rank, tensor_parallel)
-        model, weights, kv, state = _rank_memory(model_dir, comm, dt, chunk_tokens, max_batch, cache_kwargs or {})
+        model, weights, kv, state, _ = _rank_memory(model_dir, comm, dt, chunk_tokens, max_batch, cache_kwargs or {})
         rank_dev = torch.device(dev.type, (dev.index or 0) + rank) if dev.type == "cuda" else dev
         graphs = _activations(model, max_batch, max_batch, element) if dev.type == "cuda" else 0
         ranks.append(RankMemory(
@@ -228,61 +229,174 @@ def plan_memory(model_dir: str | Path, tensor_parallel: int = 1, device: str | t
     return MemoryPlan(str(model_dir), tuple(ranks), chunk_tokens, max_batch)
 
 
+@attrs.frozen
+class LayerCosts:
+    """What each part of a model costs on the device that holds it (bytes), from a load onto ``meta``: the
+    embedding (and any other module that is not a decoder layer, final norm or head: they stay with it), each
+    decoder layer's weights, KV cache per token and recurrent state per slot, the final norm with the head, and
+    one device's temporaries of a prefill chunk."""
+
+    embed: int
+    layer_weights: tuple[int, ...]
+    layer_kv: tuple[int, ...]  # bytes per cache token
+    layer_state: tuple[int, ...]  # bytes per recurrent-state slot
+    tail: int  # final norm and LM head (a tied head is a copy of the embedding when it sits on another device)
+    tied_head: int  # bytes of that copy (0: the head has its own tensor)
+    activations: int
+
+    def layer(self, i: int, context: int, slots: int) -> int:
+        return self.layer_weights[i] + context * self.layer_kv[i] + slots * self.layer_state[i]
+
+
+def layer_costs(model_dir: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
+                chunk_tokens: int = 2048, max_batch: int = 16, cache_kwargs: dict | None = None) -> LayerCosts:
+    """:class:`LayerCosts` of ``model_dir`` loaded with this dtype (no tensor data is read)."""
+    from ..modules.decoder import CausalLM
+
+    model_dir = Path(model_dir)
+    _, dt = device_and_dtype(model_dir, device, dtype)
+    model, weights, _, _, cache = _rank_memory(model_dir, None, dt, chunk_tokens, max_batch, cache_kwargs or {})
+    if not isinstance(model, CausalLM):
+        raise MemoryPlanError(f"{model_dir}: a layer split places a decoder stack (embedding, layers, norm, head); "
+                              f"{type(model).__name__} is not one (models with image input are not split yet)")
+    tokens = cache.num_pages * cache.page_size
+    kv, state = [], []
+    for layer in cache.layers:
+        size = 0 if layer is None else layer.nbytes()
+        kv.append(0 if layer is None or is_state_layer(layer) else size // tokens)
+        state.append(size if is_state_layer(layer) else 0)
+    layer_weights = tuple(layer.nbytes() for layer in model.layers)
+    head = model.lm_head.nbytes()
+    tail = model.norm.nbytes() + head
+    tied = head if _tied(model) else 0
+    embed = weights - sum(layer_weights) - tail + tied  # embedding and the other modules (MTP head, per-layer inputs)
+    element = torch.empty((), dtype=dt).element_size()
+    return LayerCosts(embed, layer_weights, tuple(kv), tuple(state), tail, tied,
+                      _activations(model, chunk_tokens, max_batch, element))
+
+
+def _tied(model) -> bool:
+    """Whether the LM head holds the embedding's own tensor (the load hands a tied head that very tensor)."""
+    head = getattr(getattr(model.lm_head, "impl", None), "weight", None)
+    return head is not None and head is getattr(model.embed, "weight", None)
+
+
+def split_devices(device: str | torch.device | None, count: int) -> list[torch.device]:
+    """``count`` devices from ``device``: cuda:k, cuda:k+1, ... on CUDA; the one CPU ``count`` times (each entry a
+    separate stage, which is how the CPU tests run the placement)."""
+    from ..model import resolve_device
+
+    base = resolve_device(device)
+    if base.type != "cuda":
+        return [base] * count
+    first = base.index or 0
+    if first + count > torch.cuda.device_count():
+        raise MemoryPlanError(f"a split over {count} GPUs from cuda:{first} needs {first + count} visible GPUs, "
+                              f"this machine has {torch.cuda.device_count()}")
+    return [torch.device("cuda", first + i) for i in range(count)]
+
+
 def plan_layer_split(model_dir: str | Path, split: Sequence[float] | str = "auto", context: int = 8192,
                      device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
-                     chunk_tokens: int = 2048, max_batch: int = 16) -> MemoryPlan:
-    """Decoder layers spread in order over devices of different sizes so each holds its layers' weights and
-    ``context`` tokens of their cache, the embedding on the first device and the final norm and head with the
-    last layer (room for them is kept on every device, since any may hold the last layer).
+                     chunk_tokens: int = 2048, max_batch: int = 16, free: Sequence[float] | None = None,
+                     slots: int | None = None, cache_kwargs: dict | None = None) -> MemoryPlan:
+    """Decoder layers spread in order over devices of different sizes, each device holding its layers' weights,
+    ``context`` tokens of their KV cache and ``slots`` recurrent-state slots (default ``2 * max_batch``: the
+    Generator's jobs and prefix checkpoints), plus a prefill chunk's temporaries; the embedding on the first
+    device, the final norm and head with the last layer. Devices are filled in order; one too small for the
+    next layer is passed over. Raises MemoryPlanError (naming the devices, the need and the room) before
+    anything is allocated when the layers do not fit.
 
-    ``split``: GiB to use on each device, or "auto" (each visible GPU's free memory).
+    ``split``: GiB trellm may use on each device (beside the CUDA context), or "auto": each device's free
+    memory less a reserve for the context. ``device``: the first device ("cuda:1": cuda:1, cuda:2, ...; "cpu":
+    every stage on the CPU). ``free``: each device's free GiB to plan against (simulated sizes); default: what
+    CUDA reports now.
     """
-    base = plan_memory(model_dir, 1, device, dtype, chunk_tokens, max_batch)
-    one = base.ranks[0]
-    model, _, _, _ = _rank_memory(Path(model_dir), None, device_and_dtype(Path(model_dir), device, dtype)[1], chunk_tokens,
-                                  max_batch, {})
-    if split == "auto":
-        if not torch.cuda.is_available():
-            raise MemoryPlanError("--gpu-split auto needs CUDA devices; give GiB per device instead")
-        budgets = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
+    model_dir = Path(model_dir)
+    auto = isinstance(split, str)
+    if auto and split != "auto":
+        raise MemoryPlanError(f"gpu_split must be 'auto' or GiB per device, got {split!r}")
+    if not auto and (not split or any(not float(g) > 0 for g in split)):
+        raise MemoryPlanError(f"gpu_split needs a positive number of GiB per device, got {list(split)}")
+    count = (len(free) if free is not None else _visible_from(device)) if auto else len(split)
+    devices = split_devices(device, count)
+    cuda = devices[0].type == "cuda"
+    reserve = RESERVE if cuda else 0
+    if free is not None:
+        free_bytes: list[int | None] = [int(float(f) * GiB) for f in free]
+    else:
+        free_bytes = [_free_bytes(d) for d in devices]
+    if auto:
+        if any(f is None for f in free_bytes):
+            raise MemoryPlanError("gpu_split='auto' reads each GPU's free memory: it needs CUDA devices; give GiB per device")
+        budgets = [f - reserve for f in free_bytes]
     else:
         budgets = [int(float(g) * GiB) for g in split]
-    layers = list(model.layers)
-    per_layer_kv = _per_layer_kv(model, one.kv_per_token)
-    layer_bytes = [layer.nbytes() + context * kv for layer, kv in zip(layers, per_layer_kv)]
-    embed = model.embed.nbytes()
-    tail = one.weights - embed - sum(layer.nbytes() for layer in layers)  # final norm and head
-    ranks, first = [], 0
-    for d, budget in enumerate(budgets):
-        if first == len(layers):
-            break
-        room = budget - one.activations - one.graph_pool - RESERVE - tail - (embed if d == 0 else 0)
-        last = first
-        while last < len(layers) and room >= layer_bytes[last]:
-            room -= layer_bytes[last]
-            last += 1
-        if last == first:
-            continue  # too small for even one layer
-        weights = sum(layers[i].nbytes() for i in range(first, last)) + (embed if d == 0 else 0)
-        weights += tail if last == len(layers) else 0
-        ranks.append(RankMemory(f"cuda:{d}", weights, sum(per_layer_kv[first:last]), 0, one.activations, one.graph_pool,
-                                free=budget, layers=(first, last)))
-        first = last
-    if first < len(layers):
-        raise MemoryPlanError(
-            f"{model_dir}: {len(layers)} layers with {context} tokens of cache do not fit the split "
-            f"{', '.join(gib(b) for b in budgets)}: layers {first}-{len(layers) - 1} are left "
-            f"({gib(sum(layer_bytes[first:]))} more)"
-        )
+        for d, want, have in zip(devices, budgets, free_bytes):
+            if have is not None and want + reserve > have:
+                raise MemoryPlanError(f"gpu_split asks {gib(want)} of {d}, which has {gib(have)} free "
+                                      f"({gib(reserve)} of it kept for the CUDA context and workspaces)")
+    costs = layer_costs(model_dir, devices[0], dtype, chunk_tokens, max_batch, cache_kwargs)
+    slots = 2 * max_batch if slots is None else slots
+    stages = _fill(costs, budgets, context, slots, str(model_dir), devices)
+    ranks = []
+    for d, (first, last) in stages:
+        on_first, on_last = first == 0, last == len(costs.layer_weights)
+        weights = sum(costs.layer_weights[first:last]) + (costs.embed if on_first else 0)
+        if on_last:
+            weights += costs.tail - (costs.tied_head if on_first else 0)
+        ranks.append(RankMemory(str(devices[d]), weights, sum(costs.layer_kv[first:last]), sum(costs.layer_state[first:last]),
+                                costs.activations, 0, free=budgets[d] + reserve, layers=(first, last), reserve=reserve))
     return MemoryPlan(str(model_dir), tuple(ranks), chunk_tokens, max_batch)
 
 
-def _per_layer_kv(model, total: int) -> list[int]:
-    """KV bytes per token of each decoder layer (attention layers share ``total`` in proportion to their KV size)."""
-    attn = model.attention_layers() if hasattr(model, "attention_layers") else [None] * len(model.layers)
-    sizes = [0 if a is None else a.kv_shape()[0] * (a.kv_shape()[1] + a.kv_shape()[2]) for a in attn]
-    whole = sum(sizes) or 1
-    return [total * s // whole for s in sizes]
+def _visible_from(device) -> int:
+    if not torch.cuda.is_available():
+        raise MemoryPlanError("gpu_split='auto' reads each GPU's free memory: it needs CUDA devices; give GiB per device")
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type != "cuda":
+        raise MemoryPlanError(f"gpu_split='auto' spreads layers over GPUs, not {dev}; give GiB per device")
+    return torch.cuda.device_count() - (dev.index or 0)
+
+
+def _fill(costs: LayerCosts, budgets: list[int], context: int, slots: int, name: str,
+          devices: list[torch.device]) -> list[tuple[int, tuple[int, int]]]:
+    """(device index, [first, last) layers) per device that holds layers: each filled in order, the last one
+    also holding the norm and head (a device that cannot fit them with its last layer hands layers on)."""
+    n = len(costs.layer_weights)
+    need = [costs.layer(i, context, slots) for i in range(n)]
+    stages, first = [], 0
+    for d, budget in enumerate(budgets):
+        if first == n:
+            break
+        room = budget - costs.activations - (costs.embed if first == 0 else 0)
+        if first == 0 and room < need[0]:
+            raise MemoryPlanError(
+                f"{name}: the first device {devices[d]} holds the embedding and layer 0: it needs "
+                f"{gib(costs.embed + need[0] + costs.activations)} (embedding {gib(costs.embed)}, layer 0 with {context} "
+                f"tokens of cache {gib(need[0])}, activations {gib(costs.activations)}), the split gives it {gib(budget)}")
+        last = first
+        while last < n and room >= need[last]:
+            room -= need[last]
+            last += 1
+        if last == n:  # the head goes here too; without room for it, hand layers on to the next device
+            tail = costs.tail - (costs.tied_head if first == 0 else 0)
+            while last > first and room < tail:
+                last -= 1
+                room += need[last]
+            if room < tail and last == first:
+                continue
+        if last > first:
+            stages.append((d, (first, last)))
+            first = last
+    if first < n:
+        held = "; ".join(f"{devices[d]} layers {a}-{b - 1}" for d, (a, b) in stages) or "no device holds a layer"
+        left = sum(need[first:]) + costs.tail
+        raise MemoryPlanError(
+            f"{name}: {n} layers with {context} tokens of cache do not fit the split "
+            f"{', '.join(f'{devices[d]} {gib(b)}' for d, b in enumerate(budgets))} ({held}): layers {first}-{n - 1} "
+            f"and the head are left, {gib(left)} more")
+    return stages
 
 
 MIN_CONTEXT = 256  # cache tokens a load must leave room for (one page)
