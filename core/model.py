@@ -372,7 +372,8 @@ def model_path(path: str | Path) -> Path:
 
 def load(path: str | Path, device=None, dtype=None, progress: bool = False, tokenizer: bool = True,
          lora: str | Path | None = None, weights: bool = True, tensor_parallel: int = 1,
-         step_timeout: float | None = None) -> LoadedModel:
+         step_timeout: float | None = None, gpu_split: str | Sequence[float] | None = None,
+         context: int = 8192) -> LoadedModel:
     """Load an HF model directory (bf16/fp16/fp32 safetensors, or EXL3) with the plugin that serves it.
 
     ``lora``: a PEFT LoRA adapter directory loaded beside the base weights and used by default
@@ -381,8 +382,26 @@ def load(path: str | Path, device=None, dtype=None, progress: bool = False, toke
     ``tensor_parallel=N``: split the model over N ranks (N GPUs from ``device``, or N CPU processes with
     gloo); trellm starts the other ranks itself (or joins a ``torchrun`` launch). ``step_timeout``: seconds
     a step may wait on another rank before the model is ended with an error. ``close()`` ends the ranks.
+    ``gpu_split``: spread the decoder layers in order over several devices from ``device`` (cuda:k, cuda:k+1, ...;
+    on "cpu" each entry is a stage on the CPU): "auto" fills each GPU's free memory, a list gives the GiB to use
+    on each; the plan keeps room for ``context`` tokens of KV cache and refuses before allocating when the model
+    does not fit (trellm.distributed.layer_split).
     """
     model_dir = model_path(path)
+    if gpu_split is not None:
+        from .distributed.layer_split import load_layer_split
+
+        if tensor_parallel != 1:
+            from .distributed import TensorParallelError
+
+            raise TensorParallelError(f"gpu_split and tensor_parallel={tensor_parallel} cannot be combined yet: a layer "
+                                      "split runs in one process, tensor parallel in one per GPU; choose one")
+        if not weights:
+            raise UsageError("gpu_split places loaded weights; load with weights=True")
+        lm = load_layer_split(model_dir, gpu_split, device, dtype, progress, tokenizer, context)
+        if lora is not None:
+            lm.default_lora = lm.load_lora(lora)
+        return lm
     if tensor_parallel != 1:
         from .distributed import TensorParallelError, load_tensor_parallel
 
@@ -401,10 +420,11 @@ def load(path: str | Path, device=None, dtype=None, progress: bool = False, toke
 
 
 def load_local(path: str | Path, dev: torch.device, dtype, progress: bool, tokenizer: bool,
-               on_child_loaded=None, store: WeightStore | None = None, weights: bool = True) -> LoadedModel:
+               on_child_loaded=None, store: WeightStore | None = None, weights: bool = True, placement=None) -> LoadedModel:
     """:func:`load` on one device. ``on_child_loaded(model, child, ctx)`` runs after each top-level module
     loads (tensor parallel cuts it to this rank's shard there, before the next one loads); ``store``: where
-    tensors come from (the memory plan reads shapes only)."""
+    tensors come from (the memory plan reads shapes only); ``placement(model, child)``: the device each top-level
+    module loads onto (a layer split; default ``dev``)."""
     model_dir = Path(path)
     raw = read_config_json(model_dir)
     archs = raw.get("architectures") or []
@@ -420,6 +440,8 @@ def load_local(path: str | Path, dev: torch.device, dtype, progress: bool, token
     children = list(model.children()) if weights else []
     try:
         for i, child in enumerate(children):
+            if placement is not None:
+                ctx.device = placement(model, child)
             child.load(ctx)
             if on_child_loaded is not None:
                 on_child_loaded(model, child, ctx)

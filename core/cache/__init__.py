@@ -118,19 +118,22 @@ class KVCache:
         """A cache able to hold ``max_tokens`` tokens (rounded up to whole pages) for ``model``.
 
         ``layer_factory(num_pages, page_size, kv_heads, head_dim, v_head_dim, dtype, device)`` makes each
-        layer; the default stores K/V unquantized in ``dtype``.
+        layer; the default stores K/V unquantized in ``dtype``. Without ``device``, each layer goes where its
+        decoder layer is (a layer split spreads them); the cache's own ``device`` (where batches are built) is
+        the embedding's.
         """
         num_pages = max(1, -(-max_tokens // page_size))
+        place = layer_placement(model, device)
         device = torch.device(device) if device is not None else model.embed.weight.device
         dtype = dtype or model.embed.weight.dtype
         factory = layer_factory or KVCacheLayer
         layers = []
-        for attn in model.attention_layers():
+        for i, attn in enumerate(model.attention_layers()):
             if attn is None:
                 layers.append(None)
                 continue
             heads, dim, vdim = attn.kv_shape()
-            layer = factory(num_pages, page_size, heads, dim, vdim, dtype, device)
+            layer = factory(num_pages, page_size, heads, dim, vdim, dtype, place(i))
             layers.append(attn.cache_layer(layer) if implements(attn, MakesCacheLayer) else layer)
         cache = cls(layers, page_size, device)
         # how to make the same cache for another model of this shape (a tensor-parallel rank: its own heads)
@@ -163,6 +166,16 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(l.nbytes() for l in self.layers if l is not None)
+
+
+def layer_placement(model, device: torch.device | str | None):
+    """The device of cache layer ``i``: ``device`` when given, else decoder layer ``i``'s (``model.layer_split``),
+    else the embedding's."""
+    split = getattr(model, "layer_split", None)
+    if device is None and split is not None:
+        return split.layer_device
+    fixed = torch.device(device) if device is not None else model.embed.weight.device
+    return lambda i: fixed
 
 
 class SequenceState:

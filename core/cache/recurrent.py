@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import CacheFullError, KVCache, KVCacheLayer
+from . import CacheFullError, KVCache, KVCacheLayer, layer_placement
 
 DEFAULT_STATE_SLOTS = 16
 
@@ -95,12 +95,12 @@ def build_hybrid_cache(
 ) -> KVCache:
     """A KVCache for a hybrid model: paged KV for attention layers, a :class:`RecurrentStateLayer` for
     each layer whose mixer offers ``state_layer(max_slots, dtype, device)`` (see ``model.recurrent_layers()``)."""
-    device = torch.device(device) if device is not None else model.embed.weight.device
+    place = layer_placement(model, device)
     dtype = dtype or model.embed.weight.dtype
     cache = KVCache.for_model(model, max_tokens, page_size, dtype, device, layer_factory)
     for i, mixer in enumerate(model.recurrent_layers()):
         if mixer is not None:
-            cache.layers[i] = mixer.state_layer(max_slots, dtype, device)
+            cache.layers[i] = mixer.state_layer(max_slots, dtype, place(i))
     cache.made_with["max_slots"] = max_slots  # a tensor-parallel rank makes its own part with make_cache(**made_with)
     return cache
 

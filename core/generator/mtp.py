@@ -187,9 +187,11 @@ class MTPProposer:
         self.head = head
         self.num_tokens = num_tokens
         weight = self.target.embed.weight
+        split = getattr(self.target, "layer_split", None)
+        device = weight.device if split is None else split.tail.device  # the head sits with the last layer
         heads, dim, vdim = head.layer.attn.kv_shape()
         num_pages = max(1, -(-cache_tokens // page_size))
-        self.cache = KVCache([KVCacheLayer(num_pages, page_size, heads, dim, vdim, weight.dtype, weight.device)], page_size, weight.device)
+        self.cache = KVCache([KVCacheLayer(num_pages, page_size, heads, dim, vdim, weight.dtype, device)], page_size, device)
         self._jobs: dict[Hashable, _JobState] = {}
         self.stats = {"mtp_forwards": 0, "mtp_tokens": 0}
 

@@ -64,7 +64,7 @@ class LoraWeights(WrappedWeights):
         if not self.carries:
             return y
         x2 = x.reshape(-1, x.shape[-1])
-        slots = self.owner.rows(self.head, x2.shape[0], self.key)
+        slots = self.owner.rows(self.head, x2.shape[0], self.key, x2.device)
         if slots is None:
             return y
         if not y.is_contiguous():
@@ -149,6 +149,7 @@ class LoraSet:
         self._token_slots: torch.Tensor | None = None
         self._logits_indices: torch.Tensor | None = None
         self._logit_slots: torch.Tensor | None = None
+        self._on_device: dict = {}  # (head, device) -> this batch's slots there (a layer split's other devices)
 
     # ---- names and slots -------------------------------------------------------------------------
 
@@ -228,8 +229,8 @@ class LoraSet:
         for lin, f in targets:
             w: LoraWeights = lin.impl
             rows = slice(slot * self.rank, slot * self.rank + f.rank)
-            w.a[rows] = f.a.to(self.device, self.dtype)
-            w.b[:, rows] = (f.b * f.scale).to(self.device, self.dtype)
+            w.a[rows] = f.a.to(w.a.device, self.dtype)
+            w.b[:, rows] = (f.b * f.scale).to(w.b.device, self.dtype)
             w.targeted_by.add(slot)
         self.loaded[name] = _Loaded(name, adapter, slot)
         self.version += 1
@@ -255,18 +256,21 @@ class LoraSet:
         new_cap, new_rank = max(self.capacity, slots), max(self.rank, rank)
         if (new_cap, new_rank) != (self.capacity, self.rank):
             for w in self._wrapped():
-                w.a, w.b = self._moved(w.a, w.b, w.in_features, w.out_features, new_cap, new_rank)
+                w.a, w.b = self._moved(w.a, w.b, w.in_features, w.out_features, new_cap, new_rank, w.a.device)
             self.capacity, self.rank = new_cap, new_rank
         for lin in linears:
             if not isinstance(lin.impl, LoraWeights):
                 w = LoraWeights(lin.impl, self, lin.key, lin.in_features, lin.out_features, lin is self.head)
-                w.a, w.b = self._moved(None, None, lin.in_features, lin.out_features, self.capacity, self.rank)
+                w.a, w.b = self._moved(None, None, lin.in_features, lin.out_features, self.capacity, self.rank,
+                                       lin.device or self.device)
                 lin.impl = w
 
-    def _moved(self, a, b, in_features: int, out_features: int, cap: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zeroed factor stacks for ``cap`` slots of ``rank``, holding what ``a``/``b`` held slot by slot."""
-        new_a = torch.zeros(cap * rank, in_features, dtype=self.dtype, device=self.device)
-        new_b = torch.zeros(out_features, cap * rank, dtype=self.dtype, device=self.device)
+    def _moved(self, a, b, in_features: int, out_features: int, cap: int, rank: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed factor stacks on ``device`` (the projection's) for ``cap`` slots of ``rank``, holding what
+        ``a``/``b`` held slot by slot."""
+        new_a = torch.zeros(cap * rank, in_features, dtype=self.dtype, device=device)
+        new_b = torch.zeros(out_features, cap * rank, dtype=self.dtype, device=device)
         if a is not None:
             old_rank = a.shape[0] // max(self.capacity, 1)
             for s in range(self.capacity):
@@ -281,19 +285,26 @@ class LoraSet:
         self._token_slots = getattr(batch, "lora_slots", None)
         self._logits_indices = batch.logits_indices
         self._logit_slots = None
+        self._on_device = {}
 
-    def rows(self, head: bool, n: int, key: str) -> torch.Tensor | None:
-        """The slot of each of the ``n`` rows a projection sees (the LM head: the logits rows)."""
+    def rows(self, head: bool, n: int, key: str, device: torch.device | None = None) -> torch.Tensor | None:
+        """The slot of each of the ``n`` rows a projection sees (the LM head: the logits rows), on ``device`` (the
+        projection's: under a layer split, copied there once per batch)."""
         slots = self._token_slots
         if slots is None:
             return None
         if head and self._logits_indices is not None:
             if self._logit_slots is None:
-                self._logit_slots = slots[self._logits_indices]
+                self._logit_slots = slots[self._logits_indices.to(slots.device)]
             slots = self._logit_slots
         if slots.shape[0] != n:
             raise LoraError(f"{key}: projects {n} rows but the batch names adapters for {slots.shape[0]}; "
                             "this route regroups rows without telling the adapters")
+        if device is not None and slots.device != device:
+            moved = self._on_device.get((head, device))
+            if moved is None:
+                moved = self._on_device[head, device] = slots.to(device)
+            slots = moved
         return slots
 
 

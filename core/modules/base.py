@@ -20,14 +20,15 @@ class LoadContext:
     device: torch.device
     dtype: torch.dtype
     quant_formats: list = attrs.field(factory=list)
-    # tensors already loaded, by (name, dtype): a tied LM head shares the embedding's memory
+    # tensors already loaded, by (name, dtype, device): a tied LM head shares the embedding's memory (a copy when a
+    # layer split puts it on another device)
     loaded: dict = attrs.field(factory=dict)
     # bytes of dense copies that weights of a format with no kernel on the device decoded at load
     decoded_nbytes: int = 0
 
     def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """``name`` from the store in the model dtype on the model device, loaded once per model."""
-        key = (name, self.dtype)
+        """``name`` from the store in the model dtype on the model device, loaded once per model and device."""
+        key = (name, self.dtype, self.device)
         t = self.loaded.get(key)
         if t is None:
             t = self.store.get(name, shape=shape, dtype=self.dtype, device=self.device)

@@ -174,6 +174,7 @@ class CausalLM(Module):
     """Embedding, decoder layers, final norm and LM head; ``forward(batch)`` returns float32 logits."""
 
     lora = None  # a trellm.lora.LoraSet once an adapter is loaded
+    layer_split = None  # a trellm.distributed.layer_split.LayerSplit when the layers sit on several devices
 
     def __init__(
         self,

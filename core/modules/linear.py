@@ -48,6 +48,7 @@ class Linear(Module):
         self.key, self.in_features, self.out_features, self.bias = key, in_features, out_features, bias
         self.alt_key = alt_key  # e.g. tied lm_head reads embed_tokens when lm_head.* is absent
         self.impl: Weights | None = None
+        self.device: torch.device | None = None  # where the weights were loaded (LoRA factors go there too)
 
     def _resolve_key(self, ctx: LoadContext) -> str:
         store = ctx.store
@@ -57,6 +58,7 @@ class Linear(Module):
         return self.key if has_own else self.alt_key
 
     def load(self, ctx: LoadContext) -> None:
+        self.device = ctx.device
         key = self._resolve_key(ctx)
         bias = self.bias if self.bias is not None else (f"{key}.bias" in ctx.store)
         for fmt in ctx.quant_formats:
