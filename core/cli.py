@@ -65,6 +65,16 @@ def probability(text: str) -> float:
     return value
 
 
+def gpu_split(text: str):
+    """'auto' or GiB per device ("20,24")."""
+    from .distributed.layer_split import parse_gpu_split
+
+    try:
+        return parse_gpu_split(text)
+    except TrellmError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def device_name(text: str) -> str:
     """A device this process can use (checked before the model loads)."""
     from .model import resolve_device
@@ -100,7 +110,7 @@ def _load(args):
     import trellm
 
     return trellm.load(_model_dir(args), device=args.device, dtype=args.dtype, progress=True, lora=getattr(args, "lora", None),
-                       tensor_parallel=args.tp)
+                       tensor_parallel=args.tp, gpu_split=args.gpu_split)
 
 
 def _sampling(args) -> dict:
@@ -256,8 +266,7 @@ def _print_memory_plan(args, model_dir: Path) -> None:
     from .distributed.plan import plan_layer_split, plan_memory
 
     if args.gpu_split:
-        split = "auto" if args.gpu_split == "auto" else [float(g) for g in args.gpu_split.split(",")]
-        plan = plan_layer_split(model_dir, split, args.context, args.device, args.dtype)
+        plan = plan_layer_split(model_dir, args.gpu_split, args.context, args.device, args.dtype)
         print(f"layer split:   over {len(plan.ranks)} device(s) for {args.context} tokens")
     else:
         plan = plan_memory(model_dir, args.tp, args.device, args.dtype)
@@ -294,11 +303,14 @@ def _add_model_args(p: argparse.ArgumentParser, sampling: bool = True) -> None:
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
-    """--device, --dtype and --tp, checked when parsed (every command that loads a model uses these)."""
+    """--device, --dtype, --tp and --gpu-split, checked when parsed (every command that loads a model uses these)."""
     p.add_argument("--device", type=device_name, default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bf16 on GPU")
     p.add_argument("--tp", type=positive_int, default=1, metavar="N",
                    help="tensor parallel: split the model over N GPUs from --device (N processes with gloo on cpu)")
+    p.add_argument("--gpu-split", type=gpu_split, default=None, metavar="auto|GB,GB,...",
+                   help="layer split: the decoder layers in order over GPUs from --device, 'auto' (their free memory) "
+                        "or GiB to use on each")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -324,8 +336,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="which plugin serves a model, its size and memory plan")
     _add_model_args(p, sampling=False)
     p.add_argument("--context", type=int, default=4096, help="cache tokens the memory plan sizes for (default 4096)")
-    p.add_argument("--gpu-split", default=None, metavar="auto|GB,GB,...",
-                   help="plan a layer split over GPUs: 'auto' (their free memory) or GiB per GPU")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("plugins", help="list installed plugins and what they register")

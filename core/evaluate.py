@@ -34,11 +34,12 @@ def token_windows(tokenizer, text: str, seq_len: int, max_windows: int) -> list[
 
 @torch.inference_mode()
 def score(model_dir: str | Path, windows: list[list[int]], reference_dir: str | Path | None = None,
-          device: str | None = None, dtype: str | None = None, tensor_parallel: int = 1) -> dict:
+          device: str | None = None, dtype: str | None = None, tensor_parallel: int = 1, gpu_split=None) -> dict:
     """Perplexity of ``model_dir`` (and of ``reference_dir``) and mean KL(reference || model) per token."""
     import trellm
 
-    quant = trellm.load(model_dir, device=device, dtype=dtype, tokenizer=False, tensor_parallel=tensor_parallel)
+    quant = trellm.load(model_dir, device=device, dtype=dtype, tokenizer=False, tensor_parallel=tensor_parallel,
+                        gpu_split=gpu_split)
     ref = trellm.load(reference_dir, device=device, dtype=dtype, tokenizer=False) if reference_dir else None
     nll_q = nll_r = kl = 0.0
     agree = tokens = 0
@@ -62,7 +63,7 @@ def score(model_dir: str | Path, windows: list[list[int]], reference_dir: str | 
 
 def evaluate(model_dir: str | Path, reference_dir: str | Path | None = None, text_file: str | Path | None = None,
              device: str | None = None, dtype: str | None = None, seq_len: int = 512, max_windows: int = 16,
-             tensor_parallel: int = 1) -> dict:
+             tensor_parallel: int = 1, gpu_split=None) -> dict:
     """Load the tokenizer of ``model_dir``, cut the text into windows, and :func:`score`."""
     from .tokenizer import Tokenizer
 
@@ -77,7 +78,8 @@ def evaluate(model_dir: str | Path, reference_dir: str | Path | None = None, tex
             raise TrellmError(f"evaluation text {text_file}: cannot read as UTF-8 ({e})") from None
     else:
         text = eval_text()
-    return score(model_dir, token_windows(tok, text, seq_len, max_windows), reference_dir, device, dtype, tensor_parallel)
+    return score(model_dir, token_windows(tok, text, seq_len, max_windows), reference_dir, device, dtype, tensor_parallel,
+                 gpu_split)
 
 
 def plot_sweep(rows: list[dict], path: str | Path, title: str = "EXL3 quality vs bitrate") -> bool:
@@ -124,7 +126,8 @@ def add_cli(subparsers) -> None:
 
 def run(args) -> int:
     try:
-        r = evaluate(args.model, args.reference, args.text, args.device, args.dtype, args.seq_len, args.max_windows, args.tp)
+        r = evaluate(args.model, args.reference, args.text, args.device, args.dtype, args.seq_len, args.max_windows, args.tp,
+                     args.gpu_split)
     except TrellmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

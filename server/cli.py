@@ -9,7 +9,7 @@ from .config import ServerConfig, load_config_file
 
 # CLI flag -> ServerConfig field, for the flags whose value is taken as given
 _FLAGS = ("model", "model_name", "host", "port", "api_key", "admin_key", "max_queue", "max_batch_size", "max_chunk_tokens",
-          "cache_size", "page_size", "cache_bits", "draft_model", "num_draft_tokens", "lora", "device", "dtype", "tensor_parallel",
+          "cache_size", "page_size", "cache_bits", "draft_model", "num_draft_tokens", "lora", "device", "dtype", "tensor_parallel", "gpu_split",
           "default_max_tokens", "max_tokens_limit", "max_request_bytes", "max_prompt_bytes", "max_images",
           "max_image_pixels", "template_timeout_s", "template_memory_mb", "models_dir", "request_timeout_s",
           "keep_alive_timeout_s", "max_connections", "shutdown_grace_s", "max_failed_auth", "trusted_proxies", "log_level",
@@ -44,6 +44,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--dtype", help="float32, float16 or bfloat16")
     p.add_argument("--tp", dest="tensor_parallel", type=int, metavar="N",
                    help="tensor parallel: split the model over N GPUs from --device (N gloo processes on cpu)")
+    p.add_argument("--gpu-split", metavar="auto|GB,GB,...",
+                   help="layer split: the decoder layers in order over GPUs from --device, 'auto' (their free memory) "
+                        "or GiB to use on each; the plan keeps room for --cache-size tokens")
     p.add_argument("--default-max-tokens", type=int, help="chat completions without max_tokens stop here (default 512)")
     p.add_argument("--max-tokens-limit", type=int, help="the most new tokens one request may ask for (default: no limit)")
     p.add_argument("--accept-any-model-name", dest="strict_model_name", action="store_false", default=None,

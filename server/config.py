@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from trellm.errors import ConfigError
+from trellm.errors import ConfigError, TrellmError
 
 
 def parse_cache_bits(value: Any) -> tuple[int, int] | None:
@@ -29,6 +29,16 @@ def parse_cache_bits(value: Any) -> tuple[int, int] | None:
     if len(bits) != 2 or not all(2 <= b <= 8 for b in bits):
         raise ConfigError(f"cache_bits: expected 'K,V' with integers 2..8 (or 16 for fp16), got {value!r}")
     return bits[0], bits[1]
+
+
+def parse_gpu_split(value: Any) -> str | list[float] | None:
+    """'auto', GiB per device ("20,24" or a list), or None."""
+    from trellm.distributed.layer_split import parse_gpu_split as parse
+
+    try:
+        return parse(value)
+    except TrellmError as e:
+        raise ConfigError(str(e)) from None
 
 
 def parse_loras(value: Any) -> dict[str, str]:
@@ -83,6 +93,7 @@ class ServerConfig:
     device: str | None = None
     dtype: str | None = None
     tensor_parallel: int = 1  # ranks the model is split over (GPUs from device; gloo processes on cpu)
+    gpu_split: str | list[float] | None = attrs.field(default=None, converter=parse_gpu_split)  # layers over GPUs
     default_max_tokens: int = 512  # chat requests without max_tokens: at most this many (and what the context allows)
     max_tokens_limit: int | None = 4096  # requests asking for more new tokens get 400; None = what the context allows
     max_request_bytes: int = 4 * 1024 * 1024

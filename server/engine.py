@@ -71,6 +71,7 @@ class LoadSettings:
     dtype: str | None
     loras: dict[str, str] = attrs.field(factory=dict)  # NAME -> PEFT adapter directory, served as <model_name>:NAME
     tensor_parallel: int = 1
+    gpu_split: str | list[float] | None = None
 
     @classmethod
     def from_config(cls, config: ServerConfig, model_dir: Path) -> "LoadSettings":
@@ -80,7 +81,7 @@ class LoadSettings:
             draft_model=Path(config.draft_model) if config.draft_model else None, num_draft_tokens=config.num_draft_tokens,
             max_batch_size=config.max_batch_size, max_chunk_tokens=config.max_chunk_tokens,
             device=config.device, dtype=config.dtype, loras=dict(config.lora),
-            tensor_parallel=config.tensor_parallel,
+            tensor_parallel=config.tensor_parallel, gpu_split=config.gpu_split,
         )
 
 
@@ -270,7 +271,7 @@ def _build(settings: LoadSettings) -> tuple[Any, Generator]:
 
         raise ConfigError("LoRA adapters do not run under tensor parallel yet: serve with --tp 1 or without --lora")
     lm = trellm.load(settings.model_dir, device=settings.device, dtype=settings.dtype,
-                     tensor_parallel=settings.tensor_parallel)
+                     tensor_parallel=settings.tensor_parallel, gpu_split=settings.gpu_split, context=settings.cache_size)
     for name, path in settings.loras.items():
         lm.load_lora(path, name=name)
     cache = None  # fp16: the generator builds it (a hybrid model's cache also holds recurrent-state slots)
