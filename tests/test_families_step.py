@@ -2,13 +2,17 @@
 
 HyperCLOVA X vision is held against transformers with and without images (the Qwen2.5-VL tower of
 tests/test_vision_qwen.py: 4-pixel patches merged 2x2, 16-pixel windows, layer 1 over the whole image).
+Step 3.7 with images: a 48-pixel global view (12 x 12 patches, the position table's size) and 32-pixel crops
+(8 x 8 patches, so the table is resized), 9 and 4 tokens after the two convolutions.
 """
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
@@ -119,11 +123,16 @@ STEP_TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidde
                  swiglu_limits_shared=[0.1, 0, 0.3, 0.05], moe_router_scaling_factor=2.5)
 
 
+STEP_VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, image_size=48, patch_size=4)
+STEP_PROCESSOR = dict(size={"height": 48, "width": 48}, patch_size=32, max_image_size=160)  # 9 tokens a view, 4 a crop
+STEP_IMAGE = 250
+STEP_DELIMITERS = ("<im_start>", "<im_end>", "<patch_start>", "<patch_end>", "<patch_newline>")  # ids 251..255
+
+
 def _step_hf_model():
-    """A tiny random Step 3.7 (its text model is Step 3.5's): clamps small enough to bite, norms and router bias random."""
-    config = transformers.Step3p7Config(text_config=dict(STEP_TEXT), image_token_id=250,
-                                        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                                           image_size=28, patch_size=4))
+    """A tiny random Step 3.7 (its text model is Step 3.5's): clamps small enough to bite, norms and router bias
+    random; in the tower, weights of unit gain and norms, biases and layer scales random."""
+    config = transformers.Step3p7Config(text_config=dict(STEP_TEXT), image_token_id=STEP_IMAGE, vision_config=STEP_VISION)
     torch.manual_seed(0)
     hf = transformers.Step3p7ForConditionalGeneration(config).eval()
     with torch.no_grad():
@@ -132,17 +141,68 @@ def _step_hf_model():
                 p.normal_(0, 0.3)  # stored as w - 1
             elif "language_model" in name and p.dim() >= 2:
                 p.normal_(0, 0.15)
+            elif p.dim() >= 2:  # the tower and the projector
+                p.normal_(0, p[0].numel() ** -0.5)
+            else:
+                p.normal_(1 if "norm" in name else 0.3, 0.3)
         for name, b in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.3)
     return hf
 
 
+def _step_tokenizer(path) -> None:
+    """A word-level tokenizer (w0 ... w249) with Step 3.7's image tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    special = ("<im_patch>",) + STEP_DELIMITERS
+    vocab = {f"w{i}": i for i in range(STEP_IMAGE)} | {t: STEP_IMAGE + i for i, t in enumerate(special)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(list(special))
+    tok.save(str(path / "tokenizer.json"))
+
+
+def _pil_step_processor():
+    """transformers' Step3p7ImageProcessor with its torchvision calls (resize, pad, normalize) done by Pillow and
+    torch, torchvision not being installed: its planning, cutting, crop order and newline marks run as they are."""
+    from PIL import Image
+    from transformers.models.step3p7.image_processing_step3p7 import Step3p7ImageProcessor
+
+    class PilStep3p7ImageProcessor(Step3p7ImageProcessor):
+        def resize(self, image, size, resample=None, **kwargs):
+            flat = [Image.fromarray(im.permute(1, 2, 0).numpy()).resize((size.width, size.height), resample=int(resample))
+                    for im in image.reshape(-1, *image.shape[-3:])]
+            out = torch.stack([torch.tensor(np.array(im)).permute(2, 0, 1) for im in flat])
+            return out.reshape(*image.shape[:-2], size.height, size.width)
+
+        def pad(self, images, pad_size=None, **kwargs):
+            return [F.pad(im, (0, pad_size.width - im.shape[-1], 0, pad_size.height - im.shape[-2])) for im in images]
+
+        def normalize(self, image, mean, std, **kwargs):
+            return (image - torch.as_tensor(mean)[:, None, None]) / torch.as_tensor(std)[:, None, None]
+
+    return PilStep3p7ImageProcessor(**STEP_PROCESSOR, vision_patch_size=STEP_VISION["patch_size"])
+
+
 @pytest.fixture(scope="module")
-def step3p7_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("step3p7")
-    _step_hf_model().save_pretrained(path)
-    return path
+def step3p7(tmp_path_factory):
+    """(HF model, HF processor, checkpoint dir, trellm model) of a tiny random Step 3.7 with its processor and tokenizer."""
+    from transformers.models.step3p7.image_processing_step3p7 import Step3p7ImageProcessor
+
+    hf, path = _step_hf_model(), tmp_path_factory.mktemp("step3p7")
+    hf.save_pretrained(path)
+    Step3p7ImageProcessor(**STEP_PROCESSOR).save_pretrained(path)
+    _step_tokenizer(path)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    proc = transformers.Step3p7Processor(image_processor=_pil_step_processor(), tokenizer=fast)
+    with torch_threads(1):
+        yield hf, proc, path, trellm.load(path, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def step3p7_dir(step3p7):
+    return step3p7[2]
 
 
 def _stepfun_config() -> dict:
@@ -190,10 +250,157 @@ def test_step3p7_text_parity(step3p7_dir):
     report.assert_ok()
 
 
-def test_step3p7_refuses_images_clearly(step3p7_dir):
-    lm = trellm.load(step3p7_dir, device="cpu", dtype="float32")
-    with pytest.raises(ImageError, match="takes no image input"):
-        prepare_prompt(lm, [5, 250, 6], [random_image(0)])
+STEP_PROMPTS = ([5, 6, STEP_IMAGE, 7, 8, 9], [11, STEP_IMAGE, 12])
+STEP_IMAGES = ((61, 37), (20, 90))  # two crops in a row; padded to a square, 3 x 3 crops with newlines
+
+
+def step_hf_inputs(proc, img) -> dict:
+    out = proc.image_processor(img, return_tensors="pt")
+    return dict(pixel_values=out["pixel_values"], pixel_values_local=out.get("pixel_values_local"),
+                num_local_patches=out["num_local_patches"].tolist())
+
+
+def step_hf_logits(hf, ids, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor([ids]), **inputs).logits[0]
+
+
+def test_step3p7_plans_crops_like_transformers():
+    """The crop plan (square padding, downscaling, window choice, rounding to whole windows) of every size in a
+    grid around the thresholds, at the released sizes and the tiny ones, is transformers' own."""
+    from transformers.models.step3p7.image_processing_step3p7 import Step3p7ImageProcessor as HFProcessor
+    from trellm.plugins.vision.step3p7 import Step3p7ImageProcessor
+
+    sides = [1, 5, 20, 31, 32, 33, 47, 49, 100, 161, 300, 503, 504, 505, 600, 727, 729, 1000, 1092, 2000, 3025, 7000]
+    for size, crop, largest in ((728, 504, 3024), (48, 32, 160)):
+        hf, mine = HFProcessor(size={"height": size, "width": size}, patch_size=crop, max_image_size=largest), \
+            Step3p7ImageProcessor(size, crop, largest)
+        for w in sides:
+            for h in sides:
+                try:
+                    want = hf._plan_patches(w, h, size, crop)
+                except ZeroDivisionError:  # a side scaled down to no pixels
+                    with pytest.raises(ImageError, match="aspect ratio is too extreme"):
+                        mine.plan(w, h)
+                    continue
+                p = mine.plan(w, h)
+                assert (p.view_size, p.crop_size, p.window, p.cols, p.rows, p.pad_to_square) == want, (w, h, size)
+
+
+@pytest.mark.parametrize("size", [(61, 37), (20, 90), (40, 40), (200, 120), (30, 130)])
+def test_step3p7_pixels_and_prompt_like_transformers(step3p7, size):
+    """Global view, crops (their order and count), and the expanded prompt (crop rows, newlines, delimiters) as
+    transformers' processor makes them, from a text prompt and from ids."""
+    _, proc, _, lm = step3p7
+    img = random_image(7, size=size)
+    ref = proc(text="w5 w6 <im_patch> w7", images=[img], return_tensors="pt")
+    item = lm.model.preprocess(img)
+    assert torch.allclose(item.pixels, ref["pixel_values"][0], atol=1e-5)
+    local = ref.get("pixel_values_local", torch.zeros(0, 3, 32, 32))
+    assert item.crops.shape == local.shape and torch.allclose(item.crops, local, atol=1e-5)
+    by_text = prepare_prompt(lm, "w5 w6 <im_patch> w7", [img])
+    assert by_text.input_ids == ref["input_ids"][0].tolist()
+    assert prepare_prompt(lm, [5, 6, STEP_IMAGE, 7], [img]).input_ids == by_text.input_ids
+
+
+def test_step3p7_image_features_logits_and_greedy(step3p7):
+    """Image embeddings within 1e-4, prompt logits within 1e-3 of the range, then 32 greedy tokens of both prompts
+    (images of different sizes) decoded in one batch through the paged cache, as transformers gives them."""
+    hf, proc, _, lm = step3p7
+    images = [random_image(i, size=size) for i, size in enumerate(STEP_IMAGES)]
+    prompts = [prepare_prompt(lm, p, [img]) for p, img in zip(STEP_PROMPTS, images)]
+    refs = []
+    for text, img, mm in zip(STEP_PROMPTS, images, prompts):
+        inputs = step_hf_inputs(proc, img)
+        with torch.no_grad():
+            features = hf.model.get_image_features(**inputs).pooler_output[0]
+        assert mm.embeds.shape == features.shape and (mm.embeds - features).abs().max() < 1e-4
+        want = step_hf_logits(hf, mm.input_ids, inputs)
+        got = lm.logits([text], images=[[img]])[0]
+        assert (got - want).abs().max() < 1e-3 * float(want.max() - want.min())
+        ids = list(mm.input_ids)
+        for _ in range(32):
+            ids.append(int(step_hf_logits(hf, ids, inputs)[-1].argmax()))
+        refs.append(ids[len(mm.input_ids):])
+    assert refs[0] != refs[1]
+    assert batched_greedy(lm, prompts, 32, page_size=8) == refs
+    assert list(lm.generate_ids(STEP_PROMPTS[1], max_new_tokens=32, stop_token_ids=[], images=[images[1]])) == refs[1]
+
+
+@pytest.mark.parametrize("change", ["no rotation", "rows before columns"])
+def test_step3p7_tower_needs_its_2d_rope(step3p7, monkeypatch, change):
+    """The image-embedding comparison above fails without the tower's 2D RoPE or with its bands swapped."""
+    hf, proc, _, lm = step3p7
+    tower, img = lm.model.vision.tower, random_image(1, size=STEP_IMAGES[1])
+    with torch.no_grad():
+        features = hf.model.get_image_features(**step_hf_inputs(proc, img)).pooler_output[0]
+    rope = tower.rope  # cos, sin: column angles, then row angles
+    if change == "no rotation":
+        changed = lambda rows, cols: tuple(f(t) for f, t in zip((torch.ones_like, torch.zeros_like), rope(rows, cols)))  # noqa: E731
+    else:
+        changed = lambda rows, cols: tuple(torch.cat(t.chunk(2, -1)[::-1], -1) for t in rope(rows, cols))  # noqa: E731
+    assert (prepare_prompt(lm, STEP_PROMPTS[1], [img]).embeds - features).abs().max() < 1e-4
+    monkeypatch.setattr(tower, "rope", changed)
+    assert (prepare_prompt(lm, STEP_PROMPTS[1], [img]).embeds - features).abs().max() > 1e-2
+
+
+def test_step3p7_loads_stepfuns_vision_config_spelling(step3p7, tmp_path):
+    """StepFun's vision_config (``width``, ``layers``, ``heads``, its own model_type, the MLP width from ``mlp_ratio``)
+    gives the same model; transformers reads it the same way."""
+    _, _, path, lm = step3p7
+    for name in ("model.safetensors", "preprocessor_config.json", "tokenizer.json"):
+        (tmp_path / name).symlink_to(path / name)
+    config = json.loads((path / "config.json").read_text())
+    v = config["vision_config"]
+    config["vision_config"] = dict(model_type="step3_vision_encoder", width=v["hidden_size"], layers=v["num_hidden_layers"],
+                                   heads=v["num_attention_heads"], image_size=v["image_size"], patch_size=v["patch_size"],
+                                   mlp_ratio=v["mlp_ratio"], hidden_act="quick_gelu")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    read = transformers.AutoConfig.from_pretrained(tmp_path).vision_config
+    assert (read.hidden_size, read.num_hidden_layers, read.intermediate_size) == (32, 2, v["intermediate_size"])
+    img = random_image(3, size=STEP_IMAGES[1])
+    with torch_threads(1):
+        stepfun = trellm.load(tmp_path, device="cpu", dtype="float32")
+        assert torch.equal(stepfun.logits([STEP_PROMPTS[1]], images=[[img]]), lm.logits([STEP_PROMPTS[1]], images=[[img]]))
+
+
+def test_step3p7_image_errors_name_the_problem(step3p7, tmp_path):
+    from trellm.errors import ConfigError
+
+    _, _, path, _ = step3p7
+    for name in ("config.json", "model.safetensors", "preprocessor_config.json"):
+        (tmp_path / name).symlink_to(path / name)
+    no_tokenizer = trellm.load(tmp_path, device="cpu", dtype="float32")
+    with pytest.raises(ImageError, match="needs the model's tokenizer to find <im_start>"):
+        prepare_prompt(no_tokenizer, [5, STEP_IMAGE, 6], [random_image(0)])
+    _step_tokenizer(tmp_path)
+    tok = json.loads((tmp_path / "tokenizer.json").read_text())
+    tok["added_tokens"] = [t for t in tok["added_tokens"] if t["content"] != "<patch_newline>"]
+    del tok["model"]["vocab"]["<patch_newline>"]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ImageError, match="the tokenizer has no <patch_newline>"):
+        prepare_prompt(trellm.load(tmp_path, device="cpu", dtype="float32"), [5, STEP_IMAGE, 6], [random_image(0)])
+    (tmp_path / "preprocessor_config.json").unlink()
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"size": {"height": 48, "width": 32}}))
+    with pytest.raises(ConfigError, match="must be square"):
+        trellm.load(tmp_path, device="cpu", dtype="float32")
+    config = json.loads((path / "config.json").read_text())
+    config["image_token_id"] = 300
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="image_token_id 300 is outside the vocabulary"):
+        trellm.load(tmp_path, device="cpu", dtype="float32")
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.cuda
+@cuda
+def test_step3p7_with_images_on_cuda(step3p7):
+    from test_vision import check_on_cuda
+
+    check_on_cuda(step3p7[3], STEP_PROMPTS[1], [random_image(1, size=STEP_IMAGES[1])])
 
 
 # ---- DeciLM / Nemotron-Super ----------------------------------------------------------------------------------

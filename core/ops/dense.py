@@ -49,6 +49,7 @@ _ACTIVATIONS = {
     "gelu_new": lambda t: F.gelu(t, approximate="tanh"),
     "relu": F.relu,
     "relu2": lambda t: F.relu(t).square(),
+    "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t),
 }
 
 

@@ -1,6 +1,6 @@
-"""Step 3.5 Flash (Step3p5ForCausalLM) and the text model of Step 3.7 Flash (Step3p7ForConditionalGeneration,
-text prompts only: its vision tower is not written yet): a sigmoid-routed MoE with per-layer SwiGLU
-clamps, and attention whose sliding layers have their own head counts and RoPE.
+"""Step 3.5 Flash (Step3p5ForCausalLM) and Step 3.7 Flash (Step3p7ForConditionalGeneration: Step 3.5's text
+model with the ``step3p7_vision`` tower): a sigmoid-routed MoE with per-layer SwiGLU clamps, and attention
+whose sliding layers have their own head counts and RoPE.
 
 - Attention: QK-norm per head, RMSNorms stored as ``w - 1`` (scaled by ``1 + w``), each output head
   scaled by ``sigmoid(g_proj(x))`` (one gate per head) before o_proj, softmax scale
@@ -16,10 +16,16 @@ per-layer ``rope_theta`` / ``partial_rotary_factors`` lists, ``moe_layers_enum``
 the MTP layers); :func:`normalise_text_config` turns them into transformers' spelling, which configs
 written by ``save_pretrained`` already use. Tensors: ``model.layers.{i}.moe.{gate_proj,up_proj,down_proj}.weight``
 (experts stacked), ``moe.gate.weight``, ``moe.router_bias`` and ``share_expert.*``.
+
+Images (Step 3.7): the tower's features of each view go through one linear map, ``vit_large_projector``, to
+the text width. The processor writes each ``<im_patch>`` marker as, per local crop,
+``<patch_start><im_patch>*n<patch_end>`` (a ``<patch_newline>`` after each row of crops but the last), then
+``<im_start><im_patch>*m<im_end>`` for the global view; the delimiters' ids come from the tokenizer. Image rows
+are ordinary causal rows with 1D positions, as in transformers.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import attrs
 import torch
@@ -35,6 +41,9 @@ from trellm.sdk import (
     Experts,
     ForwardBatch,
     GatedMLP,
+    ImageError,
+    Linear,
+    LoadContext,
     MoE,
     Module,
     OutputGate,
@@ -43,11 +52,17 @@ from trellm.sdk import (
     RotaryEmbedding,
     Router,
     ScoreTopK,
+    VisionInput,
+    VisionLanguageModel,
     config_int,
+    image_digest,
+    load_image_processor,
     mlp_layer_types,
     ops,
     read_keys,
+    read_vision_config,
     text_config,
+    vision_tower_spec,
 )
 
 
@@ -198,16 +213,114 @@ SPEC = ArchitectureSpec(
     description="StepFun Step 3.5 Flash: head-gated attention, sliding layers with their own heads and RoPE, clamped SwiGLU MoE",
 )
 
-TEXT_OF_3P7_SPEC = ArchitectureSpec(
+# ---- Step 3.7 Flash: the text model with images --------------------------------------------------------------
+
+TOWER = "step3p5_vision"  # transformers builds its Step 3.7 tower whatever model_type the hub's vision_config names
+DELIMITERS = ("<im_start>", "<im_end>", "<patch_start>", "<patch_end>", "<patch_newline>")
+
+
+@attrs.frozen
+class Step3p7Config:
+    text: DecoderConfig
+    vision: dict[str, Any] = attrs.field(hash=False)
+    image_token_id: int
+    projector_bias: bool
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text.hidden_size
+
+
+def read_vl_config(raw: dict) -> Step3p7Config:
+    cfg = Step3p7Config(
+        text=read_config(raw),
+        vision={**read_vision_config(raw, "Step3p7ForConditionalGeneration"), "model_type": TOWER},
+        image_token_id=int(raw.get("image_token_id", 151679)),
+        projector_bias=bool(raw.get("projector_bias", False)),
+    )
+    if cfg.image_token_id >= cfg.text.vocab_size:
+        raise ConfigError(f"config.json: image_token_id {cfg.image_token_id} is outside the vocabulary ({cfg.text.vocab_size})")
+    return cfg
+
+
+class Step3p7Vision(Module):
+    """The tower and the projector to the text width; the image processor comes from the model dir."""
+
+    def __init__(self, cfg: Step3p7Config):
+        self.key = "vision_model"
+        self.tower_spec, self.vision_config = vision_tower_spec(cfg.vision, TOWER), cfg.vision
+        self.tower = self.tower_spec.build(cfg.vision, "vision_model")
+        self.projector = Linear("vit_large_projector", self.tower.out_features, cfg.hidden_size, bias=cfg.projector_bias)
+        self.processor = None
+
+    def load(self, ctx: LoadContext) -> None:
+        self.processor = load_image_processor(ctx.store.model_dir, self.tower_spec, self.vision_config)
+        super().load(ctx)
+
+    def forward(self, views: torch.Tensor) -> torch.Tensor:
+        """views [N, 3, S, S] -> [N, tokens, hidden]."""
+        return self.projector(self.tower.forward(views))
+
+
+@attrs.define
+class CroppedInput(VisionInput):
+    """``pixels``: the global view; ``crops`` [n, 3, P, P] in row-major order; ``grid``: (rows, columns) of crops."""
+
+    crops: torch.Tensor | None = None
+
+
+class Step3p7VisionLanguageModel(VisionLanguageModel):
+    def __init__(self, cfg: Step3p7Config):
+        super().__init__(build(cfg.text), Step3p7Vision(cfg))
+        self.image_token_id = self.marker_id = cfg.image_token_id
+        self.delimiters: dict[str, int] | None = None
+
+    def use_tokenizer(self, tokenizer) -> None:
+        ids = {name: tokenizer.token_to_id(name) for name in DELIMITERS}
+        if missing := [name for name, i in ids.items() if i is None]:
+            raise ImageError(f"the tokenizer has no {', '.join(missing)}: Step 3.7 writes them around each image")
+        self.delimiters = ids
+
+    def preprocess(self, image) -> CroppedInput:
+        cut, tower = self.image_processor()(image), self.vision.tower
+        rows, cols = cut.plan.grid
+        tokens = rows * cols * tower.num_tokens(cut.crops.shape[-1]) + tower.num_tokens(cut.global_view.shape[-1])
+        return CroppedInput(cut.global_view, tokens, image_digest(image), (rows, cols), cut.crops)
+
+    def expansion_ids(self, item: CroppedInput) -> list[int]:
+        if self.delimiters is None:
+            raise ImageError(f"Step 3.7 needs the model's tokenizer to find {', '.join(DELIMITERS)}")
+        d, tower, image = self.delimiters, self.vision.tower, self.image_token_id
+        rows, cols = item.grid
+        crop = [d["<patch_start>"]] + [image] * tower.num_tokens(item.crops.shape[-1]) + [d["<patch_end>"]]
+        ids: list[int] = []
+        for row in range(rows):
+            ids += crop * cols + ([d["<patch_newline>"]] if row < rows - 1 else [])
+        return ids + [d["<im_start>"]] + [image] * tower.num_tokens(item.pixels.shape[-1]) + [d["<im_end>"]]
+
+    def expansion_text(self, item: CroppedInput, tokenizer) -> str:
+        return tokenizer.decode(self.expansion_ids(item))
+
+    def encode(self, items: Sequence[CroppedInput]) -> list[torch.Tensor]:
+        """Per image, its crops' features (crop after crop) then its global view's, as the placeholders run."""
+        dtype = self.language.embed.weight.dtype
+        views = self.vision.forward(torch.stack([it.pixels for it in items]))
+        crops = torch.cat([it.crops for it in items])
+        crop_features = self.vision.forward(crops) if len(crops) else views[:0]
+        per_image = crop_features.split([len(it.crops) for it in items])
+        return [torch.cat([c.flatten(0, 1), v]).to(dtype) for c, v in zip(per_image, views)]
+
+
+VISION_SPEC = ArchitectureSpec(
     name="step3p7",
     architectures=("Step3p7ForConditionalGeneration",),
-    read_config=read_config,
-    build=build,
-    description="StepFun Step 3.7 Flash, text only (its vision tower is not written yet): the Step 3.5 text model",
+    read_config=read_vl_config,
+    build=Step3p7VisionLanguageModel,
+    description="StepFun Step 3.7 Flash: the Step 3.5 text model with a 2D-RoPE tower over a global view and local crops",
 )
 
 
 @trellm.hookimpl
 def trellm_register_architectures(register):
     register(SPEC)
-    register(TEXT_OF_3P7_SPEC)
+    register(VISION_SPEC)
