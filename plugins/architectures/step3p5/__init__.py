@@ -292,10 +292,10 @@ class Step3p7VisionLanguageModel(VisionLanguageModel):
             raise ImageError(f"Step 3.7 needs the model's tokenizer to find {', '.join(DELIMITERS)}")
         d, tower, image = self.delimiters, self.vision.tower, self.image_token_id
         rows, cols = item.grid
-        crop = [d["<patch_start>"]] + [image] * tower.num_tokens(item.crops.shape[-1]) + [d["<patch_end>"]]
+        crop_ids = [d["<patch_start>"]] + [image] * tower.num_tokens(item.crops.shape[-1]) + [d["<patch_end>"]]
         ids: list[int] = []
         for row in range(rows):
-            ids += crop * cols + ([d["<patch_newline>"]] if row < rows - 1 else [])
+            ids += crop_ids * cols + ([d["<patch_newline>"]] if row < rows - 1 else [])
         return ids + [d["<im_start>"]] + [image] * tower.num_tokens(item.pixels.shape[-1]) + [d["<im_end>"]]
 
     def expansion_text(self, item: CroppedInput, tokenizer) -> str:

@@ -60,7 +60,7 @@ class CropPlan:
     @property
     def grid(self) -> tuple[int, int]:
         """(rows, columns) of crops; (0, 0) without crops."""
-        return (self.rows, self.cols) if self.window else (0, 0)
+        return self.rows, self.cols
 
 
 @attrs.frozen
@@ -84,16 +84,18 @@ class Step3p7ImageProcessor:
     @classmethod
     def from_config(cls, cfg: dict[str, Any], vision_config: dict[str, Any]) -> "Step3p7ImageProcessor":
         size = cfg.get("size") or {}
-        if size.get("height", 728) != size.get("width", size.get("height", 728)):
+        side = int(size.get("height", 728))
+        if int(size.get("width", side)) != side:
             raise ConfigError(f"preprocessor_config.json: size {size} must be square (height == width)")
         steps = PixelSteps.from_config({"resample": 2, "image_mean": CLIP_MEAN, "image_std": CLIP_STD, **cfg})
-        return cls(int(size.get("height", 728)), int(cfg.get("patch_size", 504)), int(cfg.get("max_image_size", 3024)), steps)
+        return cls(side, int(cfg.get("patch_size", 504)), int(cfg.get("max_image_size", 3024)), steps)
 
     def plan(self, width: int, height: int) -> CropPlan:
         """Very small elongated images are padded to a square; images over ``max_image_size`` are scaled down. One
         that fits the global view is cut only when elongated (ratio > 1.5, windows of its short side); a larger one
         into ``crop_size`` windows, or short-side ones when very elongated (ratio > 4). Each side is then rounded
         to whole windows, up when the remainder is more than a fifth of a window."""
+        given = f"{width}x{height}"
         pad = min(width, height) < 32 and max(width / height, height / width) > 4
         if pad:
             width = height = max(width, height)
@@ -101,8 +103,8 @@ class Step3p7ImageProcessor:
             scale = self.max_image_size / max(width, height)
             width, height = int(width * scale), int(height * scale)
             if min(width, height) == 0:
-                raise ImageError(f"an image of {width}x{height} pixels scaled to fit {self.max_image_size} leaves a side "
-                                 "of no pixels; its aspect ratio is too extreme")
+                raise ImageError(f"an image of {given} pixels scaled down to fit {self.max_image_size} keeps no pixels "
+                                 "across; its aspect ratio is too extreme")
         short, long = min(width, height), max(width, height)
         if long <= self.image_size:
             window = short if long / short > 1.5 else 0
