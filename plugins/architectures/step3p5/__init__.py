@@ -53,8 +53,10 @@ from trellm.sdk import (
     Router,
     ScoreTopK,
     VisionInput,
+    VisionLanguageConfig,
     VisionLanguageModel,
     config_int,
+    config_token,
     image_digest,
     load_image_processor,
     mlp_layer_types,
@@ -220,27 +222,17 @@ DELIMITERS = ("<im_start>", "<im_end>", "<patch_start>", "<patch_end>", "<patch_
 
 
 @attrs.frozen
-class Step3p7Config:
-    text: DecoderConfig
-    vision: dict[str, Any] = attrs.field(hash=False)
-    image_token_id: int
+class Step3p7Config(VisionLanguageConfig):
     projector_bias: bool
-
-    @property
-    def hidden_size(self) -> int:
-        return self.text.hidden_size
 
 
 def read_vl_config(raw: dict) -> Step3p7Config:
-    cfg = Step3p7Config(
+    return Step3p7Config(
         text=read_config(raw),
         vision={**read_vision_config(raw, "Step3p7ForConditionalGeneration"), "model_type": TOWER},
-        image_token_id=int(raw.get("image_token_id", 151679)),
+        image_token_id=config_token(raw, "image_token_id", default=151679),
         projector_bias=bool(raw.get("projector_bias", False)),
     )
-    if cfg.image_token_id >= cfg.text.vocab_size:
-        raise ConfigError(f"config.json: image_token_id {cfg.image_token_id} is outside the vocabulary ({cfg.text.vocab_size})")
-    return cfg
 
 
 class Step3p7Vision(Module):
