@@ -55,7 +55,15 @@ from trellm.modules.base import LoadContext, Module
 from trellm.modules.decoder import CausalLM, DecoderLayer, DecoderOptions, build_decoder, decoder_family
 from trellm.modules.latent import LatentAttention, SparseIndexer, SparseLatentAttention
 from trellm.modules.compressed import CompressedAttention, CompressedIndexer, WindowCompressor
-from trellm.modules.hyper import HyperCausalLM, HyperConnection, HyperDecoderLayer, HyperHead, HyperMix, expand_streams
+from trellm.modules.hyper import (
+    HybridHyperCausalLM,
+    HyperCausalLM,
+    HyperConnection,
+    HyperDecoderLayer,
+    HyperHead,
+    HyperMix,
+    expand_streams,
+)
 from trellm.modules.layers import (
     MLP,
     Attention,
@@ -164,6 +172,7 @@ __all__ = [
     "MTPHead", "MTPLayout", "build_qwen_mtp_head",
     # hyper-connections: a residual stream of N parallel streams (trellm.modules.hyper)
     "HyperConnection", "HyperMix", "HyperHead", "expand_streams", "HyperDecoderLayer", "HyperCausalLM",
+    "HybridHyperCausalLM",
     # the Qwen hybrid stack (trellm.sdk.hybrid)
     "hybrid_layer_types", "qwen_moe_mlp", "build_qwen_hybrid", "build_qwen3_5", "build_qwen3_5_moe",
     # images

@@ -9,7 +9,8 @@ into the block's input and, after the block, merges its output back::
 
 The final hidden state is a collapse of the streams: :class:`HyperHead` (DeepSeek V4's learned
 weights) or their mean (GLM 5.3). :class:`HyperDecoderLayer` and :class:`HyperCausalLM` are the pre-norm
-block and the model built this way. The numbers are the ops in :mod:`trellm.ops.hyper`.
+block and the model built this way; :class:`HybridHyperCausalLM` is the one some of whose mixers keep
+recurrent state (GLM 5.3's delta-attention layers). The numbers are the ops in :mod:`trellm.ops.hyper`.
 """
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ import attrs
 import torch
 
 from ..batch import ForwardBatch
+from ..capabilities import implements
 from ..ops.hyper import hyper_connection_merge, hyper_connection_weights, hyper_head
 from ..ops.projection import Hidden
 from .base import LoadContext, Module
 from .decoder import CausalLM
+from .recurrent import HybridCausalLM, RecurrentMixer
 
 
 def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -116,10 +119,16 @@ class HyperCausalLM(CausalLM):
         self.streams, self.hyper_head = streams, hyper_head
 
     def attention_layers(self) -> list:
-        return [layer.attn for layer in self.layers]
+        """Every layer's mixer owns a KV cache layer, except the recurrent ones (their state lives in slots)."""
+        return [None if implements(layer.attn, RecurrentMixer) else layer.attn for layer in self.layers]
 
     def residual_stream(self, batch: ForwardBatch) -> Hidden:
         streams = expand_streams(self.embed_tokens(batch), self.streams)
         for layer in self.layers:
             streams = layer.forward(streams, batch)
         return Hidden(streams.mean(dim=1) if self.hyper_head is None else self.hyper_head.forward(streams))
+
+
+class HybridHyperCausalLM(HyperCausalLM, HybridCausalLM):
+    """A :class:`HyperCausalLM` whose layers mix attention and recurrent mixers (GLM 5.3's delta attention): it
+    builds the hybrid cache, paged KV plus recurrent-state slots."""

@@ -8,9 +8,9 @@ sub-layer, and SwiGLU MLPs with clamped inputs (dense, and DeepSeek-style groupe
   best ``index_topk / index_kpool`` pools a query can see whole, plus the query's incomplete tail pool;
   attention reads only those tokens. ``indexer_types`` "shared" layers reuse the selection of the full
   layer just before them. Indexer keys live in the same cache row as the latent ([c | k | gate]).
-- Hyper-connections: the residual is ``hc_mult`` streams; each sub-layer reads a sigmoid-weighted sum of
-  them and writes back ``post * out + comb^T streams`` (comb Sinkhorn-normalised); the final hidden is
-  the streams' mean.
+- Hyper-connections (:class:`~trellm.sdk.HyperDecoderLayer`, DeepSeek V4's mHC): the residual is ``hc_mult``
+  streams; each sub-layer reads a sigmoid-weighted sum of them and writes back ``post * out + comb^T streams``
+  (comb Sinkhorn-normalised); the final hidden is the streams' mean.
 - Images (a ``vision_config``): the GLM 5.3 tower (``glm5_next_vision``) fills each image's run of
   ``<|image|>`` tokens (one per merged 2x2 patch block; the chat template writes ``<|begin_of_image|>`` and
   ``<|end_of_image|>`` around it). The text model is NoPE and its delta attention and indexer read no
@@ -28,10 +28,13 @@ from trellm.sdk import (
     Attention,
     ConfigError,
     DecoderConfig,
+    Embedding,
     ExpertMLP,
     Experts,
     ForwardBatch,
-    HybridCausalLM,
+    HybridHyperCausalLM,
+    HyperConnection,
+    HyperDecoderLayer,
     KimiDeltaAttention,
     LayerNorm,
     Linear,
@@ -48,7 +51,6 @@ from trellm.sdk import (
     gather_pages,
     has_dense_pages,
     limited_swiglu,
-    ops,
     read_keys,
     read_vision_config,
 )
@@ -114,49 +116,6 @@ def read_glm5_next_keys(cfg: DecoderConfig) -> Glm5NextKeys:
             raise ConfigError(f"config.json: layer {i} shares the indexer selection ('shared'), but layer {i - 1} "
                               "is not an indexed_attention layer with a full indexer")
     return attrs.evolve(keys, layer_types=layer_types, mlp_layer_types=mlp_types, indexer_types=indexer_types)
-
-
-class HyperConnection(Module):
-    """Manifold-constrained hyper-connection around one sub-layer (``{prefix}_fn`` [(2+n)n, n*hidden],
-    ``{prefix}_base`` [(2+n)n], ``{prefix}_scale`` [3]).
-
-    From the RMS-normalised flattened streams a linear map gives, per token, ``pre`` (how the n streams sum
-    into the sub-layer's input), ``post`` (how its output spreads over them) and ``comb`` (how the streams
-    mix into each other, made doubly stochastic by Sinkhorn iterations)."""
-
-    def __init__(self, prefix: str, hidden_size: int, streams: int, eps: float, hc_eps: float, sinkhorn_iters: int):
-        self.key, self.hidden_size, self.streams = prefix, hidden_size, streams
-        self.eps, self.hc_eps, self.sinkhorn_iters = eps, hc_eps, sinkhorn_iters
-        self.fn = self.base = self.scale = None
-
-    def load(self, ctx: LoadContext) -> None:
-        n = self.streams
-        get = lambda name, shape: ctx.store.get(f"{self.key}_{name}", shape=shape, dtype=torch.float32, device=ctx.device)
-        self.fn = get("fn", ((2 + n) * n, n * self.hidden_size))
-        self.base = get("base", ((2 + n) * n,))
-        self.scale = get("scale", (3,))
-
-    def unload(self) -> None:
-        self.fn = self.base = self.scale = None
-
-    def forward(self, streams: torch.Tensor, sublayer) -> torch.Tensor:
-        """``streams`` [T, n, hidden] after ``sublayer`` (a function of one [T, hidden] input) has run."""
-        t, n = streams.shape[0], self.streams
-        flat = streams.reshape(t, -1).float()
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
-        mix = flat @ self.fn.t()
-        pre, post, comb = (mix[:, a:b] * s + self.base[a:b]
-                           for (a, b), s in zip(((0, n), (n, 2 * n), (2 * n, (2 + n) * n)), self.scale))
-        pre = torch.sigmoid(pre) + self.hc_eps
-        post = 2 * torch.sigmoid(post)
-        comb = torch.softmax(comb.view(t, n, n), dim=-1) + self.hc_eps
-        comb = comb / (comb.sum(-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.sinkhorn_iters - 1):
-            comb = comb / (comb.sum(-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(-2, keepdim=True) + self.hc_eps)
-        dtype = streams.dtype
-        out = sublayer((pre[..., None] * streams).sum(1).to(dtype))
-        return post.to(dtype)[..., None] * out[:, None] + comb.to(dtype).transpose(-1, -2) @ streams
 
 
 @attrs.define
@@ -311,35 +270,6 @@ class SparseLatentAttention(Attention):
         return self.o_proj(o.reshape(t, h * self.v_dim))
 
 
-class HyperConnectedLayer(Module):
-    """A decoder layer whose attention and MLP each sit inside a :class:`HyperConnection`."""
-
-    def __init__(self, key: str, cfg: DecoderConfig, keys: Glm5NextKeys, mixer: Module, mlp: Module):
-        hc = lambda name: HyperConnection(f"{key}.hc_{name}", cfg.hidden_size, keys.hc_mult, cfg.rms_norm_eps,
-                                          keys.hc_eps, keys.hc_sinkhorn_iters)
-        self.key, self.attn, self.mlp = key, mixer, mlp
-        self.attn_hc, self.ffn_hc = hc("attn"), hc("ffn")
-        self.input_layernorm = RMSNorm(f"{key}.input_layernorm", cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(f"{key}.post_attention_layernorm", cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, streams: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        streams = self.attn_hc.forward(streams, lambda h: self.attn.forward(self.input_layernorm.forward(h), batch))
-        return self.ffn_hc.forward(streams, lambda h: self.mlp.forward(self.post_attention_layernorm.forward(h)))
-
-
-class HyperConnectedLM(HybridCausalLM):
-    """The embedding copied into ``streams`` residual streams, the layers, and the streams' mean as the hidden."""
-
-    streams: int = 1
-
-    def residual_stream(self, batch: ForwardBatch) -> ops.Hidden:
-        x = self.embed_tokens(batch)
-        streams = x[:, None].expand(-1, self.streams, -1).contiguous()
-        for layer in self.layers:
-            streams = layer.forward(streams, batch)
-        return ops.Hidden(streams.mean(1))
-
-
 def clamped_moe(cfg: DecoderConfig, key: str, limit: float) -> MoE:
     """DeepSeek-style routing (sigmoid, correction bias, groups, scaling) over clamped-SwiGLU experts."""
     moe = cfg.require_moe()
@@ -353,13 +283,15 @@ def clamped_moe(cfg: DecoderConfig, key: str, limit: float) -> MoE:
     return MoE(key, router, Experts(f"{key}.experts", moe.num_experts, cfg.hidden_size, size, act), shared)
 
 
-def build(cfg: DecoderConfig) -> HyperConnectedLM:
+def build(cfg: DecoderConfig) -> HybridHyperCausalLM:
     keys = read_glm5_next_keys(cfg)
-    eps, hidden = cfg.rms_norm_eps, cfg.hidden_size
+    eps, hidden, vocab = cfg.rms_norm_eps, cfg.hidden_size, cfg.vocab_size
     selection = SharedSelection()
     layers = []
     for i in range(cfg.num_hidden_layers):
         key = f"{PREFIX}.layers.{i}"
+        hc = lambda name: HyperConnection(f"{key}.hc_{name}_", hidden, keys.hc_mult, keys.hc_sinkhorn_iters,  # noqa: E731
+                                          keys.hc_eps, eps)
         if keys.layer_types[i] == "linear_attention":
             mixer = KimiDeltaAttention(f"{key}.self_attn", i, hidden, keys.linear_num_heads, keys.linear_head_dim,
                                        keys.linear_conv_kernel_dim, eps, keys.linear_lower_bound)
@@ -369,10 +301,12 @@ def build(cfg: DecoderConfig) -> HyperConnectedLM:
             mlp = clamped_moe(cfg, f"{key}.mlp", keys.swiglu_limit)
         else:
             mlp = ExpertMLP(f"{key}.mlp", hidden, cfg.intermediate_size, limited_swiglu(keys.swiglu_limit))
-        layers.append(HyperConnectedLayer(key, cfg, keys, mixer, mlp))
-    model = HyperConnectedLM.from_layers(cfg, layers, f"{PREFIX}.embed_tokens", f"{PREFIX}.norm")
-    model.streams = keys.hc_mult
-    return model
+        layers.append(HyperDecoderLayer(key, hc("attn"), RMSNorm(f"{key}.input_layernorm", hidden, eps), mixer,
+                                        hc("ffn"), RMSNorm(f"{key}.post_attention_layernorm", hidden, eps), mlp))
+    embed = f"{PREFIX}.embed_tokens"
+    return HybridHyperCausalLM(cfg, Embedding(embed, vocab, hidden), layers, RMSNorm(f"{PREFIX}.norm", hidden, eps),
+                               Linear("lm_head", hidden, vocab, alt_key=embed if cfg.tie_word_embeddings else None),
+                               keys.hc_mult)
 
 
 class Glm5NextVisionLanguageModel(QwenTowerLanguageModel):
