@@ -11,8 +11,9 @@ Prints one row per batch size: wall time, generated tokens/s over the whole run 
 decode tokens/s and ms per decode step (over the steps that did no prefill work) and mean time to
 first token, and on CUDA the captured step alone: the replay of the generator's own decode graph for
 that batch, timed in the same process right after the run, and how much longer the generator's step
-took (its host work: scheduling, staging, sampling, readback, detokenising). Every row names the
-weights' codebook. With matplotlib installed, ``--plot`` saves tokens/s vs batch size.
+took (its host work: scheduling, staging, sampling, readback, detokenising). Each batch size runs with
+the generator's async scheduling off and then on (``--async-scheduling both``, the default; rows marked
+"async"): with it the host's work overlaps the next step on the device. Every row names the weights' codebook. With matplotlib installed, ``--plot`` saves tokens/s vs batch size.
 
 ``--random-exl3 DIR`` writes (once; reused while its settings match) a Llama-3.1-8B-shaped model with
 random EXL3 weights (``--bits``, head 6 bits, ``--codebook`` mul1 by default, what both converters write)
@@ -144,7 +145,7 @@ def captured_step_ms(gen: Generator, n: int, reps: int = 50) -> float | None:
     return statistics.median(times)
 
 
-def run_batch(lm, n: int, args, proposer=None, task_prompts=None) -> dict:
+def run_batch(lm, n: int, args, proposer=None, task_prompts=None, async_scheduling: bool | None = None) -> dict:
     sampler = SamplerSettings.preset("default") if args.sample else None
     jobs = [Job(p, args.new_tokens, stop_token_ids=[], sampler=sampler, seed=i)
             for i, p in enumerate(task_prompts or prompts(lm, n, args.prompt_tokens))]
@@ -155,7 +156,7 @@ def run_batch(lm, n: int, args, proposer=None, task_prompts=None) -> dict:
     pages = sum(-(-(len(j.prompt_ids) + args.new_tokens + args.draft_tokens) // args.page_size) for j in jobs) + 1
     gen = Generator(lm, cache_tokens=pages * args.page_size, page_size=args.page_size,
                     max_batch_size=max(n, 1), max_chunk_tokens=args.chunk_tokens, proposer=proposer,
-                    num_draft_tokens=args.draft_tokens, prefix_caching=False)
+                    num_draft_tokens=args.draft_tokens, prefix_caching=False, async_scheduling=async_scheduling)
     # first-call overheads (and, on CUDA, the capture of this batch size's decode graph) out of the timing
     gen.generate([j.prompt_ids[:8] for j in jobs], 2, stop_token_ids=[], sampler=sampler)
     if lm.device.type == "cuda":
@@ -170,9 +171,7 @@ def run_batch(lm, n: int, args, proposer=None, task_prompts=None) -> dict:
         prefilling = any(r.prefilling for r in gen.active) or gen.num_pending
         if profiler is not None and not prefilling:
             profiler.enable()
-        results = gen.iterate()
-        if lm.device.type == "cuda":
-            torch.cuda.synchronize()
+        results = gen.iterate()  # returns once its step is read back (async: with the next one queued behind)
         if profiler is not None:
             profiler.disable()
         if not any(isinstance(r, (PrefillProgress, JobStarted)) for r in results):
@@ -192,7 +191,8 @@ def run_batch(lm, n: int, args, proposer=None, task_prompts=None) -> dict:
         decode_path = (f"graphs {sorted(runner.graphs)}" if runner.graphs else "eager") + (
             f", capture failed for {sorted(runner._failed)}" if runner._failed else "")
     return {
-        "decode_path": decode_path,
+        "decode_path": decode_path + (", async" if gen.async_scheduling else ""),
+        "steps_ahead": gen.stats["steps_ahead"],
         "captured_ms": captured_step_ms(gen, n) if lm.device.type == "cuda" else None,
         "jobs": n, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
         "decode_tok_s": decode_tokens / decode_time if decode_time else 0.0,
@@ -236,6 +236,8 @@ def main() -> None:
     ap.add_argument("--draft-model", default=None, help="draft model dir for --speculative draft (default: the model itself)")
     ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    ap.add_argument("--async-scheduling", choices=["both", "on", "off"], default="both",
+                    help="run each batch size with the generator's async scheduling off and on (both: one row each)")
     ap.add_argument("--plot", default=None, help="save tokens/s vs batch size here (needs matplotlib)")
     args = ap.parse_args()
     if args.threads:
@@ -280,8 +282,9 @@ def main() -> None:
               f"{'host ms':>8} {'ttft s':>8}  codebook  decode path")
     if not args.profile:
         print(header)
-    for n in (int(x) for x in args.batch_sizes.split(",")):
-        row = run_batch(lm, n, args)
+    modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.async_scheduling]
+    for n, mode in ((int(x), m) for x in args.batch_sizes.split(",") for m in modes):
+        row = run_batch(lm, n, args, async_scheduling=mode)
         rows.append(row)
         if args.profile:
             print(header)
@@ -296,8 +299,11 @@ def main() -> None:
         if plt is None:
             return
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.plot([r["jobs"] for r in rows], [r["tok_s"] for r in rows], "o-", label="overall")
-        ax.plot([r["jobs"] for r in rows], [r["decode_tok_s"] for r in rows], "s--", label="decode")
+        for mode in modes:
+            mine = [r for r in rows if ("async" in r["decode_path"]) == mode]
+            tag = "async" if mode else "sync"
+            ax.plot([r["jobs"] for r in mine], [r["tok_s"] for r in mine], "o-", label=f"overall, {tag}")
+            ax.plot([r["jobs"] for r in mine], [r["decode_tok_s"] for r in mine], "s--", label=f"decode, {tag}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent jobs")
         ax.set_ylabel("generated tokens/s")

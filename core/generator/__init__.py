@@ -82,7 +82,16 @@ CUDA graphs: ``Generator(lm, cuda_graphs=True)`` (the default) replays captured 
 models with recurrent layers never use graphs. The runner keeps one scratch page, so
 ``capacity_tokens`` is one page less than the cache.
 
-Housekeeping: ``gen.stats`` (prefilled / reused / decoded tokens, steps, draft tokens proposed / accepted), ``gen.verify_pages()``
+Async scheduling: ``Generator(lm, async_scheduling=None)`` (on by default on CUDA) queues decode step
+n+1 on the device before step n is read back, feeding each job the token step n chose without it
+leaving the device; the host then commits step n (stop checks, detokenising, streaming, prefix-cache
+naming) while the device runs n+1, so the device no longer idles through the host's bookkeeping. A job
+that finishes at step n wastes its row of step n+1. A step whose next step needs the host's view
+(jobs waiting for a slot, cancellations, drafts, grammars, penalties or host-only samplers, banned
+strings, images, recurrent state, pages that are not free) is read back first, as without it; output
+is the same either way. ``iterate()`` returns step n's results while step n+1 runs.
+
+Housekeeping: ``gen.stats`` (prefilled / reused / decoded tokens, steps, steps queued ahead, draft tokens proposed / accepted), ``gen.verify_pages()``
 (page refcounts vs holders), ``gen.clear_prefix_cache()``, ``gen.abort(error)`` (fail everything,
 free all pages), ``gen.num_active`` / ``gen.num_pending`` / ``gen.has_work()``.
 Thread safety: a Generator is single-threaded except ``cancel()``, which only sets a flag, and

@@ -29,8 +29,9 @@ import threading
 import time
 import warnings
 from collections import deque
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
+import attrs
 import torch
 
 from ..batch import StepBuffers
@@ -132,9 +133,76 @@ class _Running:
     def remaining(self) -> int:
         return self.job.max_new_tokens - len(self.generated)
 
-    def argmax_now(self) -> bool:
-        """This step's tokens are plain argmaxes: no token is excluded at the positions it samples."""
-        return self.argmax_sampling and not self.bans and len(self.generated) >= self.job.min_new_tokens
+    def argmax_now(self, ahead: int = 0) -> bool:
+        """This step's tokens are plain argmaxes: no token is excluded at the positions it samples
+        (``ahead``: tokens chosen on the device that the host has not seen yet)."""
+        return self.argmax_sampling and not self.bans and len(self.generated) + ahead >= self.job.min_new_tokens
+
+
+class _Readback:
+    """A pinned host buffer that a step's chosen tokens are copied into without waiting (CUDA), and the
+    event that says they have landed; on CPU the values are simply kept."""
+
+    def __init__(self):
+        self.host: torch.Tensor | None = None
+        self.event: Any = None
+
+    def start(self, values: torch.Tensor) -> Callable[[], list]:
+        """Queue the copy of ``values``; returns the call that waits for it and gives them as a list."""
+        if values.device.type != "cuda":
+            return values.tolist
+        n = values.numel()
+        if self.host is None or self.host.numel() < n:
+            self.host = torch.empty(max(n, 256), dtype=torch.float64, pin_memory=True)
+            self.event = torch.cuda.Event()
+        host = self.host[:n].view(torch.int64) if values.dtype == torch.int64 else self.host[:n]
+        host.copy_(values, non_blocking=True)
+        self.event.record()
+        event = self.event
+
+        def wait() -> list:
+            event.synchronize()
+            return host.tolist()
+        return wait
+
+
+@attrs.define
+class _Launched:
+    """A step whose forward and token choice are queued on the device, not yet read back."""
+
+    plan: list  # (job, tokens fed, draft tokens among them)
+    cu: list[int]  # token offsets of the plan's jobs in the batch
+    row_start: list[int]  # each job's first logits row
+    ahead: int  # tokens each job was fed past its committed ones (1: queued by async scheduling)
+    ids: torch.Tensor | None  # the chosen token of every logits row, on the device
+    readback: Callable[[], list] | None
+    top: int  # top log-probabilities per row in the read-back (-1: none)
+    full: dict  # plan index -> CPU logits rows of jobs sampled on the host
+    hidden: torch.Tensor | None  # hidden states for the proposer
+
+    def tokens(self) -> tuple[list[int] | None, list[tuple[float, list]] | None]:
+        """(ids per logits row, (logprob, top logprobs) per row or None); waits for the copy."""
+        if self.readback is None:
+            return None, None
+        host = self.readback()
+        if self.top < 0:
+            return host, None
+        n, k = self.ids.shape[0], self.top
+        values, indices = host[2 * n: 2 * n + n * k], host[2 * n + n * k:]
+        tops = [[(int(t), v) for t, v in zip(indices[j * k:(j + 1) * k], values[j * k:(j + 1) * k])] for j in range(n)]
+        return [int(t) for t in host[:n]], list(zip(host[n: 2 * n], tops))
+
+
+def _feed_on_device(batch, feed_from: tuple[torch.Tensor, list[int]] | None) -> None:
+    """Write the token ids a previous step chose (still on the device) into ``batch``'s first input ids."""
+    if feed_from is None:
+        return
+    ids, rows = feed_from
+    n = len(rows)
+    if rows == list(range(n)):
+        batch.input_ids[:n].copy_(ids[:n])
+    else:
+        batch.input_ids[:n].copy_(ids[torch.tensor(rows, device=ids.device)])
 
 
 class Generator:
@@ -156,6 +224,7 @@ class Generator:
         max_overtake_steps: int = 16,
         cuda_graphs: bool = True,
         state_checkpoints: int | None = None,
+        async_scheduling: bool | None = None,
     ):
         if max_batch_size < 1 or max_chunk_tokens < 1:
             raise ValueError(f"max_batch_size and max_chunk_tokens must be >= 1, got {max_batch_size}, {max_chunk_tokens}")
@@ -184,8 +253,11 @@ class Generator:
         self.graph_runner = self._graph_runner() if cuda_graphs and self.hidden_sink is None else None
         self.step_buffers = StepBuffers(self.cache.device, capacity=8 * (max_chunk_tokens + max_batch_size) + 1024)
         self.device_sampler = DeviceSampler(self.cache.device)
-        self._sampled_host: torch.Tensor | None = None  # pinned landing place of each step's sampled ids (CUDA)
-        self._sampled_event: Any = None
+        # step n+1 queued on the device before step n is read back (default: on CUDA, where it hides the host's work)
+        self.async_scheduling = self.cache.device.type == "cuda" if async_scheduling is None else async_scheduling
+        self._inflight: _Launched | None = None  # a step running on the device, read back by the next iterate()
+        self._readback = [_Readback(), _Readback()]  # one per step in flight: step n is read while n+1 lands
+        self._launches = 0
         self.vocab_size = int(getattr(getattr(self.model, "config", None), "vocab_size", 0) or 0)
         self.default_stop_ids = self._default_stop_ids(model)
         self.default_lora: str | None = getattr(model, "default_lora", None)  # trellm.load(..., lora=DIR)
@@ -193,7 +265,7 @@ class Generator:
         self.active: list[_Running] = []  # in admission order
         self.preempted: list[_Running] = []  # oldest first; resumed before any pending job is admitted
         self.stats = {"prefilled_tokens": 0, "reused_tokens": 0, "decoded_tokens": 0, "steps": 0, "forward_tokens": 0,
-                      "preempted": 0, "draft_proposed": 0, "draft_accepted": 0}
+                      "preempted": 0, "draft_proposed": 0, "draft_accepted": 0, "steps_ahead": 0}
         self._grammar_engine: GrammarEngine | None = None  # built on the first grammar job
         self._grammar_lock = threading.Lock()
 
@@ -214,7 +286,7 @@ class Generator:
         return len(self.active)
 
     def has_work(self) -> bool:
-        return bool(self.pending or self.active or self.preempted)
+        return bool(self.pending or self.active or self.preempted or self._inflight)
 
     def enqueue(self, job: Job | Sequence[Job]) -> Job | list[Job]:
         """Queue one job or several (raises JobTooLargeError for a job that can never fit)."""
@@ -265,12 +337,20 @@ class Generator:
     def iterate(self) -> list[Result]:
         """Run one scheduling step (at most one forward); return what happened, in order."""
         results: list[Result] = []
-        self._finish_cancelled(results)
-        self._finish_unloaded_adapters(results)
-        self._admit(results)
-        self._grow()
-        if self.active:
-            self._step(results)
+        step, self._inflight = self._inflight, None
+        if step is None:  # a scheduling step: cancellations, admissions, pages, preemption
+            self._finish_cancelled(results)
+            self._finish_unloaded_adapters(results)
+            self._admit(results)
+            self._grow()
+            if not self.active:
+                return results
+            step = self._launch(self._plan(), results)
+            if step is None:
+                return results
+        if self.async_scheduling:
+            self._inflight = self._launch_next(step, results)  # queued behind ``step``: the device works while we read it
+        self._complete(step, results)
         return results
 
     def stream(self) -> Iterator[Result]:
@@ -308,6 +388,9 @@ class Generator:
     def abort(self, error: str = "aborted") -> list[Result]:
         """Fail every running and waiting job (frees all their pages); returns their JobFinished results."""
         results: list[Result] = []
+        step, self._inflight = self._inflight, None
+        if step is not None:
+            self._complete(step, results)
         for r in self.active + self.preempted:
             self._finish(r, EOS_ERROR, results, error=error)
         for job, ids in self.pending:
@@ -608,8 +691,11 @@ class Generator:
                 end = stop
         return end - start
 
-    def _step(self, results: list[Result]) -> None:
-        plan = self._plan()
+    def _launch(self, plan: list[tuple[_Running, list[int], list[int]]], results: list[Result],
+                feed_from: tuple[torch.Tensor, list[int]] | None = None, ahead: int = 0) -> _Launched | None:
+        """Run ``plan``'s forward and choose its tokens on the device; start copying them to the host.
+        ``feed_from`` = (token ids on the device, the row of each job's next token in them): feed those
+        instead of ``plan``'s (still unknown) tokens, ``ahead`` tokens past each job's committed ones."""
         lens = [len(feed) for _, feed, _ in plan]
         cu = [0]
         for n in lens:
@@ -626,20 +712,34 @@ class Generator:
         hidden = None
         masks = self._start_grammar_masks(plan, row_start, sampled, len(rows))
         try:
-            logits = self._forward(plan, rows)
+            logits = self._forward(plan, rows, feed_from, ahead)
             if self.hidden_sink is not None:
                 hidden, logits = logits
             if masks is not None:
                 self._grammar_engine.apply_masks(logits, masks)
-            picked, logprobs, full = self._sample_rows(plan, row_start, sampled, logits)
+            ids, packed, top, full = self._choose(plan, row_start, sampled, logits, ahead)
         except Exception as exc:  # keep serving: fail this batch's jobs, free their pages
-            warnings.warn(f"trellm generator: forward failed ({exc!r}); failing {len(plan)} jobs")
-            for r, _, _ in plan:
-                self._finish(r, EOS_ERROR, results, error=repr(exc))
+            self._fail(plan, exc, results)
+            return None
+        self._launches += 1
+        self.stats["steps_ahead"] += ahead
+        readback = self._readback[self._launches % 2].start(packed) if packed is not None else None
+        return _Launched(plan, cu, row_start, ahead, ids, readback, top, full, hidden)
+
+    def _complete(self, step: _Launched, results: list[Result]) -> None:
+        """Read ``step``'s tokens back and commit them: accept, stream, finish, name full pages. Jobs that
+        finished while it ran (a step queued ahead of its predecessor's read-back) are skipped."""
+        plan, cu, row_start = step.plan, step.cu, step.row_start
+        try:
+            picked, logprobs = step.tokens()
+        except Exception as exc:  # an error the device raised while running the step
+            self._fail([entry for entry in plan if not entry[0].job.finished], exc, results)
             return
         self.stats["steps"] += 1
         self.stats["forward_tokens"] += cu[-1]
         for i, (r, feed, draft) in enumerate(plan):
+            if r.job.finished:
+                continue
             completes = r.seq.length + len(feed) - len(draft) == len(r.tokens)
             length_before = r.seq.length
             r.seq.length += len(feed)
@@ -651,8 +751,8 @@ class Generator:
             if completes:
                 a, b = row_start[i], row_start[i] + len(draft) + 1
                 try:
-                    if i in full:
-                        self._accept(r, full[i], draft, results)
+                    if i in step.full:
+                        self._accept(r, step.full[i], draft, results)
                     else:
                         self._accept(r, None, draft, results, picked[a:b], logprobs[a:b] if logprobs else None)
                 except Exception as exc:  # e.g. a plugin sampler step failed: fail this job only
@@ -663,8 +763,51 @@ class Generator:
             self._settle_snapshot(r, length_before)
             if not r.job.finished:
                 self._name_full_pages(r)
-                if hidden is not None:
-                    self._hand_hidden(r, feed, length_before, hidden[cu[i]: cu[i + 1]])
+                if step.hidden is not None:
+                    self._hand_hidden(r, feed, length_before, step.hidden[cu[i]: cu[i + 1]])
+
+    def _fail(self, plan, exc: Exception, results: list[Result]) -> None:
+        warnings.warn(f"trellm generator: forward failed ({exc!r}); failing {len(plan)} jobs")
+        for r, _, _ in plan:
+            self._finish(r, EOS_ERROR, results, error=repr(exc))
+
+    def _launch_next(self, step: _Launched, results: list[Result]) -> _Launched | None:
+        """Async scheduling: the next decode step of ``step``'s jobs, queued on the device before ``step`` is
+        read back, each job feeding the token ``step`` chose, which never leaves the device. The host then
+        commits ``step`` while the device runs this one, so the device does not wait for the host's
+        bookkeeping between steps. A job that finishes at ``step`` wastes its row here (skipped when read).
+        None (the next iterate() schedules on the host's view) when the next step needs what only the host
+        knows: waiting or cancelled jobs, drafts, grammars, penalties or host-side sampling, banned strings,
+        images, recurrent state, or pages that are not free without preempting."""
+        live = [(i, entry) for i, entry in enumerate(step.plan) if not entry[0].job.finished]
+        if (step.ids is None or self.proposer is not None or self.state_layers or self.hidden_sink is not None
+                or self.preempted or (self.pending and len(self.active) < self.max_batch_size)
+                or len(live) != len(self.active)):
+            return None
+        adapters = lora_set(self.model, create=False)
+        plan: list[tuple[_Running, list[int], list[int]]] = []
+        rows: list[int] = []
+        for i, (r, feed, draft) in live:
+            settings = r.row_sampling
+            if (draft or len(feed) != 1 or r.prefilling or r.job.cancel_requested or r.grammar is not None
+                    or r.mm is not None or r.banned or r.bans or settings is None or settings.penalized):
+                return None
+            if r.lora is not None and (adapters is None or r.lora not in adapters or adapters.uid(r.lora) != r.lora_uid):
+                return None
+            if r.remaining > 1:  # else ``step`` gives its last token
+                plan.append((r, [0], []))
+                rows.append(step.row_start[i])
+        if not plan:
+            return None
+        prefix = self.cache.prefix_cache
+        need = [self._pages_needed(len(r.tokens) + 1, r.prompt_len + r.job.max_new_tokens) - len(r.seq.pages)
+                for r, _, _ in plan]
+        if sum(max(n, 0) for n in need) > prefix.available():
+            return None
+        for (r, _, _), n in zip(plan, need):
+            if n > 0:
+                r.seq.pages += prefix.alloc(n)
+        return self._launch(plan, results, feed_from=(step.ids, rows), ahead=1)
 
     def _start_grammar_masks(self, plan, row_start: list[int], sampled: list[int], num_rows: int) -> Any:
         """Start computing the token masks of the grammar jobs sampled this step (a future), or None.
@@ -675,25 +818,28 @@ class Generator:
         stops = [r.stop_ids if r.stop_ids is not self.default_stop_ids else None for *_, r in entries]
         return self._grammar_engine.start_masks([e[:3] for e in entries], num_rows, stops)
 
-    def _forward(self, plan: list[tuple[_Running, list[int], list[int]]], rows: list[int]) -> Any:
+    def _forward(self, plan: list[tuple[_Running, list[int], list[int]]], rows: list[int],
+                 feed_from: tuple[torch.Tensor, list[int]] | None = None, ahead: int = 0) -> Any:
         """Build the step's batch (one host->device copy) and run it: a captured graph for a plain decode
         step on CUDA, else the model eagerly. Returns logits of ``rows`` (with a hidden-state sink:
-        ``(hidden, logits)``)."""
+        ``(hidden, logits)``). ``feed_from``, ``ahead``: see :meth:`_launch`."""
         feeds = [feed for _, feed, _ in plan]
-        cached = [r.seq.length for r, _, _ in plan]
+        cached = [r.seq.length + ahead for r, _, _ in plan]
         pages = [r.seq.pages for r, _, _ in plan]
         runner = self.graph_runner
         if (runner is not None and len(rows) == len(plan) == sum(len(f) for f in feeds)
                 and all(r.mm is None for r, _, _ in plan) and max(len(p) for p in pages) <= runner.max_pages):
             size = runner.graph_size(len(plan))
             if size is not None:
-                runner.stage(size, feeds, cached, pages, self._lora_slots(plan))
+                staged = runner.stage(size, feeds, cached, pages, self._lora_slots(plan))
+                _feed_on_device(staged, feed_from)
                 return runner.replay(size, len(plan))
         batch = self.step_buffers.build(
             feeds, cached, pages, self.cache, rows,
             state_slots=[r.state_slot for r, _, _ in plan] if self.state_layers else None,
             lora_slots=self._lora_slots(plan),
         )
+        _feed_on_device(batch, feed_from)
         if any(r.mm is not None for r, _, _ in plan):  # image embeddings (prefill) and M-RoPE positions (every step)
             attach_images(batch, [(r.mm, r.seq.length) for r, _, _ in plan])
         if self.hidden_sink is not None:  # the same forward, split where the proposer reads the hidden states
@@ -701,74 +847,52 @@ class Generator:
             return hidden, self.model.logits_from_hidden(hidden, batch)
         return self.model.forward(batch)
 
-    def _sample_rows(self, plan, row_start: list[int], sampled: list[int], logits: torch.Tensor
-                     ) -> tuple[list[int] | None, list[tuple[float, list]] | None, dict[int, torch.Tensor]]:
+    def _choose(self, plan, row_start: list[int], sampled: list[int], logits: torch.Tensor, ahead: int = 0
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None, int, dict[int, torch.Tensor]]:
         """Tokens of the jobs ``sampled`` (plan indices), chosen on the logits' device for the whole batch:
         the argmax of every row when each job takes plain argmaxes, else every row through the
-        :class:`DeviceSampler`. One device->host copy brings the ids back (with each row's log-probability
-        and top tokens when a job asks for them). Returns (ids per logits row, (logprob, top logprobs) per
-        row or None, float32 CPU logits rows of each job whose stack only runs on the host)."""
+        :class:`DeviceSampler`. Returns (int64 ids per logits row on the device, what to read back: the ids and,
+        when a job asks for them, each row's log-probability and best ``top`` tokens; ``top`` (-1: none);
+        float32 CPU logits rows of each job whose stack only runs on the host)."""
         slow = {i for i in sampled if plan[i][0].row_sampling is None}
         fast = [i for i in sampled if i not in slow]
-        out, top = None, -1
-        if fast and all(plan[i][0].argmax_now() for i in fast):
-            out = logits.argmax(dim=-1)
+        ids, top = None, -1
+        if fast and all(plan[i][0].argmax_now(ahead) for i in fast):
+            ids = logits.argmax(dim=-1)
         elif fast:
             rows = [SampleRow(_ARGMAX, 0.0)] * logits.shape[0]
             for i in fast:
-                rows[row_start[i]: row_start[i] + len(plan[i][2]) + 1] = self._sample_rows_of(*plan[i])
-            out = self.device_sampler.sample(logits, rows)
+                rows[row_start[i]: row_start[i] + len(plan[i][2]) + 1] = self._sample_rows_of(*plan[i], ahead=ahead)
+            ids = self.device_sampler.sample(logits, rows)
             top = max((plan[i][0].job.top_logprobs for i in fast if plan[i][0].job.logprobs), default=-1)
+        packed = ids
         if top >= 0:  # the model's raw log-probabilities of the chosen tokens, and the best ``top`` of each row
             lp = torch.log_softmax(logits.float(), dim=-1)
-            k = min(top, lp.shape[-1])
-            values, indices = torch.topk(lp, k, dim=-1)
-            out = torch.cat([out.double(), lp.gather(1, out[:, None]).squeeze(1).double(), values.double().flatten(),
-                             indices.double().flatten()])
+            values, indices = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)
+            packed = torch.cat([ids.double(), lp.gather(1, ids[:, None]).squeeze(1).double(), values.double().flatten(),
+                                indices.double().flatten()])
+            top = values.shape[-1]
         full = {}
         if slow:  # queued behind the device work above, so it runs while these rows copy
             every = logits.float().cpu() if not fast else None
             for i in slow:
                 a, b = row_start[i], row_start[i] + len(plan[i][2]) + 1
                 full[i] = every[a:b] if every is not None else logits[a:b].float().cpu()
-        if out is None:
-            return None, None, full
-        host = self._to_host(out)
-        if top < 0:
-            return host, None, full
-        n = logits.shape[0]
-        values, indices = host[2 * n: 2 * n + n * k], host[2 * n + n * k:]
-        tops = [[(int(t), v) for t, v in zip(indices[j * k:(j + 1) * k], values[j * k:(j + 1) * k])] for j in range(n)]
-        return [int(t) for t in host[:n]], list(zip(host[n: 2 * n], tops)), full
+        return ids, packed, top, full
 
-    def _sample_rows_of(self, r: _Running, feed: list[int], draft: list[int]) -> list[SampleRow]:
+    def _sample_rows_of(self, r: _Running, feed: list[int], draft: list[int], ahead: int = 0) -> list[SampleRow]:
         """The rows job ``r`` samples this step: one per draft position and one after the draft, position ``pos``
-        drawing generated token ``len(r.generated) + pos`` as if the draft before it was accepted."""
+        drawing generated token ``len(r.generated) + ahead + pos`` as if the draft before it was accepted."""
         settings = r.row_sampling
         out = []
         for pos in range(len(draft) + 1):
-            index = len(r.generated) + pos
+            index = len(r.generated) + ahead + pos
             exclude = list(r.bans.get(index, ()))
             if index < r.job.min_new_tokens:
                 exclude += r.stop_ids
             history = settings.counted(r.tokens + draft[:pos] if pos else r.tokens, r.prompt_len)
             out.append(SampleRow(settings, uniform_for(r.seed, index), history, exclude))
         return out
-
-    def _to_host(self, values: torch.Tensor) -> list:
-        """``values`` as a list; on CUDA one non-blocking copy into pinned memory and a wait on its event (the
-        step's only device->host synchronization when no job samples on the host)."""
-        if values.device.type != "cuda":
-            return values.tolist()
-        n = values.numel()
-        if self._sampled_host is None or self._sampled_host.numel() < n:
-            self._sampled_host = torch.empty(max(n, 2 * self.max_batch_size), dtype=torch.float64, pin_memory=True)
-            self._sampled_event = torch.cuda.Event()
-        host = self._sampled_host[:n].view(torch.int64) if values.dtype == torch.int64 else self._sampled_host[:n]
-        host.copy_(values, non_blocking=True)
-        self._sampled_event.record()
-        self._sampled_event.synchronize()
-        return host.tolist()
 
     def _hand_hidden(self, r: _Running, feed: list[int], start: int, hidden: torch.Tensor) -> None:
         """Give the proposer the hidden states of the fed positions that hold committed tokens (the leading

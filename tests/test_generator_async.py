@@ -1,0 +1,134 @@
+"""Async scheduling: step n+1 queued on the device before step n is read back, fed the tokens step n
+chose without them leaving the device. Whatever jobs do, the results must equal the synchronous
+generator's, token for token and event for event."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from trellm.generator import Generator, Job, JobFinished, NgramProposer, SamplerSettings, TokenChunk
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_llama_smollm2_tokenizer_dir):
+    import trellm
+
+    torch.set_num_threads(1)
+    return trellm.load(tiny_llama_smollm2_tokenizer_dir, device="cpu", dtype=torch.float32)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 5000) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+def _jobs(prompts: list[list[int]], stop_token: int) -> list[Job]:
+    """Jobs of every kind: greedy, seeded sampling, logprobs, a stop token, stop strings, 1- and 2-token
+    limits, min_new_tokens, penalties and banned strings (these two keep the host's view: no step ahead)."""
+    sampled = SamplerSettings(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02)
+    kinds = [
+        dict(),
+        dict(sampler=sampled, seed=7),
+        dict(sampler=sampled, seed=8, logprobs=True, top_logprobs=3),
+        dict(stop_token_ids=[stop_token]),
+        dict(stop_token_ids=[stop_token], min_new_tokens=4),
+        dict(stop=["e", " the"]),
+        dict(max_new_tokens=1),
+        dict(max_new_tokens=2),
+        dict(sampler=SamplerSettings(temperature=0.7, repetition_penalty=1.2), seed=9),
+        dict(banned_strings=["a"]),
+    ]
+    out = []
+    for i, p in enumerate(prompts):
+        kw = dict(kinds[i % len(kinds)])
+        kw.setdefault("stop_token_ids", [])
+        out.append(Job(p, kw.pop("max_new_tokens", 24), identifier=i, **kw))
+    return out
+
+
+def _run(gen: Generator, jobs: list[Job], late: list[Job] = (), cancel_at: int | None = None) -> list[tuple]:
+    """Every result in order as comparable tuples; ``late`` jobs join after three iterations, job 0 is
+    cancelled after ``cancel_at`` iterations."""
+    gen.enqueue(list(jobs))
+    events, n = [], 0
+    while gen.has_work():
+        n += 1
+        if n == 3:
+            gen.enqueue(list(late))
+        if cancel_at is not None and n == cancel_at:
+            gen.cancel(jobs[0])
+        for r in gen.iterate():
+            if isinstance(r, TokenChunk):
+                lp = None if r.logprobs is None else [round(x, 4) for x in r.logprobs]
+                events.append(("chunk", r.identifier, r.text, tuple(r.token_ids), lp and tuple(lp)))
+            elif isinstance(r, JobFinished):
+                events.append(("done", r.identifier, r.text, tuple(r.token_ids), r.eos_reason))
+        gen.verify_pages()
+    return sorted(events, key=lambda e: e[1])  # per job, in its own order
+
+
+def test_async_equals_sync_for_every_kind_of_job(lm):
+    prompts = _prompts(14, seed=1)
+    greedy = list(lm.generate_ids(prompts[3], 8, stop_token_ids=[]))
+    stop = greedy[5]  # a token the stop-token jobs actually meet
+    late_prompts = _prompts(3, seed=2)
+    results = {}
+    for mode in (False, True):
+        gen = Generator(lm, cache_tokens=4096, page_size=16, max_batch_size=8, async_scheduling=mode)
+        late_jobs = [Job(p, 12, identifier=100 + i, stop_token_ids=[]) for i, p in enumerate(late_prompts)]
+        results[mode] = _run(gen, _jobs(prompts, stop), late_jobs, cancel_at=6)
+        if mode:
+            assert gen.stats["steps_ahead"] > 0  # once the penalty and banned-string jobs are done
+        else:
+            assert gen.stats["steps_ahead"] == 0
+    assert results[True] == results[False]
+    reasons = {e[4] for e in results[True] if e[0] == "done"}
+    assert {"stop_token", "stop_string", "max_new_tokens", "cancelled"} <= reasons
+
+
+def test_async_steady_decoding_samples_at_the_right_positions(lm):
+    """Greedy, seeded sampling, logprobs and a stop id excluded until min_new_tokens: every step after the
+    first decode step is queued ahead, and the tokens and logprobs equal the synchronous generator's."""
+    prompts = _prompts(4, seed=3)
+    first = int(lm.logits([prompts[3]])[0, -1].argmax())
+    sampled = SamplerSettings(temperature=0.9, top_k=40, top_p=0.95)
+
+    def run(mode: bool):
+        gen = Generator(lm, cache_tokens=2048, page_size=16, max_batch_size=4, async_scheduling=mode)
+        jobs = [Job(prompts[0], 20, stop_token_ids=[]),
+                Job(prompts[1], 20, stop_token_ids=[], sampler=sampled, seed=5),
+                Job(prompts[2], 20, stop_token_ids=[], sampler=sampled, seed=6, logprobs=True, top_logprobs=2),
+                Job(prompts[3], 20, stop_token_ids=[first], min_new_tokens=20)]
+        gen.enqueue(jobs)
+        out = {}
+        for r in gen.stream():
+            if isinstance(r, TokenChunk):
+                out.setdefault(r.job, []).append((tuple(r.token_ids), r.logprobs and tuple(round(x, 4) for x in r.logprobs)))
+        gen.verify_pages()
+        return [out[j] for j in jobs], gen.stats
+
+    (expect, sync), (got, stats) = run(False), run(True)
+    assert got == expect
+    # one prefill step, then 19 decode steps: the first from the host's view, the other 18 queued ahead
+    assert stats["steps_ahead"] == 18 and stats["steps"] == sync["steps"] == 20
+
+
+def test_async_falls_back_for_drafts_and_abort_drains(lm):
+    """With a proposer (drafts need the host's tokens) nothing is queued ahead; abort() reads a step in
+    flight back before failing the jobs, and leaves no page held."""
+    prompts = [p * 3 for p in _prompts(2, seed=4)]
+    spec = Generator(lm, cache_tokens=2048, page_size=16, proposer=NgramProposer(), async_scheduling=True)
+    spec.generate(prompts, 12, stop_token_ids=[])
+    assert spec.stats["steps_ahead"] == 0
+    gen = Generator(lm, cache_tokens=2048, page_size=16, async_scheduling=True)
+    gen.enqueue([Job(p, 50, stop_token_ids=[]) for p in prompts])
+    for _ in range(4):
+        gen.iterate()
+    assert gen._inflight is not None
+    done = [r for r in gen.abort() if isinstance(r, JobFinished)]
+    assert len(done) == 2 and all(r.eos_reason == "error" for r in done)
+    assert not gen.has_work()
+    gen.verify_pages()
+    assert gen.cache.prefix_cache.available() == gen.cache.allocator.num_pages
