@@ -155,6 +155,7 @@ class StepBuffers:
         pad_page: int = 0,
         max_seq_len: int | None = None,
         lora_slots: Sequence[int] | None = None,
+        pad_state_slot: int = 0,
     ) -> ForwardBatch:
         """Like :meth:`ForwardBatch.with_cache`, with ``logits_rows`` (flat token rows, None = all).
 
@@ -164,6 +165,7 @@ class StepBuffers:
         ``pad_to`` appends padding sequences up to that many (one token each at position 0, written
         to ``pad_page``, their logits rows appended): a captured decode graph's fixed batch size.
         ``table_width`` fixes the block table's width; columns past a sequence's pages hold ``pad_page``.
+        Padding sequences' recurrent state lives in ``pad_state_slot`` (fresh each step: their cached length is 0).
         """
         page_size = cache.page_size
         b_real = len(new_tokens)
@@ -230,6 +232,7 @@ class StepBuffers:
             h[o_logits: o_logits + n_logits] = [*logits_rows, *range(t_real, t)]
         if state_slots is not None:
             h[o_state: o_state + b_real] = state_slots
+            h[o_state + b_real: o_state + b] = pad_state_slot
         if lora_slots is not None:
             per_token = lora_slots if decode else np.repeat(np.asarray(lora_slots, dtype=np.int64), lens_np)
             h[o_lora: o_lora + t_real] = per_token

@@ -4,9 +4,9 @@ One cffi or torch launch from Python costs ~10-20 µs; a decode step of a 32-lay
 hundreds, which costs more than reading its 4-bit weights. So decode steps (every sequence adds
 exactly one token) are captured once per padded batch size and replayed. Inputs live in static
 buffers (one per size, filled by one host->device copy per step); unused rows of a padded batch
-write to a scratch page and are ignored. The runner takes that page when it is made, while the
-cache is still empty: a capture happens lazily, in the middle of decoding, when running jobs may
-hold every page, so it must never need a free one.
+write to a scratch page (and, on a model with recurrent layers, a scratch state slot) and are ignored. The runner
+takes that page and slot when it is made, while the cache is still empty: a capture happens lazily,
+in the middle of decoding, when running jobs may hold every page, so it must never need a free one.
 
 Capture needs every op on the path to be free of host syncs (the CUDA kernels are); when capture
 fails the runner falls back to eager execution and says so once.
@@ -20,6 +20,7 @@ import torch
 
 from .batch import ForwardBatch, StepBuffers
 from .cache import CacheFullError
+from .cache.recurrent import alloc_state_slot, free_state_slot
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -46,6 +47,8 @@ class GraphRunner:
         self._failed: set[int] = set()
         self.pool = None
         self._scratch_page: int | None = self._reserve_scratch_page()
+        self.state_slots = bool(cache.state_layers())  # the step reads each sequence's recurrent-state slot
+        self._scratch_slot: int | None = self._reserve_scratch_slot() if self.state_slots else None
         self._lora_version = self._lora_now()
 
     def _lora_now(self) -> int | None:
@@ -65,6 +68,16 @@ class GraphRunner:
             self.enabled = False
             return None
 
+    def _reserve_scratch_slot(self) -> int | None:
+        """The recurrent-state slot every padding row runs in (None, and no graphs, when none is free)."""
+        try:
+            return alloc_state_slot(self.cache)
+        except CacheFullError as e:
+            if self.enabled:
+                warnings.warn(f"trellm: no recurrent-state slot left for the CUDA graphs' padding rows, decoding eagerly ({e})")
+            self.enabled = False
+            return None
+
     def _is_decode(self, batch: ForwardBatch) -> bool:
         return (
             self.enabled
@@ -73,6 +86,7 @@ class GraphRunner:
             and batch.num_tokens == batch.num_seqs
             and batch.num_seqs <= self.batch_sizes[-1]
             and batch.block_table.shape[1] <= self.max_pages
+            and (batch.state_slots is not None) == self.state_slots
         )
 
     def _padding_batch(self, size: int) -> ForwardBatch:
@@ -81,14 +95,16 @@ class GraphRunner:
             # ids, positions, slots, logits rows (int64) + table, cu, ctx, cached (int32); each field 16-byte aligned
             need = 5 * (size + 1) + (size * self.max_pages + 3 * size + 1) // 2 + 8
             self.buffers[size] = StepBuffers(self.device, capacity=need, growable=False)
-        return self._build(self.buffers[size], [], [], [], [], size)
+        return self._build(self.buffers[size], [], [], [], [], size, state_slots=[] if self.state_slots else None)
 
     def _build(self, buffers: StepBuffers, feeds, cached_lens, page_rows, logits_rows, size: int,
-               lora_slots: Sequence[int] | None = None) -> ForwardBatch:
+               lora_slots: Sequence[int] | None = None, state_slots: Sequence[int] | None = None) -> ForwardBatch:
         if lora_slots is None and self._lora_version is not None:  # a model with adapters: the graph reads the slots
             lora_slots = [-1] * len(feeds)
-        return buffers.build(feeds, cached_lens, page_rows, self.cache, logits_rows, pad_to=size, table_width=self.max_pages,
-                             pad_page=self._scratch_page, max_seq_len=self.max_pages * self.page_size, lora_slots=lora_slots)
+        return buffers.build(feeds, cached_lens, page_rows, self.cache, logits_rows, state_slots=state_slots, pad_to=size,
+                             table_width=self.max_pages, pad_page=self._scratch_page,
+                             max_seq_len=self.max_pages * self.page_size, lora_slots=lora_slots,
+                             pad_state_slot=self._scratch_slot or 0)
 
     def _capture(self, size: int):
         batch = self._padding_batch(size)
@@ -131,9 +147,11 @@ class GraphRunner:
         return size
 
     def stage(self, size: int, feeds: Sequence[Sequence[int]], cached_lens: Sequence[int],
-              page_rows: Sequence[Sequence[int]], lora_slots: Sequence[int] | None = None) -> ForwardBatch:
+              page_rows: Sequence[Sequence[int]], lora_slots: Sequence[int] | None = None,
+              state_slots: Sequence[int] | None = None) -> ForwardBatch:
         """Write one decode step (one token per sequence) into graph ``size``'s inputs: one host->device copy."""
-        return self._build(self.buffers[size], feeds, cached_lens, page_rows, range(len(feeds)), size, lora_slots)
+        return self._build(self.buffers[size], feeds, cached_lens, page_rows, range(len(feeds)), size, lora_slots,
+                           state_slots)
 
     def replay(self, size: int, num_seqs: int) -> torch.Tensor:
         """Replay graph ``size`` on what :meth:`stage` wrote; logits of the first ``num_seqs`` rows."""
@@ -164,6 +182,9 @@ class GraphRunner:
             else:
                 s.lora_slots[:n].fill_(-1)
             s.lora_slots[n:].fill_(-1)
+        if s.state_slots is not None:
+            s.state_slots[:n].copy_(batch.state_slots)
+            s.state_slots[n:].fill_(self._scratch_slot)
         if n < size:  # padding rows: one token at the scratch page
             s.block_table[n:].fill_(self._scratch_page)
             s.context_lens[n:].fill_(1)
@@ -181,3 +202,5 @@ class GraphRunner:
         if self._scratch_page is not None:
             self.cache.allocator.decref([self._scratch_page])
             self._scratch_page = None
+        free_state_slot(self.cache, self._scratch_slot)
+        self._scratch_slot = None

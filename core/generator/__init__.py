@@ -78,9 +78,10 @@ content digest, so two images never share pages and the same image reuses them; 
 cut an image run (an image longer than ``max_chunk_tokens`` goes in one chunk).
 
 CUDA graphs: ``Generator(lm, cuda_graphs=True)`` (the default) replays captured decode steps through
-``trellm.graph.GraphRunner`` on CUDA; batches with prefill, images or draft tokens run eagerly, and
-models with recurrent layers never use graphs. The runner keeps one scratch page, so
-``capacity_tokens`` is one page less than the cache.
+``trellm.graph.GraphRunner`` on CUDA; batches with prefill, images or draft tokens run eagerly, and so
+do MTP drafting jobs (the proposer reads hidden states). Models with recurrent layers replay graphs too:
+each row's state slot is a graph input. The runner keeps one scratch page (and one scratch state slot)
+for padding rows, so ``capacity_tokens`` is one page less than the cache.
 
 Async scheduling: ``Generator(lm, async_scheduling=None)`` (on by default on CUDA) queues decode step
 n+1 on the device before step n is read back, feeding each job the token step n chose without it

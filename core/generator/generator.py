@@ -234,7 +234,8 @@ class Generator:
         if cache is None:  # a model with recurrent layers knows how to build its hybrid cache
             # state slots: one per job, one draft snapshot per job, plus prefix checkpoints (max_batch_size by default)
             checkpoints = (max_batch_size if state_checkpoints is None else state_checkpoints) if prefix_caching else 0
-            slots = max_batch_size * (2 if proposer is not None else 1) + checkpoints
+            # (+1: the CUDA graphs' padding rows run in a scratch slot)
+            slots = max_batch_size * (2 if proposer is not None else 1) + checkpoints + 1
             cache = (self.model.make_cache(max_tokens=cache_tokens, page_size=page_size, max_slots=slots) if is_hybrid(self.model)
                      else KVCache.for_model(self.model, max_tokens=cache_tokens, page_size=page_size))
         self.cache = cache
@@ -406,6 +407,8 @@ class Generator:
         self.cache.prefix_cache.verify([r.seq.pages for r in self.active] + ([[scratch]] if scratch is not None else []))
         holders = [s for r in self.active for s in (r.state_slot, r.snapshot_slot) if s is not None]
         holders += list(self.cache.prefix_cache.checkpoint_of.values())
+        if getattr(self.graph_runner, "_scratch_slot", None) is not None:
+            holders.append(self.graph_runner._scratch_slot)
         used = slots_in_use(self.cache)
         if len(set(holders)) != len(holders) or set(holders) != used:
             raise AssertionError(f"recurrent-state slot accounting broken: allocated {sorted(used)}, holders {holders}")
@@ -416,10 +419,10 @@ class Generator:
     # ---- admission --------------------------------------------------------------------------------
 
     def _graph_runner(self) -> Any:
-        """A GraphRunner replaying captured decode steps, on CUDA only. Models with recurrent layers run
-        eagerly (their state update is not known to be capturable); batches with images or draft tokens
-        (more than one token per sequence) run eagerly inside the runner anyway."""
-        if self.cache.device.type != "cuda" or self.state_layers:
+        """A GraphRunner replaying captured decode steps, on CUDA only (models with recurrent layers too: the
+        graph reads each row's state slot, padding rows run in a scratch slot); batches with images or draft
+        tokens (more than one token per sequence) run eagerly."""
+        if self.cache.device.type != "cuda":
             return None
         from ..graph import DEFAULT_BATCH_SIZES, GraphRunner
 
@@ -831,7 +834,8 @@ class Generator:
                 and all(r.mm is None for r, _, _ in plan) and max(len(p) for p in pages) <= runner.max_pages):
             size = runner.graph_size(len(plan))
             if size is not None:
-                staged = runner.stage(size, feeds, cached, pages, self._lora_slots(plan))
+                staged = runner.stage(size, feeds, cached, pages, self._lora_slots(plan),
+                                      [r.state_slot for r, _, _ in plan] if self.state_layers else None)
                 _feed_on_device(staged, feed_from)
                 return runner.replay(size, len(plan))
         batch = self.step_buffers.build(
