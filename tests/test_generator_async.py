@@ -132,3 +132,21 @@ def test_async_falls_back_for_drafts_and_abort_drains(lm):
     assert not gen.has_work()
     gen.verify_pages()
     assert gen.cache.prefix_cache.available() == gen.cache.allocator.num_pages
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_async_on_cuda_with_graphs(tiny_llama_smollm2_tokenizer_dir):
+    """On a GPU (captured decode steps, pinned read-backs in flight while the next step runs) async scheduling
+    gives the synchronous generator's events for every kind of job."""
+    import trellm
+
+    lm = trellm.load(tiny_llama_smollm2_tokenizer_dir, device="cuda", dtype=torch.float32)
+    prompts = _prompts(14, seed=1)
+    stop = list(lm.generate_ids(prompts[3], 8, stop_token_ids=[]))[5]
+    results = {}
+    for mode in (False, True):
+        gen = Generator(lm, cache_tokens=4096, page_size=16, max_batch_size=8, async_scheduling=mode)
+        results[mode] = _run(gen, _jobs(prompts, stop), cancel_at=6)
+        assert gen.graph_runner is not None and gen.graph_runner.graphs
+    assert results[True] == results[False]

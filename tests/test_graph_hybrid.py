@@ -77,3 +77,22 @@ def test_hybrid_decode_through_the_graph_runner(hybrid):
     gen.graph_runner.close()
     gen.clear_prefix_cache()
     gen.verify_pages()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "lfm2_moe"])
+def test_hybrid_graphs_capture_on_cuda(tmp_path, name):
+    """On a GPU the recurrent decode step really is captured (no eager fallback) and gives the eager tokens,
+    with async scheduling on and off."""
+    arch, cfg = FAMILIES[name]
+    lm = trellm.load(make_tiny_hf_model(arch, tmp_path, **cfg), device="cuda", dtype=torch.float32, tokenizer=False)
+    out = {}
+    for graphs, overlap in ((False, False), (True, False), (True, True)):
+        gen = Generator(lm, cache_tokens=1024, page_size=16, max_batch_size=4, cuda_graphs=graphs, async_scheduling=overlap)
+        gen.enqueue(_jobs(lm.config.vocab_size))
+        out[graphs, overlap] = sorted((r.identifier, r.token_ids) for r in gen.stream() if type(r).__name__ == "JobFinished")
+        gen.verify_pages()
+        if graphs:
+            assert gen.graph_runner.graphs and not gen.graph_runner._failed
+    assert out[True, False] == out[False, False] == out[True, True]
