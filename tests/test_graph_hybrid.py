@@ -49,8 +49,9 @@ def _jobs(vocab: int) -> list[Job]:
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (37, 5, 20)]
     sampled = SamplerSettings(temperature=0.8, top_k=20)
-    return [Job(prompts[0], 16, stop_token_ids=[]), Job(prompts[1], 16, stop_token_ids=[], sampler=sampled, seed=1),
-            Job(prompts[2], 10, stop_token_ids=[])]
+    return [Job(prompts[0], 16, identifier=0, stop_token_ids=[]),
+            Job(prompts[1], 16, identifier=1, stop_token_ids=[], sampler=sampled, seed=1),
+            Job(prompts[2], 10, identifier=2, stop_token_ids=[])]
 
 
 def test_hybrid_decode_through_the_graph_runner(hybrid):
@@ -77,6 +78,27 @@ def test_hybrid_decode_through_the_graph_runner(hybrid):
     gen.graph_runner.close()
     gen.clear_prefix_cache()
     gen.verify_pages()
+
+
+def test_hybrid_async_scheduling(hybrid):
+    """Async scheduling on a model with recurrent layers: the same tokens as the synchronous generator, also
+    for follow-up prompts that reuse the state checkpoints taken while decoding (no step is queued ahead of
+    one that fills a page), slots accounted for, and most decode steps queued ahead."""
+    def run(overlap: bool):
+        gen = Generator(hybrid, cache_tokens=1024, page_size=16, max_batch_size=4, max_chunk_tokens=32,
+                        async_scheduling=overlap)
+        jobs = _jobs(hybrid.config.vocab_size)
+        gen.enqueue(jobs)
+        first = {r.identifier: r.token_ids for r in gen.stream() if type(r).__name__ == "JobFinished"}
+        # the conversations go on: their prompts reuse pages (and state checkpoints) filled while decoding
+        gen.enqueue([Job(j.prompt_ids + first[i] + [7, 8, 9], 8, identifier=i, stop_token_ids=[]) for i, j in enumerate(jobs)])
+        second = {r.identifier: r.token_ids for r in gen.stream() if type(r).__name__ == "JobFinished"}
+        gen.verify_pages()
+        return (first, second), gen
+
+    (sync, _), (overlapped, gen) = run(False), run(True)
+    assert overlapped == sync
+    assert gen.stats["reused_tokens"] >= 3 * 16 and gen.stats["steps_ahead"] > 15
 
 
 @pytest.mark.cuda

@@ -89,8 +89,9 @@ leaving the device; the host then commits step n (stop checks, detokenising, str
 naming) while the device runs n+1, so the device no longer idles through the host's bookkeeping. A job
 that finishes at step n wastes its row of step n+1. A step whose next step needs the host's view
 (jobs waiting for a slot, cancellations, drafts, grammars, penalties or host-only samplers, banned
-strings, images, recurrent state, pages that are not free) is read back first, as without it; output
-is the same either way. ``iterate()`` returns step n's results while step n+1 runs.
+strings, images, a page completing on a model with recurrent layers, whose state checkpoint must not
+include the next token, pages that are not free) is read back first, as without it; output is the same
+either way. ``iterate()`` returns step n's results while step n+1 runs.
 
 Housekeeping: ``gen.stats`` (prefilled / reused / decoded tokens, steps, steps queued ahead, draft tokens proposed / accepted), ``gen.verify_pages()``
 (page refcounts vs holders), ``gen.clear_prefix_cache()``, ``gen.abort(error)`` (fail everything,

@@ -781,12 +781,15 @@ class Generator:
         bookkeeping between steps. A job that finishes at ``step`` wastes its row here (skipped when read).
         None (the next iterate() schedules on the host's view) when the next step needs what only the host
         knows: waiting or cancelled jobs, drafts, grammars, penalties or host-side sampling, banned strings,
-        images, recurrent state, or pages that are not free without preempting."""
+        images, a recurrent state checkpoint due, or pages that are not free without preempting."""
         live = [(i, entry) for i, entry in enumerate(step.plan) if not entry[0].job.finished]
-        if (step.ids is None or self.proposer is not None or self.state_layers or self.hidden_sink is not None
+        if (step.ids is None or self.proposer is not None or self.hidden_sink is not None
                 or self.preempted or (self.pending and len(self.active) < self.max_batch_size)
                 or len(live) != len(self.active)):
             return None
+        if self.state_layers and self.prefix_caching and any(
+                (r.seq.length + 1) % self.cache.page_size == 0 for _, (r, _, _) in live):
+            return None  # committing ``step`` fills a page, whose state checkpoint must not include the next token
         adapters = lora_set(self.model, create=False)
         plan: list[tuple[_Running, list[int], list[int]]] = []
         rows: list[int] = []
