@@ -94,6 +94,19 @@ def test_refusals_name_the_device_the_need_and_the_room(dirs):
         trellm.load(d, device="cpu", gpu_split=[1.0, 1.0], tensor_parallel=2)
 
 
+def test_vision_models_are_refused_before_loading(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                             image_size=32, patch_size=4)
+    text = transformers.Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                                       image_token_index=262, boi_token_index=260, eoi_token_index=261)
+    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path)
+    with pytest.raises(MemoryPlanError, match="Gemma3VisionLanguageModel is not one .*image input are not split yet"):
+        trellm.load(tmp_path, device="cpu", tokenizer=False, gpu_split=[1.0, 1.0])
+
+
 def test_cli_refuses_a_bad_split_in_one_line(dirs, capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["generate", "-m", str(dirs["llama"]), "--device", "cpu", "--gpu-split", "1,x", "hi"])
