@@ -256,8 +256,7 @@ class LoadedModel:
                 self._runner.close()
             floor = 8192 if self.device.type == "cuda" else 1024  # CPU: keep memory small, grow on demand
             self._cache = self.new_cache(max_tokens=max(floor, 2 * tokens) + 256)
-            capturable = (self.device.type == "cuda" and not is_hybrid(self.model)
-                          and getattr(self.model, "capturable", True))
+            capturable = self.device.type == "cuda" and getattr(self.model, "capturable", True)
             self._runner = GraphRunner(self.model, self._cache, batch_sizes=(1,)) if capturable else None
         return self._cache, self._runner
 

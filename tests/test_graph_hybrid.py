@@ -118,3 +118,7 @@ def test_hybrid_graphs_capture_on_cuda(tmp_path, name):
         if graphs:
             assert gen.graph_runner.graphs and not gen.graph_runner._failed
     assert out[True, False] == out[False, False] == out[True, True]
+    prompt = _jobs(lm.config.vocab_size)[0].prompt_ids
+    simple = list(lm.generate_ids(prompt, 12, stop_token_ids=[]))  # the session cache's batch-1 graph
+    assert lm._runner is not None and lm._runner.graphs and not lm._runner._failed
+    assert simple == list(lm.generate_ids(prompt, 12, stop_token_ids=[], cache=lm.new_cache(max_tokens=512, page_size=16)))
