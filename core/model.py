@@ -314,9 +314,9 @@ class LoadedModel:
     @property
     def takes_images(self) -> bool:
         """Whether the model has a vision tower (image markers in a prompt are filled with image embeddings)."""
-        from .multimodal import VisionLanguageModel
+        from .capabilities import supports_images
 
-        return isinstance(self.model, VisionLanguageModel)
+        return supports_images(self.model)  # a tensor-parallel model's too (rank 0 holds the tower)
 
     def num_parameters(self) -> int:
         return self.store.num_elements()

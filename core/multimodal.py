@@ -27,6 +27,7 @@ import attrs
 import numpy as np
 import torch
 
+from .capabilities import supports_images
 from .errors import ConfigError, TrellmError
 from .modules.base import LoadContext, Module
 
@@ -545,7 +546,7 @@ def _check_marker_count(found: int, wanted: int, what: str) -> None:
 def prepare_prompt(lm, prompt: str | Sequence[int], images: Sequence[ImageSource]) -> MultimodalPrompt:
     """A :class:`MultimodalPrompt` for a loaded model (``trellm.load``); ImageError when it takes no images."""
     model = lm.model
-    if not isinstance(model, VisionLanguageModel):
+    if not supports_images(model):  # a VisionLanguageModel, or a tensor-parallel one (rank 0 holds the tower)
         raise ImageError(f"{lm.model_dir}: {lm.spec.name} ({type(model).__name__}) takes no image input")
     return model.prepare(prompt, list(images), lm.tokenizer)
 

@@ -28,6 +28,7 @@ import torch
 from trellm import ops
 from trellm.batch import ForwardBatch
 from trellm.config import DecoderConfig, read_keys, text_config
+from trellm.distributed.sharding import layer_name, rank_range, shard_attention, split_columns, split_rows
 from trellm.errors import ConfigError
 from trellm.modules.base import LoadContext, Module
 from trellm.modules.decoder import CausalLM, DecoderLayer
@@ -140,6 +141,11 @@ class Gemma4Attention(Attention):
             attend_image_blocks(o, q, k, v, batch, layer, self.scale, self.sliding_window, 0.0, self.window_cuts_images)
         return o.reshape(x.shape[0], self.num_heads * self.head_dim)
 
+    def split_over_ranks(self, comm) -> None:
+        """Tensor parallel: by heads, as any :class:`Attention` (a K=V layer's key heads are its values too). The
+        KV-sharing layers reading this layer's keys split their queries alike, so each finds its KV heads here."""
+        shard_attention(self, comm)
+
 
 class SharedKVAttention(Module):
     """Attention of a KV-sharing layer: its own queries over the keys and values of layer ``source``
@@ -169,6 +175,15 @@ class SharedKVAttention(Module):
             attend_image_blocks(o, q, self.shared.k, self.shared.v, batch, layer, 1.0, self.sliding_window, 0.0,
                                 self.window_cuts_images)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+    def split_over_ranks(self, comm) -> None:
+        """Tensor parallel: this rank's query heads (q_proj columns, o_proj rows, all-reduced), the same contiguous
+        block :func:`~trellm.distributed.sharding.head_shard` gives the source layer, so they read the KV heads that
+        layer keeps on this rank (a replicated one included)."""
+        h0, h1 = rank_range(self.num_heads, comm, f"{layer_name(self)}: attention heads")
+        split_columns(self.q_proj, h0 * self.head_dim, h1 * self.head_dim)
+        split_rows(self.o_proj, h0 * self.head_dim, h1 * self.head_dim, comm)
+        self.num_heads = h1 - h0
 
 
 class Gemma4Router(Router):

@@ -148,10 +148,11 @@ async def chat_request_prompt(host: ModelHost, req: ChatCompletionRequest) -> tu
     check_chat_request(host.config, req.messages)
     if not has_image_parts(req.messages):
         return await asyncio.to_thread(chat_prompt, host, req), None
-    from trellm.multimodal import ImageError, VisionLanguageModel, prepare_prompt
+    from trellm.capabilities import supports_images
+    from trellm.multimodal import ImageError, prepare_prompt
 
     await asyncio.to_thread(check_image_pixels, host.config, req.messages)
-    if not isinstance(host.lm.model, VisionLanguageModel):
+    if not supports_images(host.lm.model):
         raise bad_request(f"model {host.model_name!r} takes no image input", param="messages", code="invalid_image")
     template_messages, images = await asyncio.to_thread(split_image_messages, req.messages)
     ids = await asyncio.to_thread(chat_prompt, host, req, template_messages)

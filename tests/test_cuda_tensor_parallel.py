@@ -1,7 +1,8 @@
 """Tensor parallel on the GPU (skipped without CUDA): one rank over its own NCCL group against the plain
 one-device load, and the memory plan against what the device really allocates.
 
-With several GPUs, the same parity at 2 ranks (``NCCL_NVLS_ENABLE=0`` and the other multicast switches set).
+With several GPUs, the same parity at 2 ranks (``NCCL_NVLS_ENABLE=0`` and the other multicast switches set), for
+Llama and for the CPU suite's hybrid, MLA, DSA and DeepSeek V4 checkpoints.
 """
 from __future__ import annotations
 
@@ -48,6 +49,22 @@ def test_one_rank_over_nccl_matches_the_plain_load(llama_dir):
 def test_two_ranks_over_nccl(llama_dir):
     one = trellm.load(llama_dir, device="cuda", dtype="float16", tokenizer=False)
     with trellm.load(llama_dir, device="cuda", dtype="float16", tokenizer=False, tensor_parallel=2) as split:
+        _compare(one, split)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "deepseek_v3", "glm_dsa", "deepseek_v4"])
+def test_two_ranks_over_nccl_hybrid_and_latent(tmp_path, name):
+    """The CPU suite's hybrid (gated delta net + gated attention, experts spread), MLA, DSA sparse MLA and DeepSeek V4
+    checkpoints on two GPUs, float32, against one GPU."""
+    from test_tensor_parallel import MODELS, WRITERS  # tests/ is on sys.path
+
+    if name in WRITERS:
+        model_dir = WRITERS[name](tmp_path)
+    else:
+        model_dir = make_tiny_hf_model(MODELS[name][0], tmp_path, **MODELS[name][1])
+    one = trellm.load(model_dir, device="cuda", dtype="float32", tokenizer=False)
+    with trellm.load(model_dir, device="cuda", dtype="float32", tokenizer=False, tensor_parallel=2) as split:
         _compare(one, split)
 
 

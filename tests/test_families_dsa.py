@@ -127,7 +127,7 @@ DEEPSEEK_V4 = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_s
                    mlp_layer_types=["hash_moe", "moe", "moe"])
 
 
-def _random_tid2eid(model_dir, experts: int) -> None:
+def random_tid2eid(model_dir, experts: int) -> None:
     from safetensors.torch import load_file, save_file
 
     path = model_dir / "model.safetensors"
@@ -144,7 +144,7 @@ def deepseek_v4_dir(tmp_path_factory):
     model_dir = make_tiny_hf_model("DeepseekV4ForCausalLM", tmp_path_factory.mktemp("dsv4"), **DEEPSEEK_V4)
     for suffix in ("gate.bias", ".ape"):
         randomize(model_dir, suffix)
-    _random_tid2eid(model_dir, 8)
+    random_tid2eid(model_dir, 8)
     return model_dir
 
 

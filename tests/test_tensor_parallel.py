@@ -5,6 +5,7 @@ most of the time these tests take.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,11 +18,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import trellm
+from trellm.batch import ForwardBatch
 from trellm.distributed import ShardingError, TensorParallelError
+from trellm.distributed.plan import plan_memory
 from trellm.distributed.sharding import head_shard, partition, shard_columns, shard_rows
 from trellm.generator import Generator, Job
+from trellm.generator.mtp import MTPProposer
 from trellm.quant.exl3.format import EXL3Linear
 from trellm.sdk.testing import make_tiny_hf_model
+
+from test_families_dsa import DEEPSEEK_V4, GLM_DSA, random_tid2eid  # tests/ is on sys.path
+from test_families_gemma4 import GEMMA4, LAGUNA
+from test_moe_families import randomize
+from test_mtp import add_mtp_tensors
+from test_vision_qwen import save_tiny_vl
 
 STEP_TIMEOUT = 30.0
 
@@ -81,6 +91,63 @@ MODELS = {  # name: (HF architecture, tiny config overrides)
 }
 
 
+def _tiny(arch: str, overrides: dict, *randomized: str):
+    """A writer of a tiny ``arch`` checkpoint whose tensors ending in ``randomized`` get random values (HF starts
+    them at constants: a router bias, a scalar, a position bias)."""
+
+    def write(path: Path) -> Path:
+        make_tiny_hf_model(arch, path, **overrides)
+        for suffix in randomized:
+            randomize(path, suffix)
+        return path
+
+    return write
+
+
+def _deepseek_v4(path: Path) -> Path:
+    _tiny("DeepseekV4ForCausalLM", DEEPSEEK_V4, "gate.bias", ".ape")(path)
+    random_tid2eid(path, 8)
+    return path
+
+
+def _step3p5(path: Path) -> Path:
+    """StepFun's Step3p5ForCausalLM checkpoint: the text tensors of a tiny Step 3.7 under StepFun's config."""
+    from test_families_step import _step_hf_model, _stepfun_config
+
+    _step_hf_model().save_pretrained(path / "hf")
+    text = {k: t for k, t in load_file(path / "hf" / "model.safetensors").items() if k.startswith(("model.", "lm_head"))}
+    save_file(text, path / "model.safetensors", metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(_stepfun_config()))
+    return path
+
+
+def _with_mtp(path: Path) -> Path:
+    """The hybrid MoE of MODELS with an MTP head (random mtp.* tensors)."""
+    arch, overrides = MODELS["qwen3_5_moe"]
+    make_tiny_hf_model(arch, path, **overrides)
+    add_mtp_tensors(path)
+    return path
+
+
+def _qwen3_vl_moe(path: Path) -> Path:
+    save_tiny_vl("qwen3_vl_moe", path)
+    return path
+
+
+# checkpoints the newer attention kinds, MTP drafting and images run on: name -> writer of its directory
+WRITERS = {
+    "glm_dsa": _tiny("GlmMoeDsaForCausalLM", GLM_DSA, "e_score_correction_bias"),  # DSA: MLA + indexer, shared layers
+    "deepseek_v4": _deepseek_v4,  # sliding / CSA / HCA, hyper-connections, hash-routed experts
+    "gemma4_kv_shared": _tiny("Gemma4ForCausalLM", GEMMA4["per_layer_inputs_kv_sharing"], "layer_scalar"),
+    # K=V global layers of 32-dim heads and their own KV head (no per-layer inputs: HF's default table is 262144 rows)
+    "gemma4_k_eq_v": _tiny("Gemma4ForCausalLM", dict(GEMMA4["moe_k_eq_v"], hidden_size_per_layer_input=0), "layer_scalar"),
+    "laguna": _tiny("LagunaForCausalLM", dict(LAGUNA, gating="per-head"), "e_score_correction_bias"),  # 4 / 8 / 2 heads
+    "step3p5": _step3p5,  # 4 heads on full layers, 8 on sliding ones, head-gated
+    "qwen3_5_moe_mtp": _with_mtp,
+    "qwen3_vl_moe": _qwen3_vl_moe,
+}
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     """Model directories by name, each written on first use."""
@@ -90,6 +157,9 @@ def model_dirs(tmp_path_factory):
         def __missing__(self, name: str) -> Path:
             if name.startswith("exl3_"):
                 self[name] = _exl3_from_dense(self[name.replace("exl3", "dense")], root / name)
+            elif name in WRITERS:
+                (root / name).mkdir()
+                self[name] = WRITERS[name](root / name)
             else:
                 arch, overrides = MODELS[name]
                 self[name] = make_tiny_hf_model(arch, root / name, **overrides)
@@ -156,6 +226,119 @@ def test_logits_and_greedy_tokens_match_one_rank(model_dirs, name, world, genera
         assert _greedy(split) == _one_rank(model_dirs, name, "greedy", _greedy)
 
 
+def _generator_greedy(lm, proposer=None) -> list[int]:
+    gen = Generator(lm, max_batch_size=2, max_chunk_tokens=16, cache_tokens=256, page_size=16,
+                    proposer=proposer, num_draft_tokens=3 if proposer else 0)
+    return gen.generate([PROMPTS[1, :9].tolist()], max_new_tokens=32, return_results=True, stop_token_ids=[])[0].token_ids
+
+
+def _local(lm):
+    """The module tree this process runs (rank 0's shard under tensor parallel)."""
+    return getattr(lm.model, "local", lm.model)
+
+
+def _heads(lm) -> list[int]:
+    """Each layer's query heads as this process holds them."""
+    return [getattr(layer.attn, "num_heads", None) or layer.attn.heads for layer in _local(lm).layers]
+
+
+def _assert_same_logits(want: torch.Tensor, got: torch.Tensor) -> None:
+    spread = (want.max() - want.min()).item()
+    assert spread > 1.0
+    assert (want - got).abs().max().item() <= 1e-4 * spread, (want - got).abs().max().item() / spread
+
+
+@pytest.mark.parametrize("name", ["glm_dsa", "deepseek_v4", "gemma4_kv_shared", "gemma4_k_eq_v", "laguna", "step3p5"])
+def test_newer_attention_kinds_split_by_heads(model_dirs, name):
+    """DSA sparse MLA (indexer and latent whole), DeepSeek V4's compressed attention (by output groups; the K = V
+    head, compressors and indexer whole; hyper-connections and hash-routed experts), Gemma 4's KV-sharing and
+    K=V layers with two head sizes, Laguna's and Step 3.5's per-layer head counts with their output gates: every
+    layer holds half its heads on each of 2 ranks; logits within 1e-4 of their range, 32 greedy tokens of
+    generate_ids and of the Generator as one process gives."""
+    split, whole = _model(model_dirs, name, 2), _model(model_dirs, name, 1)
+    assert [2 * h for h in _heads(split)] == _heads(whole)
+    _assert_same_logits(_one_rank(model_dirs, name, "logits", lambda lm: lm.logits(PROMPTS)), split.logits(PROMPTS))
+    assert _greedy(split) == _one_rank(model_dirs, name, "greedy", _greedy)
+    assert _generator_greedy(split) == _one_rank(model_dirs, name, "generator", _generator_greedy)
+
+
+def test_hash_routed_experts_spread_over_ranks(model_dirs):
+    """DeepSeek V4's hash layers (experts by token id) and score-routed ones alike: each rank holds 4 of 8 experts."""
+    layers = _local(_model(model_dirs, "deepseek_v4", 2)).layers
+    assert [type(layer.mlp).__name__ for layer in layers] == ["ExpertParallelMoE"] * 3
+    assert type(layers[0].mlp.moe).__name__ == "HashRoutedMoE"
+    assert [layer.mlp.moe.experts.num_experts for layer in layers] == [4 + 1] * 3  # and the zero expert of the others
+
+
+@pytest.mark.parametrize("name, world, refusal", [
+    ("laguna", 4, r"model\.layers\.2\.self_attn \(OutputGatedAttention\): 2 attention heads cannot be split evenly over 4 ranks"),
+    ("deepseek_v4", 4, r"model\.layers\.0\.attn \(CompressedAttention\): output groups \(o_groups\) \(2\) cannot be split evenly"),
+    ("gemma4_k_eq_v", 3, r"model\.layers\.0\.self_attn \(Gemma4Attention\): 4 attention heads cannot be split evenly over 3"),
+])
+def test_unsplittable_layers_are_refused_naming_the_kind(model_dirs, name, world, refusal):
+    """The memory plan cuts each rank's shard as a load does (no worker started): a head count the ranks do not
+    divide is refused, naming the layer and its kind."""
+    with pytest.raises(ShardingError, match=refusal):
+        plan_memory(model_dirs[name], world, "cpu", "float32")
+
+
+def test_mtp_drafting_under_tensor_parallel(model_dirs):
+    """MTP drafts on 2 ranks: the hidden states, the MTP head (split as the layers are: its attention by heads, its
+    experts spread) and its own cache run on every rank. The same drafts at every step as one process drafts, the
+    32 greedy tokens of one process without drafts, and every MTP page released."""
+    one, split = _model(model_dirs, "qwen3_5_moe_mtp", 1), _model(model_dirs, "qwen3_5_moe_mtp", 2)
+    assert _local(split).mtp.layer.attn.num_heads * 2 == _local(one).mtp.layer.attn.num_heads
+
+    def drafting(lm):
+        proposer = MTPProposer(lm, num_tokens=3, cache_tokens=256, page_size=16)
+        drafts, propose = [], proposer.propose
+        proposer.propose = lambda requests: drafts.append(propose(requests)) or drafts[-1]
+        return _generator_greedy(lm, proposer), drafts, proposer
+
+    batch = ForwardBatch.no_cache([PROMPTS[0, :7].tolist()])
+    with torch.inference_mode():  # the Generator's split forward: hidden states, then logits from them
+        want = one.model.logits_from_hidden(one.model.hidden_states(batch), batch)
+        hidden = split.model.hidden_states(batch)
+        _assert_same_logits(want, split.model.logits_from_hidden(hidden, batch))  # the ranks' own hidden states
+        _assert_same_logits(want, split.model.logits_from_hidden(hidden.clone(), batch))  # rows sent to them
+
+    tokens, drafts, proposer = drafting(split)
+    assert (tokens, drafts) == drafting(one)[:2]
+    assert tokens == _generator_greedy(one)
+    assert sum(len(d) for step in drafts for d in step) > 10
+    assert proposer.cache.allocator.free_pages == proposer.cache.num_pages
+
+
+def test_images_under_tensor_parallel(model_dirs):
+    """A Qwen3-VL MoE (M-RoPE, DeepStack) on 2 ranks: rank 0's tower embeds the images and the embeddings travel with
+    the step; the other rank holds no tower. Logits with an image within 1e-4 of one process's range, 32 greedy tokens
+    of generate_ids and of the Generator identical, two images batched."""
+    from PIL import Image
+    from test_generator_vision import run_jobs
+    from test_vision_qwen import PROMPT, random_image
+
+    one, split = _model(model_dirs, "qwen3_vl_moe", 1), _model(model_dirs, "qwen3_vl_moe", 2)
+    img = random_image(3)
+    _assert_same_logits(one.logits([PROMPT], images=[[img]]), split.logits([PROMPT], images=[[img]]))
+
+    def greedy(lm):
+        return list(lm.generate_ids(PROMPT, max_new_tokens=32, stop_token_ids=[], images=[img]))
+
+    assert greedy(split) == greedy(one)
+    images = [Image.new("RGB", (61, 37), (255, 0, 0)), Image.new("RGB", (37, 61), (0, 40, 255))]
+
+    def generator(lm):
+        gen = Generator(lm, max_batch_size=2, max_chunk_tokens=64, cache_tokens=512, page_size=16)
+        done, _ = run_jobs(gen, [Job(PROMPT, 32, stop_token_ids=[], images=[im]) for im in images])
+        return [r.token_ids for r in done]
+
+    assert generator(split) == generator(one)
+    plan = plan_memory(model_dirs["qwen3_vl_moe"], 2, "cpu", "float32").ranks
+    tower = _local(one).vision.nbytes()
+    assert tower > 0 and _local(split).vision.nbytes() == tower  # whole on rank 0
+    assert plan[0].weights - plan[1].weights > 0.99 * tower  # and not by rank 1 (it keeps a RoPE table, 8 bytes)
+
+
 def test_generator_batching_under_tensor_parallel(model_dirs):
     """Three jobs batched on two ranks give each job's tokens of one rank run alone."""
     one, split = _model(model_dirs, "llama", 1), _model(model_dirs, "llama", 2)
@@ -190,7 +373,6 @@ def test_hybrid_prefix_checkpoints_reach_every_rank(model_dirs):
 def test_quantized_cache_and_own_kv_heads_per_rank(model_dirs):
     """A quantized cache made for rank 0 is made on the other rank at its first step: greedy tokens match one
     process with the same cache; each rank holds its own KV head (2 over 2 ranks); a cache built by hand is refused."""
-    from trellm.batch import ForwardBatch
     from trellm.cache import KVCache
     from trellm.cache.quantized import quantized_cache
 

@@ -56,30 +56,37 @@ def tiny_config(transformers, family: str):
     return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens), transformers.Qwen3VLForConditionalGeneration
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe"])
-def qwen(request, tmp_path_factory):
-    """(HF model, HF image processor, trellm model) of a tiny random Qwen2.5-VL / Qwen3-VL / GLM 4.1V."""
+def save_tiny_vl(family: str, path):
+    """A tiny random Qwen2.5-VL / Qwen3-VL / GLM 4.1V checkpoint with its image processor written to ``path``:
+    (HF model, HF image processor)."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     # GLM 4.5V's tiny model at seed 0 greedily emits the image token in the two-image test, which HF's
     # forward then counts as a marker without features: another seed.
-    torch.manual_seed(1 if request.param == "glm4v_moe" else 0)
-    config, cls = tiny_config(transformers, request.param)
+    torch.manual_seed(1 if family == "glm4v_moe" else 0)
+    config, cls = tiny_config(transformers, family)
     hf = cls(config).eval()
     with torch.no_grad():  # norms start at one / zero: give them values
         for name, p in hf.named_parameters():
             if "norm" in name or "ln_q" in name:
                 p.normal_(1, 0.3)
-    path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
-    mean = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if request.param.startswith("qwen3_vl") else {}
+    mean = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if family.startswith("qwen3_vl") else {}
     proc_cls = Qwen2VLImageProcessorPil
-    if request.param.startswith("glm4v"):
+    if family.startswith("glm4v"):
         from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil as proc_cls
     proc = proc_cls(patch_size=4, merge_size=2, temporal_patch_size=2,
                     size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64}, **mean)
     proc.save_pretrained(path)
+    return hf, proc
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe"])
+def qwen(request, tmp_path_factory):
+    """(HF model, HF image processor, trellm model) of a tiny random Qwen2.5-VL / Qwen3-VL / GLM 4.1V."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf, proc = save_tiny_vl(request.param, path)
     with torch_threads(1):
         yield hf, proc, trellm.load(path, device="cpu", dtype="float32")
 

@@ -96,6 +96,10 @@ def make_local_cache(model: Any, made_with: dict) -> Any:
     from ..cache import KVCache
     from ..capabilities import is_hybrid
 
+    if "mtp" in made_with:  # an MTP proposer's own cache
+        from ..generator.mtp import mtp_cache
+
+        return mtp_cache(model, **made_with["mtp"])
     return model.make_cache(**made_with) if is_hybrid(model) else KVCache.for_model(model, **made_with)
 
 
@@ -190,6 +194,7 @@ class TensorParallelModel:
         self._cache_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._next_id = itertools.count()
         self._dropped: list[int] = []
+        self._hidden: torch.Tensor | None = None  # what hidden_states last returned
 
     def __getattr__(self, name: str) -> Any:
         if name in ("local", "comm", "workers"):
@@ -230,7 +235,8 @@ class TensorParallelModel:
             weakref.finalize(cache, self._dropped.append, cache_id)
         return cache_id
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def _pack(self, batch: ForwardBatch) -> dict:
+        """``batch`` for the other ranks (checked: token ids inside the vocabulary), with the cache's pending slot copies."""
         cache_id = None if batch.cache is None else self._cache_id(batch.cache)
         packed = pack_batch(batch, cache_id)
         if batch.cache is not None and batch.cache.state_copies:
@@ -239,7 +245,10 @@ class TensorParallelModel:
         vocab = getattr(self.local.config, "vocab_size", None)
         if ids.numel() and vocab and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             raise ValueError(f"token ids must lie in [0, {vocab}), got {int(ids.min())}..{int(ids.max())}")
-        self._send("forward", packed)
+        return packed
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self._send("forward", self._pack(batch))
         return self._guarded(self.local.forward, batch)
 
     def time_all_reduce(self, rows: int, reps: int = 20) -> float:
@@ -249,9 +258,25 @@ class TensorParallelModel:
         return self._guarded(time_all_reduce, self.comm, self.local, rows, reps)
 
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
-        raise TensorParallelError("hidden-state readers (MTP drafting) do not run under tensor parallel yet")
+        """The forward pass up to the last layer's hidden state (whole on every rank; each keeps its own)."""
+        self._send("hidden", self._pack(batch))
+        self._hidden = self._guarded(self.local.hidden_states, batch)
+        return self._hidden
 
-    logits_from_hidden = hidden_states
+    def logits_from_hidden(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The rest of the forward pass from ``x``: the other ranks use the hidden state they hold when ``x`` is the
+        one :meth:`hidden_states` returned (rows are not sent again), else ``x`` as sent."""
+        sent = None if x is self._hidden else _to_cpu(x)
+        self._hidden = None  # used once: the ranks drop theirs now
+        self._send("logits_from_hidden", {"hidden": sent, "logits_indices": _to_cpu(batch.logits_indices)})
+        return self._guarded(self.local.logits_from_hidden, x, batch)
+
+    def mtp_rows(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`~trellm.generator.mtp.mtp_rows` on every rank (its MTP head is split as the layers are)."""
+        from ..generator.mtp import mtp_rows
+
+        self._send("mtp", {"batch": self._pack(batch), "hidden": _to_cpu(hidden)})
+        return self._guarded(mtp_rows, self.local, batch, hidden)
 
     def close(self) -> None:
         """End the other ranks (waits for them; kills one that does not exit)."""
@@ -367,20 +392,10 @@ def _join_torchrun(spec: RankSpec, progress: bool, tokenizer: bool):
 def load_rank(spec: RankSpec, comm: Comm, progress: bool, tokenizer: bool):
     """This rank's LoadedModel: each top-level module loaded whole, then cut to this rank's shard."""
     from ..model import load_local
-    from .sharding import ShardingError, replace_child, shard_module
-
-    def shard_child(model, child, ctx):
-        from ..capabilities import supports_images
-
-        if supports_images(model):
-            raise ShardingError(f"{spec.model_dir}: models with image input do not run under tensor parallel yet")
-        new = shard_module(child, comm, lm_head=getattr(model, "lm_head", None))
-        if new is not child:
-            replace_child(model, child, new)
-        ctx.loaded.clear()  # the whole tensors go; only the shards stay
+    from .sharding import shard_loaded_child
 
     dtype = getattr(torch, spec.dtype)
-    return load_local(spec.model_dir, comm.device, dtype, progress, tokenizer, on_child_loaded=shard_child)
+    return load_local(spec.model_dir, comm.device, dtype, progress, tokenizer, on_child_loaded=shard_loaded_child(comm))
 
 
 def _seconds(s: float):
@@ -421,16 +436,32 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 
 def serve(model: Any, comm: Comm) -> None:
     """Run rank 0's steps until it sends "close" (raises when the group breaks)."""
+    from ..generator.mtp import mtp_rows
+
     caches: dict[int, Any] = {}
+    hidden = hidden_batch = None  # the last "hidden" step's, for the "logits_from_hidden" step after it
+
+    def batch_of(packed: dict) -> ForwardBatch:
+        batch = unpack_batch(packed, caches, comm.device)
+        copy_state_slots(batch.cache, packed.get("state_copies", ()))
+        return batch
+
     with torch.inference_mode():
         while True:
             step = comm.receive()
             for cache_id in step.dropped:
                 caches.pop(cache_id, None)
             if step.kind == "forward":
-                batch = unpack_batch(step.payload, caches, comm.device)
-                copy_state_slots(batch.cache, step.payload.get("state_copies", ()))
-                model.forward(batch)
+                model.forward(batch_of(step.payload))
+            elif step.kind == "hidden":
+                hidden_batch = batch_of(step.payload)
+                hidden = model.hidden_states(hidden_batch)
+            elif step.kind == "logits_from_hidden":
+                x, hidden = hidden if step.payload["hidden"] is None else step.payload["hidden"].to(comm.device), None
+                indices = step.payload["logits_indices"]
+                model.logits_from_hidden(x, attrs.evolve(hidden_batch, logits_indices=None if indices is None else indices.to(comm.device)))
+            elif step.kind == "mtp":
+                mtp_rows(model, batch_of(step.payload["batch"]), step.payload["hidden"].to(comm.device))
             elif step.kind == "cache":
                 cache_id, made_with = step.payload
                 caches[cache_id] = make_local_cache(model, made_with)

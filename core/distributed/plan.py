@@ -168,16 +168,10 @@ def _rank_memory(model_dir: Path, comm: PlanComm | None, dtype: torch.dtype, chu
     """(model, weight bytes, KV bytes per token, state bytes per slot, a cache with one state slot) of one rank,
     loaded onto ``meta``."""
     from ..model import load_local
-    from .sharding import replace_child, shard_module
-
-    def shard_child(model, child, ctx):  # as launch.load_rank does
-        new = shard_module(child, comm, lm_head=getattr(model, "lm_head", None))
-        if new is not child:
-            replace_child(model, child, new)
-        ctx.loaded.clear()
+    from .sharding import shard_loaded_child
 
     split = comm is not None and comm.world > 1
-    loaded = load_local(model_dir, torch.device("meta"), dtype, False, False, on_child_loaded=shard_child if split else None,
+    loaded = load_local(model_dir, torch.device("meta"), dtype, False, False, on_child_loaded=shard_loaded_child(comm) if split else None,
                         store=MetaWeightStore(model_dir))
     model = loaded.model
     weights = model.nbytes()

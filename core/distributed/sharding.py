@@ -9,29 +9,34 @@ projection's weights for this rank's shard and shrinks the attention's head coun
 
 Split rules: attention by heads (each rank a contiguous block of query heads and the KV heads they
 read; with fewer KV heads than ranks each KV head is replicated on the ranks whose query heads read
-it); MLPs by intermediate columns; embedding and LM head by vocabulary rows; recurrent mixers by heads
+it); what every head reads stays whole (MLA's latent and a DSA indexer, DeepSeek V4's K = V head, compressors
+and indexer: :func:`shard_latent_attention`, :func:`shard_compressed_attention` say why); MLPs by intermediate
+columns; embedding and LM head by vocabulary rows; recurrent mixers by heads
 (gated delta net: key-head groups with their value heads; Mamba-2: head groups with their B/C; a short
 conv: channels), their conv channels and per-rank recurrent state going with the heads (the cache a
 rank builds from its shrunk mixers holds only its heads' state). A module of a plugin splits itself
 (:class:`~trellm.capabilities.SplitsOverRanks`, with :func:`split_columns` / :func:`split_rows`). EXL3 weights split only
 on 128-row / 128-column boundaries (a 128-block of the Hadamard transform must stay whole); dense
 weights split anywhere. Any module this file does not know runs whole on every rank (replicated):
-that is always correct, because only the inside of an attention or MLP block is ever sharded.
+that is always correct, because only the inside of an attention or MLP block is ever sharded. A vision
+tower runs on rank 0 alone (:func:`shard_loaded_child`).
 """
 from __future__ import annotations
 
 import copy
 from functools import singledispatch
+from typing import Any, Callable
 
 import attrs
 import torch
 
-from ..capabilities import SplitsOverRanks, implements
+from ..capabilities import SplitsOverRanks, implements, supports_images
 from ..modules.base import Module
-from ..modules.layers import MLP, Attention, Embedding, GatedMLP, HeadLayerNorm
+from ..modules.compressed import CompressedAttention
+from ..modules.layers import MLP, Attention, Embedding, GatedMLP, HeadLayerNorm, OutputGatedAttention
 from ..modules.linear import DenseLinear, Linear
-from ..modules.latent import LatentAttention
-from ..modules.moe import MoE, dispatch_experts
+from ..modules.latent import LatentAttention, SparseLatentAttention
+from ..modules.moe import ExpertMLP, MoE, dispatch_experts
 from ..modules.recurrent import GatedAttention, GatedDeltaNet, Mamba2Mixer, ShortConv
 from ..quant.exl3.format import EXL3Linear
 from .comm import Comm
@@ -281,37 +286,53 @@ def rank_range(size: int, comm: Comm, what: str) -> tuple[int, int]:
     return comm.rank * per, (comm.rank + 1) * per
 
 
-def shard_attention(attn: Attention, comm: Comm) -> None:
-    """This rank's heads of ``attn``: q/k/v columns, o_proj rows (all-reduced), per-head norm weights."""
+def layer_name(module: Module) -> str:
+    """``key (Class)``: where a refusal names the layer and its kind."""
+    return f"{module.key} ({type(module).__name__})"
+
+
+def shard_attention(attn: Attention, comm: Comm) -> HeadShard:
+    """This rank's heads of ``attn``: q/k/v columns (a K=V layer has no v_proj), o_proj rows (all-reduced), per-head
+    norm weights; returns them."""
     if attn.qk_norm == "full" and attn.q_norm is not None:
-        raise ShardingError(f"{attn.key}: a QK-norm over the whole projection (Olmo 2/3) needs every head; not split yet")
-    s = head_shard(attn.num_heads, attn.num_kv_heads, comm.rank, comm.world, attn.key)
+        raise ShardingError(f"{layer_name(attn)}: a QK-norm over the whole projection (Olmo 2/3) needs every head; not split yet")
+    s = head_shard(attn.num_heads, attn.num_kv_heads, comm.rank, comm.world, layer_name(attn))
     d = attn.head_dim
     qd = attn.q_proj.out_features // attn.num_heads  # 2 d where q_proj also yields a gate per head (GatedAttention)
-    align = max(shard_align(lin.impl) for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+    projections = [lin for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj) if lin is not None]  # K=V: no v_proj
+    align = max(shard_align(lin.impl) for lin in projections)
     if getattr(attn, "sinks", None) is not None:  # one learned logit per query head (gpt-oss)
         attn.sinks = attn.sinks[s.q0: s.q1].clone()
     for lo, hi in ((s.q0 * qd, s.q1 * qd), (s.kv0 * d, s.kv1 * d)):
         if lo % align or hi % align:
             raise ShardingError(
-                f"{attn.key}: heads of {d} dims give a rank columns [{lo}, {hi}), not on the {align}-column blocks its "
+                f"{layer_name(attn)}: heads of {d} dims give a rank columns [{lo}, {hi}), not on the {align}-column blocks its "
                 f"weights split on; use fewer ranks"
             )
     split_columns(attn.q_proj, s.q0 * qd, s.q1 * qd)
     split_columns(attn.k_proj, s.kv0 * d, s.kv1 * d)
-    split_columns(attn.v_proj, s.kv0 * d, s.kv1 * d)
+    if attn.v_proj is not None:
+        split_columns(attn.v_proj, s.kv0 * d, s.kv1 * d)
     split_rows(attn.o_proj, s.q0 * d, s.q1 * d, comm)
     if isinstance(attn.q_norm, HeadLayerNorm):  # one weight row per head
         attn.q_norm.weight = attn.q_norm.weight[s.q0: s.q1].clone()
         attn.k_norm.weight = attn.k_norm.weight[s.kv0: s.kv1].clone()
         attn.q_norm.num_heads, attn.k_norm.num_heads = s.q1 - s.q0, s.kv1 - s.kv0
     attn.num_heads, attn.num_kv_heads = s.q1 - s.q0, s.kv1 - s.kv0
+    return s
 
 
-def shard_mlp(mlp: GatedMLP | MLP, comm: Comm, reduce: bool = True) -> None:
+def shard_output_gated_attention(attn: OutputGatedAttention, comm: Comm) -> None:
+    """:func:`shard_attention`, and the gate projection's columns of this rank's heads (one per head, or per channel)."""
+    s = shard_attention(attn, comm)
+    per_head = attn.gate.width(1, attn.head_dim)
+    split_columns(attn.gate_proj, s.q0 * per_head, s.q1 * per_head)
+
+
+def shard_mlp(mlp: GatedMLP | MLP | ExpertMLP, comm: Comm, reduce: bool = True) -> None:
     """This rank's intermediate columns: gate/up columns, down rows (all-reduced; ``reduce=False``: the
     partial sum, for a caller that all-reduces it with more)."""
-    column_parts = [mlp.gate_proj, mlp.up_proj] if isinstance(mlp, GatedMLP) else [mlp.up_proj]
+    column_parts = [mlp.up_proj] if isinstance(mlp, MLP) else [mlp.gate_proj, mlp.up_proj]
     align = max(shard_align(lin.impl) for lin in (*column_parts, mlp.down_proj))
     size = mlp.down_proj.in_features
     start, stop = partition(size, comm.world, align, f"{mlp.key}: intermediate size")[comm.rank]
@@ -389,14 +410,35 @@ def shard_latent_attention(attn: LatentAttention, comm: Comm) -> None:
     """MLA by heads: q_b (or q) columns, the heads' absorbed w_uk/w_uv (and the kv_b_proj columns they came from),
     o_proj rows (all-reduced). The compressed latent (kv_a and its norm) stays whole and every rank caches it whole:
     each head attends over all of it, it is one small vector per token however many heads there are, and a split
-    of its dims would need a reduction inside attention (scores sum over the latent) every layer."""
-    h0, h1 = rank_range(attn.num_heads, comm, f"{attn.key}: attention heads")
+    of its dims would need a reduction inside attention (scores sum over the latent) every layer. A DSA layer's
+    indexer (:class:`SparseLatentAttention`) stays whole too: its heads' scores are summed before the top-k, so split
+    heads would need an all-reduce of [tokens, context] scores every layer, while whole it is small and selects the
+    same tokens on every rank (its keys are cached beside the latent, whole)."""
+    h0, h1 = rank_range(attn.num_heads, comm, f"{layer_name(attn)}: attention heads")
     split_columns(attn.q_b_proj if attn.q_lora_rank else attn.q_proj, h0 * attn.head_dim, h1 * attn.head_dim)
     per_head = attn.nope_dim + attn.v_dim
     split_columns(attn.kv_b_proj, h0 * per_head, h1 * per_head)
     attn.w_uk, attn.w_uv = attn.w_uk[h0:h1].clone(), attn.w_uv[h0:h1].clone()
     split_rows(attn.o_proj, h0 * attn.v_dim, h1 * attn.v_dim, comm)
     attn.num_heads = attn.num_kv_heads = h1 - h0
+
+
+def shard_compressed_attention(attn: CompressedAttention, comm: Comm) -> None:
+    """DeepSeek V4 attention by whole output groups and their heads: wq_b columns, the heads' sinks, the groups' rows
+    of wo_a, wo_b rows (all-reduced). The rest stays whole on every rank, as MLA's latent does: the query latent
+    (wq_a, q_norm) that every head reads, the one shared K = V head and its cache, the compressors (they fold that
+    head's windows) and the CSA indexer (its heads' scores are summed before its top-k, so split heads would need
+    an all-reduce of [tokens, entries] scores every layer; it is small and picks the same entries on every rank)."""
+    g0, g1 = rank_range(attn.o_groups, comm, f"{layer_name(attn)}: output groups (o_groups)")
+    per, d = attn.heads // attn.o_groups, attn.head_dim
+    h0, h1 = g0 * per, g1 * per
+    split_columns(attn.wq_b, h0 * d, h1 * d)
+    attn.sinks = attn.sinks[h0:h1].clone()
+    rank = attn.wo_a.out_features // attn.o_groups
+    split_columns(attn.wo_a, g0 * rank, g1 * rank)
+    attn.wo_a_groups = attn.wo_a_groups[g0:g1].clone()
+    split_rows(attn.wo_b, g0 * rank, g1 * rank, comm)
+    attn.heads, attn.o_groups = h1 - h0, g1 - g0
 
 
 def shard_head(head: Linear, comm: Comm) -> None:
@@ -450,27 +492,28 @@ def _stacked_slice(experts: Module, start: int, stop: int) -> Module:
 
 class ExpertParallelMoE(Module):
     """A MoE block whose routed experts are spread over the ranks (each holds a contiguous range) and whose
-    shared experts are split by columns: every rank routes all tokens, runs its own experts' pairs and its
-    part of the shared MLP, and one all-reduce sums the parts."""
+    shared experts are split by columns: every rank routes all tokens (the block's own ``route``: by score, or by
+    token id for DeepSeek V4's hash layers), runs its own experts' pairs and its part of the shared MLP, and one
+    all-reduce sums the parts. ``moe`` keeps only this rank's experts."""
 
     def __init__(self, moe: MoE, comm: Comm):
-        self.key, self.comm = moe.key, comm
-        self.router, self.shared, self.shared_gate = moe.router, moe.shared, moe.shared_gate
+        self.key, self.comm, self.moe = moe.key, comm, moe
         start, stop = partition(moe.experts.num_experts, comm.world, 1, f"{moe.key}: experts")[comm.rank]
         self.start, self.stop = start, stop
-        self.experts = LocalExperts(moe.experts, start, stop)
-        if self.shared is not None:
-            shard_mlp(self.shared, comm, reduce=False)
+        moe.experts = LocalExperts(moe.experts, start, stop)
+        if moe.shared is not None:
+            shard_mlp(moe.shared, comm, reduce=False)
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
-        weights, ids = self.router.forward(x)
+        moe = self.moe
+        weights, ids = moe.route(x, batch)
         elsewhere = self.stop - self.start  # LocalExperts' zero expert
         local_ids = torch.where((ids >= self.start) & (ids < self.stop), ids - self.start, elsewhere)
-        out = dispatch_experts(self.experts, x, weights, local_ids)
-        if self.shared is not None:
-            shared = self.shared.forward(x)  # this rank's partial sum
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(x)) * shared
+        out = dispatch_experts(moe.experts, x, weights, local_ids)
+        if moe.shared is not None:
+            shared = moe.shared.forward(x)  # this rank's partial sum
+            if moe.shared_gate is not None:
+                shared = torch.sigmoid(moe.shared_gate(x)) * shared
             out = out + shared
         return self.comm.all_reduce(out)
 
@@ -488,7 +531,7 @@ def shard_module(module: Module, comm: Comm, lm_head: Linear | None = None) -> M
     kind = type(module)
     if kind is Embedding:
         return shard_embedding(module, comm)
-    if kind is MoE:
+    if isinstance(module, MoE) and kind.forward is MoE.forward:  # a subclass that only routes otherwise
         return ExpertParallelMoE(module, comm)
     if implements(module, SplitsOverRanks):  # a plugin's module: it knows its own split
         module.split_over_ranks(comm)
@@ -496,16 +539,47 @@ def shard_module(module: Module, comm: Comm, lm_head: Linear | None = None) -> M
         SHARD_BY_KIND[kind](module, comm)
     else:
         for child in list(module.children()):
-            new = shard_module(child, comm)
+            new = shard_module(child, comm, lm_head)
             if new is not child:
                 replace_child(module, child, new)
     return module
 
 
+# exact classes: a subclass may add per-head state these do not know, so it runs whole until it is listed here
+# (or splits itself, SplitsOverRanks)
 SHARD_BY_KIND = {
-    Attention: shard_attention, GatedAttention: shard_attention, GatedMLP: shard_mlp, MLP: shard_mlp,
-    LatentAttention: shard_latent_attention, GatedDeltaNet: shard_gated_delta_net, Mamba2Mixer: shard_mamba2, ShortConv: shard_short_conv,
+    Attention: shard_attention, GatedAttention: shard_attention, OutputGatedAttention: shard_output_gated_attention,
+    GatedMLP: shard_mlp, MLP: shard_mlp, LatentAttention: shard_latent_attention, SparseLatentAttention: shard_latent_attention,
+    CompressedAttention: shard_compressed_attention, GatedDeltaNet: shard_gated_delta_net, Mamba2Mixer: shard_mamba2,
+    ShortConv: shard_short_conv,
 }
+
+
+def vision_tower_part(model: Module, child: Module) -> bool:
+    """Whether ``child`` (a top-level module of ``model``) is its vision tower."""
+    tower = getattr(model, "vision", None) if supports_images(model) else None
+    return tower is not None and getattr(child, "inner", child) is tower
+
+
+def shard_loaded_child(comm: Comm) -> Callable[[Module, Module, Any], None]:
+    """``load_local``'s ``on_child_loaded`` for one rank: each top-level module, once loaded, cut to the rank's shard
+    (the whole tensors then go). A vision tower runs whole on rank 0 alone: rank 0 prepares every prompt, so its
+    tower embeds the images there and the embeddings reach the other ranks in the step's batch (``input_embeds``,
+    a few rows of hidden size per image, already part of the message), with no step of their own; the other ranks
+    drop it. Split over the ranks, a tower of a few hundred million parameters would pay two all-reduces per
+    block for little memory, and replicated it would need the pixels sent to every rank."""
+
+    def shard_child(model: Module, child: Module, ctx: Any) -> None:
+        if vision_tower_part(model, child):
+            if comm.rank > 0:
+                child.unload()
+        else:
+            new = shard_module(child, comm, lm_head=getattr(model, "lm_head", None))
+            if new is not child:
+                replace_child(model, child, new)
+        ctx.loaded.clear()
+
+    return shard_child
 
 
 def replace_child(parent: Module, old: Module, new: Module) -> None:

@@ -38,7 +38,7 @@ from ..batch import StepBuffers
 from ..cache import CacheFullError, KVCache, SequenceState
 from ..cache.prefix import ROOT_HASH, page_hashes
 from ..cache.recurrent import alloc_state_slot, copy_state_slot, free_state_slot, slots_in_use
-from ..capabilities import HasDefaultStopIds, config_stop_ids, implements, is_hybrid, wants_hidden_states
+from ..capabilities import HasDefaultStopIds, config_stop_ids, implements, is_hybrid, supports_images, wants_hidden_states
 from ..errors import TrellmError
 from ..grammar import GrammarEngine
 from ..model import prompt_too_long
@@ -439,14 +439,14 @@ class Generator:
 
     def _prepare_images(self, job: Job) -> Any:
         """The job's MultimodalPrompt: its images decoded, checked and encoded, its markers expanded."""
-        from ..multimodal import ImageError, MultimodalPrompt, VisionLanguageModel, prepare_prompt
+        from ..multimodal import ImageError, MultimodalPrompt, prepare_prompt
 
         if isinstance(job.images, MultimodalPrompt):
             return job.images
         prompt = job.prompt_text if job.prompt_text is not None else job.prompt_ids
         if self._loaded is not None:
             return prepare_prompt(self._loaded, prompt, job.images)
-        if not isinstance(self.model, VisionLanguageModel):
+        if not supports_images(self.model):
             raise ImageError(f"job {job.identifier!r}: {type(self.model).__name__} takes no image input")
         return self.model.prepare(prompt, job.images, self.tokenizer)
 

@@ -26,6 +26,7 @@ Norms are Qwen's ``1 + w`` RMSNorms. Only ``mtp.layers.0`` is used (every releas
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from functools import partial
 from typing import Any
 
 import attrs
@@ -124,6 +125,28 @@ def mtp_head_of(model: Any) -> MTPHead | None:
     return head if isinstance(head, MTPHead) and head.present else None
 
 
+def mtp_cache(model: Any, cache_tokens: int, page_size: int) -> KVCache:
+    """The MTP head's own one-layer paged cache, with its attention's KV heads (a tensor-parallel rank's own);
+    ``made_with`` tells the other ranks how to make their part of it."""
+    weight = model.embed.weight
+    split = getattr(model, "layer_split", None)
+    device = weight.device if split is None else split.tail.device  # the head sits with the last layer
+    heads, dim, vdim = mtp_head_of(model).layer.attn.kv_shape()
+    num_pages = max(1, -(-cache_tokens // page_size))
+    cache = KVCache([KVCacheLayer(num_pages, page_size, heads, dim, vdim, weight.dtype, device)], page_size, device)
+    cache.made_with = {"mtp": dict(cache_tokens=cache_tokens, page_size=page_size)}
+    return cache
+
+
+def mtp_rows(model: Any, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of ``model``'s MTP head: the batch's next tokens paired with ``hidden`` rows -> each sequence's last
+    output row and its float32 logits (the target's embedding and LM head)."""
+    dtype = model.embed.weight.dtype
+    y = mtp_head_of(model).forward(model.embed.forward(batch.input_ids), hidden.to(dtype), batch)
+    y_last = y[(batch.cu_seqlens[1:] - 1).long()]
+    return y_last, model.lm_head.forward(y_last).float()
+
+
 class MTPError(TrellmError, ValueError):
     """The model has no (loaded) MTP head."""
 
@@ -186,12 +209,9 @@ class MTPProposer:
                            "that ships them")
         self.head = head
         self.num_tokens = num_tokens
-        weight = self.target.embed.weight
-        split = getattr(self.target, "layer_split", None)
-        device = weight.device if split is None else split.tail.device  # the head sits with the last layer
-        heads, dim, vdim = head.layer.attn.kv_shape()
-        num_pages = max(1, -(-cache_tokens // page_size))
-        self.cache = KVCache([KVCacheLayer(num_pages, page_size, heads, dim, vdim, weight.dtype, device)], page_size, device)
+        self.cache = mtp_cache(self.target, cache_tokens, page_size)
+        # a tensor-parallel model runs the head on every rank (its own mtp_rows); one process runs it here
+        self._mtp_rows = getattr(self.target, "mtp_rows", None) or partial(mtp_rows, self.target)
         self._jobs: dict[Hashable, _JobState] = {}
         self.stats = {"mtp_forwards": 0, "mtp_tokens": 0}
 
@@ -283,12 +303,10 @@ class MTPProposer:
         lens = torch.tensor([len(f) for f in feeds], device=batch.positions.device)
         batch.positions = batch.positions + torch.repeat_interleave(bases, lens)  # absolute positions for RoPE
         batch.max_seq_len = max(s.base + s.seq.length + len(f) for s, f in zip(states, feeds))
-        y = self.head.forward(self.target.embed.forward(batch.input_ids), hidden.to(self.target.embed.weight.dtype), batch)
+        y_last, logits = self._mtp_rows(batch, hidden)
         for s, f in zip(states, feeds):
             s.seq.length += len(f)
-        last = (batch.cu_seqlens[1:] - 1).long()
-        y_last = y[last]
-        tokens = self.target.lm_head.forward(y_last).float().argmax(dim=-1).tolist()
+        tokens = logits.argmax(dim=-1).tolist()
         self.stats["mtp_forwards"] += 1
         self.stats["mtp_tokens"] += batch.num_tokens
         return y_last, tokens

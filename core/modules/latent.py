@@ -151,6 +151,10 @@ class SparseLatentAttention(LatentAttention):
         super().__init__(key, layer_idx, cfg, rope, interleaved)
         self.selection: torch.Tensor | None = None  # this forward pass's [T, topk], for the layers that reuse it
 
+    def children(self):
+        """Not ``source``: it is another layer's, loaded (and counted, and split) there."""
+        return (c for c in super().children() if c is not self.source)
+
     def x_projections(self) -> list[Linear]:
         extra = [self.indexer.wk, self.indexer.weights_proj] if self.indexer is not None else []
         return super().x_projections() + extra

@@ -63,6 +63,7 @@ from trellm.sdk import (
     ops,
     read_keys,
     read_vision_config,
+    shard_mlp,
     text_config,
     vision_tower_spec,
 )
@@ -162,6 +163,10 @@ class ClampedGatedMLP(GatedMLP):
         gate, up = ops.project(x, self.gate_up.weights())
         post = ops.Residual(residual.value()) if residual is not None else None
         return ops.project(self.act(gate, up), self.down_proj.impl, post=post)
+
+    def split_over_ranks(self, comm) -> None:
+        """Tensor parallel: by intermediate columns, as any :class:`GatedMLP` (the clamp is per element)."""
+        shard_mlp(self, comm)
 
 
 HEAD_GATE = OutputGate("sigmoid", per_head=True)  # one gate value per head, from g_proj
