@@ -104,23 +104,37 @@ def test_glm5_next_indexer_attends_to_a_strict_subset(tmp_path):
     from trellm.sdk import ForwardBatch
 
     lm = trellm.load(glm5_next_checkpoint(tmp_path), device="cpu", dtype=torch.float32, tokenizer=False)
-    seen = {}
     attn1, attn2 = lm.model.layers[1].attn, lm.model.layers[2].attn
     with torch_threads(1), torch.inference_mode():
-        original = attn2.forward
-
-        def record(x, batch):
-            seen["full"] = [m.clone() for m in attn2.selection.masks]
-            return original(x, batch)
-
-        attn2.forward = record
         lm.model.forward(ForwardBatch.no_cache([list(range(1, 24))]))
-    mask = seen["full"][0]
+    assert attn1.indexer is not None and attn2.indexer is None and attn2.selection is attn1.selection
+    chosen = attn1.selection  # [23, 2 pools of 4 + a tail of at most 3] token indices, -1: none
+    assert chosen.shape == (23, 11)
+    mask = torch.zeros(23, 24, dtype=torch.bool).scatter_(1, torch.where(chosen >= 0, chosen, 23), True)[:, :23]
     causal = torch.ones(23, 23, dtype=torch.bool).tril()
     assert not (mask & ~causal).any()
-    assert (mask.sum(-1) <= 8 + 3).all()  # 2 pools of 4 and a tail of at most 3
     assert (mask.sum(-1)[11:] < causal.sum(-1)[11:]).all()  # every query past 11 tokens skips some
-    assert attn1.indexer is not None and attn2.indexer is None
+    incomplete = (torch.arange(23) + 1) % 4 != 0
+    assert mask.diagonal()[incomplete].all()  # a query's own incomplete pool is its tail
+
+
+def test_pooled_selection_without_tail_reads_zeros_before_the_first_whole_pool():
+    """index_kpool_always_select_tail false: a query that has seen no whole pool keeps no token and reads zeros
+    (not NaN); later ones read their pools' tokens only."""
+    from trellm.modules.latent import pool_tokens
+    from trellm.ops.sparse import sparse_paged_attention, varlen_as_pages
+
+    positions = torch.arange(6)
+    chosen = torch.tensor([[-1], [-1], [-1], [0], [0], [0]])  # pool 0 (tokens 0-3) is whole from position 3
+    tokens = pool_tokens(chosen, 4, None)
+    assert tokens.shape == (6, 7) and (tokens[:3] < 0).all() and tokens[3].tolist() == [0, 1, 2, 3, -1, -1, -1]
+    assert pool_tokens(chosen, 4, positions)[5, 4:].tolist() == [4, 5, -1]  # the tail: 4 and the query itself
+    g = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(6, 2, 8, generator=g), torch.randn(6, 1, 8, generator=g)
+    cu = torch.tensor([0, 6])
+    pages, table, lens = varlen_as_pages(kv, cu)
+    out = sparse_paged_attention(q, pages, pages, table, cu, lens, tokens, 0.5)
+    assert torch.isfinite(out).all() and (out[:3] == 0).all() and (out[3:].abs() > 0).any()
 
 
 def test_glm5_next_config_errors(tmp_path):

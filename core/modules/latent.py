@@ -10,7 +10,8 @@ paged-attention op serves prefill and decode unchanged.
 :class:`SparseLatentAttention` adds DeepSeek Sparse Attention: a :class:`SparseIndexer` picks the
 ``index_topk`` cached tokens each query attends to (its keys kept in the cache beside the latent,
 :class:`~trellm.cache.indexed.ExtraRowsKVCacheLayer`), or a layer reuses the selection of the last layer
-that ran an indexer (GLM 5's shared layers).
+that ran an indexer (GLM 5's shared layers). The indexer may score pools of tokens instead of tokens
+(GLM 5.3-Flash), and the attention may have no RoPE part at all (``qk_rope_head_dim`` 0, GLM 5.3-Flash).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from .. import ops
 from ..batch import ForwardBatch
 from ..cache.indexed import ExtraRowsKVCacheLayer, require_dense_pages
 from ..config import DecoderConfig, config_int
+from ..ops.attention import gather_pages
 from ..ops.sparse import sparse_index_topk, sparse_paged_attention, varlen_as_pages
 from .base import LoadContext, Module
 from .layers import Attention, LayerNorm, RMSNorm, RotaryEmbedding
@@ -33,9 +35,11 @@ def _yarn_mscale(scale: float, m: float) -> float:
 
 
 class LatentAttention(Attention):
-    """Multi-head latent attention; an :class:`Attention` to the cache (``kv_shape`` = one latent head)."""
+    """Multi-head latent attention; an :class:`Attention` to the cache (``kv_shape`` = one latent head).
+    ``rope`` None: NoPE (no rotary part, ``qk_rope_head_dim`` 0); ``norm_eps``: the q / kv latent RMSNorms'."""
 
-    def __init__(self, key: str, layer_idx: int, cfg: DecoderConfig, rope: RotaryEmbedding, interleaved: bool):
+    def __init__(self, key: str, layer_idx: int, cfg: DecoderConfig, rope: RotaryEmbedding | None, interleaved: bool,
+                 norm_eps: float = 1e-6):
         x = cfg.extra
         self.key, self.layer_idx, self.rope, self.interleaved = key, layer_idx, rope, interleaved
         self.num_heads = self.num_kv_heads = cfg.num_attention_heads
@@ -48,12 +52,12 @@ class LatentAttention(Attention):
         h, hidden, bias = self.num_heads, cfg.hidden_size, cfg.attention_bias
         if self.q_lora_rank:
             self.q_a_proj = Linear(f"{key}.q_a_proj", hidden, self.q_lora_rank, bias)
-            self.q_a_layernorm = RMSNorm(f"{key}.q_a_layernorm", self.q_lora_rank, 1e-6)
+            self.q_a_layernorm = RMSNorm(f"{key}.q_a_layernorm", self.q_lora_rank, norm_eps)
             self.q_b_proj = Linear(f"{key}.q_b_proj", self.q_lora_rank, h * self.head_dim)
         else:
             self.q_proj = Linear(f"{key}.q_proj", hidden, h * self.head_dim)
         self.kv_a_proj_with_mqa = Linear(f"{key}.kv_a_proj_with_mqa", hidden, self.kv_lora_rank + self.rope_dim, bias)
-        self.kv_a_layernorm = RMSNorm(f"{key}.kv_a_layernorm", self.kv_lora_rank, 1e-6)
+        self.kv_a_layernorm = RMSNorm(f"{key}.kv_a_layernorm", self.kv_lora_rank, norm_eps)
         self.kv_b_proj = Linear(f"{key}.kv_b_proj", self.kv_lora_rank, h * (self.nope_dim + self.v_dim))
         # the projections of x: one kernel launch where the weights format groups them
         self.x_proj = LinearGroup(*self.x_projections())
@@ -92,19 +96,22 @@ class LatentAttention(Attention):
         q_nope, q_pe = q.view(t, h, self.head_dim).split([self.nope_dim, self.rope_dim], dim=-1)
         c, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm.forward(c)
-        cos, sin = self.rope.cos_sin(batch.positions, batch.max_seq_len)
-        q_pe = ops.rotary_embedding(q_pe, cos, sin, self.interleaved)
-        k_pe = ops.rotary_embedding(k_pe[:, None], cos, sin, self.interleaved)
+        cos_sin, k_pe = None, k_pe[:, None]
+        if self.rope is not None:
+            cos_sin = self.rope.cos_sin(batch.positions, batch.max_seq_len)
+            q_pe = ops.rotary_embedding(q_pe, *cos_sin, self.interleaved)
+            k_pe = ops.rotary_embedding(k_pe, *cos_sin, self.interleaved)
         q_latent = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)
         q = torch.cat([q_latent, q_pe], dim=-1)
         k = torch.cat([c[:, None], k_pe], dim=-1)
-        o = self.attend_latent(q, k, c[:, None], batch, (cos, sin), q_resid, rest)
+        o = self.attend_latent(q, k, c[:, None], batch, cos_sin, q_resid, rest, x)
         o = torch.einsum("thr,hvr->thv", o, self.w_uv)
         return o.reshape(t, h * self.v_dim)
 
-    def attend_latent(self, q, k, v, batch: ForwardBatch, cos_sin, q_resid, x_rest) -> torch.Tensor:
+    def attend_latent(self, q, k, v, batch: ForwardBatch, cos_sin, q_resid, x_rest, x) -> torch.Tensor:
         """Attention over the latent keys/values (stored in the cache when there is one): [T, H, kv_lora_rank].
-        ``q_resid`` (the normed query latent) and ``x_rest`` (the subclass's projections of x) are for a subclass."""
+        ``q_resid`` (the normed query latent), ``x_rest`` (the subclass's projections of x) and the layer input
+        ``x`` are for a subclass; ``cos_sin`` is None without RoPE."""
         if batch.cache is None:
             return ops.attention_varlen(q, k, v, batch.cu_seqlens, self.scale)
         layer = batch.cache.layers[self.layer_idx]
@@ -114,41 +121,104 @@ class LatentAttention(Attention):
 
 class SparseIndexer(Module):
     """The DSA lightning indexer: ``heads`` small query heads (from the query latent, ``wq_b``) against one key per
-    token (``k_norm(wk(x))``, a LayerNorm with bias), RoPE on the first ``rope_dim`` dims of both, heads weighted
-    per token by ``weights_proj(x) / sqrt(heads)``; keeps the ``topk`` best tokens (:func:`trellm.ops.sparse.sparse_index_topk`)."""
+    token (``k_norm(wk(x))``, a LayerNorm with bias), RoPE on the first ``rope_dim`` dims of both (none when the
+    attention has no RoPE), heads weighted per token by ``weights_proj(x) / sqrt(heads)``; keeps the ``topk`` best
+    tokens (:func:`trellm.ops.sparse.sparse_index_topk`).
 
-    def __init__(self, key: str, hidden_size: int, q_lora_rank: int, heads: int, head_dim: int, topk: int, interleaved: bool):
+    ``pool`` > 1 (GLM 5.3-Flash): it scores pools of ``pool`` tokens instead. A pool's key is its tokens' keys
+    softmax-weighted per channel by gate logits (``index_kpool_compress_gate`` x, plus the in-pool position bias
+    ``index_kpool_compress_ape``); a query keeps the ``topk / pool`` best pools it has seen whole and, with
+    ``pool_tail``, the tokens of its own incomplete pool."""
+
+    def __init__(self, key: str, hidden_size: int, q_lora_rank: int, heads: int, head_dim: int, topk: int, interleaved: bool,
+                 pool: int = 1, pool_tail: bool = True):
+        if pool < 1 or topk % pool:
+            raise ValueError(f"{key}: top-k {topk} must be a multiple of the pool size {pool} >= 1")
         self.key, self.heads, self.head_dim, self.topk, self.interleaved = key, heads, head_dim, topk, interleaved
+        self.hidden_size, self.pool, self.pool_tail = hidden_size, pool, pool_tail
         self.wq_b = Linear(f"{key}.wq_b", q_lora_rank, heads * head_dim)
         self.wk = Linear(f"{key}.wk", hidden_size, head_dim)
         self.k_norm = LayerNorm(f"{key}.k_norm", head_dim, 1e-6)
         self.weights_proj = Linear(f"{key}.weights_proj", hidden_size, heads)
+        self.pool_bias = self.pool_gate = None
 
-    def keys(self, wk_x: torch.Tensor, cos_sin) -> torch.Tensor:
-        """Each token's indexer key [T, head_dim] from its ``wk`` projection."""
-        k = self.k_norm.forward(wk_x)[:, None]
-        return ops.rotary_embedding(k, *cos_sin, self.interleaved)[:, 0]
+    def load(self, ctx: LoadContext) -> None:
+        super().load(ctx)
+        if self.pool > 1:
+            get = lambda name, shape: ctx.store.get(f"{self.key}.{name}", shape=shape, dtype=ctx.dtype, device=ctx.device)  # noqa: E731
+            self.pool_bias = get("index_kpool_compress_ape", (self.pool, self.head_dim))
+            self.pool_gate = get("index_kpool_compress_gate", (self.head_dim, self.hidden_size))
 
-    def select(self, q_resid: torch.Tensor, weights_x: torch.Tensor, key_pages: torch.Tensor, block_table: torch.Tensor,
+    def unload(self) -> None:
+        super().unload()
+        self.pool_bias = self.pool_gate = None
+
+    @property
+    def row_width(self) -> int:
+        """Values cached per token: its key, and when pooling its gate logits."""
+        return self.head_dim * (2 if self.pool > 1 else 1)
+
+    def keys(self, wk_x: torch.Tensor, cos_sin, x: torch.Tensor) -> torch.Tensor:
+        """Each token's cached row [T, row_width] from its ``wk`` projection (and the layer input ``x``)."""
+        k = self.k_norm.forward(wk_x)
+        if cos_sin is not None:
+            k = ops.rotary_embedding(k[:, None], *cos_sin, self.interleaved)[:, 0]
+        return k if self.pool == 1 else torch.cat([k, x @ self.pool_gate.t()], dim=-1)
+
+    def select(self, q_resid: torch.Tensor, weights_x: torch.Tensor, row_pages: torch.Tensor, block_table: torch.Tensor,
                batch: ForwardBatch, context_lens: torch.Tensor, cos_sin) -> torch.Tensor:
-        """[T, topk] positions each query attends to (-1: none), scoring the keys in ``key_pages``."""
+        """[T, topk (+ pool - 1 tail tokens)] positions each query attends to (-1: none), scoring the cached rows
+        in ``row_pages``."""
         q = self.wq_b(q_resid).view(-1, self.heads, self.head_dim)
-        q = ops.rotary_embedding(q, *cos_sin, self.interleaved)
+        if cos_sin is not None:
+            q = ops.rotary_embedding(q, *cos_sin, self.interleaved)
         weights = weights_x.float() * self.heads**-0.5
-        return sparse_index_topk(q, weights, key_pages, block_table, batch.cu_seqlens, context_lens, batch.positions, self.topk,
-                                 self.head_dim**-0.5)
+        scale = self.head_dim**-0.5
+        if self.pool == 1:
+            return sparse_index_topk(q, weights, row_pages, block_table, batch.cu_seqlens, context_lens, batch.positions,
+                                     self.topk, scale)
+        pool_pages, pool_table, pools = self.pooled_keys(row_pages, block_table, context_lens)
+        chosen = sparse_index_topk(q, weights, pool_pages, pool_table, batch.cu_seqlens, pools, batch.positions,
+                                   self.topk // self.pool, scale, rate=self.pool)
+        return pool_tokens(chosen, self.pool, batch.positions if self.pool_tail else None)
+
+    def pooled_keys(self, row_pages: torch.Tensor, block_table: torch.Tensor,
+                    context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The keys of every sequence's complete pools as pages of one key [P, 1, head_dim] (float32), their block
+        table and each sequence's pool count."""
+        p, d, pooled = self.pool, self.head_dim, []
+        for b, n in enumerate(context_lens.tolist()):
+            rows = gather_pages(row_pages, block_table[b], n // p * p).float().view(-1, p, 2, d)
+            keys, gates = rows.unbind(2)
+            pooled.append(((gates + self.pool_bias.float()).softmax(dim=1) * keys).sum(1))
+        counts = torch.tensor([0] + [k.shape[0] for k in pooled], device=row_pages.device).cumsum(0)
+        pages, table, _ = varlen_as_pages(torch.cat(pooled), counts)
+        return pages, table, (counts[1:] - counts[:-1]).to(torch.int32)
+
+
+def pool_tokens(chosen: torch.Tensor, pool: int, tail_positions: torch.Tensor | None) -> torch.Tensor:
+    """Pool indices [T, k] (-1: none) as the token indices [T, k * pool + pool - 1] they cover, followed by the
+    tokens of each query's own incomplete pool (``tail_positions``: the queries' positions; None: no tail)."""
+    offsets = torch.arange(pool, device=chosen.device)
+    tokens = torch.where(chosen[..., None] >= 0, chosen[..., None] * pool + offsets, -1).flatten(1)
+    tail = torch.full((chosen.shape[0], pool - 1), -1, dtype=tokens.dtype, device=chosen.device)
+    if tail_positions is not None:
+        start = (tail_positions + 1) // pool * pool
+        candidates = start[:, None] + offsets[: pool - 1]
+        tail = torch.where(candidates <= tail_positions[:, None], candidates, -1)
+    return torch.cat([tokens, tail], dim=1)
 
 
 class SparseLatentAttention(LatentAttention):
     """MLA over the tokens a :class:`SparseIndexer` selects (DeepSeek V3.2, GLM 5). A layer without an indexer
     reuses ``source``'s selection of the same forward pass (the layers run in order, so it is made first)."""
 
-    def __init__(self, key: str, layer_idx: int, cfg: DecoderConfig, rope: RotaryEmbedding, interleaved: bool,
-                 indexer: SparseIndexer | None, source: "SparseLatentAttention | None" = None):
+    def __init__(self, key: str, layer_idx: int, cfg: DecoderConfig, rope: RotaryEmbedding | None, interleaved: bool,
+                 indexer: SparseIndexer | None, source: "SparseLatentAttention | None" = None, norm_eps: float = 1e-6):
         if (indexer is None) == (source is None):
             raise ValueError(f"{key}: a sparse attention layer runs its own indexer or reuses another's, not both or neither")
         self.indexer, self.source = indexer, source
-        super().__init__(key, layer_idx, cfg, rope, interleaved)
+        super().__init__(key, layer_idx, cfg, rope, interleaved, norm_eps)
         self.selection: torch.Tensor | None = None  # this forward pass's [T, topk], for the layers that reuse it
 
     def children(self):
@@ -161,9 +231,9 @@ class SparseLatentAttention(LatentAttention):
 
     def cache_layer(self, kv_layer):
         """The K/V layer, with a page pool for the indexer's keys when this layer runs one."""
-        return require_dense_pages(kv_layer) if self.indexer is None else ExtraRowsKVCacheLayer(kv_layer, self.indexer.head_dim)
+        return require_dense_pages(kv_layer) if self.indexer is None else ExtraRowsKVCacheLayer(kv_layer, self.indexer.row_width)
 
-    def attend_latent(self, q, k, v, batch: ForwardBatch, cos_sin, q_resid, x_rest) -> torch.Tensor:
+    def attend_latent(self, q, k, v, batch: ForwardBatch, cos_sin, q_resid, x_rest, x) -> torch.Tensor:
         if batch.cache is None:
             k_pages, table, ctx = varlen_as_pages(k, batch.cu_seqlens)
             v_pages = v.unsqueeze(1)
@@ -175,7 +245,7 @@ class SparseLatentAttention(LatentAttention):
             self.selection = self.source.selection
         else:
             wk_x, weights_x = x_rest
-            keys = self.indexer.keys(wk_x, cos_sin)
+            keys = self.indexer.keys(wk_x, cos_sin, x)
             if batch.cache is None:
                 key_pages = keys.unsqueeze(1)
             else:

@@ -71,7 +71,8 @@ def sparse_paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Attention of each new token over the cached tokens ``indices`` [T, k] names (positions in its sequence,
-    -1: none), as :func:`~trellm.ops.paged_attention` with every other token masked out."""
+    -1: none), as :func:`~trellm.ops.paged_attention` with every other token masked out; a token that names
+    none reads zeros (a pooled indexer's query before its first whole pool, without its tail)."""
     out = q.new_empty(q.shape[0], q.shape[1], v_pages.shape[-1])
     bounds, ctx = cu_seqlens.tolist(), context_lens.tolist()
     for b, (s0, s1) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -83,4 +84,5 @@ def sparse_paged_attention(
         keep = torch.zeros(s1 - s0, ctx[b] + 1, dtype=torch.bool, device=q.device)
         keep.scatter_(1, torch.where(chosen >= 0, chosen, ctx[b]), True)
         out[s0:s1] = _attend(q[s0:s1], k, v, scale, ctx[b] - (s1 - s0), 0, 0.0, None, keep=keep[:, :-1])
+        out[s0:s1][(chosen < 0).all(-1)] = 0
     return out
