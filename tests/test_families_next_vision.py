@@ -21,7 +21,7 @@ from trellm.sdk import supports_images  # noqa: E402
 from trellm.sdk.testing import make_tiny_hf_model, torch_threads  # noqa: E402
 
 from test_families_next import GLM5_NEXT, QWEN4_EXP_TEXT, QWEN4_EXP_VISION, glm5_next_checkpoint  # noqa: E402
-from test_vision import batched_greedy  # noqa: E402
+from test_vision import batched_greedy, check_on_cuda  # noqa: E402
 from test_vision_qwen import random_image  # noqa: E402
 
 IMAGE, START, END = 250, 252, 253
@@ -215,3 +215,12 @@ def test_qwen4_exp_indexer_rotates_blocks_at_mrope_positions(qwen4v, monkeypatch
     monkeypatch.setattr(IndexedAttention, "select",
                         lambda self, q, raw, positions, first: select(self, q, raw, torch.arange(len(positions)), first))
     assert not within_range(lm.logits([PROMPT], images=[[img]])[0], ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["glm5v", "qwen4v"])
+def test_next_vision_on_cuda(family, request):
+    """On the GPU (float32; bf16 finite and close): the CPU's logits with an image and its greedy tokens."""
+    _, _, lm = request.getfixturevalue(family)
+    check_on_cuda(lm, PROMPT, [random_image(6)])
