@@ -28,7 +28,7 @@ import torch
 from trellm import ops
 from trellm.batch import ForwardBatch
 from trellm.config import DecoderConfig, read_keys, text_config
-from trellm.distributed.sharding import layer_name, rank_range, shard_attention, split_columns, split_rows
+from trellm.distributed.sharding import SpreadExperts, layer_name, rank_range, shard_attention, shard_mlp, split_columns, split_rows
 from trellm.errors import ConfigError
 from trellm.modules.base import LoadContext, Module
 from trellm.modules.decoder import CausalLM, DecoderLayer
@@ -225,11 +225,21 @@ class Gemma4Feedforward(Module):
         self.pre_norm_2, self.post_norm_2 = norm("pre_feedforward_layernorm_2"), norm("post_feedforward_layernorm_2")
         self.router = Gemma4Router(f"{key}.router", cfg.hidden_size, keys.num_experts, keys.top_k_experts, cfg.rms_norm_eps)
         self.experts = Experts(f"{key}.experts", keys.num_experts, cfg.hidden_size, keys.moe_intermediate_size, cfg.hidden_act)
+        self.comm = None  # tensor parallel: the group the spread experts' parts are summed over
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         dense = self.post_norm_1.forward(self.mlp.forward(self.pre_norm.forward(x)))
-        routed = dispatch_experts(self.experts, self.pre_norm_2.forward(x), *self.router.forward(x))
+        if self.comm is None:
+            routed = dispatch_experts(self.experts, self.pre_norm_2.forward(x), *self.router.forward(x))
+        else:
+            routed = self.comm.all_reduce(self.experts.dispatch(self.pre_norm_2.forward(x), *self.router.forward(x)))
         return dense + self.post_norm_2.forward(routed)
+
+    def split_over_ranks(self, comm) -> None:
+        """Tensor parallel: the dense MLP by columns, the experts spread over the ranks; each part is all-reduced
+        before its own output norm (two all-reduces: the norms of the two sums cannot share one)."""
+        shard_mlp(self.mlp, comm)
+        self.experts, self.comm = SpreadExperts(self.experts, comm, self.key), comm
 
 
 class Gemma4DecoderLayer(DecoderLayer):

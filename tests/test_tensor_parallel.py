@@ -29,6 +29,7 @@ from trellm.sdk.testing import make_tiny_hf_model
 
 from test_families_dsa import DEEPSEEK_V4, GLM_DSA, random_tid2eid  # tests/ is on sys.path
 from test_families_gemma4 import GEMMA4, LAGUNA
+from test_families_next import glm5_next_checkpoint, qwen4_exp_checkpoint
 from test_moe_families import randomize
 from test_mtp import add_mtp_tensors
 from test_vision_qwen import save_tiny_vl
@@ -145,6 +146,10 @@ WRITERS = {
     "step3p5": _step3p5,  # 4 heads on full layers, 8 on sliding ones, head-gated
     "qwen3_5_moe_mtp": _with_mtp,
     "qwen3_vl_moe": _qwen3_vl_moe,
+    # hybrids with mixers of their own that run whole on every rank (GLM 5.3's KimiDeltaAttention, Qwen 3.8's
+    # PLEDeltaNet and IndexedAttention) beside split ones (GLM 5.3's sparse MLA, both families' experts)
+    "glm5_next": glm5_next_checkpoint,
+    "qwen4_exp": qwen4_exp_checkpoint,
 }
 
 
@@ -211,6 +216,7 @@ def _greedy(lm) -> list[int]:
 @pytest.mark.parametrize("name,world,generate", [
     ("llama", 2, True), ("llama", 4, True), ("qwen3", 2, True), ("exl3_small", 2, True), ("exl3_wide", 4, False),
     ("qwen3_moe", 2, True), ("glm4_moe", 2, True), ("qwen3_5_moe", 2, True), ("nemotron_h", 2, True), ("deepseek_v3", 2, True),
+    pytest.param("glm5_next", 2, True, marks=pytest.mark.slow), pytest.param("qwen4_exp", 2, True, marks=pytest.mark.slow),
     pytest.param("qwen3_5", 2, True, marks=pytest.mark.slow), pytest.param("lfm2_moe", 2, True, marks=pytest.mark.slow),
 ])
 def test_logits_and_greedy_tokens_match_one_rank(model_dirs, name, world, generate):
@@ -262,12 +268,15 @@ def test_newer_attention_kinds_split_by_heads(model_dirs, name):
     assert _generator_greedy(split) == _one_rank(model_dirs, name, "generator", _generator_greedy)
 
 
-def test_hash_routed_experts_spread_over_ranks(model_dirs):
-    """DeepSeek V4's hash layers (experts by token id) and score-routed ones alike: each rank holds 4 of 8 experts."""
+def test_experts_spread_over_ranks(model_dirs):
+    """DeepSeek V4's hash layers (experts by token id) and score-routed ones alike, and Gemma 4's experts beside its
+    dense MLP: each of 2 ranks holds half the experts (and the zero expert standing for the other rank's)."""
     layers = _local(_model(model_dirs, "deepseek_v4", 2)).layers
     assert [type(layer.mlp).__name__ for layer in layers] == ["ExpertParallelMoE"] * 3
     assert type(layers[0].mlp.moe).__name__ == "HashRoutedMoE"
-    assert [layer.mlp.moe.experts.num_experts for layer in layers] == [4 + 1] * 3  # and the zero expert of the others
+    assert [layer.mlp.moe.experts.local.num_experts for layer in layers] == [4 + 1] * 3
+    layers = _local(_model(model_dirs, "gemma4_k_eq_v", 2)).layers
+    assert [layer.mlp.experts.local.num_experts for layer in layers] == [2 + 1] * 4
 
 
 @pytest.mark.parametrize("name, world, refusal", [

@@ -490,26 +490,37 @@ def _stacked_slice(experts: Module, start: int, stop: int) -> Module:
     return local
 
 
+class SpreadExperts(Module):
+    """Experts [start, stop) of a collection spread over the ranks (contiguous ranges). :meth:`dispatch` is
+    :func:`~trellm.modules.moe.dispatch_experts` over the whole collection's expert ids with only this rank's
+    experts: its partial sum, which the caller all-reduces."""
+
+    def __init__(self, experts: Module, comm: Comm, key: str):
+        self.key = experts.key
+        self.start, self.stop = partition(experts.num_experts, comm.world, 1, f"{key}: experts")[comm.rank]
+        self.local = LocalExperts(experts, self.start, self.stop)
+
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        elsewhere = self.stop - self.start  # LocalExperts' zero expert
+        local_ids = torch.where((ids >= self.start) & (ids < self.stop), ids - self.start, elsewhere)
+        return dispatch_experts(self.local, x, weights, local_ids)
+
+
 class ExpertParallelMoE(Module):
-    """A MoE block whose routed experts are spread over the ranks (each holds a contiguous range) and whose
-    shared experts are split by columns: every rank routes all tokens (the block's own ``route``: by score, or by
-    token id for DeepSeek V4's hash layers), runs its own experts' pairs and its part of the shared MLP, and one
-    all-reduce sums the parts. ``moe`` keeps only this rank's experts."""
+    """A MoE block whose routed experts are spread over the ranks (:class:`SpreadExperts`) and whose shared experts
+    are split by columns: every rank routes all tokens (the block's own ``route``: by score, or by token id for
+    DeepSeek V4's hash layers), runs its own experts' pairs and its part of the shared MLP, and one all-reduce
+    sums the parts. ``moe`` keeps only this rank's experts."""
 
     def __init__(self, moe: MoE, comm: Comm):
         self.key, self.comm, self.moe = moe.key, comm, moe
-        start, stop = partition(moe.experts.num_experts, comm.world, 1, f"{moe.key}: experts")[comm.rank]
-        self.start, self.stop = start, stop
-        moe.experts = LocalExperts(moe.experts, start, stop)
+        moe.experts = SpreadExperts(moe.experts, comm, moe.key)
         if moe.shared is not None:
             shard_mlp(moe.shared, comm, reduce=False)
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         moe = self.moe
-        weights, ids = moe.route(x, batch)
-        elsewhere = self.stop - self.start  # LocalExperts' zero expert
-        local_ids = torch.where((ids >= self.start) & (ids < self.stop), ids - self.start, elsewhere)
-        out = dispatch_experts(moe.experts, x, weights, local_ids)
+        out = moe.experts.dispatch(x, *moe.route(x, batch))
         if moe.shared is not None:
             shared = moe.shared.forward(x)  # this rank's partial sum
             if moe.shared_gate is not None:
