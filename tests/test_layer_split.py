@@ -17,6 +17,7 @@ from trellm.distributed.plan import GiB, MemoryPlanError, layer_costs, plan_laye
 from trellm.generator import DraftModelProposer, Generator, Job
 from trellm.lora import LoraWeights
 from trellm.sdk.testing import make_tiny_hf_model
+from test_families_dsa import deepseek_v4_dir, glm_dsa_dir  # noqa: F401 - fixtures
 
 CONTEXT = 1024
 SLOTS = 32  # plan_layer_split's default state slots (2 * max_batch)
@@ -24,7 +25,7 @@ PROMPTS = [[1, 5, 9, 20, 3, 7, 11, 40, 2], [7, 7, 30, 1, 99, 4]]
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
+def dirs(tmp_path_factory, glm_dsa_dir, deepseek_v4_dir):
     root = tmp_path_factory.mktemp("split")
     return {
         "llama": make_tiny_hf_model("LlamaForCausalLM", root / "llama", num_hidden_layers=4, tie_word_embeddings=True),
@@ -33,6 +34,8 @@ def dirs(tmp_path_factory):
                                      num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                      shared_expert_intermediate_size=32,
                                      layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
+        "glm_dsa": glm_dsa_dir,  # layer 1 reuses layer 0's sparse selection
+        "deepseek_v4": deepseek_v4_dir,  # hyper-connection streams and head
     }
 
 
@@ -160,7 +163,8 @@ def assert_placed_as_planned(lm, plan, cache) -> None:
 
 
 @pytest.mark.parametrize("name,groups", [("llama", [[0, 1], [2, 3]]), ("llama", [[0], [1, 2], [3]]),
-                                         ("hybrid", [[0, 1], [2, 3]])])
+                                         ("hybrid", [[0, 1], [2, 3]]), ("glm_dsa", [[0], [1, 2]]),
+                                         ("deepseek_v4", [[0], [1, 2]])])
 def test_split_model_gives_the_logits_and_greedy_tokens_of_the_whole_one(dirs, name, groups):
     d = dirs[name]
     whole = trellm.load(d, device="cpu", tokenizer=False)
@@ -269,4 +273,22 @@ def test_split_over_two_gpus_matches_one_gpu_and_the_plan(tmp_path):
     assert (got - want).abs().max() <= 1e-5 * (want.max() - want.min())
     ref = Generator(one, cache_tokens=CONTEXT, page_size=16)
     outs = [g.generate(PROMPTS[0], max_new_tokens=32, return_results=True, stop_token_ids=[]).token_ids for g in (ref, gen)]
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("name", ["hybrid", "glm_dsa", "deepseek_v4"])
+def test_families_split_over_two_gpus(dirs, name):
+    """Recurrent state, a sparse selection reused across the boundary, hyper-connection streams: on cuda:0 / cuda:1
+    as on one GPU."""
+    d = dirs[name]
+    one = trellm.load(d, device="cuda:0", tokenizer=False)
+    rest = list(range(1, len(one.model.layers)))
+    lm = trellm.load(d, device="cuda", tokenizer=False, gpu_split=budgets(d, [[0], rest], device="cuda"), context=CONTEXT)
+    assert lm.model.layer_split.devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    want, got = one.logits(PROMPTS), lm.logits(PROMPTS)
+    assert (got - want).abs().max() <= 1e-3 * (want.max() - want.min())
+    outs = [Generator(m, cache_tokens=CONTEXT, page_size=16).generate(PROMPTS[0], max_new_tokens=16, return_results=True,
+                                                                      stop_token_ids=[]).token_ids for m in (one, lm)]
     assert outs[0] == outs[1]

@@ -241,8 +241,8 @@ class SparseLatentAttention(LatentAttention):
             layer = batch.cache.layers[self.layer_idx]
             layer.store(k, v, batch.slots)
             k_pages, v_pages, table, ctx = layer.k_pages, layer.v_pages, batch.block_table, batch.context_lens
-        if self.indexer is None:
-            self.selection = self.source.selection
+        if self.indexer is None:  # the source may sit on another device (a layer split): its selection comes here
+            self.selection = self.source.selection.to(k_pages.device)
         else:
             wk_x, weights_x = x_rest
             keys = self.indexer.keys(wk_x, cos_sin, x)
