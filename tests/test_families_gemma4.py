@@ -62,7 +62,8 @@ GEMMA4 = {
                                         num_kv_shared_layers=2, use_double_wide_mlp=True),
     # 26B-A4B-shaped: experts beside every dense MLP, K=V global layers with their own KV heads, a logit softcap
     "moe_k_eq_v": dict(GEMMA4_LAYERS, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24,
-                       attention_k_eq_v=True, num_global_key_value_heads=1, final_logit_softcapping=30.0),
+                       attention_k_eq_v=True, num_global_key_value_heads=1, final_logit_softcapping=30.0,
+                       hidden_size_per_layer_input=0),  # per-layer inputs are the other config's: HF's default table is 1 GB
 }
 
 
