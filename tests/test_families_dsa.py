@@ -182,3 +182,18 @@ def test_deepseek_v4_prompts_shorter_than_a_window(deepseek_v4_dir):
     report = check_parity(deepseek_v4_dir, prompts=[[5], [7, 3, 9]], max_new_tokens=8)
     print(report)
     report.assert_ok()
+
+
+@pytest.mark.parametrize("checkpoint", ["glm_dsa_dir", "deepseek_v4_dir"])
+def test_memory_plan_counts_the_extra_cache_rows(request, checkpoint):
+    """The memory plan's KV bytes per token (from a meta load) equal the real cache's, whose layers keep indexer
+    keys or compressor inputs beside the K/V rows."""
+    import trellm
+    from trellm.distributed.plan import layer_costs, plan_memory
+
+    model_dir = request.getfixturevalue(checkpoint)
+    cache = trellm.load(model_dir, device="cpu", dtype=torch.float32, tokenizer=False).new_cache(max_tokens=1024, page_size=16)
+    per_token = cache.nbytes() // (cache.num_pages * cache.page_size)
+    assert per_token > sum(l.k_pages[0, 0].numel() + l.v_pages[0, 0].numel() for l in cache.layers) * 4  # rows beyond K/V
+    assert plan_memory(model_dir, device="cpu", dtype=torch.float32).ranks[0].kv_per_token == per_token
+    assert sum(layer_costs(model_dir, device="cpu", dtype=torch.float32).layer_kv) == per_token
