@@ -26,7 +26,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 def _jobs(prompts: list[list[int]], stop_token: int) -> list[Job]:
     """Jobs of every kind: greedy, seeded sampling, logprobs, a stop token, stop strings, 1- and 2-token
-    limits, min_new_tokens, penalties and banned strings (these two keep the host's view: no step ahead)."""
+    limits, min_new_tokens, penalties and banned strings (this one keeps the host's view: no step ahead)."""
     sampled = SamplerSettings(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02)
     kinds = [
         dict(),
@@ -89,18 +89,21 @@ def test_async_equals_sync_for_every_kind_of_job(lm):
 
 
 def test_async_steady_decoding_samples_at_the_right_positions(lm):
-    """Greedy, seeded sampling, logprobs and a stop id excluded until min_new_tokens: every step after the
-    first decode step is queued ahead, and the tokens and logprobs equal the synchronous generator's."""
+    """Greedy, seeded sampling, logprobs, a stop id excluded until min_new_tokens and penalties over a
+    window (counting the token chosen ahead on the device): every step after the first decode step is queued
+    ahead, and the tokens and logprobs equal the synchronous generator's."""
     prompts = _prompts(4, seed=3)
     first = int(lm.logits([prompts[3]])[0, -1].argmax())
     sampled = SamplerSettings(temperature=0.9, top_k=40, top_p=0.95)
 
     def run(mode: bool):
-        gen = Generator(lm, cache_tokens=2048, page_size=16, max_batch_size=4, async_scheduling=mode)
+        gen = Generator(lm, cache_tokens=2048, page_size=16, max_batch_size=5, async_scheduling=mode)
         jobs = [Job(prompts[0], 20, stop_token_ids=[]),
                 Job(prompts[1], 20, stop_token_ids=[], sampler=sampled, seed=5),
                 Job(prompts[2], 20, stop_token_ids=[], sampler=sampled, seed=6, logprobs=True, top_logprobs=2),
-                Job(prompts[3], 20, stop_token_ids=[first], min_new_tokens=20)]
+                Job(prompts[3], 20, stop_token_ids=[first], min_new_tokens=20),
+                Job(prompts[0], 20, stop_token_ids=[], seed=7,
+                    sampler=SamplerSettings(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.5, penalty_range=8))]
         gen.enqueue(jobs)
         out = {}
         for r in gen.stream():

@@ -720,7 +720,7 @@ class Generator:
                 hidden, logits = logits
             if masks is not None:
                 self._grammar_engine.apply_masks(logits, masks)
-            ids, packed, top, full = self._choose(plan, row_start, sampled, logits, ahead)
+            ids, packed, top, full = self._choose(plan, row_start, sampled, logits, ahead, feed_from)
         except Exception as exc:  # keep serving: fail this batch's jobs, free their pages
             self._fail(plan, exc, results)
             return None
@@ -780,7 +780,7 @@ class Generator:
         commits ``step`` while the device runs this one, so the device does not wait for the host's
         bookkeeping between steps. A job that finishes at ``step`` wastes its row here (skipped when read).
         None (the next iterate() schedules on the host's view) when the next step needs what only the host
-        knows: waiting or cancelled jobs, drafts, grammars, penalties or host-side sampling, banned strings,
+        knows: waiting or cancelled jobs, drafts, grammars, host-side sampling, banned strings,
         images, a recurrent state checkpoint due, or pages that are not free without preempting."""
         live = [(i, entry) for i, entry in enumerate(step.plan) if not entry[0].job.finished]
         if (step.ids is None or self.proposer is not None or self.hidden_sink is not None
@@ -796,7 +796,7 @@ class Generator:
         for i, (r, feed, draft) in live:
             settings = r.row_sampling
             if (draft or len(feed) != 1 or r.prefilling or r.job.cancel_requested or r.grammar is not None
-                    or r.mm is not None or r.banned or r.bans or settings is None or settings.penalized):
+                    or r.mm is not None or r.banned or r.bans or settings is None):
                 return None
             if r.lora is not None and (adapters is None or r.lora not in adapters or adapters.uid(r.lora) != r.lora_uid):
                 return None
@@ -854,7 +854,8 @@ class Generator:
             return hidden, self.model.logits_from_hidden(hidden, batch)
         return self.model.forward(batch)
 
-    def _choose(self, plan, row_start: list[int], sampled: list[int], logits: torch.Tensor, ahead: int = 0
+    def _choose(self, plan, row_start: list[int], sampled: list[int], logits: torch.Tensor, ahead: int = 0,
+                feed_from: tuple[torch.Tensor, list[int]] | None = None
                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, int, dict[int, torch.Tensor]]:
         """Tokens of the jobs ``sampled`` (plan indices), chosen on the logits' device for the whole batch:
         the argmax of every row when each job takes plain argmaxes, else every row through the
@@ -870,7 +871,10 @@ class Generator:
             rows = [SampleRow(_ARGMAX, 0.0)] * logits.shape[0]
             for i in fast:
                 rows[row_start[i]: row_start[i] + len(plan[i][2]) + 1] = self._sample_rows_of(*plan[i], ahead=ahead)
-            ids = self.device_sampler.sample(logits, rows)
+            unseen = None
+            if feed_from is not None:  # penalties count the token each job was fed, still on the device
+                unseen = (feed_from[0], [(row_start[i], feed_from[1][i]) for i in fast if rows[row_start[i]].history is not None])
+            ids = self.device_sampler.sample(logits, rows, unseen)
             top = max((plan[i][0].job.top_logprobs for i in fast if plan[i][0].job.logprobs), default=-1)
         packed = ids
         if top >= 0:  # the model's raw log-probabilities of the chosen tokens, and the best ``top`` of each row
@@ -897,7 +901,9 @@ class Generator:
             exclude = list(r.bans.get(index, ()))
             if index < r.job.min_new_tokens:
                 exclude += r.stop_ids
-            history = settings.counted(r.tokens + draft[:pos] if pos else r.tokens, r.prompt_len)
+            # a token chosen ahead is not known here: -1 holds its place (the device sampler counts it)
+            context = r.tokens + [-1] * ahead + draft[:pos] if ahead or pos else r.tokens
+            history = settings.counted(context, r.prompt_len)
             out.append(SampleRow(settings, uniform_for(r.seed, index), history, exclude))
         return out
 

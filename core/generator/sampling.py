@@ -46,8 +46,13 @@ class DeviceSampler:
         self._copied = None  # CUDA event after the last copy out of the host buffer, until waited for
         self._event = torch.cuda.Event() if self.device.type == "cuda" else None
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-        """int64 [len(rows)] token ids (on the logits' device) for the float logits rows [len(rows), vocab]."""
+    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow],
+               unseen: tuple[torch.Tensor, Sequence[tuple[int, int]]] | None = None) -> torch.Tensor:
+        """int64 [len(rows)] token ids (on the logits' device) for the float logits rows [len(rows), vocab].
+
+        ``unseen`` = (token ids on the device, (row, index) pairs): the penalties of ``row`` also count token
+        ``ids[index]``, chosen by a step the host has not read back yet (async scheduling); that row's
+        ``history`` holds a negative id in its place."""
         n, vocab = logits.shape
         settings = [r.settings for r in rows]
         bias = [(i, t, b) for i, s in enumerate(settings) for t, b in s.logit_bias if 0 <= t < vocab]
@@ -61,8 +66,9 @@ class DeviceSampler:
             history = history[(history[:, 1] >= 0) & (history[:, 1] < vocab)]
         per_row = [(s.temperature, s.temperature_last, s.top_k if 0 < s.top_k < vocab else 0, s.top_p, s.min_p,
                     s.repetition_penalty, s.presence_penalty, s.frequency_penalty, r.u, s.greedy) for s, r in zip(settings, rows)]
-        parts = self._upload([per_row, bias, banned, excluded, history], [_PER_ROW, 3, 2, 2, 2])
-        table, bias_t, banned_t, excluded_t, history_t = parts
+        pairs = list(unseen[1]) if unseen is not None else []
+        parts = self._upload([per_row, bias, banned, excluded, history, pairs], [_PER_ROW, 3, 2, 2, 2, 2])
+        table, bias_t, banned_t, excluded_t, history_t, pairs_t = parts
         temperature, t_last, top_k, top_p, min_p = (table[:, j] for j in range(5))
         rep, presence, frequency, u, greedy = (table[:, j] for j in range(5, 10))
         minus_inf = logits.new_full((), NEG_INF, dtype=torch.float32)  # filled on the device: no upload
@@ -72,9 +78,11 @@ class DeviceSampler:
             scores.index_put_((bias_t[:, 0].long(), bias_t[:, 1].long()), bias_t[:, 2].float(), accumulate=True)
         if banned:
             scores.index_put_((banned_t[:, 0].long(), banned_t[:, 1].long()), minus_inf)
-        if len(history):
+        if len(history) or pairs:
             counts = torch.zeros_like(scores).index_put_(
                 (history_t[:, 0].long(), history_t[:, 1].long()), scores.new_ones(()), accumulate=True)
+            if pairs:
+                counts.index_put_((pairs_t[:, 0].long(), unseen[0][pairs_t[:, 1].long()]), scores.new_ones(()), accumulate=True)
             seen = counts > 0
             r = rep.float()[:, None]
             scores = torch.where(seen, torch.where(scores > 0, scores / r, scores * r), scores)
