@@ -3,10 +3,12 @@
     python benchmarks/exl3_compare.py --model smollm2-640=PIECE0.gguf,PIECE1.gguf --model gemma3-270m=G.gguf \
         --bits 2,3,4,5 --out $OUT [--exl3-cal-rows 100] [--deadline-s 540]
 
-Each ``--model NAME=GGUF[,GGUF...]`` is imported from its GGUF (pieces are merged first, see
-``exl3_quality.merge_ggufs``); a name starting with ``smollm2-640`` is zero-padded from hidden 576
+Each ``--model NAME=GGUF[,GGUF...]`` is imported from its GGUF (GGUF pieces are merged first, see
+``exl3_quality.merge_ggufs``; byte pieces such as the Gemma-3-270M chunk packages' ``.partNN`` files are
+joined in the order given); a name starting with ``smollm2-640`` is zero-padded from hidden 576
 to 640 (:func:`pad_smollm2`: the same function, every width a multiple of 128, which ExLlamaV3 needs).
-Then, per model and bitrate, both converters run on the dense model (head 6 bits, codebook mul1);
+Then, per model and bitrate, both converters run on the dense model (head 6 bits, codebook mul1), and trellm once more per
+``--trellm-variant NAME=FLAGS`` (extra ``trellm convert`` flags, reported as converter ``trellm-NAME``);
 every output is scored on the built-in held-out text (``trellm.evaluate.eval_text``) against the
 dense model's fp32 logits, by trellm and, when ``exllamav3`` imports, by ExLlamaV3: KL(dense || quant)
 per token, top-1 agreement and perplexity. Conversion wall time: the 4 bpw (or first) conversions of
@@ -19,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -90,7 +93,16 @@ def prepare(name: str, ggufs: list[str], work: Path) -> Path:
     dense = work / name / "dense"
     if dense.exists():
         return dense
-    gguf = Path(ggufs[0]) if len(ggufs) == 1 else merge_ggufs(ggufs, work / f"{name}.gguf")
+    if len(ggufs) == 1:
+        gguf = Path(ggufs[0])
+    elif all(open(g, "rb").read(4) == b"GGUF" for g in ggufs):
+        gguf = merge_ggufs(ggufs, work / f"{name}.gguf")
+    else:  # byte pieces of one file (the PyPI chunk packages' .partNN files), in the order given
+        gguf = work / f"{name}.gguf"
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        with open(gguf, "wb") as f:
+            for g in ggufs:
+                f.write(Path(g).read_bytes())
     if name.startswith("smollm2-640"):
         raw = import_gguf(gguf, work / name / "raw", dtype="bfloat16", show_progress=False)
         pad_smollm2(raw, dense)
@@ -100,9 +112,10 @@ def prepare(name: str, ggufs: list[str], work: Path) -> Path:
 
 
 def convert_cmd(converter: str, dense: Path, out: Path, bits: str, args) -> list[str]:
-    if converter == "trellm":
+    if converter.startswith("trellm"):
+        extra = shlex.split(args.trellm_variants.get(converter, ""))
         return [sys.executable, "-m", "trellm.cli", "convert", "-i", str(dense), "-o", str(out), "-w", str(out) + ".work",
-                "-b", bits, "-hb", "6", "-d", "cuda", "-q"]
+                "-b", bits, "-hb", "6", "-d", "cuda", "-q", *extra]
     cmd = [sys.executable, "-m", "exllamav3.conversion.convert_model", "-i", str(dense), "-o", str(out),
            "-w", str(out) + ".work", "-b", bits, "-hb", "6"]
     return cmd + (["-cr", str(args.exl3_cal_rows)] if args.exl3_cal_rows else [])
@@ -181,13 +194,20 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--deadline-s", type=float, default=540)
+    ap.add_argument("--trellm-variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="also convert with trellm convert FLAGS, reported as converter trellm-NAME (e.g. "
+                         "plain='--no-sequential --error-target 0': what the newer quantizer steps buy)")
     args = ap.parse_args()
+    args.trellm_variants = {}
+    for spec in args.trellm_variant:
+        name, _, flags = spec.partition("=")
+        args.trellm_variants[f"trellm-{name}"] = flags
     start = time.perf_counter()
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     have_exl3 = exllamav3_available()
-    converters = ["trellm"] + (["exllamav3"] if have_exl3 else [])
+    converters = ["trellm", *args.trellm_variants] + (["exllamav3"] if have_exl3 else [])
     print(f"ExLlamaV3 {'importable' if have_exl3 else 'NOT importable: trellm only'}", flush=True)
 
     from trellm.evaluate import eval_text, token_windows
@@ -280,8 +300,9 @@ def report(rows: list[dict], out: Path) -> None:
         if "kl" in m:
             by_pair.setdefault((r["model"], r["target"]), {})[r["converter"]] = m["kl"]
     for (model, b), kls in sorted(by_pair.items()):
-        if len(kls) == 2:
-            print(f"{model} {b:.0f} bpw: KL trellm / ExLlamaV3 = {kls['trellm'] / kls['exllamav3']:.3f} (scored by trellm)")
+        for conv in sorted(c for c in kls if c.startswith("trellm")):
+            if "exllamav3" in kls:
+                print(f"{model} {b:.0f} bpw: KL {conv} / ExLlamaV3 = {kls[conv] / kls['exllamav3']:.3f} (scored by trellm)")
     try:
         import matplotlib
 
@@ -291,7 +312,8 @@ def report(rows: list[dict], out: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for model in sorted({r["model"] for r in rows}):
-        for conv, style in (("trellm", "o-"), ("exllamav3", "s--")):
+        for conv in sorted({r["converter"] for r in rows}):
+            style = "s--" if conv == "exllamav3" else "o-" if conv == "trellm" else "^:"
             pts = sorted((r["bits"], r["trellm"]["kl"]) for r in rows
                          if r["model"] == model and r["converter"] == conv and "kl" in r.get("trellm", {}))
             if pts:
