@@ -3,7 +3,11 @@
 Pipeline (shared/exl3_format.md section 5): calibration tokens -> embedding -> for each decoder
 layer: capture the Hessian of every linear's input, quantize the linears (linears sharing an input
 as one group), swap them for EXL3 and advance the hidden states through the *quantized* layer, so
-later Hessians see the error of earlier layers -> final norm -> head. Every finished layer is
+later Hessians see the error of earlier layers -> final norm -> head. Two steps beyond ExLlamaV3's
+pipeline: within a layer each group's Hessian is captured after the groups the layer calls before it
+are quantized (``sequential``), and the dense model's hidden states are carried along so that each
+linear is quantized towards the weight that maps its quantized-model input to its dense-model output
+(``error_target``, :func:`trellm.quant.exl3.quantize.compensated_weights`). Every finished layer is
 checkpointed into the work dir (hidden states + next layer + the layer's tensors, swapped in
 atomically), so ``resume=True`` continues where a run stopped and produces identical output.
 Finally the output directory is compiled: sharded safetensors, config.json with
@@ -31,10 +35,11 @@ from .quant.exl3.format import MARKER_VALUES, EXL3Linear
 from .quant.exl3.quantize import quantize_group
 
 CODEBOOK = "mul1"
+ERROR_TARGET = 1.0  # convert's default strength of the error-compensating target (compensated_weights)
 NOT_COPIED = {".safetensors", ".bin", ".ckpt", ".pth", ".pt"}
 NOT_COPIED_NAMES = {"config.json", "model.safetensors.index.json"}
 # Arguments that must match when a job is resumed.
-FIXED_ARGS = ("bits", "head_bits", "cal_rows", "cal_cols", "codebook", "scale_search")
+FIXED_ARGS = ("bits", "head_bits", "cal_rows", "cal_cols", "codebook", "scale_search", "sequential", "error_target")
 
 
 class ConversionError(TrellmError):
@@ -161,13 +166,26 @@ class _InputTracker:
 
 
 class HessianRecorder:
-    """Wraps a Linear's weights: forwards unchanged, accumulating H = sum x x^T of its input (float32)."""
+    """Wraps a Linear's weights: forwards unchanged, accumulating H = sum x x^T of its input (float32).
 
-    def __init__(self, inner, tracker: _InputTracker, shared: dict[int, "HessianRecorder"]):
+    ``keep_rows``: in the dense model's pass, keep the input rows (on the host) when the linear is called
+    once with exactly that many rows, one per calibration token (:func:`compensated_weights` needs rows
+    that pair token by token; a routed expert's do not). ``reference``: those dense-model rows; the
+    recorder then also accumulates the cross term sum x x_ref^T, unless its own rows do not pair with them.
+    Rows with a non-finite value on either side are skipped.
+    """
+
+    CHUNK_ROWS = 8192  # reference rows moved to the device and multiplied at a time
+
+    def __init__(self, inner, tracker: _InputTracker, shared: dict[int, "HessianRecorder"],
+                 reference: torch.Tensor | None = None, keep_rows: int | None = None):
         self.inner, self.tracker, self.shared = inner, tracker, shared
         self.in_features, self.out_features = inner.in_features, inner.out_features
         self.group: int | None = None
         self.hessian: torch.Tensor | None = None
+        self.cross: torch.Tensor | None = None
+        self.reference, self.keep_rows = reference, keep_rows
+        self.inputs: torch.Tensor | None = None
         self.count = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,10 +200,25 @@ class HessianRecorder:
         owner = self.shared.setdefault(self.group, self)
         if owner is self:
             rows = x.reshape(-1, x.shape[-1]).float()
-            rows = rows[torch.isfinite(rows).all(dim=1)]
+            if self.keep_rows is not None:
+                first = self.inputs is None and self.count == 0 and rows.shape[0] == self.keep_rows
+                self.inputs = rows.to("cpu", copy=True) if first else None
+            finite = torch.isfinite(rows).all(dim=1)
+            ref = self.reference
+            if ref is not None and (self.count or ref.shape != rows.shape):
+                ref = self.reference = self.cross = None  # called again, or rows that do not pair
+            if ref is not None:
+                finite &= torch.isfinite(ref).all(dim=1).to(finite.device)
+            rows = rows[finite]
             if self.hessian is None:
                 self.hessian = torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
             self.hessian.addmm_(rows.t(), rows)
+            if ref is not None:
+                ref = ref[finite.to(ref.device)]
+                self.cross = torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
+                for r in range(0, rows.shape[0], self.CHUNK_ROWS):
+                    part = ref[r : r + self.CHUNK_ROWS].to(device=rows.device, dtype=torch.float32)
+                    self.cross.addmm_(rows[r : r + self.CHUNK_ROWS].t(), part)
             self.count += rows.shape[0]
         return self.inner.forward(x)
 
@@ -197,11 +230,24 @@ class HessianRecorder:
     def dense_weight(self) -> torch.Tensor:
         return self.inner.dense_weight()
 
+    def _owner(self) -> "HessianRecorder":
+        return self.shared.get(self.group, self)
+
     def finished_hessian(self) -> torch.Tensor | None:
-        owner = self.shared.get(self.group, self)
+        owner = self._owner()
         if owner.hessian is None or owner.count == 0:
             return None
         return owner.hessian / owner.count
+
+    def finished_cross(self) -> torch.Tensor | None:
+        """E[x x_ref^T] (quantized-model inputs x, dense-model inputs x_ref), or None without a reference."""
+        owner = self._owner()
+        if owner.cross is None or owner.count == 0:
+            return None
+        return owner.cross / owner.count
+
+    def group_inputs(self) -> torch.Tensor | None:
+        return self._owner().inputs
 
 
 def layer_linears(module) -> list[Linear]:
@@ -287,12 +333,12 @@ def _write_json(path: Path, obj) -> None:
         _raise_disk(e, path)
 
 
-def _save_checkpoint(work: Path, state: torch.Tensor, job: dict) -> None:
+def _save_checkpoint(work: Path, state: torch.Tensor, job: dict, state_fp: torch.Tensor | None = None) -> None:
     """Write ckpt_new/, then swap: ckpt -> ckpt_old, ckpt_new -> ckpt, drop ckpt_old."""
     new, cur, old = work / "ckpt_new", work / "ckpt", work / "ckpt_old"
     shutil.rmtree(new, ignore_errors=True)
     new.mkdir()
-    _atomic_save({"state": state}, new / "state.safetensors")
+    _atomic_save({"state": state} if state_fp is None else {"state": state, "state_fp": state_fp}, new / "state.safetensors")
     _write_json(new / "job.json", job)
     shutil.rmtree(old, ignore_errors=True)
     if cur.exists():
@@ -301,16 +347,18 @@ def _save_checkpoint(work: Path, state: torch.Tensor, job: dict) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _load_checkpoint(work: Path) -> tuple[torch.Tensor, dict]:
+def _load_checkpoint(work: Path) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """The quantized model's hidden states, the dense model's (None when not tracked) and the job state."""
     cur = work / "ckpt"
     if not cur.is_dir() and (work / "ckpt_old").is_dir():  # crashed between the two renames
         os.replace(work / "ckpt_old", cur)
     try:
         job = json.loads((cur / "job.json").read_text())
-        state = load_file(str(cur / "state.safetensors"))["state"]
+        saved = load_file(str(cur / "state.safetensors"))
+        state = saved["state"]
     except (OSError, KeyError, json.JSONDecodeError) as e:
         raise ConversionError(f"{work}: no usable checkpoint to resume from ({e})") from None
-    return state, job
+    return state, saved.get("state_fp"), job
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,12 +441,16 @@ def convert(
     scale_search: bool = True,
     shard_size_mb: int = 8192,
     stop_after_layer: int | None = None,
+    sequential: bool = True,
+    error_target: float = ERROR_TARGET,
 ) -> dict:
     """Quantize ``input_dir`` (HF safetensors) to EXL3 in ``output_dir``; returns a summary dict.
 
     ``bits`` is the target average over the decoder linears (mixed integer K per linear group);
     the head gets ``head_bits`` (16: kept unquantized). ``work_dir`` holds checkpoints;
-    ``resume=True`` continues a stopped job with the same arguments.
+    ``resume=True`` continues a stopped job with the same arguments. ``sequential`` and
+    ``error_target``: see :func:`_quantize_layer` (``error_target`` > 0 also carries the dense
+    model's hidden states along, one more state tensor and one more layer forward per layer).
     """
     import trellm
 
@@ -407,10 +459,14 @@ def convert(
     _check_work_dir(work_dir, output_dir, input_dir, resume)
     if codebook not in ("3inst", "mcg", "mul1"):
         raise ConversionError(f"codebook must be 3inst, mcg or mul1, got {codebook!r}")
+    if not isinstance(error_target, (int, float)) or not 0.0 <= error_target <= 1.0:
+        raise ConversionError(f"error_target must be a number between 0 and 1, got {error_target!r}")
+    error_target = float(error_target)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args = dict(
         input_dir=str(input_dir), bits=float(bits), head_bits=int(head_bits), cal_rows=cal_rows, cal_cols=cal_cols,
         codebook=codebook, scale_search=scale_search, calibration=str(calibration) if calibration else None,
+        sequential=bool(sequential), error_target=float(error_target),
     )
     if resume:
         try:
@@ -450,13 +506,19 @@ def convert(
     from .batch import ForwardBatch
 
     batch = ForwardBatch.no_cache(rows, dev)
+    state_fp = None
     if resume:
-        state, job = _load_checkpoint(work_dir)
+        state, state_fp, job = _load_checkpoint(work_dir)
         state = state.to(dev)
+        if error_target > 0:
+            if state_fp is None:
+                raise ConversionError(f"{work_dir}: the checkpoint has no dense-model states to resume error_target with")
+            state_fp = state_fp.to(dev)
         start = int(job["next_layer"])
     else:
         with torch.inference_mode():
             state = model.embed_tokens(batch).float()
+        state_fp = state.clone() if error_target > 0 else None
         start = 0
 
     stats_log: list[dict] = []
@@ -469,13 +531,15 @@ def convert(
             layer = layers[index]
             layer_groups = [g for g in groups if g.layer == index]
             stream.load(layer)
-            state, layer_stats = _quantize_layer(layer, index, layer_groups, state, batch, codebook, scale_search, dev)
+            state, state_fp, layer_stats = _quantize_layer(layer, index, layer_groups, state, batch, codebook,
+                                                           scale_search, dev, sequential, state_fp, error_target)
             stream.release()
             tensors = layer_stats.pop("tensors")
             _atomic_save(tensors, work_dir / "qtensors" / f"{layer.key}.safetensors")
         else:
             stream.load(model.lm_head)
-            layer_stats, tensors = _quantize_head(model, state, head_bits, codebook, scale_search, dev, num_layers)
+            layer_stats, tensors = _quantize_head(model, state, head_bits, codebook, scale_search, dev, num_layers,
+                                                  state_fp, error_target)
             model.lm_head.unload()
             stream.release()
             _atomic_save(tensors, work_dir / "qtensors" / "lm_head.safetensors")
@@ -485,7 +549,7 @@ def convert(
         dt = time.perf_counter() - t0
         layer_stats.update(index=index, seconds=round(dt, 3), weights_per_s=round(n / dt) if dt > 0 else 0)
         stats_log.append(layer_stats)
-        _save_checkpoint(work_dir, state, {"next_layer": index + 1})
+        _save_checkpoint(work_dir, state, {"next_layer": index + 1}, state_fp)
         bar.update(index + 1, f"layer {index}: rfn {layer_stats.get('rfn', 0):.4f}")
         if stop_after_layer is not None and index >= stop_after_layer and index < num_layers:
             bar.close()
@@ -601,43 +665,103 @@ def _dense_parts(lin: Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias
 
 
-@torch.inference_mode()
-def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tensor, batch, codebook: str,
-                    scale_search: bool, dev: torch.device) -> tuple[torch.Tensor, dict]:
-    linears = {lin.key: lin for lin in layer_linears(layer)}
+def _record(layer, linears: list[Linear], state: torch.Tensor, batch, references: dict[str, torch.Tensor] | None = None,
+            keep_inputs: bool = False) -> tuple[torch.Tensor, dict[str, HessianRecorder]]:
+    """One forward of ``layer`` with ``linears`` wrapped in recorders; the output and the recorders by key.
+    ``keep_inputs``: the recorders keep the input rows of linears that see every token once."""
     tracker, shared = _InputTracker(), {}
     recorders = {}
-    for key, lin in linears.items():
-        recorders[key] = HessianRecorder(lin.impl, tracker, shared)
-        lin.impl = recorders[key]
-    reference = layer.forward(state, batch)
-    for key, lin in linears.items():
-        lin.impl = recorders[key].inner
+    tokens = state.reshape(-1, state.shape[-1]).shape[0] if keep_inputs else None
+    for lin in linears:
+        ref = references.get(lin.key) if references else None
+        recorders[lin.key] = HessianRecorder(lin.impl, tracker, shared, reference=ref, keep_rows=tokens)
+        lin.impl = recorders[lin.key]
+    try:
+        out = layer.forward(state, batch)
+    finally:
+        for lin in linears:
+            lin.impl = recorders[lin.key].inner
+    return out, recorders
+
+
+@torch.inference_mode()
+def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tensor, batch, codebook: str,
+                    scale_search: bool, dev: torch.device, sequential: bool = True,
+                    state_fp: torch.Tensor | None = None, error_target: float = 0.0
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """Quantize one decoder layer's linear groups; returns the hidden states advanced through the quantized
+    layer, the dense model's states advanced through the dense layer (``state_fp``, when given) and stats.
+
+    ``sequential``: the groups are quantized in the order the layer calls them, and each group's Hessian is
+    captured after the groups before it are quantized (the o_proj sees the quantized q/k/v's error, the MLP
+    the quantized attention's), instead of all from one pass with the dense layer.
+    ``state_fp`` with ``error_target`` > 0: each linear is quantized towards the weight that best maps its
+    input in the quantized model to its output in the dense model (:func:`compensated_weights`).
+    """
+    from .quant.exl3.quantize import compensated_weights
+
+    linears = {lin.key: lin for lin in layer_linears(layer)}
+    dense_inputs: dict[str, torch.Tensor] = {}
+    new_state_fp = None
+    if state_fp is not None:
+        new_state_fp, recorders = _record(layer, list(linears.values()), state_fp, batch, keep_inputs=True)
+        new_state_fp = new_state_fp.float()
+        for group in plan:
+            inputs = recorders[group.keys[0]].group_inputs()
+            if inputs is not None:
+                dense_inputs.update({k: inputs for k in group.keys})
+        del recorders
+    use_targets = error_target > 0 and bool(dense_inputs)
+    refs = dense_inputs if use_targets else None
+    reference, recorders = _record(layer, list(linears.values()), state, batch, refs)
+    # The order the layer calls its groups in: a group's inputs depend only on the groups called before it.
+    order = sorted(plan, key=lambda g: (recorders[g.keys[0]].group is None, recorders[g.keys[0]].group or 0))
+    tokens = state.reshape(-1, state.shape[-1]).shape[0]
+    # Groups that see every token (attention, dense MLPs, shared experts) start a new capture pass of all the
+    # groups not yet quantized; routed experts keep the latest pass's Hessians (a pass per expert would
+    # cost a layer forward each, and quantizing one expert does not change another's inputs).
+    sees_all = {id(g): recorders[g.keys[0]]._owner().count == tokens for g in plan}
 
     tensors: dict[str, torch.Tensor] = {}
-    numel, proxies = 0, []
-    for gi, group in enumerate(plan):
+    numel, proxies = 0, {}
+    for position, group in enumerate(order):
         members = [linears[k] for k in group.keys]
+        if sequential and position > 0 and sees_all[id(group)]:
+            remaining = [linears[k] for g in order[position:] for k in g.keys]
+            recorders.update(_record(layer, remaining, state, batch, refs)[1])
+        rec = recorders[group.keys[0]]
+        hessian = rec.finished_hessian()
         parts = [_dense_parts(m) for m in members]
-        hessian = recorders[group.keys[0]].finished_hessian()
-        qts, st = quantize_group([w for w, _ in parts], hessian, group.bits, codebook, seed=index * 1000 + gi,
+        weights = [w for w, _ in parts]
+        cross = rec.finished_cross() if use_targets else None
+        if cross is not None and hessian is not None:
+            weights = compensated_weights(weights, hessian, cross, error_target)
+        gi = plan.index(group)
+        qts, st = quantize_group(weights, hessian, group.bits, codebook, seed=index * 1000 + gi,
                                  biases=[b for _, b in parts], scale_search=scale_search, device=dev)
         for m, qt in zip(members, qts):
             tensors.update(qt.state_dict(m.key))
             m.impl = EXL3Linear.from_quantized(qt, m.in_features, m.out_features, dev, m.key)
         numel += st.numel
-        proxies.append(round(st.proxy_error, 6))
+        proxies[gi] = round(st.proxy_error, 6)
+    del recorders, dense_inputs
     # Advance the hidden states through the quantized layer: later layers see this layer's error.
     new_state = layer.forward(state, batch).float()
     rfn = ((new_state - reference).norm() / reference.norm().clamp_min(1e-30)).item()
     layer.unload()  # the layer is finished: free its weights
-    return new_state, {"key": layer.key, "numel": numel, "rfn": rfn, "proxy_errors": proxies,
-                       "bits": [g.bits for g in plan], "tensors": tensors}
+    stats = {"key": layer.key, "numel": numel, "rfn": rfn, "proxy_errors": [proxies[i] for i in sorted(proxies)],
+             "bits": [g.bits for g in plan], "tensors": tensors}
+    if new_state_fp is not None:  # the error of the quantized model so far, against the dense model's states
+        stats["rfn_dense"] = ((new_state - new_state_fp).norm() / new_state_fp.norm().clamp_min(1e-30)).item()
+    return new_state, new_state_fp, stats
 
 
 @torch.inference_mode()
 def _quantize_head(model, state: torch.Tensor, head_bits: int, codebook: str, scale_search: bool,
-                   dev: torch.device, num_layers: int) -> tuple[dict, dict[str, torch.Tensor]]:
+                   dev: torch.device, num_layers: int, state_fp: torch.Tensor | None = None,
+                   error_target: float = 0.0) -> tuple[dict, dict[str, torch.Tensor]]:
+    from .quant.exl3.quantize import compensated_weights
+
     head = model.lm_head
     weight, bias = _dense_parts(head)
     if head_bits == 16:
@@ -648,7 +772,11 @@ def _quantize_head(model, state: torch.Tensor, head_bits: int, codebook: str, sc
     x = model.norm.forward(state)
     rows = x.reshape(-1, x.shape[-1]).float()
     hessian = rows.t() @ rows / rows.shape[0]
-    (qt,), st = quantize_group([weight], hessian, head_bits, codebook, seed=num_layers * 1000 + 999,
+    target = weight
+    if state_fp is not None and error_target > 0:
+        ref = model.norm.forward(state_fp).reshape(-1, x.shape[-1]).float()
+        (target,) = compensated_weights([weight], hessian, rows.t() @ ref / rows.shape[0], error_target)
+    (qt,), st = quantize_group([target], hessian, head_bits, codebook, seed=num_layers * 1000 + 999,
                                biases=[bias], scale_search=scale_search, device=dev)
     return ({"key": "lm_head", "numel": st.numel, "bits": head_bits, "proxy_errors": [round(st.proxy_error, 6)]},
             qt.state_dict("lm_head"))
@@ -809,6 +937,12 @@ def add_cli(subparsers) -> None:
     p.add_argument("--codebook", default=CODEBOOK, choices=("mul1", "mcg", "3inst"))
     p.add_argument("--shard-size", type=positive_int, default=8192, help="shard size in MB (default 8192)")
     p.add_argument("--no-scale-search", action="store_true", help="skip the global scale search (faster, slightly worse)")
+    p.add_argument("--no-sequential", action="store_true",
+                   help="capture every linear group's Hessian in one pass of the dense layer (instead of after the "
+                        "groups before it are quantized)")
+    p.add_argument("--error-target", type=float, default=ERROR_TARGET, metavar="S",
+                   help="0..1: how far each linear's target moves from its dense weight towards the weight that "
+                        "undoes the earlier layers' error (default %(default)s; 0 turns it off)")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=run)
 
@@ -818,6 +952,8 @@ def run(args) -> int:
         convert(args.input, args.output, args.work_dir, args.bits, head_bits=args.head_bits, resume=args.resume,
                 calibration=args.calibration, device=args.device, progress=not args.quiet, cal_rows=args.cal_rows,
                 cal_cols=args.cal_cols, codebook=args.codebook, scale_search=not args.no_scale_search,
+                sequential=not args.no_sequential,
+                error_target=args.error_target,
                 shard_size_mb=args.shard_size)
     except TrellmError as e:
         print(f"error: {e}", file=sys.stderr)

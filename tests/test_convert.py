@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import trellm
 from trellm.convert import ConversionError, ConversionInterrupted, PlanGroup, allocate_bits, convert
@@ -109,6 +110,37 @@ def test_interrupt_and_resume_is_byte_identical(converted):
         assert (root / "q4_resumed" / name).read_bytes() == (root / "q4" / name).read_bytes(), name
 
 
+def test_sequential_hessians_and_error_target(converted, tmp_path, monkeypatch):
+    """Layer 0 quantized twice: plain (one dense pass for every group's Hessian, the dense weights as targets) and
+    sequential with the error target. q/k/v see the embedding in both (same Hessian, and their inputs agree with
+    the dense model's, so the target is the dense weight itself); o_proj comes after the quantized q/k/v, so its
+    Hessian must differ and its target must move off the dense weight."""
+    import trellm.convert as conv
+
+    src = converted[0]
+    seen: dict[str, list] = {}
+    real = conv.quantize_group
+
+    def spy(weights, hessian, bits, *args, **kwargs):
+        seen[run].append((weights, hessian))
+        return real(weights, hessian, bits, *args, **kwargs)
+
+    monkeypatch.setattr(conv, "quantize_group", spy)
+    dense = load_file(str(src / "model.safetensors"))
+    for run, kw in (("plain", dict(sequential=False, error_target=0.0)), ("new", dict(sequential=True, error_target=1.0))):
+        seen[run] = []
+        with pytest.raises(ConversionInterrupted):
+            convert(src, tmp_path / run, tmp_path / f"w_{run}", 3.0, stop_after_layer=0, scale_search=False,
+                    **dict(FAST, **kw))
+    (qkv_plain, h_qkv_plain), (o_plain, h_o_plain) = seen["plain"][:2]
+    (qkv_new, h_qkv_new), (o_new, h_o_new) = seen["new"][:2]
+    o_dense = dense["model.layers.0.self_attn.o_proj.weight"].float()
+    assert torch.equal(o_plain[0], o_dense) and torch.equal(h_qkv_plain, h_qkv_new)
+    assert torch.allclose(qkv_new[0], dense["model.layers.0.self_attn.q_proj.weight"].float(), atol=1e-6)
+    assert (h_o_new - h_o_plain).norm() > 1e-3 * h_o_plain.norm()  # sequential: o_proj sees the quantized q/k/v
+    assert (o_new[0] - o_dense).norm() > 1e-2 * o_dense.norm()  # error target: o_proj compensates their error
+
+
 def test_fractional_bits_mix_and_cli(converted, capsys):
     src, root, _ = converted
     from trellm.cli import main
@@ -141,6 +173,8 @@ def test_errors_name_the_problem(converted, tmp_path, monkeypatch):
         convert(src, tmp_path / "o", tmp_path / "w", 9.0, **FAST)
     with pytest.raises(ConversionError, match="head_bits"):
         convert(src, tmp_path / "o", tmp_path / "w", 4.0, **dict(FAST, head_bits=10))
+    with pytest.raises(ConversionError, match="error_target must be a number between 0 and 1, got 1.5"):
+        convert(src, tmp_path / "o", tmp_path / "w", 4.0, **dict(FAST, error_target=1.5))
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"]}))

@@ -6,7 +6,7 @@ import torch
 
 from trellm.ops import exl3 as ops
 from trellm.quant.exl3 import EXL3Linear, dequantize, quantize_group, quantize_linear
-from trellm.quant.exl3.quantize import block_ldl, hessian_form, rate_distortion_bound, relative_mse
+from trellm.quant.exl3.quantize import block_ldl, compensated_weights, hessian_form, rate_distortion_bound, relative_mse
 from trellm.quant.exl3.viterbi import encode_tiles
 
 
@@ -122,3 +122,23 @@ def test_scale_refit_lowers_the_output_error():
         assert stats.proxy_error == pytest.approx(errs[refit], rel=0.02)  # the proxy is the real output error
     print(f"\nK=2 output rel. MSE: no refit {errs[False]:.5f}, refit {errs[True]:.5f}")
     assert errs[True] < 0.99 * errs[False]
+
+
+def test_compensated_weights_reproduce_the_dense_outputs_from_the_quantized_inputs():
+    """W* maps the perturbed inputs x to W x_ref far better than W does; with unperturbed inputs it is W itself."""
+    gen = torch.Generator().manual_seed(0)
+    mix = torch.randn(64, 64, generator=gen) / 8
+    x_ref = torch.randn(8192, 64, generator=gen) @ (torch.eye(64) + mix)
+    x = x_ref @ (torch.eye(64) + 0.2 * torch.randn(64, 64, generator=gen) / 8) + 0.05 * torch.randn(8192, 64, generator=gen)
+    w = torch.randn(32, 64, generator=gen)
+    h, cross = x.t() @ x / len(x), x.t() @ x_ref / len(x)
+    target = x_ref @ w.t()
+    (w_star,) = compensated_weights([w], h, cross)
+    err_plain = (x @ w.t() - target).pow(2).mean().item()
+    err_star = (x @ w_star.t() - target).pow(2).mean().item()
+    assert err_star < 0.1 * err_plain, (err_plain, err_star)
+    (w_half,) = compensated_weights([w], h, cross, strength=0.5)
+    assert torch.allclose(w_half, (w + w_star) / 2, atol=1e-5)
+    h_ref = x_ref.t() @ x_ref / len(x_ref)
+    (same,) = compensated_weights([w], h_ref, h_ref)
+    assert torch.allclose(same, w, atol=1e-6)

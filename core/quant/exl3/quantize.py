@@ -211,6 +211,32 @@ def refit_scales(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor, members: lis
     return r_all, c
 
 
+def compensated_weights(weights: list[torch.Tensor], hessian: torch.Tensor, cross: torch.Tensor, strength: float = 1.0
+                        ) -> list[torch.Tensor]:
+    """The weights (HF [out, in]) that best map the quantized model's inputs x to the dense model's outputs.
+
+    A linear of the quantized model sees x, not the dense model's x_ref: quantizing W itself reproduces
+    W x, carrying the error of every layer before. The least-squares weight for W x_ref from x is
+    W* = W C^T H^-1 = W + W (C - H)^T H^-1 with H = E[x x^T] and C = E[x x_ref^T]; LDLQ towards W* in
+    the metric H then minimises E|W x_ref - Q x|^2 (the error-compensating target of asymmetric
+    calibration, as in GPTAQ). H is damped as in LDLQ in the correction term only, so W* = W exactly
+    when the inputs agree (C = H). ``strength`` in [0, 1] moves the target from W (0) to W* (1).
+    """
+    h = hessian.to(dtype=torch.float32, copy=True)
+    h.diagonal().add_(DAMPING * h.diagonal().mean().clamp_min(1e-20))
+    chol, info = torch.linalg.cholesky_ex(h)
+    del h
+    if int(info) != 0:  # not positive definite even damped: keep the dense weights as targets
+        return [w.float() for w in weights]
+    delta = cross.to(device=chol.device, dtype=torch.float32) - hessian.to(device=chol.device, dtype=torch.float32)
+    out = []
+    for w in weights:
+        w32 = w.to(device=chol.device, dtype=torch.float32)
+        correction = torch.cholesky_solve(delta @ w32.t(), chol).t()  # (H^-1 (C - H) W^T)^T
+        out.append(w32.add(correction, alpha=strength).to(w.device))
+    return out
+
+
 def quantize_group(
     weights: list[torch.Tensor],
     hessian: torch.Tensor | None,
