@@ -3,6 +3,7 @@
     python benchmarks/bench_moe_decode.py --device cuda                  # Qwen3.5-35B-A3B shape, bf16 weights
     python benchmarks/bench_moe_decode.py --device cuda --weights exl3   # random EXL3 (4-bit) weights
     python benchmarks/bench_moe_decode.py --device cuda --layers 8       # fewer layers (faster to set up)
+    python benchmarks/bench_moe_decode.py --device cuda --weights exl3 --generator  # + through the Generator
     python benchmarks/bench_moe_decode.py --tiny                         # CPU smoke run, tiny dims
 
 The model is built from trellm's modules (the qwen3_5_moe plugin) and filled with random tensors
@@ -22,6 +23,7 @@ import argparse
 import math
 import time
 import traceback
+from types import SimpleNamespace
 
 import torch
 from trellm.batch import ForwardBatch
@@ -63,6 +65,10 @@ class RandomWeights:
         if name.endswith("experts.gate_up_proj"):
             return self.stacked_experts  # [E, 2I, H] tensors rather than one Linear per expert
         return name.endswith((".weight", "A_log", "dt_bias"))  # no biases
+
+    def info(self, name: str) -> SimpleNamespace:
+        """No stored layout: every tensor is made in the shape it is asked for (never read as transposed)."""
+        return SimpleNamespace(shape=())
 
     def get(self, name: str, shape=None, dtype=None, device=None) -> torch.Tensor:
         t = torch.empty(shape, dtype=torch.float32 if dtype is None else dtype, device=device)
@@ -159,9 +165,11 @@ def _decode_graph(model, cache, seqs, slot_t, first_ids: list[int], page: int):
     return graph
 
 
-def run(model, cfg, batch_size: int, prompt_len: int, steps: int, device, use_graph: bool) -> dict[str, float | str]:
+def run(model, cfg, batch_size: int, prompt_len: int, steps: int, device, use_graph: bool,
+        use_generator: bool = False) -> dict[str, float | str]:
     """Decode tokens/s of ``batch_size`` sequences decoding together: eagerly (one host round trip per
-    step) and, when ``use_graph`` and the step is capturable, as CUDA-graph replays."""
+    step), when ``use_graph`` and the step is capturable as CUDA-graph replays, and with ``use_generator``
+    through the Generator (async scheduling off and on)."""
     page = 64
     total = prompt_len + 2 * (steps + 4) + 8
     cache = model.make_cache(max_tokens=batch_size * (-(-total // page) + 1) * page, page_size=page, max_slots=batch_size)
@@ -214,7 +222,31 @@ def run(model, cfg, batch_size: int, prompt_len: int, steps: int, device, use_gr
                 del graph
     for s in seqs:
         s.release()
+    if use_generator:
+        for overlap in (False, True):
+            result["gen-async" if overlap else "gen"] = generator_rate(model, prompts, steps, page, overlap)
     return result
+
+
+def generator_rate(model, prompts: list[list[int]], steps: int, page: int, async_scheduling: bool) -> float:
+    """Decode tokens/s of the same jobs through trellm's Generator (its paged cache, CUDA graphs, device
+    sampling and host bookkeeping), over the steps that do no prefill work."""
+    from trellm.generator import Generator, Job, JobStarted, PrefillProgress
+
+    total = len(prompts[0]) + steps + 4
+    gen = Generator(model, max_batch_size=len(prompts), cache_tokens=len(prompts) * (-(-total // page) + 2) * page,
+                    page_size=page, max_chunk_tokens=max(512, len(prompts) * len(prompts[0])), prefix_caching=False,
+                    async_scheduling=async_scheduling)
+    gen.generate([p[:8] for p in prompts], 3, stop_token_ids=[])  # warm-up: captures this batch size's graph
+    gen.enqueue([Job(p, steps + 4, stop_token_ids=[]) for p in prompts])
+    decode_time, decode_tokens = 0.0, 0
+    while gen.has_work():
+        t0 = time.perf_counter()
+        results = gen.iterate()
+        if not any(isinstance(r, (JobStarted, PrefillProgress)) for r in results):
+            decode_time += time.perf_counter() - t0
+            decode_tokens += sum(len(getattr(r, "token_ids", ())) for r in results if type(r).__name__ == "TokenChunk")
+    return decode_tokens / decode_time if decode_time else 0.0
 
 
 def main() -> None:
@@ -230,6 +262,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--no-graph", action="store_true", help="time eager decode only (no CUDA-graph capture)")
+    ap.add_argument("--generator", action="store_true",
+                    help="also decode the same jobs through the Generator (rows gen, gen-async), beside the captured step")
     ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s for the ideal (default: measured on CUDA, 50e9 on CPU)")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -268,18 +302,21 @@ def main() -> None:
     state_bytes = sum(l.nbytes() for l in model.make_cache(max_tokens=64, page_size=64, max_slots=1).state_layers())
     print(f"MoE dispatch at decode: {'sync-free pair kernels (graph-capturable)' if sync_free else 'grouped by expert (host sync per layer)'}; "
           f"recurrent state per sequence {state_bytes / 1e6:.1f} MB (read + written each step, not in the ideal)")
-    print(f"{'batch':>5} {'mode':>6} {'tokens/s':>10} {'ms/step':>9} {'ideal tok/s':>12} {'of ideal':>9} {'GB read/step':>13}")
+    print(f"{'batch':>5} {'mode':>9} {'tokens/s':>10} {'ms/step':>9} {'ideal tok/s':>12} {'of ideal':>9} {'GB read/step':>13}")
     for b in args.batch:
         touched = experts * (1 - (1 - top_k / experts) ** b)
         step_bytes = dense_bytes + touched * expert_bytes * moe_layers_count
         ideal = b * bandwidth / step_bytes
-        res = run(model, cfg, b, args.prompt, steps, device, not args.no_graph)
-        for mode in ("eager", "graph"):
+        res = run(model, cfg, b, args.prompt, steps, device, not args.no_graph, args.generator)
+        for mode in ("eager", "graph", "gen", "gen-async"):
             if mode in res:
                 tps = res[mode]
-                print(f"{b:>5} {mode:>6} {tps:>10.1f} {1e3 * b / tps:>9.2f} {ideal:>12.0f} {tps / ideal:>8.1%} {step_bytes / 1e9:>13.3f}")
+                print(f"{b:>5} {mode:>9} {tps:>10.1f} {1e3 * b / tps:>9.2f} {ideal:>12.0f} {tps / ideal:>8.1%} {step_bytes / 1e9:>13.3f}")
         if "graph" in res and "eager" in res:
             print(f"{'':>5} graph / eager: {res['graph'] / res['eager']:.2f}x")
+        for mode in ("gen", "gen-async"):
+            if res.get(mode) and "graph" in res:
+                print(f"{'':>5} {mode} / graph: {res[mode] / res['graph']:.2f}x (target: >= 0.90)")
         if "graph_error" in res:
             print(f"{'':>5} graph capture failed, eager only: {res['graph_error']}")
 
