@@ -173,7 +173,6 @@ class _Launched:
     plan: list  # (job, tokens fed, draft tokens among them)
     cu: list[int]  # token offsets of the plan's jobs in the batch
     row_start: list[int]  # each job's first logits row
-    ahead: int  # tokens each job was fed past its committed ones (1: queued by async scheduling)
     ids: torch.Tensor | None  # the chosen token of every logits row, on the device
     readback: Callable[[], list] | None
     top: int  # top log-probabilities per row in the read-back (-1: none)
@@ -727,7 +726,7 @@ class Generator:
         self._launches += 1
         self.stats["steps_ahead"] += ahead
         readback = self._readback[self._launches % 2].start(packed) if packed is not None else None
-        return _Launched(plan, cu, row_start, ahead, ids, readback, top, full, hidden)
+        return _Launched(plan, cu, row_start, ids, readback, top, full, hidden)
 
     def _complete(self, step: _Launched, results: list[Result]) -> None:
         """Read ``step``'s tokens back and commit them: accept, stream, finish, name full pages. Jobs that
