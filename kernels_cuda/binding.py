@@ -1153,3 +1153,36 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     )
     _check(rc, "lora_add")
     return out
+
+
+LORA_MAX_PARTS = 4  # TRELLM_LORA_MAX_PARTS
+
+
+def lora_add_parts(ys: Sequence[torch.Tensor], x: torch.Tensor, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor],
+                   slots: torch.Tensor, rank: int) -> list[torch.Tensor]:
+    """``trellm.ops.lora_add_parts``: each ``ys[p] += `` its row's update by ``a[p]``, ``b[p]``, in ONE launch.
+    x [rows, k]; ys[p] [rows, n_p] (rows may be strided); a[p] [S*rank, k], b[p] [n_p, S*rank]; one dtype."""
+    expect(x, "x", dtype=_FLOATS, shape=(None, None), contiguous=False)
+    rows, k = x.shape
+    if not 1 <= len(ys) <= LORA_MAX_PARTS or len(a) != len(ys) or len(b) != len(ys):
+        raise KernelArgumentError(f"parts: {len(ys)} outputs, {len(a)} A and {len(b)} B; 1..{LORA_MAX_PARTS} of each")
+    if not 1 <= rank <= LORA_MAX_RANK or a[0].dim() != 2 or a[0].shape[0] % rank:
+        raise KernelArgumentError(f"rank {rank}: must be 1..{LORA_MAX_RANK} and divide a's {list(a[0].shape)} rows")
+    width = a[0].shape[0]
+    for p, (y, ap, bp) in enumerate(zip(ys, a, b)):
+        expect(y, f"ys[{p}]", dtype=x.dtype, shape=(rows, None), device=x.device, contiguous=False)
+        expect(ap, f"a[{p}]", dtype=x.dtype, shape=(width, k), device=x.device)
+        expect(bp, f"b[{p}]", dtype=x.dtype, shape=(y.shape[1], width), device=x.device)
+    for t, name in ((x, "x"), *((y, f"ys[{p}]") for p, y in enumerate(ys))):
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise KernelArgumentError(f"{name}: the last dim must be contiguous (strides {t.stride()})")
+    expect(slots, "slots", dtype=torch.int64, shape=(rows,), device=x.device)
+    f = ffi()
+    rc = lib().trellm_lora_add_parts(
+        _ptr(x), x.stride(0) if rows else k, len(ys), f.new("void *[]", [_ptr(y) for y in ys]),
+        f.new("int64_t[]", [y.stride(0) if rows else y.shape[1] for y in ys]), f.new("void *[]", [_ptr(t) for t in a]),
+        f.new("void *[]", [_ptr(t) for t in b]), f.new("int64_t[]", [y.shape[1] for y in ys]), _ptr(slots, "int64_t *"),
+        rows, k, width // rank, rank, DTYPE_CODES[x.dtype], _stream(),
+    )
+    _check(rc, "lora_add_parts")
+    return list(ys)

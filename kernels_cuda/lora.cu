@@ -1,8 +1,9 @@
 // LoRA updates per row (the BGMV kernels of Punica / S-LoRA): each row of a batch may use a different
 // adapter slot, read from a device tensor, so one captured CUDA graph serves every mix of adapters.
 //
-// One launch per projection: every block first computes its row's h = A_s x (rank x k, a few thousand
-// multiply-adds, its A rows read from L2), then adds B_s h to its columns of y. Computing h again in each
+// One launch per projection, or per group of projections of one x (q/k/v, gate/up): every block first
+// computes its row's h = A_s x (rank x k, a few thousand multiply-adds, its A rows read from L2), then
+// adds B_s h to its columns of y. Computing h again in each
 // column block costs less than a second launch at decode sizes, where the launches are the cost.
 #include "common.cuh"
 
@@ -30,32 +31,56 @@ __device__ __forceinline__ float dot_row(const T *__restrict__ x, const T *__res
     return warp_sum(acc);
 }
 
+// One projection's share of a launch: its output columns and factors. Several parts of one x (q/k/v,
+// gate/up) go in one launch: the grid's column blocks are split between them, each block serves one part.
+struct Part {
+    const void *y;
+    void *out;
+    int64_t ldy, ldo, n;
+    const void *a, *b;
+    int first_block;  // this part's first column block (blockIdx.y)
+    bool vec;         // a's rows (and x) allow 16-byte loads
+};
+
+struct Parts {
+    Part p[TRELLM_LORA_MAX_PARTS];
+    int count;
+};
+
 template <typename T>
-__global__ void lora_add_kernel(const T *__restrict__ x, int64_t ldx, const T *y, int64_t ldy, T *out, int64_t ldo,
-                                const T *__restrict__ a, const T *__restrict__ b, const int64_t *__restrict__ slots,
-                                int64_t k, int64_t n, int64_t num_slots, int rank, bool vec) {
+__global__ void lora_add_kernel(const T *__restrict__ x, int64_t ldx, Parts parts, const int64_t *__restrict__ slots,
+                                int64_t k, int64_t num_slots, int rank) {
     __shared__ float hs[TRELLM_LORA_MAX_RANK];
+    Part part = parts.p[0];
+#pragma unroll
+    for (int i = 1; i < TRELLM_LORA_MAX_PARTS; ++i)
+        if (i < parts.count && (int)blockIdx.y >= parts.p[i].first_block) part = parts.p[i];
+    const T *y = static_cast<const T *>(part.y);
+    T *out = static_cast<T *>(part.out);
+    const int64_t n = part.n, ldy = part.ldy, ldo = part.ldo, col_block = (int64_t)blockIdx.y - part.first_block;
     const int64_t row = blockIdx.x;
     const int64_t s = slots[row];
     if (s < 0 || s >= num_slots) {  // the row as it is (nothing to do in place)
         if (y == out) return;
         for (int i = 0; i < COLS_PER_THREAD; ++i) {
-            const int64_t c = ((int64_t)blockIdx.y * COLS_PER_THREAD + i) * THREADS + threadIdx.x;
+            const int64_t c = (col_block * COLS_PER_THREAD + i) * THREADS + threadIdx.x;
             if (c < n) out[row * ldo + c] = y[row * ldy + c];
         }
         return;
     }
+    const T *a = static_cast<const T *>(part.a);
+    const T *b = static_cast<const T *>(part.b);
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const T *xr = x + row * ldx;
     for (int j = warp; j < rank; j += THREADS / 32) {
-        const float h = dot_row(xr, a + (s * rank + j) * k, k, vec && sizeof(T) == 2, lane);
+        const float h = dot_row(xr, a + (s * rank + j) * k, k, part.vec && sizeof(T) == 2, lane);
         if (lane == 0) hs[j] = h;
     }
     __syncthreads();
     const int64_t width = num_slots * rank;
 #pragma unroll
     for (int i = 0; i < COLS_PER_THREAD; ++i) {
-        const int64_t c = ((int64_t)blockIdx.y * COLS_PER_THREAD + i) * THREADS + threadIdx.x;
+        const int64_t c = (col_block * COLS_PER_THREAD + i) * THREADS + threadIdx.x;
         if (c >= n) break;
         const T *br = b + c * width + s * rank;
         float acc = 0.f;
@@ -64,22 +89,53 @@ __global__ void lora_add_kernel(const T *__restrict__ x, int64_t ldx, const T *y
     }
 }
 
+constexpr int64_t COLS_PER_BLOCK = THREADS * COLS_PER_THREAD;
+
+int launch(const void *x, int64_t ldx, Parts &parts, int blocks, const int64_t *slots, int64_t rows, int64_t k,
+           int64_t num_slots, int64_t rank, int dtype, cudaStream_t stream) {
+    if (rows == 0) return TRELLM_OK;
+    const dim3 grid((unsigned)rows, (unsigned)blocks);
+    TRELLM_DISPATCH_DTYPE(dtype, T, {
+        lora_add_kernel<T><<<grid, THREADS, 0, stream>>>(static_cast<const T *>(x), ldx, parts, slots, k, num_slots, (int)rank);
+        TRELLM_LAUNCH_CHECK();
+    });
+    return TRELLM_OK;
+}
+
+bool vec_ok(const void *x, int64_t ldx, const void *a, int64_t k) {
+    return k % VEC == 0 && ldx % VEC == 0 && ((uintptr_t)x % 16) == 0 && ((uintptr_t)a % 16) == 0;
+}
+
+bool shape_ok(int64_t rows, int64_t k, int64_t num_slots, int64_t rank) {
+    return rows >= 0 && rows <= 0x7fffffff && k > 0 && num_slots > 0 && rank > 0 && rank <= TRELLM_LORA_MAX_RANK;
+}
+
 }  // namespace
 
 extern "C" int trellm_lora_add(const void *x, int64_t ldx, const void *y, int64_t ldy, void *out, int64_t ldo,
                                const void *a, const void *b, const int64_t *slots, int64_t rows, int64_t k, int64_t n,
                                int64_t num_slots, int64_t rank, int dtype, cudaStream_t stream) {
-    if (rows < 0 || rows > 0x7fffffff || k <= 0 || n <= 0 || num_slots <= 0 || rank <= 0 ||
-        rank > TRELLM_LORA_MAX_RANK || ldx < k || ldy < n || ldo < n)
+    if (!shape_ok(rows, k, num_slots, rank) || n <= 0 || ldx < k || ldy < n || ldo < n) return TRELLM_E_BAD_SHAPE;
+    Parts parts{};
+    parts.count = 1;
+    parts.p[0] = Part{y, out, ldy, ldo, n, a, b, 0, vec_ok(x, ldx, a, k)};
+    return launch(x, ldx, parts, (int)((n + COLS_PER_BLOCK - 1) / COLS_PER_BLOCK), slots, rows, k, num_slots, rank, dtype, stream);
+}
+
+extern "C" int trellm_lora_add_parts(const void *x, int64_t ldx, int count, void *const *y, const int64_t *ldy,
+                                     const void *const *a, const void *const *b, const int64_t *n, const int64_t *slots,
+                                     int64_t rows, int64_t k, int64_t num_slots, int64_t rank, int dtype,
+                                     cudaStream_t stream) {
+    if (!shape_ok(rows, k, num_slots, rank) || count < 1 || count > TRELLM_LORA_MAX_PARTS || ldx < k)
         return TRELLM_E_BAD_SHAPE;
-    if (rows == 0) return TRELLM_OK;
-    const bool vec = k % VEC == 0 && ldx % VEC == 0 && ((uintptr_t)x % 16) == 0 && ((uintptr_t)a % 16) == 0;
-    const dim3 grid((unsigned)rows, (unsigned)((n + THREADS * COLS_PER_THREAD - 1) / (THREADS * COLS_PER_THREAD)));
-    TRELLM_DISPATCH_DTYPE(dtype, T, {
-        lora_add_kernel<T><<<grid, THREADS, 0, stream>>>(
-            static_cast<const T *>(x), ldx, static_cast<const T *>(y), ldy, static_cast<T *>(out), ldo, static_cast<const T *>(a),
-            static_cast<const T *>(b), slots, k, n, num_slots, (int)rank, vec);
-        TRELLM_LAUNCH_CHECK();
-    });
-    return TRELLM_OK;
+    Parts parts{};
+    parts.count = count;
+    int64_t blocks = 0;
+    for (int i = 0; i < count; ++i) {
+        if (n[i] <= 0 || ldy[i] < n[i]) return TRELLM_E_BAD_SHAPE;
+        parts.p[i] = Part{y[i], y[i], ldy[i], ldy[i], n[i], a[i], b[i], (int)blocks, vec_ok(x, ldx, a[i], k)};
+        blocks += (n[i] + COLS_PER_BLOCK - 1) / COLS_PER_BLOCK;
+    }
+    if (blocks > 65535) return TRELLM_E_BAD_SHAPE;
+    return launch(x, ldx, parts, (int)blocks, slots, rows, k, num_slots, rank, dtype, stream);
 }

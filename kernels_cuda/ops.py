@@ -621,6 +621,25 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     return binding.lora_add(y, x.to(a.dtype), a.contiguous(), b.contiguous(), slots.to(torch.int64).contiguous(), rank, out)
 
 
+@_lora.lora_add_parts.register("cuda")
+def lora_add_parts(ys: list[torch.Tensor], x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor],
+                   slots: torch.Tensor, rank: int):
+    dtype = a[0].dtype
+    if (
+        x.dim() != 2
+        or not 1 <= len(ys) <= binding.LORA_MAX_PARTS
+        or dtype not in _FLOATS
+        or not 1 <= rank <= binding.LORA_MAX_RANK
+        or (x.shape[1] > 1 and x.stride(1) != 1)
+        or any(y.dim() != 2 or y.dtype != dtype or (y.shape[1] > 1 and y.stride(1) != 1) for y in ys)
+        or any(t.dtype != dtype or t.shape != a[0].shape for t in a)
+        or any(t.dtype != dtype for t in b)
+    ):
+        return _lora.lora_add_parts.reference(ys, x, a, b, slots, rank)
+    return binding.lora_add_parts(ys, x.to(dtype), [t.contiguous() for t in a], [t.contiguous() for t in b],
+                                  slots.to(torch.int64).contiguous(), rank)
+
+
 REGISTERED = sorted(name for name, o in _ops._OPS.items() if "cuda" in o.impls)
 
 

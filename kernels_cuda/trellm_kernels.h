@@ -286,7 +286,7 @@ int trellm_paged_attention_prefill(const void *q, const void *k_pages, const voi
 /* ---- end tiled prefill ---- */
 /* ---- LoRA ---- */
 /* The largest adapter rank trellm_lora_add takes. */
-enum { TRELLM_LORA_MAX_RANK = 256 };
+enum { TRELLM_LORA_MAX_RANK = 256, TRELLM_LORA_MAX_PARTS = 4 };
 
 /* Per-row LoRA update, one launch: out[i, :] = y[i, :] + b[:, s*rank:(s+1)*rank] @ (a[s*rank:(s+1)*rank, :] @ x[i, :])
  * with s = slots[i]; rows whose s is negative (or >= num_slots) get y[i, :] as it is. out may be y (in place).
@@ -295,6 +295,13 @@ enum { TRELLM_LORA_MAX_RANK = 256 };
 int trellm_lora_add(const void *x, int64_t ldx, const void *y, int64_t ldy, void *out, int64_t ldo, const void *a,
                     const void *b, const int64_t *slots, int64_t rows, int64_t k, int64_t n, int64_t num_slots,
                     int64_t rank, int dtype, cudaStream_t stream);
+
+/* trellm_lora_add in place for 1..TRELLM_LORA_MAX_PARTS projections of one x (q/k/v, gate/up) in ONE launch:
+ * y[p] [rows, n[p]] (row stride ldy[p]) += b[p] @ (a[p] @ x) per row's slot; every part has the same k, slots,
+ * num_slots and rank. */
+int trellm_lora_add_parts(const void *x, int64_t ldx, int count, void *const *y, const int64_t *ldy,
+                          const void *const *a, const void *const *b, const int64_t *n, const int64_t *slots,
+                          int64_t rows, int64_t k, int64_t num_slots, int64_t rank, int dtype, cudaStream_t stream);
 /* ABI END */
 
 #ifdef __cplusplus

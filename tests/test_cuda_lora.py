@@ -43,6 +43,27 @@ def test_lora_add_kernel_matches_reference(ops, dtype, rows, k, n, num_slots, ra
     assert torch.equal(y, before) and torch.equal(out, got)  # out of place: y kept, every row of out written
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows,ns,rank", [(1, (4096, 1024, 1024), 16), (8, (14336, 14336), 16), (33, (256, 100, 3000, 8), 64)])
+def test_lora_add_parts_one_launch_matches_each_part_alone(ops, dtype, rows, ns, rank):
+    """q/k/v (or gate/up) updates in one launch equal each part's own lora_add, strided outputs included."""
+    k, num_slots = 2048, 3
+    cases = [_case(rows, k, n, num_slots, rank, dtype, seed=p) for p, n in enumerate(ns)]
+    x, slots = cases[0][1], cases[0][4]
+    wide = torch.zeros(rows, sum(ns) + 64, dtype=dtype, device="cuda")  # parts as column views of one buffer
+    ys, edge = [], 32
+    for (y, *_), n in zip(cases, ns):
+        wide[:, edge:edge + n] = y
+        ys.append(wide[:, edge:edge + n])
+        edge += n
+    ops.lora_add_parts.impls["cuda"](ys, x, [c[2] for c in cases], [c[3] for c in cases], slots, rank)
+    for got, (y, _, a, b, _) in zip(ys, cases):
+        want = ops.lora_add.reference(y.clone().float(), x.float(), a.float(), b.float(), slots, rank)
+        assert rel_err(got, want) < 1e-2
+        assert torch.equal(got[slots < 0], y[slots < 0])
+    assert not wide[:, :32].any() and not wide[:, edge:].any()  # nothing written outside the parts
+
+
 def test_lora_add_kernel_strided_rows_and_bad_arguments(ops, kb):
     y, x, a, b, slots = _case(6, 256, 512, 2, 8, torch.float16)
     wide = torch.zeros(6, 1024, dtype=torch.float16, device="cuda")

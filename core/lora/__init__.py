@@ -11,8 +11,8 @@ No route may skip an adapter: a LoraWeights is a ``WrappedWeights``, so ``trellm
 call. It applies the pre step (the update needs the normed or gated input anyway) and projects the base
 weights through ``project`` again, keeping their fused routes: a sub-layer's last projection adds its
 update to the residual before the base's fused residual add (so the sums of squares the next norm reads
-include it); a q/k/v or gate/up group (:class:`LoraGroup`) runs its base group in one launch, adds each
-part's update, then its post step (RoPE and the KV write).
+include it); a q/k/v or gate/up group (:class:`LoraGroup`) runs its base group in one launch, adds every
+part's update in one more (``trellm.ops.lora_add_parts``), then its post step (RoPE and the KV write).
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class LoraWeights(WrappedWeights):
         if not self.carries:
             return y
         x2 = x.reshape(-1, x.shape[-1])
-        slots = self.owner.rows(self.head, x2.shape[0], self.key, x2.device)
+        slots = self.row_slots(x2)
         if slots is None:
             return y
         if not y.is_contiguous():
@@ -72,6 +72,10 @@ class LoraWeights(WrappedWeights):
         y2 = y.view(-1, y.shape[-1])
         out = ops.lora_add(y2, x2, self.a, self.b, slots, self.owner.rank, out=None if in_place else torch.empty_like(y2))
         return y if in_place else out.view(y.shape)
+
+    def row_slots(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """The adapter slot of each row of ``x2`` [rows, in] (None: the batch names no adapters)."""
+        return self.owner.rows(self.head, x2.shape[0], self.key, x2.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_update(self.base.forward(x), x)
@@ -109,8 +113,21 @@ class LoraGroup(WrappedWeights):
         self.out_features = sum(p.out_features for p in self.parts)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:  # type: ignore[override]
-        ys = self.base.forward(x)
-        return [p.add_update(y, x) if isinstance(p, LoraWeights) else y for p, y in zip(self.parts, ys)]
+        """The base group, then every adapted part's update in one ``lora_add_parts`` (one launch on CUDA)."""
+        ys = list(self.base.forward(x))
+        adapted = [i for i, p in enumerate(self.parts) if isinstance(p, LoraWeights) and p.carries]
+        if not adapted:
+            return ys
+        x2 = x.reshape(-1, x.shape[-1])
+        lead = self.parts[adapted[0]]
+        slots = lead.row_slots(x2)
+        if slots is None:
+            return ys
+        for i in adapted:
+            ys[i] = ys[i].contiguous()
+        ops.lora_add_parts([ys[i].view(-1, ys[i].shape[-1]) for i in adapted], x2, [self.parts[i].a for i in adapted],
+                           [self.parts[i].b for i in adapted], slots, lead.owner.rank)
+        return ys
 
     def project(self, x, pre=None, post=None):
         ys = self.forward(projection_input(x, pre))

@@ -127,4 +127,4 @@ from .deltanet import (  # noqa: E402,F401
     ssd_step,
 )
 from .kv_quant import kv_dequantize, kv_dequantize_pages, kv_quantize, kv_quantize_store  # noqa: E402,F401
-from .lora import lora_add  # noqa: E402,F401
+from .lora import lora_add, lora_add_parts  # noqa: E402,F401

@@ -30,3 +30,11 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     if out is None:
         return y.add_(delta)
     return torch.add(y, delta, out=out)
+
+
+@op
+def lora_add_parts(ys: list[torch.Tensor], x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor],
+                   slots: torch.Tensor, rank: int) -> list[torch.Tensor]:
+    """:func:`lora_add` in place for several projections of one x (q/k/v, gate/up): ``ys[p]`` gets the
+    update by ``a[p]``, ``b[p]``. A backend may do all parts in one launch (the CUDA kernel does, up to 4)."""
+    return [lora_add.reference(y, x, ap, bp, slots, rank) for y, ap, bp in zip(ys, a, b)]
