@@ -129,9 +129,9 @@ def captured_step_ms(gen: Generator, n: int, reps: int = 50) -> float | None:
     work alone, on the inputs its last step staged), or None when no graph ran that size."""
     runner = gen.graph_runner
     size = None if runner is None else next((b for b in runner.batch_sizes if b >= n), None)
-    if size is None or size not in runner.graphs:
+    if size is None or (size, 1) not in runner.graphs:
         return None
-    graph = runner.graphs[size][0]
+    graph = runner.graphs[size, 1][0]
     for _ in range(3):
         graph.replay()
     times = []

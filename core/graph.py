@@ -8,13 +8,21 @@ write to a scratch page (and, on a model with recurrent layers, a scratch state 
 takes that page and slot when it is made, while the cache is still empty: a capture happens lazily,
 in the middle of decoding, when running jobs may hold every page, so it must never need a free one.
 
+Speculative verification steps feed each sequence its last token and up to k draft tokens. They are
+captured per (padded batch size, width = k + 1): every row holds ``width`` tokens, a row with a shorter
+draft is filled up with placeholder tokens after its real ones (causal attention keeps them out of the
+real positions' results; their logits rows are never read, and their cache entries lie past the
+sequence's length, where rejected draft tokens go too), and a row whose pages end before its last
+placeholder borrows the scratch page for it. With ``hidden_states`` every graph also returns the
+decoder's hidden rows (before the final norm), which an MTP draft head reads.
+
 Capture needs every op on the path to be free of host syncs (the CUDA kernels are); when capture
 fails the runner falls back to eager execution and says so once.
 """
 from __future__ import annotations
 
 import warnings
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -34,17 +42,20 @@ class GraphRunner:
     elsewhere into them field by field.
     """
 
-    def __init__(self, model, cache, batch_sizes=DEFAULT_BATCH_SIZES, max_context: int | None = None):
+    def __init__(self, model, cache, batch_sizes=DEFAULT_BATCH_SIZES, max_context: int | None = None,
+                 hidden_states: bool = False):
         self.model, self.cache = model, cache
+        self.hidden_states = hidden_states  # each graph returns (hidden rows before the final norm, logits)
         self.device = cache.device
         # a tensor-parallel model sends each step's inputs to its other ranks: no graph can hold that
         self.enabled = self.device.type == "cuda" and getattr(model, "capturable", True)
         self.batch_sizes = sorted(batch_sizes)
         self.page_size = cache.page_size
         self.max_pages = cache.pages_for(max_context) if max_context else cache.num_pages
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, ForwardBatch, torch.Tensor]] = {}
-        self.buffers: dict[int, StepBuffers] = {}
-        self._failed: set[int] = set()
+        # (padded batch size, tokens per row) -> (graph, its static inputs, its outputs)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, ForwardBatch, Any]] = {}
+        self.buffers: dict[tuple[int, int], StepBuffers] = {}
+        self._failed: set[tuple[int, int]] = set()
         self.pool = None
         self._scratch_page: int | None = self._reserve_scratch_page()
         self.state_slots = bool(cache.state_layers())  # the step reads each sequence's recurrent-state slot
@@ -89,13 +100,18 @@ class GraphRunner:
             and (batch.state_slots is not None) == self.state_slots
         )
 
-    def _padding_batch(self, size: int) -> ForwardBatch:
-        """The graph's static inputs: ``size`` padding rows (one token each, written to the scratch page)."""
-        if size not in self.buffers:
-            # ids, positions, slots, logits rows (int64) + table, cu, ctx, cached (int32); each field 16-byte aligned
-            need = 5 * (size + 1) + (size * self.max_pages + 3 * size + 1) // 2 + 8
-            self.buffers[size] = StepBuffers(self.device, capacity=need, growable=False)
-        return self._build(self.buffers[size], [], [], [], [], size, state_slots=[] if self.state_slots else None)
+    def _padding_batch(self, size: int, width: int = 1) -> ForwardBatch:
+        """The graph's static inputs: ``size`` padding rows of ``width`` tokens each (written to the scratch page)."""
+        key = (size, width)
+        if key not in self.buffers:
+            tokens = size * width
+            # ids, positions, slots, logits rows, lora slots (int64, per token), state slots (per row) + table, cu,
+            # ctx, cached (int32); each field 16-byte aligned
+            need = 6 * (tokens + 2) + (size * self.max_pages + 3 * size + 16) // 2 + 8
+            self.buffers[key] = StepBuffers(self.device, capacity=need, growable=False)
+        if width == 1:
+            return self._build(self.buffers[key], [], [], [], [], size, state_slots=[] if self.state_slots else None)
+        return self.stage(size, [], [], [], width=width, state_slots=[] if self.state_slots else None)
 
     def _build(self, buffers: StepBuffers, feeds, cached_lens, page_rows, logits_rows, size: int,
                lora_slots: Sequence[int] | None = None, state_slots: Sequence[int] | None = None) -> ForwardBatch:
@@ -106,24 +122,36 @@ class GraphRunner:
                              max_seq_len=self.max_pages * self.page_size, lora_slots=lora_slots,
                              pad_state_slot=self._scratch_slot or 0)
 
-    def _capture(self, size: int):
-        batch = self._padding_batch(size)
+    def _step(self, batch: ForwardBatch) -> Any:
+        """What a graph runs: the model's forward, and with ``hidden_states`` the hidden rows it came from."""
+        if not self.hidden_states:
+            return self.model.forward(batch)
+        hidden = self.model.hidden_states(batch)
+        return hidden, self.model.logits_from_hidden(hidden, batch)
+
+    def _capture(self, size: int, width: int = 1):
+        batch = self._padding_batch(size, width)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: lazy tables, kernel library loading, autotuning
-                self.model.forward(batch)
+                self._step(batch)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.model.forward(batch)
+            out = self._step(batch)
         self.pool = graph.pool()
         return graph, batch, out
 
-    def graph_size(self, num_seqs: int) -> int | None:
-        """The padded batch size whose graph runs a decode step of ``num_seqs`` sequences, captured now
-        if it is not yet; None when that step must run eagerly (no graphs here, too many sequences,
-        capture failed)."""
+    def fits(self, page_rows: Sequence[Sequence[int]], width: int = 1) -> bool:
+        """Whether a step with these page lists fits the graphs' block table (a verification row may borrow
+        the scratch page for its placeholder tokens, so it needs one column more)."""
+        return max(map(len, page_rows)) + (width > 1) <= self.max_pages and width <= self.page_size
+
+    def graph_size(self, num_seqs: int, width: int = 1) -> int | None:
+        """The padded batch size whose graph runs a step of ``num_seqs`` sequences feeding ``width`` tokens each
+        (1: a decode step; k + 1: a verification of k draft tokens), captured now if it is not yet; None when
+        that step must run eagerly (no graphs here, too many sequences, capture failed)."""
         if not self.enabled or num_seqs > self.batch_sizes[-1]:
             return None
         if self._lora_now() != self._lora_version:  # adapters loaded or unloaded since these were captured
@@ -132,32 +160,49 @@ class GraphRunner:
             self._failed.clear()
             self._lora_version = self._lora_now()
         size = next(b for b in self.batch_sizes if b >= num_seqs)
-        if size in self._failed:
+        key = (size, width)
+        if key in self._failed:
             return None
-        if size not in self.graphs:
+        if key not in self.graphs:
             try:
-                self.graphs[size] = self._capture(size)
+                self.graphs[key] = self._capture(size, width)
             except Exception as e:  # an op on the path is not capturable: run eagerly
-                self._failed.add(size)
+                self._failed.add(key)
                 # e.g. an op that reads device values on the host: the reference paged attention (head
                 # sizes the CUDA kernel lacks) or the quantized KV cache's page gather
-                warnings.warn(f"trellm: CUDA graph capture failed for batch {size}, decoding eagerly ({e})")
-                torch.cuda.synchronize(self.device)
+                what = f"batch {size}" if width == 1 else f"batch {size} verifying {width - 1} draft tokens"
+                warnings.warn(f"trellm: CUDA graph capture failed for {what}, running it eagerly ({e})")
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
                 return None
         return size
 
     def stage(self, size: int, feeds: Sequence[Sequence[int]], cached_lens: Sequence[int],
               page_rows: Sequence[Sequence[int]], lora_slots: Sequence[int] | None = None,
-              state_slots: Sequence[int] | None = None) -> ForwardBatch:
-        """Write one decode step (one token per sequence) into graph ``size``'s inputs: one host->device copy."""
-        return self._build(self.buffers[size], feeds, cached_lens, page_rows, range(len(feeds)), size, lora_slots,
-                           state_slots)
+              state_slots: Sequence[int] | None = None, width: int = 1) -> ForwardBatch:
+        """Write one step into graph ``(size, width)``'s inputs (one host->device copy): each sequence's fed
+        tokens (one, or at most ``width`` for a verification), then placeholder tokens and padding rows."""
+        if width == 1:
+            return self._build(self.buffers[size, 1], feeds, cached_lens, page_rows, range(len(feeds)), size, lora_slots,
+                               state_slots)
+        n, pad, scratch = len(feeds), size - len(feeds), self._scratch_page
+        rows = [list(f) + [0] * (width - len(f)) for f in feeds] + [[0] * width] * pad
+        pages = [p if len(p) * self.page_size >= c + width else [*p, scratch] for p, c in zip(page_rows, cached_lens)]
+        if lora_slots is None and self._lora_version is not None:
+            lora_slots = [-1] * n
+        return self.buffers[size, width].build(
+            rows, [*cached_lens, *[0] * pad], pages + [[scratch]] * pad, self.cache, None,
+            state_slots=None if state_slots is None else [*state_slots, *[self._scratch_slot] * pad],
+            table_width=self.max_pages, pad_page=scratch, max_seq_len=self.max_pages * self.page_size,
+            lora_slots=None if lora_slots is None else [*lora_slots, *[-1] * pad])
 
-    def replay(self, size: int, num_seqs: int) -> torch.Tensor:
-        """Replay graph ``size`` on what :meth:`stage` wrote; logits of the first ``num_seqs`` rows."""
-        graph, _, out = self.graphs[size]
+    def replay(self, size: int, num_seqs: int, width: int = 1) -> Any:
+        """Replay graph ``(size, width)`` on what :meth:`stage` wrote; the outputs of the first ``num_seqs`` rows
+        (``width`` token rows each): logits, or (hidden rows, logits) with ``hidden_states``."""
+        graph, _, out = self.graphs[size, width]
         graph.replay()
-        return out[:num_seqs]
+        rows = num_seqs * width
+        return tuple(t[:rows] for t in out) if self.hidden_states else out[:rows]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         if not self._is_decode(batch):
@@ -166,7 +211,7 @@ class GraphRunner:
         size = self.graph_size(n)
         if size is None:
             return self.model.forward(batch)
-        _, s, _ = self.graphs[size]
+        _, s, _ = self.graphs[size, 1]
         width = batch.block_table.shape[1]
         s.input_ids[:n].copy_(batch.input_ids)
         s.positions[:n].copy_(batch.positions)

@@ -17,24 +17,35 @@ from test_hybrid_families import FAMILIES
 
 
 class EagerGraphs(GraphRunner):
-    """A GraphRunner whose "captured graph" is an eager forward over the same static inputs."""
+    """A GraphRunner whose "captured graph" is an eager forward over the same static inputs (the runner's own
+    ``_step``), copied into fixed outputs as a replay would leave them; ``staged`` logs each verification step's
+    (width, tokens fed per real row)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.enabled = self._scratch_page is not None and (self._scratch_slot is not None or not self.state_slots)
         self.replays = 0
+        self.staged: list[tuple[int, list[int]]] = []
 
-    def _capture(self, size: int):
-        batch = self._padding_batch(size)
-        out = self.model.forward(batch).clone()
+    def _capture(self, size: int, width: int = 1):
+        batch = self._padding_batch(size, width)
+        first = self._step(batch)
+        out = tuple(t.clone() for t in first) if self.hidden_states else first.clone()
         runner = self
 
         class Replay:
             def replay(self):
                 runner.replays += 1
-                out.copy_(runner.model.forward(batch))
+                now = runner._step(batch)
+                for dst, src in zip(out, now) if runner.hidden_states else ((out, now),):
+                    dst.copy_(src)
 
         return Replay(), batch, out
+
+    def stage(self, size, feeds, *args, width: int = 1, **kwargs):
+        if width > 1 and feeds:
+            self.staged.append((width, [len(f) for f in feeds]))
+        return super().stage(size, feeds, *args, width=width, **kwargs)
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h", "lfm2_moe"])
@@ -73,7 +84,7 @@ def test_hybrid_decode_through_the_graph_runner(hybrid):
 
     (eager, _), (replayed, gen) = run(False), run(True)
     assert replayed == eager
-    assert gen.graph_runner.replays > 20 and sorted(gen.graph_runner.graphs) == [2, 4]
+    assert gen.graph_runner.replays > 20 and sorted(gen.graph_runner.graphs) == [(2, 1), (4, 1)]
     assert gen.stats["reused_tokens"] > 0
     gen.graph_runner.close()
     gen.clear_prefix_cache()

@@ -81,13 +81,14 @@ def test_hy_v3_sigmoid_router_with_bias_and_shared_experts(tmp_path):
 # ---- MiMo: Qwen2 + an MTP layer (remote code upstream: checked against transformers' Qwen2 and by hand) ----
 
 
-def _mimo_checkpoint(tmp_path) -> tuple[Path, Path, dict]:
-    """A tiny Qwen2 saved twice: as is, and as MiMo (architecture renamed, random ``model.mtp_layers.0.*``)."""
+def _mimo_checkpoint(tmp_path, **overrides) -> tuple[Path, Path, dict]:
+    """A tiny Qwen2 (config ``overrides``) saved twice: as is, and as MiMo (architecture renamed, random
+    ``model.mtp_layers.0.*``)."""
     import shutil
 
     from test_mtp import add_mtp_tensors
 
-    plain = make_tiny_hf_model("Qwen2ForCausalLM", tmp_path / "qwen2")
+    plain = make_tiny_hf_model("Qwen2ForCausalLM", tmp_path / "qwen2", **overrides)
     mimo = tmp_path / "mimo"
     shutil.copytree(plain, mimo)
     layer = "model.mtp_layers.0."

@@ -250,7 +250,7 @@ class Generator:
         self.prefix_caching = prefix_caching
         if self.state_layers:  # evicting a page hands its state checkpoint back
             self.cache.prefix_cache.free_checkpoint = lambda slot: free_state_slot(self.cache, slot)
-        self.graph_runner = self._graph_runner() if cuda_graphs and self.hidden_sink is None else None
+        self.graph_runner = self._graph_runner() if cuda_graphs else None
         self.step_buffers = StepBuffers(self.cache.device, capacity=8 * (max_chunk_tokens + max_batch_size) + 1024)
         self.device_sampler = DeviceSampler(self.cache.device)
         # step n+1 queued on the device before step n is read back (default: on CUDA, where it hides the host's work)
@@ -418,15 +418,17 @@ class Generator:
     # ---- admission --------------------------------------------------------------------------------
 
     def _graph_runner(self) -> Any:
-        """A GraphRunner replaying captured decode steps, on CUDA only (models with recurrent layers too: the
-        graph reads each row's state slot, padding rows run in a scratch slot); batches with images or draft
-        tokens (more than one token per sequence) run eagerly."""
+        """A GraphRunner replaying captured decode and draft-verification steps, on CUDA only (models with
+        recurrent layers too: the graph reads each row's state slot, padding rows run in a scratch slot; with an
+        MTP proposer the graphs also return the hidden states it drafts from); batches with prefill chunks or
+        images run eagerly."""
         if self.cache.device.type != "cuda":
             return None
         from ..graph import DEFAULT_BATCH_SIZES, GraphRunner
 
         sizes = sorted({b for b in DEFAULT_BATCH_SIZES if b < self.max_batch_size} | {self.max_batch_size})
-        return GraphRunner(self.model, self.cache, batch_sizes=sizes, max_context=self.cache.capacity_tokens)
+        return GraphRunner(self.model, self.cache, batch_sizes=sizes, max_context=self.cache.capacity_tokens,
+                           hidden_states=self.hidden_sink is not None)
 
     def _default_stop_ids(self, model: Any) -> set[int]:
         if implements(model, HasDefaultStopIds):
@@ -698,7 +700,9 @@ class Generator:
         """Run ``plan``'s forward and choose its tokens on the device; start copying them to the host.
         ``feed_from`` = (token ids on the device, the row of each job's next token in them): feed those
         instead of ``plan``'s (still unknown) tokens, ``ahead`` tokens past each job's committed ones."""
-        lens = [len(feed) for _, feed, _ in plan]
+        width = self._verify_width(plan)
+        # a captured verification: every job's fed tokens, then placeholders, fill ``width`` rows
+        lens = [width or len(feed) for _, feed, _ in plan]
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
@@ -707,14 +711,16 @@ class Generator:
         row_start: list[int] = []
         sampled: list[int] = []  # plan indices of the jobs that get logits
         for i, (r, feed, draft) in enumerate(plan):
-            row_start.append(len(rows))
+            row_start.append(len(rows) if not width else cu[i])
             if r.seq.length + len(feed) - len(draft) == len(r.tokens):
-                rows += range(cu[i + 1] - len(draft) - 1, cu[i + 1])
+                rows += range(cu[i] + len(feed) - len(draft) - 1, cu[i] + len(feed))
                 sampled.append(i)
+        if width:
+            rows = list(range(cu[-1]))  # the graph's logits: every row, placeholders included (never read)
         hidden = None
         masks = self._start_grammar_masks(plan, row_start, sampled, len(rows))
         try:
-            logits = self._forward(plan, rows, feed_from, ahead)
+            logits = self._forward(plan, rows, feed_from, ahead, width)
             if self.hidden_sink is not None:
                 hidden, logits = logits
             if masks is not None:
@@ -823,28 +829,43 @@ class Generator:
         stops = [r.stop_ids if r.stop_ids is not self.default_stop_ids else None for *_, r in entries]
         return self._grammar_engine.start_masks([e[:3] for e in entries], num_rows, stops)
 
+    def _verify_width(self, plan: list[tuple[_Running, list[int], list[int]]]) -> int:
+        """Tokens per row of the captured verification graph that runs ``plan`` (k + 1, k its longest draft),
+        captured now if need be; 0 when the step runs otherwise (no drafts, prefill chunks, images, no graph)."""
+        runner = self.graph_runner
+        if runner is None or self.state_layers or not any(draft for _, _, draft in plan):
+            return 0
+        if any(r.mm is not None or len(feed) != len(draft) + 1 or r.seq.length != len(r.tokens) - 1 for r, feed, draft in plan):
+            return 0
+        width = 1 + max(len(draft) for _, _, draft in plan)
+        if not runner.fits([r.seq.pages for r, _, _ in plan], width) or runner.graph_size(len(plan), width) is None:
+            return 0
+        return width
+
     def _forward(self, plan: list[tuple[_Running, list[int], list[int]]], rows: list[int],
-                 feed_from: tuple[torch.Tensor, list[int]] | None = None, ahead: int = 0) -> Any:
-        """Build the step's batch (one host->device copy) and run it: a captured graph for a plain decode
-        step on CUDA, else the model eagerly. Returns logits of ``rows`` (with a hidden-state sink:
-        ``(hidden, logits)``). ``feed_from``, ``ahead``: see :meth:`_launch`."""
+                 feed_from: tuple[torch.Tensor, list[int]] | None = None, ahead: int = 0, width: int = 0) -> Any:
+        """Build the step's batch (one host->device copy) and run it: a captured graph for a plain decode step
+        or (``width``: see :meth:`_verify_width`) a draft verification on CUDA, else the model eagerly. Returns
+        logits of ``rows`` (with a hidden-state sink: ``(hidden, logits)``). ``feed_from``, ``ahead``: see
+        :meth:`_launch`."""
         feeds = [feed for _, feed, _ in plan]
         cached = [r.seq.length + ahead for r, _, _ in plan]
         pages = [r.seq.pages for r, _, _ in plan]
         runner = self.graph_runner
+        states = [r.state_slot for r, _, _ in plan] if self.state_layers else None
+        if width:
+            size = runner.graph_size(len(plan), width)
+            runner.stage(size, feeds, cached, pages, self._lora_slots(plan), states, width=width)
+            return runner.replay(size, len(plan), width)
         if (runner is not None and len(rows) == len(plan) == sum(len(f) for f in feeds)
                 and all(r.mm is None for r, _, _ in plan) and max(len(p) for p in pages) <= runner.max_pages):
             size = runner.graph_size(len(plan))
             if size is not None:
-                staged = runner.stage(size, feeds, cached, pages, self._lora_slots(plan),
-                                      [r.state_slot for r, _, _ in plan] if self.state_layers else None)
+                staged = runner.stage(size, feeds, cached, pages, self._lora_slots(plan), states)
                 _feed_on_device(staged, feed_from)
                 return runner.replay(size, len(plan))
-        batch = self.step_buffers.build(
-            feeds, cached, pages, self.cache, rows,
-            state_slots=[r.state_slot for r, _, _ in plan] if self.state_layers else None,
-            lora_slots=self._lora_slots(plan),
-        )
+        batch = self.step_buffers.build(feeds, cached, pages, self.cache, rows, state_slots=states,
+                                        lora_slots=self._lora_slots(plan))
         _feed_on_device(batch, feed_from)
         if any(r.mm is not None for r, _, _ in plan):  # image embeddings (prefill) and M-RoPE positions (every step)
             attach_images(batch, [(r.mm, r.seq.length) for r, _, _ in plan])
