@@ -251,13 +251,11 @@ def cmd_info(args) -> int:
     print(f"weights:       {_fmt_bytes(weight_bytes)} on disk")
     if spec is not None:
         cfg = spec.read_config(raw)
+        cfg = getattr(cfg, "text", cfg)  # a vision-language config: its text model's sizes
         layers, kv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-        per_token = 2 * layers * kv * hd * 2
         print(f"layers:        {layers}, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}/{kv} (q/kv), head_dim {hd}")
         print(f"context:       {cfg.max_position_embeddings} positions, rope {cfg.rope.type} theta {cfg.rope.theta:g}")
-        print(f"KV cache:      {_fmt_bytes(per_token)} per token in fp16 ({_fmt_bytes(per_token * 4096)} for 4096 tokens)")
-        print(f"memory need:   ~{_fmt_bytes(weight_bytes + per_token * 4096)} (weights as stored + 4096-token fp16 cache)")
-        _print_memory_plan(args, model_dir)
+        _print_memory_plan(args, model_dir)  # KV per token from the cache layers the model makes (MLA, recurrent, ...)
     return 0
 
 

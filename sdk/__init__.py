@@ -47,7 +47,14 @@ from trellm.config import (
     sliding_on_every_layer,
     text_config,
 )
-from trellm.distributed.sharding import rank_range, shard_attention, shard_mlp, split_columns, split_rows
+from trellm.distributed.sharding import (
+    rank_range,
+    shard_attention,
+    shard_gated_delta_net,
+    shard_mlp,
+    split_columns,
+    split_rows,
+)
 from trellm.errors import ConfigError
 from trellm.generator.mtp import MTPHead, MTPLayout, build_qwen_mtp_head
 from trellm.hookspecs import hookimpl
@@ -188,8 +195,8 @@ __all__ = [
     "ExtraRowsKVCacheLayer",
     "is_hybrid", "supports_images", "mtp_head", "is_paged_layer", "has_dense_pages", "is_state_layer",
     # tensor parallel: a module that splits itself (SplitsOverRanks) cuts its projections with these, or splits as
-    # the attention / MLP it extends
-    "SplitsOverRanks", "rank_range", "split_columns", "split_rows", "shard_attention", "shard_mlp",
+    # the attention / MLP / gated delta net it extends
+    "SplitsOverRanks", "rank_range", "split_columns", "split_rows", "shard_attention", "shard_mlp", "shard_gated_delta_net",
     # numeric ops
     "ops", "activation_fn", "gather_pages",
 ]

@@ -12,8 +12,8 @@ read; with fewer KV heads than ranks each KV head is replicated on the ranks who
 it); what every head reads stays whole (MLA's latent and a DSA indexer, DeepSeek V4's K = V head, compressors
 and indexer: :func:`shard_latent_attention`, :func:`shard_compressed_attention` say why); MLPs by intermediate
 columns; embedding and LM head by vocabulary rows; recurrent mixers by heads
-(gated delta net: key-head groups with their value heads; Mamba-2: head groups with their B/C; a short
-conv: channels), their conv channels and per-rank recurrent state going with the heads (the cache a
+(gated delta net: key-head groups with their value heads; KDA: heads, its low-rank f_a / g_a whole; Mamba-2: head
+groups with their B/C; a short conv: channels), their conv channels and per-rank recurrent state going with the heads (the cache a
 rank builds from its shrunk mixers holds only its heads' state). A module of a plugin splits itself
 (:class:`~trellm.capabilities.SplitsOverRanks`, with :func:`split_columns` / :func:`split_rows`). EXL3 weights split only
 on 128-row / 128-column boundaries (a 128-block of the Hadamard transform must stay whole); dense
@@ -37,7 +37,7 @@ from ..modules.layers import MLP, Attention, Embedding, GatedMLP, HeadLayerNorm,
 from ..modules.linear import DenseLinear, Linear
 from ..modules.latent import LatentAttention, SparseLatentAttention
 from ..modules.moe import ExpertMLP, MoE, dispatch_experts
-from ..modules.recurrent import GatedAttention, GatedDeltaNet, Mamba2Mixer, ShortConv
+from ..modules.recurrent import GatedAttention, GatedDeltaNet, KimiDeltaAttention, Mamba2Mixer, ShortConv
 from ..quant.exl3.format import EXL3Linear
 from .comm import Comm
 
@@ -374,6 +374,26 @@ def shard_gated_delta_net(gdn: GatedDeltaNet, comm: Comm) -> None:
     gdn.conv_dim = 2 * gdn.key_dim + gdn.value_dim
 
 
+def shard_kimi_delta_attention(kda: KimiDeltaAttention, comm: Comm) -> None:
+    """KDA by heads, as the gated delta net (every KDA head has its own key and value head): q/k/v columns, the conv
+    channels of its q|k|v, f_b's and g_b's columns (each head's decay and output gate channels), b columns, its heads'
+    dt bias channels and A_log, o_proj rows (all-reduced). The low-rank f_a / g_a (hidden -> one head's width) feed
+    every head and stay whole, as does the per-channel o_norm weight all heads share. Its state layer then holds
+    its heads only."""
+    h0, h1 = rank_range(kda.num_heads, comm, f"{layer_name(kda)}: linear-attention heads")
+    d, dim = kda.head_dim, kda.dim
+    lo, hi = h0 * d, h1 * d
+    for lin in (kda.q_proj, kda.k_proj, kda.v_proj, kda.f_b_proj, kda.g_b_proj):
+        split_columns(lin, lo, hi)
+    split_columns(kda.b_proj, h0, h1)
+    kda.conv_weight = take_ranges(kda.conv_weight, [(lo, hi), (dim + lo, dim + hi), (2 * dim + lo, 2 * dim + hi)])
+    kda.dt_bias, kda.A_log = kda.dt_bias[lo:hi].clone(), kda.A_log[h0:h1].clone()
+    split_rows(kda.o_proj, lo, hi, comm)
+    kda.num_heads = h1 - h0
+    kda.dim = kda.num_heads * d
+    kda.conv_dim = 3 * kda.dim
+
+
 def shard_mamba2(mixer: Mamba2Mixer, comm: Comm) -> None:
     """This rank's head groups (each group's heads share its B and C): in_proj's z/x/B/C/dt columns, the conv
     channels of x|B|C, the heads' A/D/dt bias and norm weights (the norm is per group), out_proj rows (all-reduced)."""
@@ -562,7 +582,7 @@ SHARD_BY_KIND = {
     Attention: shard_attention, GatedAttention: shard_attention, OutputGatedAttention: shard_output_gated_attention,
     GatedMLP: shard_mlp, MLP: shard_mlp, LatentAttention: shard_latent_attention, SparseLatentAttention: shard_latent_attention,
     CompressedAttention: shard_compressed_attention, GatedDeltaNet: shard_gated_delta_net, Mamba2Mixer: shard_mamba2,
-    ShortConv: shard_short_conv,
+    ShortConv: shard_short_conv, KimiDeltaAttention: shard_kimi_delta_attention,
 }
 
 

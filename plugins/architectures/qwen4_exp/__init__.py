@@ -48,6 +48,8 @@ from trellm.sdk import (
     qwen_moe_mlp,
     read_keys,
     read_qwen_vl_config,
+    shard_attention,
+    shard_gated_delta_net,
     state_cache_inputs,
 )
 
@@ -151,6 +153,13 @@ class IndexedAttention(GatedAttention):
 
     def cache_layer(self, kv_layer) -> ExtraRowsKVCacheLayer:
         return ExtraRowsKVCacheLayer(kv_layer, self.index_dim, positions=True)
+
+    def split_over_ranks(self, comm) -> None:
+        """Tensor parallel: the attention heads split as any gated attention's; the indexer stays whole on every rank
+        (its heads' ReLU scores are summed before the top-k, so split heads would need an all-reduce of [tokens,
+        blocks] scores every layer, while whole it is one small projection that picks the same blocks on every rank;
+        its raw keys are cached beside each rank's KV heads)."""
+        shard_attention(self, comm)
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rope.cos_sin(positions, int(positions.max()) + 1 if positions.numel() else 1)
@@ -336,6 +345,11 @@ class PLEDeltaNet(GatedDeltaNet):
     extra per-slot tensors, or None)."""
 
     ple_state = None
+
+    def split_over_ranks(self, comm) -> None:
+        """Tensor parallel: by heads, as any gated delta net; the PLE state in its slot is the layer's (the PLE runs
+        whole on every rank), so it stays whole."""
+        shard_gated_delta_net(self, comm)
 
     def state_layer(self, max_slots: int, dtype: torch.dtype, device):
         layer = super().state_layer(max_slots, dtype, device)
