@@ -95,6 +95,19 @@ class SplitsOverRanks(Protocol):
         """Keep only this rank's share of the module's weights and shrink its sizes to match."""
 
 
+@runtime_checkable
+class ReadsEarlierCache(Protocol):
+    """A mixer that attends over an earlier layer's cache instead of keeping its own (Gemma 4's KV-sharing
+    layers): ``cache_source`` is that layer's index. A layer split keeps the two on one device."""
+
+    cache_source: int
+
+
+def cache_source(module: Any) -> int | None:
+    """The earlier layer whose cache ``module`` reads (:class:`ReadsEarlierCache`), or None."""
+    return module.cache_source if implements(module, ReadsEarlierCache) else None
+
+
 def is_hybrid(model: Any) -> bool:
     """Whether ``model`` keeps recurrent state (:class:`HasRecurrentState`)."""
     return implements(model, HasRecurrentState)

@@ -161,6 +161,11 @@ class SharedKVAttention(Module):
         self.q_norm = RMSNorm(f"{key}.q_norm", head_dim, eps)
         self.o_proj = Linear(f"{key}.o_proj", num_heads * head_dim, hidden_size)
 
+    @property
+    def cache_source(self) -> int:
+        """The layer whose cache pages this one reads (ReadsEarlierCache: a layer split keeps them on one device)."""
+        return self.source
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_norm.forward(self.q_proj(x).reshape(t, self.num_heads, self.head_dim))

@@ -13,11 +13,14 @@ import torch
 import trellm
 from trellm.cli import main as cli_main
 from trellm.distributed import TensorParallelError
+from trellm.errors import UsageError
 from trellm.distributed.plan import GiB, MemoryPlanError, layer_costs, plan_layer_split
 from trellm.generator import DraftModelProposer, Generator, Job
 from trellm.lora import LoraWeights
 from trellm.sdk.testing import make_tiny_hf_model
 from test_families_dsa import deepseek_v4_dir, glm_dsa_dir  # noqa: F401 - fixtures
+from test_families_gemma4 import GEMMA4
+from test_moe_families import randomize
 
 CONTEXT = 1024
 SLOTS = 32  # plan_layer_split's default state slots (2 * max_batch)
@@ -36,7 +39,16 @@ def dirs(tmp_path_factory, glm_dsa_dir, deepseek_v4_dir):
                                      layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
         "glm_dsa": glm_dsa_dir,  # layer 1 reuses layer 0's sparse selection
         "deepseek_v4": deepseek_v4_dir,  # hyper-connection streams and head
+        "gemma4_kv_shared": gemma4_kv_shared(root / "gemma4_kv_shared"),  # layers 4 and 5 read layers 2 and 3's KV
     }
+
+
+def gemma4_kv_shared(path):
+    """An E2B-shaped Gemma 4 (per-layer inputs) of 6 layers whose last two share the KV of layers 2 (sliding) and 3."""
+    make_tiny_hf_model("Gemma4ForCausalLM", path, **dict(GEMMA4["per_layer_inputs_kv_sharing"], num_hidden_layers=6,
+                                                          layer_types=["sliding_attention", "full_attention"] * 3))
+    randomize(path, "layer_scalar", scale=1.0)
+    return path
 
 
 def budgets(model_dir, groups: list[list[int]], context: int = CONTEXT, device: str = "cpu") -> list[float]:
@@ -95,6 +107,25 @@ def test_refusals_name_the_device_the_need_and_the_room(dirs):
         plan_layer_split(d, "auto", CONTEXT, "cpu")
     with pytest.raises(TensorParallelError, match="cannot be combined"):
         trellm.load(d, device="cpu", gpu_split=[1.0, 1.0], tensor_parallel=2)
+
+
+def test_kv_sharing_layers_stay_on_the_device_of_the_cache_they_read(dirs):
+    """Gemma 4's KV-sharing layers attend over their source layer's cache pages: sizes that would end a stage
+    between them move the boundary back before the source (it cannot go forward: no device holds the head besides);
+    when no device holds the whole run the plan refuses naming it, and a hand-made split that cuts it is refused."""
+    from trellm.distributed.layer_split import LayerSplit, Stage
+
+    d = dirs["gemma4_kv_shared"]
+    assert layer_costs(d, "cpu").cache_reads == (0, 1, 2, 3, 2, 3)
+    exact = budgets(d, [[0, 1, 2, 3], [4, 5]])
+    assert stages(plan_layer_split(d, [exact[0], 1.0], CONTEXT, "cpu")) == [(0, 2), (2, 6)]
+    with pytest.raises(MemoryPlanError, match=r"\(cpu layers 0-1\): layers 2-5 and the head are left, .* more; "
+                                              r"layers 2-5 stay on one device"):
+        plan_layer_split(d, exact, CONTEXT, "cpu")
+    model = trellm.load(d, device="cpu", tokenizer=False).model
+    cpu = torch.device("cpu")
+    with pytest.raises(UsageError, match=r"layer 4 reads the KV cache of layer 2, but the split puts them on different"):
+        LayerSplit([Stage(0, cpu, 0, 3), Stage(1, cpu, 3, 6)]).install(model)
 
 
 def test_vision_models_are_refused_before_loading(tmp_path):
@@ -164,7 +195,7 @@ def assert_placed_as_planned(lm, plan, cache) -> None:
 
 @pytest.mark.parametrize("name,groups", [("llama", [[0, 1], [2, 3]]), ("llama", [[0], [1, 2], [3]]),
                                          ("hybrid", [[0, 1], [2, 3]]), ("glm_dsa", [[0], [1, 2]]),
-                                         ("deepseek_v4", [[0], [1, 2]])])
+                                         ("deepseek_v4", [[0], [1, 2]]), ("gemma4_kv_shared", [[0, 1], [2, 3, 4, 5]])])
 def test_split_model_gives_the_logits_and_greedy_tokens_of_the_whole_one(dirs, name, groups):
     d = dirs[name]
     whole = trellm.load(d, device="cpu", tokenizer=False)

@@ -28,8 +28,40 @@ import attrs
 import torch
 
 from ..batch import ForwardBatch
+from ..capabilities import cache_source
 from ..errors import UsageError
 from ..ops import Hidden
+
+
+def cache_reads(layers: Sequence[Any]) -> tuple[int, ...]:
+    """Per decoder layer, the earliest layer whose cache it reads: itself, or the earlier layer a mixer of it attends
+    over (:class:`~trellm.capabilities.ReadsEarlierCache`, Gemma 4's KV-sharing layers). Such a layer and its source
+    share a device: its attention reads the source's cache pages where they are, every step, and a copy of them on
+    its own device would cost the source's whole cache again and a write on both devices per token."""
+    out = []
+    for i, layer in enumerate(layers):
+        sources = [s for s in map(cache_source, layer.modules()) if s is not None]
+        out.append(min([i, *sources]))
+    return tuple(out)
+
+
+def can_cut(reads: Sequence[int], boundary: int) -> bool:
+    """Whether a stage may end before layer ``boundary`` (``reads``: :func:`cache_reads`): no layer from there on
+    reads the cache of a layer before it."""
+    return all(r >= boundary for r in reads[boundary:])
+
+
+def kept_together(reads: Sequence[int]) -> list[tuple[int, int]]:
+    """The runs of layers [first, last] (inclusive) that no stage boundary may cut."""
+    runs: list[tuple[int, int]] = []
+    for b in range(1, len(reads)):
+        if can_cut(reads, b):
+            continue
+        if runs and runs[-1][1] == b - 1:
+            runs[-1] = (runs[-1][0], b)
+        else:
+            runs.append((b - 1, b))
+    return runs
 
 
 @attrs.frozen
@@ -45,8 +77,9 @@ class Stage:
 
 @attrs.define
 class TransferCounts:
-    """Crossings since the split was made: hidden states moved into a stage, batches copied to a stage's device,
-    and the bytes of both (what the benchmark prices per step)."""
+    """Crossings since the split was made: hidden states moved into a stage (one move per stage entry, however
+    many tensors it carries: Gemma 4's per-layer inputs ride beside the hidden state), batches copied to a stage's
+    device, and the bytes of both (what the benchmark prices per step)."""
 
     hidden_moves: int = 0
     batch_copies: int = 0
@@ -102,6 +135,11 @@ class LayerSplit:
             raise UsageError(f"a layer split places a decoder stack; {type(model).__name__} is not one")
         if len(model.layers) != len(self._layer_stage):
             raise UsageError(f"the split places {len(self._layer_stage)} layers, the model has {len(model.layers)}")
+        for i, source in enumerate(cache_reads(model.layers)):
+            if self._layer_stage[source] is not self._layer_stage[i]:
+                raise UsageError(f"layer {i} reads the KV cache of layer {source}, but the split puts them on different "
+                                 f"stages ({self._layer_stage[source].device} and {self._layer_stage[i].device}); keep "
+                                 "them on one device (plan_layer_split does)")
         for child in model.children():
             stage = self.stage_of(model, child)
             child.forward = _OnStage(self, stage, child.forward, entry=stage.index > 0 and child is model.layers[stage.first])
@@ -140,16 +178,15 @@ class LayerSplit:
         if isinstance(value, Hidden):
             moved = Hidden(*(None if t is None else t.to(stage.device) for t in (value.x, value.residual, value.ssq)))
             if entry:
-                self._count_hidden(value.x, value.residual)
+                self._count_hidden_bytes(value.x, value.residual)
             return moved
         if isinstance(value, torch.Tensor):
             if entry:
-                self._count_hidden(value)
+                self._count_hidden_bytes(value)
             return value.to(stage.device)
         return value
 
-    def _count_hidden(self, *tensors: torch.Tensor | None) -> None:
-        self.counts.hidden_moves += 1
+    def _count_hidden_bytes(self, *tensors: torch.Tensor | None) -> None:
         self.counts.hidden_bytes += sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -164,6 +201,8 @@ class _OnStage:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         split, stage, entry = self.split, self.stage, self.entry
+        if entry:
+            split.counts.hidden_moves += 1
         args = tuple(split.bring(a, stage, entry) for a in args)
         kwargs = {k: split.bring(v, stage, entry) for k, v in kwargs.items()}
         if not self.cuda:

@@ -21,6 +21,7 @@ import torch
 from ..capabilities import is_hybrid, is_state_layer
 from ..errors import TrellmError
 from ..weights import WeightStore
+from .layer_split import can_cut, cache_reads, kept_together
 
 GiB = 1 << 30
 RESERVE = 512 << 20  # CUDA context, allocator slack and kernel workspaces, per device
@@ -237,6 +238,7 @@ class LayerCosts:
     tail: int  # final norm and LM head (a tied head is a copy of the embedding when it sits on another device)
     tied_head: int  # bytes of that copy (0: the head has its own tensor)
     activations: int
+    cache_reads: tuple[int, ...] = ()  # per layer, the earliest layer whose cache it reads (layer_split.cache_reads)
 
     def layer(self, i: int, context: int, slots: int) -> int:
         return self.layer_weights[i] + context * self.layer_kv[i] + slots * self.layer_state[i]
@@ -266,7 +268,7 @@ def layer_costs(model_dir: str | Path, device: str | torch.device | None = None,
     embed = weights - sum(layer_weights) - tail + tied  # embedding and the other modules (MTP head, per-layer inputs)
     element = torch.empty((), dtype=dt).element_size()
     return LayerCosts(embed, layer_weights, tuple(kv), tuple(state), tail, tied,
-                      _activations(model, chunk_tokens, max_batch, element))
+                      _activations(model, chunk_tokens, max_batch, element), cache_reads(model.layers))
 
 
 def _tied(model) -> bool:
@@ -380,16 +382,20 @@ def _fill(costs: LayerCosts, budgets: list[int], context: int, slots: int, name:
                 room += need[last]
             if room < tail and last == first:
                 continue
+        while first < last < n and not can_cut(costs.cache_reads, last):  # a layer and the cache it reads stay together
+            last -= 1
         if last > first:
             stages.append((d, (first, last)))
             first = last
     if first < n:
         held = "; ".join(f"{devices[d]} layers {a}-{b - 1}" for d, (a, b) in stages) or "no device holds a layer"
         left = sum(need[first:]) + costs.tail
+        together = "".join(f"; layers {a}-{b} stay on one device (a layer reading an earlier layer's KV cache sits with it)"
+                           for a, b in kept_together(costs.cache_reads) if b >= first)
         raise MemoryPlanError(
             f"{name}: {n} layers with {context} tokens of cache do not fit the split "
             f"{', '.join(f'{devices[d]} {gib(b)}' for d, b in enumerate(budgets))} ({held}): layers {first}-{n - 1} "
-            f"and the head are left, {gib(left)} more")
+            f"and the head are left, {gib(left)} more{together}")
     return stages
 
 
