@@ -20,7 +20,7 @@ from trellm.multimodal import prepare_prompt  # noqa: E402
 from trellm.sdk import supports_images  # noqa: E402
 from trellm.sdk.testing import make_tiny_hf_model, torch_threads  # noqa: E402
 
-from test_families_next import GLM5_NEXT, QWEN4_EXP_TEXT, QWEN4_EXP_VISION, glm5_next_checkpoint  # noqa: E402
+from test_families_next import GLM5_NEXT, QWEN4_EXP_TEXT, QWEN4_EXP_VISION, glm5_next_checkpoint, require_next_configs  # noqa: E402
 from test_vision import batched_greedy, check_on_cuda  # noqa: E402
 from test_vision_qwen import random_image  # noqa: E402
 
@@ -181,6 +181,7 @@ def qwen4v(tmp_path_factory):
     """(HF model, HF image processor, trellm model) of a tiny random Qwen 3.8-Flash-Next with its tower."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    require_next_configs()
     path = tmp_path_factory.mktemp("qwen4_exp_vision")
     tower = dict(QWEN4_EXP_VISION, **TINY_TOWER, num_position_embeddings=16)
     make_tiny_hf_model("Qwen4ExpForConditionalGeneration", path, text_config=QWEN4_EXP_TEXT, vision_config=tower,

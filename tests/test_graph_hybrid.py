@@ -119,7 +119,12 @@ def test_hybrid_graphs_capture_on_cuda(tmp_path, name):
     """On a GPU the recurrent decode step really is captured (no eager fallback) and gives the eager tokens,
     with async scheduling on and off."""
     arch, cfg = FAMILIES[name]
-    lm = trellm.load(make_tiny_hf_model(arch, tmp_path, **cfg), device="cuda", dtype=torch.float32, tokenizer=False)
+    # head sizes the CUDA kernels take (64): the torch reference of paged attention reads sequence lengths on the
+    # host, which no graph can capture (every capture then falls back to eager)
+    gpu_sizes = {"hidden_size": 256, "head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                 "mamba_head_dim": 64} if name != "lfm2_moe" else {"hidden_size": 256}
+    model_dir = make_tiny_hf_model(arch, tmp_path, **{**cfg, **gpu_sizes})
+    lm = trellm.load(model_dir, device="cuda", dtype=torch.float32, tokenizer=False)
     out = {}
     for graphs, overlap in ((False, False), (True, False), (True, True)):
         gen = Generator(lm, cache_tokens=1024, page_size=16, max_batch_size=4, cuda_graphs=graphs, async_scheduling=overlap)
