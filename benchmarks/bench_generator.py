@@ -145,6 +145,50 @@ def captured_step_ms(gen: Generator, n: int, reps: int = 50) -> float | None:
     return statistics.median(times)
 
 
+class _DeviceTrace:
+    """torch.profiler over ``steps`` consecutive decode steps (CUDA kernels, graph replays included): whether the
+    gap between the generator's step and its captured graph is extra device work or the device waiting."""
+
+    def __init__(self, steps: int, jobs: int):
+        self.steps, self.jobs, self.seen, self.prof, self.t0, self.wall = steps, jobs, 0, None, 0.0, 0.0
+
+    def start(self) -> None:
+        if self.prof is None and self.seen == 0:
+            from torch.profiler import ProfilerActivity, profile
+
+            torch.cuda.synchronize()
+            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self.prof.__enter__()
+            self.t0 = time.perf_counter()
+
+    def step(self) -> None:
+        if self.prof is None or self.wall:
+            return
+        self.seen += 1
+        if self.seen == self.steps:
+            torch.cuda.synchronize()
+            self.wall = time.perf_counter() - self.t0
+            self.prof.__exit__(None, None, None)
+
+    def report(self, captured_ms: float | None) -> None:
+        if not self.wall:
+            print(f"-- trace: fewer than {self.steps} decode steps ran")
+            return
+        kernels = [e for e in self.prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.device_time for e in kernels) / 1e3  # us -> ms
+        per_step = self.wall * 1e3 / self.steps
+        print(f"-- trace of {self.steps} decode steps, {self.jobs} jobs: {per_step:.3f} ms/step wall, device busy "
+              f"{busy / self.steps:.3f} ms/step ({len(kernels) / self.steps:.0f} kernels and copies per step), "
+              f"captured graph alone {captured_ms or float('nan'):.3f} ms")
+        totals: dict[str, list[float]] = {}
+        for e in kernels:
+            t = totals.setdefault(e.name[:90], [0.0, 0])
+            t[0] += e.device_time / 1e3
+            t[1] += 1
+        for name, (ms, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:15]:
+            print(f"   {ms / self.steps:8.4f} ms/step  {count / self.steps:6.1f}x  {name}")
+
+
 def run_batch(lm, n: int, args, proposer=None, task_prompts=None, async_scheduling: bool | None = None) -> dict:
     sampler = SamplerSettings.preset("default") if args.sample else None
     jobs = [Job(p, args.new_tokens, stop_token_ids=[], sampler=sampler, seed=i)
@@ -162,6 +206,7 @@ def run_batch(lm, n: int, args, proposer=None, task_prompts=None, async_scheduli
     if lm.device.type == "cuda":
         torch.cuda.synchronize()
     profiler = cProfile.Profile() if args.profile else None
+    tracer = _DeviceTrace(args.trace_steps, n) if args.trace_steps and lm.device.type == "cuda" else None
     t0 = time.perf_counter()
     gen.enqueue(jobs)
     finished = []
@@ -171,15 +216,21 @@ def run_batch(lm, n: int, args, proposer=None, task_prompts=None, async_scheduli
         prefilling = any(r.prefilling for r in gen.active) or gen.num_pending
         if profiler is not None and not prefilling:
             profiler.enable()
+        if tracer is not None and not prefilling:
+            tracer.start()
         results = gen.iterate()  # returns once its step is read back (async: with the next one queued behind)
         if profiler is not None:
             profiler.disable()
+        if tracer is not None:
+            tracer.step()
         if not any(isinstance(r, (PrefillProgress, JobStarted)) for r in results):
             decode_time += time.perf_counter() - t_step
             decode_steps += 1
             decode_tokens += sum(len(r.token_ids) for r in results if isinstance(r, TokenChunk))
         finished += [r for r in results if isinstance(r, JobFinished)]
     wall = time.perf_counter() - t0
+    if tracer is not None:
+        tracer.report(captured_step_ms(gen, n))
     if profiler is not None:
         print(f"-- {n} jobs: decode steps, by own time")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile_rows)
@@ -227,6 +278,9 @@ def main() -> None:
                     help="with --random-like-smollm2: 2 layers, hidden 64 (SmolLM2's vocabulary): the step is mostly host overhead")
     ap.add_argument("--profile", action="store_true", help="cProfile the decode steps; print the top functions per batch size")
     ap.add_argument("--profile-rows", type=int, default=20)
+    ap.add_argument("--trace-steps", type=int, default=0,
+                    help="CUDA: torch.profiler over this many decode steps per run; prints device busy time per step "
+                         "beside the wall step and the captured graph, and the top kernels")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
