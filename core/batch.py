@@ -29,6 +29,10 @@ class ForwardBatch:
     state_slots: torch.Tensor | None = None  # [B] int64: recurrent-state slot of each sequence (hybrid models)
     cached_lens: torch.Tensor | None = None  # [B] int32: tokens already in the cache before this step
     lora_slots: torch.Tensor | None = None  # [T] int64: LoRA adapter slot of each token (-1: the base model); None: all -1
+    # A captured draft verification: every sequence feeds ``tokens_per_seq`` tokens, which recurrent mixers take one
+    # at a time, copying each sequence's state after its token j into slot ``state_checkpoints[j]`` ([tokens_per_seq - 1, B])
+    tokens_per_seq: int = 0
+    state_checkpoints: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -156,6 +160,7 @@ class StepBuffers:
         max_seq_len: int | None = None,
         lora_slots: Sequence[int] | None = None,
         pad_state_slot: int = 0,
+        state_checkpoints: Sequence[Sequence[int]] | None = None,
     ) -> ForwardBatch:
         """Like :meth:`ForwardBatch.with_cache`, with ``logits_rows`` (flat token rows, None = all).
 
@@ -166,6 +171,8 @@ class StepBuffers:
         to ``pad_page``, their logits rows appended): a captured decode graph's fixed batch size.
         ``table_width`` fixes the block table's width; columns past a sequence's pages hold ``pad_page``.
         Padding sequences' recurrent state lives in ``pad_state_slot`` (fresh each step: their cached length is 0).
+        ``state_checkpoints``: per sequence, the slots its state is copied to after each but its last token
+        (:attr:`ForwardBatch.state_checkpoints`; padding sequences' go to ``pad_state_slot``).
         """
         page_size = cache.page_size
         b_real = len(new_tokens)
@@ -185,7 +192,9 @@ class StepBuffers:
         o_pos, o_slots, o_logits = o_ids + _up(t, 2), o_ids + 2 * _up(t, 2), o_ids + 3 * _up(t, 2)
         o_state = o_logits + _up(n_logits, 2)
         o_lora = o_state + _up(b if state_slots is not None else 0, 2)
-        end = o_lora + (t if lora_slots is not None else 0)
+        o_ckpt = o_lora + _up(t if lora_slots is not None else 0, 2)
+        n_ckpt = len(state_checkpoints[0]) if state_checkpoints else 0  # checkpoints per sequence
+        end = o_ckpt + n_ckpt * b
         self._ensure(end)
         h, h32 = self._np, self._np32
 
@@ -237,6 +246,10 @@ class StepBuffers:
             per_token = lora_slots if decode else np.repeat(np.asarray(lora_slots, dtype=np.int64), lens_np)
             h[o_lora: o_lora + t_real] = per_token
             h[o_lora + t_real: o_lora + t] = -1
+        if n_ckpt:
+            grid = h[o_ckpt: o_ckpt + n_ckpt * b].reshape(n_ckpt, b)
+            grid[:, :b_real] = np.asarray(state_checkpoints, dtype=np.int64).T
+            grid[:, b_real:] = pad_state_slot
         self._write_table(page_rows, b, width, pad_page)
         self._send(end)
 
@@ -254,6 +267,7 @@ class StepBuffers:
             cached_lens=d32[o32_cached: o32_cached + b],
             state_slots=None if state_slots is None else d[o_state: o_state + b],
             lora_slots=None if lora_slots is None else d[o_lora: o_lora + t],
+            state_checkpoints=d[o_ckpt: o_ckpt + n_ckpt * b].view(n_ckpt, b) if n_ckpt else None,
         )
 
     @staticmethod

@@ -111,7 +111,8 @@ class GraphRunner:
             self.buffers[key] = StepBuffers(self.device, capacity=need, growable=False)
         if width == 1:
             return self._build(self.buffers[key], [], [], [], [], size, state_slots=[] if self.state_slots else None)
-        return self.stage(size, [], [], [], width=width, state_slots=[] if self.state_slots else None)
+        states = [] if self.state_slots else None
+        return self.stage(size, [], [], [], width=width, state_slots=states, checkpoint_slots=states)
 
     def _build(self, buffers: StepBuffers, feeds, cached_lens, page_rows, logits_rows, size: int,
                lora_slots: Sequence[int] | None = None, state_slots: Sequence[int] | None = None) -> ForwardBatch:
@@ -179,9 +180,12 @@ class GraphRunner:
 
     def stage(self, size: int, feeds: Sequence[Sequence[int]], cached_lens: Sequence[int],
               page_rows: Sequence[Sequence[int]], lora_slots: Sequence[int] | None = None,
-              state_slots: Sequence[int] | None = None, width: int = 1) -> ForwardBatch:
+              state_slots: Sequence[int] | None = None, width: int = 1,
+              checkpoint_slots: Sequence[Sequence[int]] | None = None) -> ForwardBatch:
         """Write one step into graph ``(size, width)``'s inputs (one host->device copy): each sequence's fed
-        tokens (one, or at most ``width`` for a verification), then placeholder tokens and padding rows."""
+        tokens (one, or at most ``width`` for a verification), then placeholder tokens and padding rows.
+        ``checkpoint_slots`` (a verification on a model with recurrent layers): per sequence, ``width - 1``
+        slots that receive its state after each of its first ``width - 1`` tokens (see ``trellm.modules.recurrent.stepwise``)."""
         if width == 1:
             return self._build(self.buffers[size, 1], feeds, cached_lens, page_rows, range(len(feeds)), size, lora_slots,
                                state_slots)
@@ -190,11 +194,16 @@ class GraphRunner:
         pages = [p if len(p) * self.page_size >= c + width else [*p, scratch] for p, c in zip(page_rows, cached_lens)]
         if lora_slots is None and self._lora_version is not None:
             lora_slots = [-1] * n
-        return self.buffers[size, width].build(
-            rows, [*cached_lens, *[0] * pad], pages + [[scratch]] * pad, self.cache, None,
-            state_slots=None if state_slots is None else [*state_slots, *[self._scratch_slot] * pad],
+        checkpoints = None
+        if state_slots is not None:
+            state_slots = [*state_slots, *[self._scratch_slot] * pad]
+            checkpoints = [*checkpoint_slots, *[[self._scratch_slot] * (width - 1)] * pad]
+        batch = self.buffers[size, width].build(
+            rows, [*cached_lens, *[0] * pad], pages + [[scratch]] * pad, self.cache, None, state_slots=state_slots,
             table_width=self.max_pages, pad_page=scratch, max_seq_len=self.max_pages * self.page_size,
-            lora_slots=None if lora_slots is None else [*lora_slots, *[-1] * pad])
+            lora_slots=None if lora_slots is None else [*lora_slots, *[-1] * pad], state_checkpoints=checkpoints)
+        batch.tokens_per_seq = width
+        return batch
 
     def replay(self, size: int, num_seqs: int, width: int = 1) -> Any:
         """Replay graph ``(size, width)`` on what :meth:`stage` wrote; the outputs of the first ``num_seqs`` rows

@@ -15,6 +15,7 @@ from trellm.sdk.testing import make_tiny_hf_model
 
 from test_graph_hybrid import EagerGraphs
 
+VOCAB = 256  # every tiny model here (sdk.testing.TINY_DEFAULTS)
 LLAMA = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024)
 
 
@@ -37,7 +38,7 @@ class Oracle:
             n = min(r.max_tokens, 1 + (self.calls + j) % self.k)
             draft = seq[len(r.tokens): len(r.tokens) + n]
             if draft and (self.calls + j) % 3 == 0:
-                draft[-1] = (draft[-1] + 1) % 256
+                draft[-1] = (draft[-1] + 1) % VOCAB
             out.append(draft)
         return out
 
@@ -58,7 +59,7 @@ def _run(lm, proposer=None, graphs: bool = False, sizes=(1, 2, 4), k: int = 3, s
     if graphs:
         gen.graph_runner = EagerGraphs(gen.model, gen.cache, batch_sizes=sizes, max_context=gen.cache.capacity_tokens,
                                        hidden_states=gen.hidden_sink is not None)
-    prompts = _prompts(lm.config.vocab_size)
+    prompts = _prompts(VOCAB)
     sampler = SamplerSettings(temperature=0.8, top_k=20) if sampled else None
     jobs = [Job(prompts[0], 20, identifier=0, stop_token_ids=[]),
             Job(prompts[1], 15, identifier=1, stop_token_ids=[], sampler=sampler, seed=4),
@@ -85,7 +86,7 @@ def test_drafts_verified_through_graphs_dense(llama):
     """Oracle and n-gram drafts on a dense Llama: verification steps replay (batch, k + 1) graphs, short drafts
     are padded, and tokens equal eager drafting and plain decoding (a seeded sampled job included)."""
     plain, _, _ = _run(llama)
-    prompts = _prompts(llama.config.vocab_size)
+    prompts = _prompts(VOCAB)
     full = [p + t for p, t in zip(prompts, plain)]
     eager, _, _ = _run(llama, Oracle(full, 3))
     replayed, gen, done = _run(llama, Oracle(full, 3), graphs=True)
@@ -115,7 +116,7 @@ def test_placeholder_tokens_borrow_the_scratch_page(llama):
                 borrowed.extend(c + width > len(p) * self.page_size for c, p in zip(cached_lens, page_rows))
             return super().stage(size, feeds, cached_lens, page_rows, *args, width=width, **kwargs)
 
-    prompts = _prompts(llama.config.vocab_size)
+    prompts = _prompts(VOCAB)
     # job 1 ends one token before its second page does (9 + 22 = 31): its last placeholders lie past its pages
     jobs = [Job(prompts[0], 40, identifier=0, stop_token_ids=[]), Job(prompts[1], 22, identifier=1, stop_token_ids=[])]
     plain = [list(llama.generate_ids(j.prompt_ids, j.max_new_tokens, stop_token_ids=[])) for j in jobs]
@@ -154,9 +155,50 @@ def test_mtp_drafts_through_graphs(mimo):
     assert mtp.cache.allocator.free_pages == mtp.cache.num_pages
 
 
-def test_hybrid_mtp_decodes_through_graphs(tmp_path):
-    """Qwen3.5 (recurrent layers) with its MTP head: steps without drafts replay the decode graphs (with hidden
-    states); verification steps run eagerly, restoring the state snapshot on partial acceptance."""
+def _hybrid(name: str, tmp_path):
+    from test_families_next import glm5_next_checkpoint
+    from test_hybrid_families import FAMILIES
+
+    if name == "glm5_next":  # Kimi delta attention
+        model_dir = glm5_next_checkpoint(tmp_path)
+    else:
+        arch, cfg = FAMILIES[name]
+        model_dir = make_tiny_hf_model(arch, tmp_path, **cfg)
+    return trellm.load(model_dir, device="cpu", dtype=torch.float32, tokenizer=False)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "glm5_next"])
+def test_hybrid_drafts_verified_through_graphs(name, tmp_path):
+    """Recurrent layers in a verification graph take the row's tokens one at a time and leave the state after
+    each in the job's verify slots; on partial acceptance the slot after the last kept token becomes the job's
+    state. Oracle drafts (kept fully, partly, not at all) give eager drafting's and plain decoding's tokens."""
+    lm = _hybrid(name, tmp_path)
+    plain, _, _ = _run(lm)
+    full = [p + t for p, t in zip(_prompts(VOCAB), plain)]
+    eager, _, _ = _run(lm, Oracle(full, 3))
+    replayed, gen, done = _run(lm, Oracle(full, 3), graphs=True)
+    assert replayed == eager == plain
+    assert _verification_graphs(gen) and any(min(lens) < width for width, lens in gen.graph_runner.staged)
+    assert 0 < sum(r.draft_accepted for r in done) < sum(r.draft_proposed for r in done)
+    assert not gen.active and gen.cache.state_layers()[0].free_slots == gen.cache.state_layers()[0].max_slots - 1 - len(
+        gen.cache.prefix_cache.checkpoint_of)  # only the scratch slot and prefix checkpoints are held
+
+
+def test_hybrid_without_stepwise_mixers_verifies_eagerly(tmp_path):
+    """NemotronH's Mamba-2 mixer has no token-by-token verification: its drafts are verified eagerly (state
+    snapshot, restore and re-feed) while its plain decode steps still replay graphs."""
+    lm = _hybrid("nemotron_h", tmp_path)
+    plain, _, _ = _run(lm)
+    full = [p + t for p, t in zip(_prompts(VOCAB), plain)]
+    replayed, gen, done = _run(lm, Oracle(full, 3), graphs=True)
+    assert replayed == plain and sum(r.draft_accepted for r in done) > 0
+    assert not _verification_graphs(gen) and gen.graph_runner.graphs
+
+
+def test_hybrid_mtp_through_graphs(tmp_path):
+    """Qwen3.5 (recurrent layers) with its MTP head: decode and verification graphs return the hidden states the
+    head drafts from; the same tokens as the eager generator, with drafts at more steps (after a rejected draft the
+    eager path re-feeds the kept token without drafting; the graph path swaps in the verify slot and drafts on)."""
     from test_mtp import FAMILIES, add_mtp_tensors
 
     arch, cfg = FAMILIES["qwen3_5"]
@@ -164,16 +206,20 @@ def test_hybrid_mtp_decodes_through_graphs(tmp_path):
     add_mtp_tensors(model_dir)
     lm = trellm.load(model_dir, device="cpu", dtype=torch.float32, tokenizer=False)
     plain, _, _ = _run(lm)
+    eager_mtp = MTPProposer(lm, num_tokens=3, cache_tokens=1024, page_size=16)
+    eager, _, eager_done = _run(lm, eager_mtp)
     replayed, gen, done = _run(lm, MTPProposer(lm, num_tokens=3, cache_tokens=1024, page_size=16), graphs=True)
-    assert replayed == plain and sum(r.draft_proposed for r in done) > 0
-    assert gen.graph_runner.graphs and gen.graph_runner.hidden_states
+    assert replayed == eager == plain and sum(r.draft_proposed for r in done) > 0
+    assert gen.graph_runner.hidden_states and _verification_graphs(gen)
+    assert sum(r.draft_proposed for r in done) > sum(r.draft_proposed for r in eager_done)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_verification_graphs_capture_on_cuda(tmp_path):
-    """On a GPU the verification steps (oracle and n-gram drafts on a Llama, MTP drafts on MiMo) really are
-    captured, none falls back, and tokens equal the eager generator's and plain greedy decoding."""
+    """On a GPU the verification steps (oracle and n-gram drafts on a Llama, MTP drafts on MiMo, oracle and MTP
+    drafts on Qwen3.5's recurrent layers) really are captured, none falls back, and tokens equal the eager
+    generator's and plain greedy decoding."""
     import warnings
 
     from test_new_families import _mimo_checkpoint
@@ -183,7 +229,7 @@ def test_verification_graphs_capture_on_cuda(tmp_path):
     # head_dim 64: the paged-attention kernel's smallest (the reference attention cannot be captured)
     _, mimo_dir, _ = _mimo_checkpoint(tmp_path / "mimo", **LLAMA)
     mimo = trellm.load(mimo_dir, device="cuda", dtype=torch.float32, tokenizer=False)
-    prompts = _prompts(256)
+    prompts = _prompts(VOCAB)
 
     def run(lm, proposer, graphs: bool):
         gen = Generator(lm, cache_tokens=1024, page_size=16, max_batch_size=4, proposer=proposer, num_draft_tokens=3,
@@ -203,5 +249,16 @@ def test_verification_graphs_capture_on_cuda(tmp_path):
     full = [p + t for p, t in zip(prompts, plain)]
     assert run(llama, Oracle(full, 3), True) == run(llama, Oracle(full, 3), False) == plain
     assert run(llama, NgramProposer(num_tokens=3), True) == plain
-    mtp = lambda: MTPProposer(mimo, num_tokens=3, cache_tokens=1024, page_size=16)  # noqa: E731
-    assert run(mimo, mtp(), True) == run(mimo, mtp(), False) == run(mimo, None, False)
+    mtp = lambda lm: MTPProposer(lm, num_tokens=3, cache_tokens=1024, page_size=16)  # noqa: E731
+    assert run(mimo, mtp(mimo), True) == run(mimo, mtp(mimo), False) == run(mimo, None, False)
+    # Qwen3.5: gated delta net layers verified token by token inside the graph, MTP drafts
+    from test_mtp import FAMILIES, add_mtp_tensors
+
+    arch, cfg = FAMILIES["qwen3_5"]
+    qwen_dir = make_tiny_hf_model(arch, tmp_path / "qwen3_5", **{**cfg, "head_dim": 64})
+    add_mtp_tensors(qwen_dir)
+    qwen = trellm.load(qwen_dir, device="cuda", dtype=torch.float32, tokenizer=False)
+    plain = run(qwen, None, False)
+    full = [p + t for p, t in zip(prompts, plain)]
+    assert run(qwen, Oracle(full, 3), True) == run(qwen, Oracle(full, 3), False) == plain
+    assert run(qwen, mtp(qwen), True) == plain

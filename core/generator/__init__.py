@@ -67,11 +67,14 @@ Hybrid models (recurrent-state layers: Qwen3.5, Qwen3-Next, LFM2, NemotronH, OLM
 state slot per job. Prefix reuse works through state checkpoints: prefill chunks end at page
 boundaries and the state after a named page is copied into a slot the prefix cache owns (freed with
 the page, or given up to admit a job); a job reuses pages up to the deepest checkpoint. Speculative
-decoding snapshots the state before verifying drafts and, when some are rejected, restores it and
-re-feeds the accepted tokens next step, so output equals plain decoding. The default cache has
-``max_batch_size`` slots for jobs, as many again for snapshots with a proposer, and
-``state_checkpoints`` (default ``max_batch_size``) for checkpoints; with too few, checkpoints and
-drafts are skipped, never jobs. A banned-string rewind recomputes the job's state from its start.
+decoding verifies drafts in a CUDA graph where it can: the recurrent layers (gated delta net, Kimi delta
+attention) take each row's tokens one at a time and leave the state after each in a slot the job holds,
+and the slot after its last kept token becomes the job's state. Otherwise (no graphs, other recurrent
+mixers, prefill chunks in the step) it snapshots the state before verifying and, when drafts are
+rejected, restores it and re-feeds the accepted tokens next step. Either way output equals plain
+decoding. The default cache has ``max_batch_size`` slots for jobs, with a proposer ``num_draft_tokens``
+more per job for those states (one for a snapshot without CUDA graphs), and ``state_checkpoints`` (default
+``max_batch_size``) for checkpoints; with too few, checkpoints and drafts are skipped, never jobs. A banned-string rewind recomputes the job's state from its start.
 
 Images (vision-language models, docs/multimodal.md): prefix-cache pages are named by the image's
 content digest, so two images never share pages and the same image reuses them; prefill chunks never
@@ -81,8 +84,8 @@ CUDA graphs: ``Generator(lm, cuda_graphs=True)`` (the default) replays captured 
 ``trellm.graph.GraphRunner`` on CUDA, and steps that verify drafts too: one graph per (padded batch size,
 k + 1 tokens per row), k the step's longest draft, shorter drafts filled up with placeholder tokens whose
 logits are never read. With an MTP proposer the graphs also return the hidden states it drafts from.
-Batches with prefill chunks or images run eagerly. Models with recurrent layers replay decode graphs too
-(each row's state slot is a graph input); their draft verifications run eagerly. The runner keeps one scratch page (and one scratch state slot)
+Batches with prefill chunks or images run eagerly. Models with recurrent layers replay graphs too (each
+row's state slot is a graph input; verification: see above). The runner keeps one scratch page (and one scratch state slot)
 for padding rows, so ``capacity_tokens`` is one page less than the cache.
 
 Async scheduling: ``Generator(lm, async_scheduling=None)`` (on by default on CUDA) queues decode step

@@ -86,6 +86,7 @@ class _Running:
         self.seq = seq
         self.state_len = seq.length  # tokens the recurrent state has absorbed (hybrid models)
         self.snapshot_slot: int | None = None  # state before a draft verification (hybrid + speculative)
+        self.verify_slots: list[int] = []  # state after each token of a captured verification (hybrid + speculative)
         self.stop_ids = stop_ids
         self.grammar = job.grammar_state  # GrammarState or None
         stack = job.sampler.build() if isinstance(job.sampler, SamplerSettings) else job.sampler
@@ -178,6 +179,7 @@ class _Launched:
     top: int  # top log-probabilities per row in the read-back (-1: none)
     full: dict  # plan index -> CPU logits rows of jobs sampled on the host
     hidden: torch.Tensor | None  # hidden states for the proposer
+    width: int = 0  # tokens per row of a captured verification (0: none)
 
     def tokens(self) -> tuple[list[int] | None, list[tuple[float, list]] | None]:
         """(ids per logits row, (logprob, top logprobs) per row or None); waits for the copy."""
@@ -231,10 +233,12 @@ class Generator:
         self._loaded = model if self.model is not model else None  # the LoadedModel, for trellm.multimodal.prepare_prompt
         self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         if cache is None:  # a model with recurrent layers knows how to build its hybrid cache
-            # state slots: one per job, one draft snapshot per job, plus prefix checkpoints (max_batch_size by default)
+            # state slots: one per job, with a proposer one draft snapshot per job (with CUDA graphs, one per draft
+            # position: see _verify_in_graph), plus prefix checkpoints (max_batch_size by default)
             checkpoints = (max_batch_size if state_checkpoints is None else state_checkpoints) if prefix_caching else 0
+            per_draft = max(num_draft_tokens, 1) if cuda_graphs and torch.cuda.is_available() else 1
             # (+1: the CUDA graphs' padding rows run in a scratch slot)
-            slots = max_batch_size * (2 if proposer is not None else 1) + checkpoints + 1
+            slots = max_batch_size * (1 + (per_draft if proposer is not None else 0)) + checkpoints + 1
             cache = (self.model.make_cache(max_tokens=cache_tokens, page_size=page_size, max_slots=slots) if is_hybrid(self.model)
                      else KVCache.for_model(self.model, max_tokens=cache_tokens, page_size=page_size))
         self.cache = cache
@@ -247,6 +251,10 @@ class Generator:
         # a proposer that drafts from the target's hidden states (MTP) gets them after every step
         self.hidden_sink = proposer.observe_hidden if wants_hidden_states(proposer) else None
         self.state_layers = self.cache.state_layers()
+        # a hybrid model whose every recurrent mixer can take a captured verification token by token
+        mixers = getattr(self.model, "recurrent_layers", lambda: [object()])()
+        self._verifies_in_steps = all(m is None or getattr(m, "verifies_in_steps", False) for m in mixers) and not any(
+            layer.extra for layer in self.state_layers)
         self.prefix_caching = prefix_caching
         if self.state_layers:  # evicting a page hands its state checkpoint back
             self.cache.prefix_cache.free_checkpoint = lambda slot: free_state_slot(self.cache, slot)
@@ -404,7 +412,7 @@ class Generator:
         """Raise AssertionError when page refcounts or recurrent-state slots differ from their holders (jobs, prefix cache, graph scratch page)."""
         scratch = getattr(self.graph_runner, "_scratch_page", None)
         self.cache.prefix_cache.verify([r.seq.pages for r in self.active] + ([[scratch]] if scratch is not None else []))
-        holders = [s for r in self.active for s in (r.state_slot, r.snapshot_slot) if s is not None]
+        holders = [s for r in self.active for s in (r.state_slot, r.snapshot_slot, *r.verify_slots) if s is not None]
         holders += list(self.cache.prefix_cache.checkpoint_of.values())
         if getattr(self.graph_runner, "_scratch_slot", None) is not None:
             holders.append(self.graph_runner._scratch_slot)
@@ -604,6 +612,7 @@ class Generator:
         """Free a running job's pages and state; it waits, keeping its tokens, streamed text and sampler state."""
         self._name_full_pages(r)  # its computed pages stay in the prefix cache: resuming may find them
         r.seq.release()
+        self._drop_verify_slots(r)
         self.active.remove(r)
         self.preempted.append(r)
         self.preempted.sort(key=lambda run: run.time_started)
@@ -640,7 +649,7 @@ class Generator:
             drafts = [d[: q.max_tokens] for d, q in zip(self.proposer.propose(requests), requests)]
             # a draft is cut where its job's grammar refuses a token: the rest could never be kept
             drafts = [d[: r.grammar.valid_prefix(d)] if r.grammar is not None else d for r, d in zip(decoding, drafts)]
-            if self.state_layers:
+            if self.state_layers and (prefilling or not self._verify_in_graph(decoding, drafts)):
                 drafts = [self._snapshot(r, d) for r, d in zip(decoding, drafts)]
         plan = []
         for r, d in zip(decoding, drafts):
@@ -660,6 +669,36 @@ class Generator:
             plan.append((r, r.tokens[r.seq.length: r.seq.length + take], []))
             budget -= take
         return plan
+
+    def _verify_in_graph(self, decoding: list[_Running], drafts: list[list[int]]) -> bool:
+        """Hybrid models: whether this step's drafts are verified by a captured graph, which runs the recurrent
+        layers token by token and leaves each job's state after its token j in the job's ``verify_slots[j]``
+        (taken here, kept until the job ends), so no snapshot is needed (see :meth:`_settle_verification`)."""
+        if not self._verifies_in_steps or self.graph_runner is None or not any(drafts):
+            return False
+        need = max(map(len, drafts))
+        for r in decoding:
+            while len(r.verify_slots) < need:
+                slot = self._spare_slot()
+                if slot is None:
+                    return False
+                r.verify_slots.append(slot)
+        return self._verify_width([(r, [r.tokens[-1]] + d, d) for r, d in zip(decoding, drafts)]) > 0
+
+    def _settle_verification(self, r: _Running, length_before: int) -> None:
+        """After a captured verification (hybrid): the state slot took every token of the job's row, placeholders
+        included; when fewer were kept, the slot holding the state after the last kept one becomes the job's
+        state slot (the two swap)."""
+        if r.job.finished or r.state_len == r.seq.length:  # all kept, or a rewind restarted the state
+            return
+        j = r.seq.length - length_before - 1
+        r.seq.state_slot, r.verify_slots[j] = r.verify_slots[j], r.seq.state_slot
+        r.state_len = r.seq.length
+
+    def _drop_verify_slots(self, r: _Running) -> None:
+        for slot in r.verify_slots:
+            free_state_slot(self.cache, slot)
+        r.verify_slots = []
 
     def _snapshot(self, r: _Running, draft: list[int]) -> list[int]:
         """Copy a hybrid job's state aside before its drafts are verified; no spare slot, no drafts."""
@@ -732,7 +771,7 @@ class Generator:
         self._launches += 1
         self.stats["steps_ahead"] += ahead
         readback = self._readback[self._launches % 2].start(packed) if packed is not None else None
-        return _Launched(plan, cu, row_start, ids, readback, top, full, hidden)
+        return _Launched(plan, cu, row_start, ids, readback, top, full, hidden, width)
 
     def _complete(self, step: _Launched, results: list[Result]) -> None:
         """Read ``step``'s tokens back and commit them: accept, stream, finish, name full pages. Jobs that
@@ -751,7 +790,7 @@ class Generator:
             completes = r.seq.length + len(feed) - len(draft) == len(r.tokens)
             length_before = r.seq.length
             r.seq.length += len(feed)
-            r.state_len = r.seq.length
+            r.state_len = length_before + (step.width or len(feed))  # a verification graph's row: placeholders too
             if not r.generated:  # still in the prompt
                 self.stats["prefilled_tokens"] += len(feed) - len(draft)
                 results.append(PrefillProgress(job=r.job, identifier=r.job.identifier,
@@ -768,6 +807,8 @@ class Generator:
                         r.seq.length = min(r.seq.length, len(r.tokens) - 1)
                         self._finish(r, EOS_ERROR, results, error=repr(exc))
                     continue
+            if step.width and self.state_layers:
+                self._settle_verification(r, length_before)
             self._settle_snapshot(r, length_before)
             if not r.job.finished:
                 self._name_full_pages(r)
@@ -833,11 +874,13 @@ class Generator:
         """Tokens per row of the captured verification graph that runs ``plan`` (k + 1, k its longest draft),
         captured now if need be; 0 when the step runs otherwise (no drafts, prefill chunks, images, no graph)."""
         runner = self.graph_runner
-        if runner is None or self.state_layers or not any(draft for _, _, draft in plan):
+        if runner is None or not any(draft for _, _, draft in plan):
             return 0
         if any(r.mm is not None or len(feed) != len(draft) + 1 or r.seq.length != len(r.tokens) - 1 for r, feed, draft in plan):
             return 0
         width = 1 + max(len(draft) for _, _, draft in plan)
+        if self.state_layers and any(len(r.verify_slots) < width - 1 or r.snapshot_slot is not None for r, _, _ in plan):
+            return 0  # each row's state after each of its tokens needs a slot (see _verify_in_graph)
         if not runner.fits([r.seq.pages for r, _, _ in plan], width) or runner.graph_size(len(plan), width) is None:
             return 0
         return width
@@ -855,7 +898,8 @@ class Generator:
         states = [r.state_slot for r, _, _ in plan] if self.state_layers else None
         if width:
             size = runner.graph_size(len(plan), width)
-            runner.stage(size, feeds, cached, pages, self._lora_slots(plan), states, width=width)
+            checkpoints = [r.verify_slots[: width - 1] for r, _, _ in plan] if self.state_layers else None
+            runner.stage(size, feeds, cached, pages, self._lora_slots(plan), states, width=width, checkpoint_slots=checkpoints)
             return runner.replay(size, len(plan), width)
         if (runner is not None and len(rows) == len(plan) == sum(len(f) for f in feeds)
                 and all(r.mm is None for r, _, _ in plan) and max(len(p) for p in pages) <= runner.max_pages):
@@ -1122,6 +1166,7 @@ class Generator:
         if r.snapshot_slot is not None:
             free_state_slot(self.cache, r.snapshot_slot)
             r.snapshot_slot = None
+        self._drop_verify_slots(r)
         if self.proposer is not None:
             self.proposer.release(r.job.job_id)
         (self.active if r in self.active else self.preempted).remove(r)

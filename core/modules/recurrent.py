@@ -57,13 +57,40 @@ def state_cache_inputs(key: str, layer_idx: int, batch: ForwardBatch, tokens: in
     return batch.cache.layers[layer_idx], fresh, tokens == batch.num_seqs
 
 
+def in_steps(batch: ForwardBatch, layer) -> bool:
+    """Whether a recurrent mixer takes this batch's tokens one at a time on the cache's slots: a captured draft
+    verification (every sequence feeds ``batch.tokens_per_seq`` tokens; the chunked scan would read
+    ``cu_seqlens`` on the host, which a graph cannot)."""
+    return layer is not None and batch.tokens_per_seq > 1
+
+
+def stepwise(step, batch: ForwardBatch, fresh: torch.Tensor | None, states: list[torch.Tensor],
+             *per_token: torch.Tensor) -> torch.Tensor:
+    """``step(*rows, fresh)``, a one-token update of the sequences' state slots in place (the decode op), run
+    over each sequence's ``batch.tokens_per_seq`` tokens in order (``per_token``: [T, ...] inputs, sequence by
+    sequence); after token j the ``states`` it updates are copied into the checkpoint slots j, so a
+    verification that keeps j + 1 tokens resumes from there. Returns the outputs, [T, ...] in token order."""
+    width = batch.tokens_per_seq
+    columns = [t.unflatten(0, (-1, width)).transpose(0, 1) for t in per_token]  # [width, B, ...]
+    out = []
+    for j in range(width):
+        out.append(step(*(c[j].contiguous() for c in columns), fresh if j == 0 else None))
+        if j < width - 1:
+            for t in states:
+                t[batch.state_checkpoints[j]] = t[batch.state_slots]
+    return torch.stack(out, 1).flatten(0, 1)
+
+
 def short_conv(mixed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, batch: ForwardBatch, layer,
                fresh: torch.Tensor | None, decode: bool):
     """The causal depthwise conv (+ SiLU) of a recurrent mixer's inputs: (out, conv states or None, recurrent
-    states read from the cache or None). Decoding updates the conv states in place; otherwise the caller
-    writes back the returned conv states with its recurrent states."""
+    states read from the cache or None). Decoding (and a verification taken :func:`stepwise`) updates the conv
+    states in place; otherwise the caller writes back the returned conv states with its recurrent states."""
     if decode:
         return ops.causal_conv1d_step_slots(mixed, weight, bias, layer.conv_states, batch.state_slots, fresh), None, None
+    if in_steps(batch, layer):
+        conv = lambda x, f: ops.causal_conv1d_step_slots(x, weight, bias, layer.conv_states, batch.state_slots, f)  # noqa: E731
+        return stepwise(conv, batch, fresh, [layer.conv_states], mixed), None, None
     conv_state = rec_state = None
     if layer is not None:
         conv_state, rec_state = layer.read(batch.state_slots, fresh)
@@ -112,6 +139,8 @@ class GatedDeltaNet(Module):
             head_k_dim=sizes.key_head_dim, head_v_dim=sizes.value_head_dim,
             conv_width=sizes.conv_kernel, eps=eps, projection=projection, **options,
         )
+
+    verifies_in_steps = True  # takes a captured draft verification token by token (see stepwise)
 
     def __init__(
         self,
@@ -220,6 +249,9 @@ class GatedDeltaNet(Module):
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
         if decode:
             o = ops.gated_delta_rule_step_slots(q, k, v, g, beta, layer.states, batch.state_slots, fresh)
+        elif in_steps(batch, layer):
+            rule = lambda *rows: ops.gated_delta_rule_step_slots(*rows[:5], layer.states, batch.state_slots, rows[5])  # noqa: E731
+            o = stepwise(rule, batch, fresh, [layer.states], q, k, v, g, beta)
         else:
             o, rec_state = ops.gated_delta_rule_chunked(q, k, v, g, beta, batch.cu_seqlens, rec_state, self.chunk_size)
             if layer is not None:
@@ -238,6 +270,8 @@ class KimiDeltaAttention(Module):
     sigmoid(``b_proj``); the output RMS-normalised per head and gated by sigmoid(g_b(g_a(x))) (``o_norm``),
     then ``o_proj``. Its state (conv inputs and [H, Dk, Dv] per sequence) lives in a recurrent-state slot.
     """
+
+    verifies_in_steps = True  # takes a captured draft verification token by token (see stepwise)
 
     def __init__(self, key: str, layer_idx: int, hidden_size: int, num_heads: int, head_dim: int, conv_width: int,
                  eps: float, lower_bound: float | None = -5.0, chunk_size: int = 32):
@@ -290,6 +324,9 @@ class KimiDeltaAttention(Module):
         g, beta = self.log_decay(x), torch.sigmoid(self.b_proj(x).float())
         if decode:
             o = ops.kda_step_slots(q, k, v, g, beta, layer.states, batch.state_slots, fresh)
+        elif in_steps(batch, layer):
+            rule = lambda *rows: ops.kda_step_slots(*rows[:5], layer.states, batch.state_slots, rows[5])  # noqa: E731
+            o = stepwise(rule, batch, fresh, [layer.states], q, k, v, g, beta)
         else:
             o, rec_state = ops.kda_chunked(q, k, v, g, beta, batch.cu_seqlens, rec_state, self.chunk_size)
             if layer is not None:
