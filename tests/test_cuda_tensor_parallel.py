@@ -53,10 +53,11 @@ def test_two_ranks_over_nccl(llama_dir):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("name", ["qwen3_5_moe", "deepseek_v3", "glm_dsa", "deepseek_v4"])
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "deepseek_v3", "glm_dsa", "deepseek_v4", "glm5_next", "qwen4_exp"])
 def test_two_ranks_over_nccl_hybrid_and_latent(tmp_path, name):
-    """The CPU suite's hybrid (gated delta net + gated attention, experts spread), MLA, DSA sparse MLA and DeepSeek V4
-    checkpoints on two GPUs, float32, against one GPU."""
+    """The CPU suite's hybrid (gated delta net + gated attention, experts spread), MLA, DSA sparse MLA, DeepSeek V4,
+    GLM 5.3 (KDA by heads) and Qwen 3.8 (PLE delta net and indexed attention by heads) checkpoints on two GPUs,
+    float32, against one GPU."""
     from test_tensor_parallel import MODELS, WRITERS  # tests/ is on sys.path
 
     if name in WRITERS:
@@ -66,6 +67,29 @@ def test_two_ranks_over_nccl_hybrid_and_latent(tmp_path, name):
     one = trellm.load(model_dir, device="cuda", dtype="float32", tokenizer=False)
     with trellm.load(model_dir, device="cuda", dtype="float32", tokenizer=False, tensor_parallel=2) as split:
         _compare(one, split)
+
+
+def test_exl3_columns_off_the_blocks_on_the_gpu():
+    """A column shard off the 128-blocks (ColumnSelect) through the EXL3 kernels: the whole projection's columns."""
+    from test_tensor_parallel import _random_exl3
+
+    from trellm.distributed.sharding import ColumnSelect, split_column_ranges
+    from trellm.modules.linear import Linear
+    from trellm.ops import project
+
+    g = torch.Generator().manual_seed(1)
+    whole = _random_exl3(256, 640, g)
+    whole = type(whole)(whole.trellis.cuda(), whole.suh.cuda(), whole.svh.cuda(), whole.codebook, 256, 640)
+    lin = Linear("p", 256, 640)
+    lin.impl = whole
+    ranges = [(40, 72), (100, 130), (520, 600)]
+    split_column_ranges(lin, ranges)
+    assert isinstance(lin.impl, ColumnSelect)
+    cols = torch.cat([torch.arange(a, b) for a, b in ranges]).cuda()
+    for rows in (1, 5, 300):  # GEMV, mid-size and decoded routes
+        x = torch.randn(rows, 256, device="cuda", dtype=torch.float16)
+        want = project(x, whole)[:, cols]  # the shard's blocks may take another route than the whole: fp16 rounding
+        torch.testing.assert_close(project(x, lin.impl), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
 def test_memory_plan_against_the_allocation(llama_dir):

@@ -309,15 +309,20 @@ def test_split_over_two_gpus_matches_one_gpu_and_the_plan(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("name", ["hybrid", "glm_dsa", "deepseek_v4"])
+@pytest.mark.parametrize("name", ["hybrid", "glm_dsa", "deepseek_v4", "gemma4_kv_shared"])
 def test_families_split_over_two_gpus(dirs, name):
-    """Recurrent state, a sparse selection reused across the boundary, hyper-connection streams: on cuda:0 / cuda:1
+    """Recurrent state, a sparse selection reused across the boundary, hyper-connection streams, KV-sharing layers
+    (sizes for [0-3 | 4-5] planned as [0-1 | 2-5]: layers 4 and 5 read the cache of 2 and 3): on cuda:0 / cuda:1
     as on one GPU."""
     d = dirs[name]
     one = trellm.load(d, device="cuda:0", tokenizer=False)
-    rest = list(range(1, len(one.model.layers)))
-    lm = trellm.load(d, device="cuda", tokenizer=False, gpu_split=budgets(d, [[0], rest], device="cuda"), context=CONTEXT)
+    n = len(one.model.layers)
+    first = [0, 1, 2, 3] if name == "gemma4_kv_shared" else [0]
+    sizes = [budgets(d, [first, list(range(len(first), n))], device="cuda")[0], 1.0]
+    lm = trellm.load(d, device="cuda", tokenizer=False, gpu_split=sizes, context=CONTEXT)
     assert lm.model.layer_split.devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    if name == "gemma4_kv_shared":
+        assert [(s.first, s.last) for s in lm.model.layer_split.stages] == [(0, 2), (2, 6)]
     want, got = one.logits(PROMPTS), lm.logits(PROMPTS)
     assert (got - want).abs().max() <= 1e-3 * (want.max() - want.min())
     outs = [Generator(m, cache_tokens=CONTEXT, page_size=16).generate(PROMPTS[0], max_new_tokens=16, return_results=True,

@@ -455,6 +455,88 @@ def test_exl3_shards_are_the_dense_weights_slices():
         shard_columns(layer, 64, 192)
 
 
+def _random_exl3(in_features: int, out_features: int, g: torch.Generator) -> EXL3Linear:
+    k, n = -(-in_features // 128) * 128, -(-out_features // 128) * 128
+    sign = lambda size: ((torch.randint(0, 2, (size,), generator=g) * 2 - 1) * 0.3).half()  # noqa: E731
+    return EXL3Linear(torch.randint(-32768, 32768, (k // 16, n // 16, 32), generator=g, dtype=torch.int16), sign(k),
+                      sign(n), "3inst", in_features, out_features)
+
+
+def test_exl3_columns_off_the_blocks_keep_the_blocks_covering_them():
+    """Ranges of EXL3 columns that do not lie on 128-blocks (a recurrent mixer's one column per head) keep the blocks
+    covering them and pick their columns: the same outputs as the whole projection's, fewer bytes. Dense weights and
+    ranges on the blocks are cut as before."""
+    from trellm.distributed.sharding import ColumnSelect, split_column_ranges, split_columns
+    from trellm.modules.linear import DenseLinear, Linear
+
+    g = torch.Generator().manual_seed(1)
+    whole = _random_exl3(256, 640, g)
+    x = torch.randn(3, 256, generator=g)
+    want = whole.forward(x)
+    ranges = [(40, 72), (100, 130), (520, 600)]  # blocks [0, 256) and [512, 640)
+    lin = Linear("p", 256, 640)
+    lin.impl = whole
+    split_column_ranges(lin, ranges)
+    assert isinstance(lin.impl, ColumnSelect) and lin.out_features == 32 + 30 + 80
+    assert lin.impl.nbytes() < whole.nbytes()
+    cols = torch.cat([torch.arange(a, b) for a, b in ranges])
+    torch.testing.assert_close(lin.impl.forward(x), want[:, cols])
+    assert torch.equal(lin.impl.dense_weight(), whole.dense_weight()[cols])
+    narrow = Linear("b", 256, 4)  # one column per head, stored padded to one block
+    narrow.impl = _random_exl3(256, 4, g)
+    full = narrow.impl.forward(x)
+    split_columns(narrow, 2, 4)
+    torch.testing.assert_close(narrow.impl.forward(x), full[:, 2:4])
+    on_blocks = Linear("q", 256, 640)
+    on_blocks.impl = whole
+    split_column_ranges(on_blocks, [(128, 256), (512, 640)])
+    assert isinstance(on_blocks.impl, EXL3Linear)
+    dense = Linear("d", 256, 640)
+    dense.impl = DenseLinear(whole.dense_weight(), None)
+    split_column_ranges(dense, ranges)
+    assert isinstance(dense.impl, DenseLinear) and torch.equal(dense.impl.weight, whole.dense_weight()[cols])
+
+
+class _PartialSums:
+    """Rank ``rank`` of ``world`` in one process: its row-parallel outputs stay partial, for the test to sum as the
+    all-reduce would."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def test_exl3_kda_split_by_heads_sums_to_the_whole_layer():
+    """A KDA layer of EXL3 weights (two 128-wide heads; its b_proj one column per head, off the blocks): each of 2 ranks'
+    shard holds one head, and their partial outputs sum to the whole layer's output."""
+    import copy
+
+    from trellm.distributed.sharding import shard_kimi_delta_attention
+    from trellm.modules.recurrent import KimiDeltaAttention
+
+    g = torch.Generator().manual_seed(2)
+    kda = KimiDeltaAttention("kda", 0, hidden_size=128, num_heads=2, head_dim=128, conv_width=4, eps=1e-6)
+    for lin in (kda.q_proj, kda.k_proj, kda.v_proj, kda.f_a_proj, kda.f_b_proj, kda.g_a_proj, kda.g_b_proj, kda.b_proj,
+                kda.o_proj):
+        lin.impl = _random_exl3(lin.in_features, lin.out_features, g)
+    kda.conv_weight = torch.randn(kda.conv_dim, 4, generator=g) * 0.5
+    kda.dt_bias, kda.A_log = torch.randn(kda.dim, generator=g), torch.randn(2, generator=g)
+    kda.o_norm.weight = 1 + 0.1 * torch.randn(128, generator=g)
+    batch = ForwardBatch.no_cache([list(range(7)), list(range(5))])
+    x = torch.randn(12, 128, generator=g)
+    with torch.inference_mode():
+        want = kda.forward(x, batch)
+        parts = []
+        for rank in range(2):
+            shard = copy.deepcopy(kda)
+            shard_kimi_delta_attention(shard, _PartialSums(rank, 2))
+            assert shard.num_heads == 1 and shard.state_layer(1, torch.float32, "cpu").states.shape[1:] == (1, 128, 128)
+            parts.append(shard.forward(x, batch))
+    torch.testing.assert_close(parts[0] + parts[1], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
 def test_split_rules():
     assert head_shard(8, 2, 3, 4) == head_shard(8, 2, 3, 4) and head_shard(8, 2, 3, 4).kv0 == 1  # KV head replicated
     assert (head_shard(8, 8, 1, 4).kv0, head_shard(8, 8, 1, 4).kv1) == (2, 4)

@@ -16,7 +16,8 @@ columns; embedding and LM head by vocabulary rows; recurrent mixers by heads
 groups with their B/C; a short conv: channels), their conv channels and per-rank recurrent state going with the heads (the cache a
 rank builds from its shrunk mixers holds only its heads' state). A module of a plugin splits itself
 (:class:`~trellm.capabilities.SplitsOverRanks`, with :func:`split_columns` / :func:`split_rows`). EXL3 weights split only
-on 128-row / 128-column boundaries (a 128-block of the Hadamard transform must stay whole); dense
+on 128-row / 128-column boundaries (a 128-block of the Hadamard transform must stay whole; columns off them, a
+recurrent mixer's one per head, keep their covering blocks and are picked after: :class:`ColumnSelect`); dense
 weights split anywhere. Any module this file does not know runs whole on every rank (replicated):
 that is always correct, because only the inside of an attention or MLP block is ever sharded. A vision
 tower runs on rank 0 alone (:func:`shard_loaded_child`).
@@ -37,6 +38,7 @@ from ..modules.layers import MLP, Attention, Embedding, GatedMLP, HeadLayerNorm,
 from ..modules.linear import DenseLinear, Linear
 from ..modules.latent import LatentAttention, SparseLatentAttention
 from ..modules.moe import ExpertMLP, MoE, dispatch_experts
+from ..ops.projection import WrappedWeights, project
 from ..modules.recurrent import GatedAttention, GatedDeltaNet, KimiDeltaAttention, Mamba2Mixer, ShortConv
 from ..quant.exl3.format import EXL3Linear
 from .comm import Comm
@@ -211,6 +213,60 @@ class RowParallel:
         return self.shard.dense_weight()
 
 
+class ColumnSelect(WrappedWeights):
+    """Columns ``index`` of ``base``'s output: the column shard of weights that split only on blocks (EXL3: 128
+    columns, a block of its Hadamard transform) where the rank's columns do not lie on them, as a recurrent mixer's
+    per-head scalars do (one column per head: b, a, dt). ``base`` holds the blocks covering those columns (less than
+    two blocks more per range than the rank needs); the projection runs on them (every fused route of their format)
+    and the wanted columns are picked after."""
+
+    def __init__(self, base: object, index: torch.Tensor):
+        self.base, self.index = base, index
+        self.in_features, self.out_features = base.in_features, index.numel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base.forward(x)
+        return y.index_select(-1, self._index_on(y.device))
+
+    def project(self, x, pre=None, post=None):
+        if post is not None:
+            return project.reference(x, self, pre, post)
+        y = project(x, self.base, pre)
+        return y.index_select(-1, self._index_on(y.device))
+
+    def _index_on(self, device: torch.device) -> torch.Tensor:
+        if self.index.device != device:
+            self.index = self.index.to(device)
+        return self.index
+
+    def nbytes(self) -> int:
+        return self.base.nbytes()
+
+    def dense_weight(self) -> torch.Tensor:
+        whole = self.base.dense_weight()
+        return whole[self._index_on(whole.device)]
+
+
+def covering_blocks(ranges: list[tuple[int, int]], align: int, size: int) -> tuple[list[tuple[int, int]], torch.Tensor]:
+    """The ``align``-blocks of [0, size) covering ``ranges`` (increasing, disjoint), merged where they touch, and
+    where each column of ``ranges`` sits in the blocks' outputs side by side."""
+    blocks: list[tuple[int, int]] = []
+    for a, b in ranges:
+        lo, hi = a // align * align, min(-(-b // align) * align, size)
+        if blocks and lo <= blocks[-1][1]:
+            blocks[-1] = (blocks[-1][0], max(hi, blocks[-1][1]))
+        else:
+            blocks.append((lo, hi))
+    offsets = [0]
+    for lo, hi in blocks:
+        offsets.append(offsets[-1] + hi - lo)
+    index = []
+    for a, b in ranges:
+        i = next(i for i, (lo, hi) in enumerate(blocks) if lo <= a and b <= hi)
+        index.append(torch.arange(offsets[i] + a - blocks[i][0], offsets[i] + b - blocks[i][0]))
+    return blocks, torch.cat(index)
+
+
 class VocabParallelHead:
     """The LM head's vocabulary rows [start, stop); ``forward`` gathers every rank's logits into the full vocab."""
 
@@ -254,14 +310,19 @@ class VocabParallelEmbedding(Embedding):
 
 def split_columns(linear: Linear, start: int, stop: int) -> None:
     """Keep output columns [start, stop) of ``linear`` (column parallel: no collective)."""
-    linear.impl = shard_columns(linear.impl, start, stop)
-    linear.out_features = stop - start
+    split_column_ranges(linear, [(start, stop)])
 
 
 def split_column_ranges(linear: Linear, ranges: list[tuple[int, int]]) -> None:
-    """Keep the output columns of ``ranges``, in order (a projection whose output is several parts: q|k|v)."""
-    parts = [shard_columns(linear.impl, a, b) for a, b in ranges]
-    linear.impl = parts[0] if len(parts) == 1 else join_columns(*parts)
+    """Keep the output columns of ``ranges`` (increasing), in order (a projection whose output is several parts:
+    q|k|v). Ranges off the weights' split blocks keep the blocks covering them and pick their columns
+    (:class:`ColumnSelect`)."""
+    align, size = shard_align(linear.impl), linear.out_features
+    on_blocks = all(a % align == 0 and (b % align == 0 or b == size) for a, b in ranges)
+    blocks, index = (ranges, None) if on_blocks else covering_blocks(ranges, align, size)
+    parts = [shard_columns(linear.impl, a, b) for a, b in blocks]
+    impl = parts[0] if len(parts) == 1 else join_columns(*parts)
+    linear.impl = impl if index is None else ColumnSelect(impl, index)
     linear.out_features = sum(b - a for a, b in ranges)
 
 
