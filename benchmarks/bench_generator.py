@@ -5,6 +5,7 @@
         --prompt-tokens 512 --new-tokens 256                    # Llama-3.1-8B shape, random EXL3 4 bpw, mul1
     python benchmarks/bench_generator.py --batch-sizes 1,4,16 --new-tokens 64 --plot gen.png
     python benchmarks/bench_generator.py --speculative ngram   # n-gram lookup on a repetitive task
+    python benchmarks/bench_generator.py --device cuda --speculative ngram --cuda-graphs both   # verification captured vs eager
     python benchmarks/bench_generator.py --speculative draft --draft-model /path/to/small-or-quantized
 
 Prints one row per batch size: wall time, generated tokens/s over the whole run (prefill included),
@@ -124,14 +125,15 @@ def codebook_of(model_dir: Path) -> str:
     return quant.get("codebook", "3inst")
 
 
-def captured_step_ms(gen: Generator, n: int, reps: int = 50) -> float | None:
-    """Median ms of one replay of the generator's own captured decode graph for ``n`` sequences (the step's GPU
-    work alone, on the inputs its last step staged), or None when no graph ran that size."""
+def captured_step_ms(gen: Generator, n: int, reps: int = 50, width: int = 1) -> float | None:
+    """Median ms of one replay of the generator's own captured graph for ``n`` sequences of ``width`` tokens (1: the
+    decode step, k + 1: the verification of k drafts): the step's GPU work alone, on the inputs its last step
+    staged; None when no graph ran that size."""
     runner = gen.graph_runner
     size = None if runner is None else next((b for b in runner.batch_sizes if b >= n), None)
-    if size is None or (size, 1) not in runner.graphs:
+    if size is None or (size, width) not in runner.graphs:
         return None
-    graph = runner.graphs[size, 1][0]
+    graph = runner.graphs[size, width][0]
     for _ in range(3):
         graph.replay()
     times = []
@@ -189,7 +191,8 @@ class _DeviceTrace:
             print(f"   {ms / self.steps:8.4f} ms/step  {count / self.steps:6.1f}x  {name}")
 
 
-def run_batch(lm, n: int, args, proposer=None, task_prompts=None, async_scheduling: bool | None = None) -> dict:
+def run_batch(lm, n: int, args, proposer=None, task_prompts=None, async_scheduling: bool | None = None,
+              cuda_graphs: bool = True) -> dict:
     sampler = SamplerSettings.preset("default") if args.sample else None
     jobs = [Job(p, args.new_tokens, stop_token_ids=[], sampler=sampler, seed=i)
             for i, p in enumerate(task_prompts or prompts(lm, n, args.prompt_tokens))]
@@ -200,7 +203,8 @@ def run_batch(lm, n: int, args, proposer=None, task_prompts=None, async_scheduli
     pages = sum(-(-(len(j.prompt_ids) + args.new_tokens + args.draft_tokens) // args.page_size) for j in jobs) + 1
     gen = Generator(lm, cache_tokens=pages * args.page_size, page_size=args.page_size,
                     max_batch_size=max(n, 1), max_chunk_tokens=args.chunk_tokens, proposer=proposer,
-                    num_draft_tokens=args.draft_tokens, prefix_caching=False, async_scheduling=async_scheduling)
+                    num_draft_tokens=args.draft_tokens, prefix_caching=False, async_scheduling=async_scheduling,
+                    cuda_graphs=cuda_graphs)
     # first-call overheads (and, on CUDA, the capture of this batch size's decode graph) out of the timing
     gen.generate([j.prompt_ids[:8] for j in jobs], 2, stop_token_ids=[], sampler=sampler)
     if lm.device.type == "cuda":
@@ -292,6 +296,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     ap.add_argument("--async-scheduling", choices=["both", "on", "off"], default="both",
                     help="run each batch size with the generator's async scheduling off and on (both: one row each)")
+    ap.add_argument("--cuda-graphs", choices=["on", "off", "both"], default="on",
+                    help="with --speculative: the generator's CUDA graphs (decode and draft verification steps) on, "
+                         "off, or one row each")
     ap.add_argument("--plot", default=None, help="save tokens/s vs batch size here (needs matplotlib)")
     args = ap.parse_args()
     if args.threads:
@@ -317,18 +324,22 @@ def main() -> None:
     if args.speculative != "none":
         n = int(args.batch_sizes.split(",")[0])
         task = repetitive_prompts(lm, n)
-        base = run_batch(lm, n, args, task_prompts=task)
-        if args.speculative == "ngram":
-            proposer = NgramProposer(num_tokens=args.draft_tokens)
-        else:
-            draft = trellm.load(args.draft_model, device=args.device, dtype=args.dtype) if args.draft_model else lm
-            proposer = DraftModelProposer(draft, num_tokens=args.draft_tokens, cache_tokens=n * 2048, page_size=args.page_size)
-        spec = run_batch(lm, n, args, proposer=proposer, task_prompts=task)
-        rate = spec["accepted"] / max(spec["proposed"], 1)
-        print(f"{'mode':>12} {'tok/s':>8} {'wall s':>8}  codebook")
-        print(f"{'plain':>12} {base['tok_s']:8.2f} {base['wall_s']:8.2f}  {codebook}")
-        print(f"{args.speculative:>12} {spec['tok_s']:8.2f} {spec['wall_s']:8.2f}  {codebook}   speed-up "
-              f"x{spec['tok_s'] / base['tok_s']:.2f}, acceptance {spec['accepted']}/{spec['proposed']} = {rate:.0%}")
+        print(f"{'mode':>12} {'graphs':<7} {'tok/s':>8} {'wall s':>8} {'ms/step':>8}  codebook  decode path")
+        for graphs in {"on": (True,), "off": (False,), "both": (True, False)}[args.cuda_graphs]:
+            base = run_batch(lm, n, args, task_prompts=task, cuda_graphs=graphs)
+            if args.speculative == "ngram":
+                proposer = NgramProposer(num_tokens=args.draft_tokens)
+            else:
+                draft = trellm.load(args.draft_model, device=args.device, dtype=args.dtype) if args.draft_model else lm
+                proposer = DraftModelProposer(draft, num_tokens=args.draft_tokens, cache_tokens=n * 2048, page_size=args.page_size)
+            spec = run_batch(lm, n, args, proposer=proposer, task_prompts=task, cuda_graphs=graphs)
+            rate = spec["accepted"] / max(spec["proposed"], 1)
+            on = "on" if graphs else "off"
+            print(f"{'plain':>12} {on:<7} {base['tok_s']:8.2f} {base['wall_s']:8.2f} {base['step_ms']:8.3f}  {codebook:<8}  "
+                  f"{base['decode_path']}")
+            print(f"{args.speculative:>12} {on:<7} {spec['tok_s']:8.2f} {spec['wall_s']:8.2f} {spec['step_ms']:8.3f}  {codebook:<8}  "
+                  f"{spec['decode_path']}; speed-up x{spec['tok_s'] / base['tok_s']:.2f}, acceptance "
+                  f"{spec['accepted']}/{spec['proposed']} = {rate:.0%}", flush=True)
         return
 
     rows = []

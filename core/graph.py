@@ -22,7 +22,7 @@ fails the runner falls back to eager execution and says so once.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -104,15 +104,19 @@ class GraphRunner:
         """The graph's static inputs: ``size`` padding rows of ``width`` tokens each (written to the scratch page)."""
         key = (size, width)
         if key not in self.buffers:
-            tokens = size * width
-            # ids, positions, slots, logits rows, lora slots (int64, per token), state slots (per row) + table, cu,
-            # ctx, cached (int32); each field 16-byte aligned
-            need = 6 * (tokens + 2) + (size * self.max_pages + 3 * size + 16) // 2 + 8
-            self.buffers[key] = StepBuffers(self.device, capacity=need, growable=False)
+            self.buffers[key] = self._new_buffers(size, width)
         if width == 1:
             return self._build(self.buffers[key], [], [], [], [], size, state_slots=[] if self.state_slots else None)
         states = [] if self.state_slots else None
         return self.stage(size, [], [], [], width=width, state_slots=states, checkpoint_slots=states)
+
+    def _new_buffers(self, size: int, width: int) -> StepBuffers:
+        """Fixed-address buffers for the inputs of a step of ``size`` rows of ``width`` tokens."""
+        tokens = size * width
+        # ids, positions, slots, logits rows, lora slots (int64, per token), state slots, state checkpoints (per
+        # row and token) + table, cu, ctx, cached (int32); each field 16-byte aligned
+        need = 6 * (tokens + 2) + size * width + (size * self.max_pages + 3 * size + 16) // 2 + 8
+        return StepBuffers(self.device, capacity=need, growable=False)
 
     def _build(self, buffers: StepBuffers, feeds, cached_lens, page_rows, logits_rows, size: int,
                lora_slots: Sequence[int] | None = None, state_slots: Sequence[int] | None = None) -> ForwardBatch:
@@ -130,18 +134,23 @@ class GraphRunner:
         hidden = self.model.hidden_states(batch)
         return hidden, self.model.logits_from_hidden(hidden, batch)
 
-    def _capture(self, size: int, width: int = 1):
-        batch = self._padding_batch(size, width)
+    def _record(self, run: Callable[[], Any]) -> tuple[Any, Any]:
+        """``run`` (a step over static inputs) captured as a CUDA graph: (the graph, the outputs it writes)."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: lazy tables, kernel library loading, autotuning
-                self._step(batch)
+                run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._step(batch)
+            out = run()
         self.pool = graph.pool()
+        return graph, out
+
+    def _capture(self, size: int, width: int = 1):
+        batch = self._padding_batch(size, width)
+        graph, out = self._record(lambda: self._step(batch))
         return graph, batch, out
 
     def fits(self, page_rows: Sequence[Sequence[int]], width: int = 1) -> bool:

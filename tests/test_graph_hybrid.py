@@ -16,31 +16,35 @@ from trellm.sdk.testing import make_tiny_hf_model
 from test_hybrid_families import FAMILIES
 
 
-class EagerGraphs(GraphRunner):
-    """A GraphRunner whose "captured graph" is an eager forward over the same static inputs (the runner's own
-    ``_step``), copied into fixed outputs as a replay would leave them; ``staged`` logs each verification step's
-    (width, tokens fed per real row)."""
+class EagerRecording:
+    """Mixed into a GraphRunner: its "captured graph" is an eager run of the same step over the same static inputs,
+    copied into fixed outputs as a replay would leave them."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.enabled = self._scratch_page is not None and (self._scratch_slot is not None or not self.state_slots)
-        self.replays = 0
-        self.staged: list[tuple[int, list[int]]] = []
+    replays = 0
 
-    def _capture(self, size: int, width: int = 1):
-        batch = self._padding_batch(size, width)
-        first = self._step(batch)
-        out = tuple(t.clone() for t in first) if self.hidden_states else first.clone()
+    def _record(self, run):
+        first = run()
+        out = tuple(t.clone() for t in first) if isinstance(first, tuple) else first.clone()
         runner = self
 
         class Replay:
             def replay(self):
                 runner.replays += 1
-                now = runner._step(batch)
-                for dst, src in zip(out, now) if runner.hidden_states else ((out, now),):
+                now = run()
+                for dst, src in zip(out, now) if isinstance(out, tuple) else ((out, now),):
                     dst.copy_(src)
 
-        return Replay(), batch, out
+        return Replay(), out
+
+
+class EagerGraphs(EagerRecording, GraphRunner):
+    """A GraphRunner replaying eager stand-ins for its graphs; ``staged`` logs each verification step's (width,
+    tokens fed per real row)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.enabled = self._scratch_page is not None and (self._scratch_slot is not None or not self.state_slots)
+        self.staged: list[tuple[int, list[int]]] = []
 
     def stage(self, size, feeds, *args, width: int = 1, **kwargs):
         if width > 1 and feeds:

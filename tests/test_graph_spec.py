@@ -10,10 +10,10 @@ import torch
 
 import trellm
 from trellm.generator import Generator, Job, JobFinished, NgramProposer, SamplerSettings
-from trellm.generator.mtp import MTPProposer
+from trellm.generator.mtp import MTPProposer, ProposalGraphs
 from trellm.sdk.testing import make_tiny_hf_model
 
-from test_graph_hybrid import EagerGraphs
+from test_graph_hybrid import EagerGraphs, EagerRecording
 
 VOCAB = 256  # every tiny model here (sdk.testing.TINY_DEFAULTS)
 LLAMA = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024)
@@ -46,6 +46,21 @@ class Oracle:
         self.ngram.release(key)
 
 
+class EagerProposals(EagerRecording, ProposalGraphs):
+    """MTP proposal graphs with eager stand-ins for the captures (the runner's static inputs, padding, replay)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.enabled = self._scratch_page is not None
+
+
+def graph_mtp(lm, k: int = 3) -> MTPProposer:
+    """An MTP proposer whose proposals replay (eager stand-ins for) captured graphs."""
+    proposer = MTPProposer(lm, num_tokens=k, cache_tokens=1024, page_size=16)
+    proposer.graphs = EagerProposals(proposer, batch_sizes=(1, 2, 4))
+    return proposer
+
+
 def _prompts(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
     loop = torch.randint(0, vocab, (6,), generator=g).tolist()
@@ -53,8 +68,12 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _run(lm, proposer=None, graphs: bool = False, sizes=(1, 2, 4), k: int = 3, sampled: bool = True):
-    """Three jobs (one sampled with a seed) through a generator; with ``graphs`` its steps replay EagerGraphs."""
-    gen = Generator(lm, cache_tokens=1024, page_size=16, max_batch_size=4, max_chunk_tokens=32, proposer=proposer,
+    """Three jobs (one sampled with a seed) through a generator; with ``graphs`` its steps replay EagerGraphs (on
+    a hybrid model with the state slots a CUDA generator makes: k per job for the verification's states)."""
+    cache = None
+    if graphs and hasattr(lm.model, "make_cache"):
+        cache = lm.model.make_cache(max_tokens=1024, page_size=16, max_slots=4 * (1 + k) + 4 + 1)
+    gen = Generator(lm, cache, cache_tokens=1024, page_size=16, max_batch_size=4, max_chunk_tokens=32, proposer=proposer,
                     num_draft_tokens=k)
     if graphs:
         gen.graph_runner = EagerGraphs(gen.model, gen.cache, batch_sizes=sizes, max_context=gen.cache.capacity_tokens,
@@ -145,13 +164,18 @@ def test_mtp_drafts_through_graphs(mimo):
     plain, _, _ = _run(mimo)
     eager_mtp = MTPProposer(mimo, num_tokens=3, cache_tokens=1024, page_size=16)
     eager, _, eager_done = _run(mimo, eager_mtp)
-    mtp = MTPProposer(mimo, num_tokens=3, cache_tokens=1024, page_size=16)
+    mtp = graph_mtp(mimo)
     replayed, gen, done = _run(mimo, mtp, graphs=True)
     assert replayed == eager == plain
     assert gen.graph_runner.hidden_states and _verification_graphs(gen)
     assert [r.draft_proposed for r in done] == [r.draft_proposed for r in eager_done]
     assert [r.draft_accepted for r in done] == [r.draft_accepted for r in eager_done]
-    assert mtp.stats == eager_mtp.stats
+    graph_proposals = mtp.stats.pop("graph_proposals")
+    assert eager_mtp.stats.pop("graph_proposals") == 0 and graph_proposals > 10
+    assert mtp.stats == eager_mtp.stats  # the same MTP forwards and tokens, one replay per proposal
+    assert mtp.graphs.graphs and mtp.graphs.replays == graph_proposals
+    assert mtp.cache.allocator.free_pages == mtp.cache.num_pages - 1  # the graphs' scratch page
+    mtp.close()
     assert mtp.cache.allocator.free_pages == mtp.cache.num_pages
 
 
@@ -208,8 +232,10 @@ def test_hybrid_mtp_through_graphs(tmp_path):
     plain, _, _ = _run(lm)
     eager_mtp = MTPProposer(lm, num_tokens=3, cache_tokens=1024, page_size=16)
     eager, _, eager_done = _run(lm, eager_mtp)
-    replayed, gen, done = _run(lm, MTPProposer(lm, num_tokens=3, cache_tokens=1024, page_size=16), graphs=True)
+    mtp = graph_mtp(lm)
+    replayed, gen, done = _run(lm, mtp, graphs=True)
     assert replayed == eager == plain and sum(r.draft_proposed for r in done) > 0
+    assert mtp.stats["graph_proposals"] > 10
     assert gen.graph_runner.hidden_states and _verification_graphs(gen)
     assert sum(r.draft_proposed for r in done) > sum(r.draft_proposed for r in eager_done)
 

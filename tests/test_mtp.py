@@ -170,14 +170,19 @@ def test_mtp_head_matches_reference(family):
     torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("pending_limit", [1024, 5])
-def test_proposer_drafts_match_reference_chain(family, pending_limit, monkeypatch):
+@pytest.mark.parametrize("pending_limit,graphs", [(1024, False), (5, False), (1024, True)])
+def test_proposer_drafts_match_reference_chain(family, pending_limit, graphs, monkeypatch):
     """Hidden states arrive in chunks (a prefill split in two, then decode rows); two jobs draft in one
     batch; the second proposal reuses the cache entries of the first and drops its draft entries.
-    ``pending_limit`` 5: hidden states are absorbed into the MTP cache as they arrive (long prompts)."""
+    ``pending_limit`` 5: hidden states are absorbed into the MTP cache as they arrive (long prompts).
+    ``graphs``: proposals with few new hidden states replay a proposal graph (an eager stand-in on CPU)."""
     monkeypatch.setattr("trellm.generator.mtp.MAX_PENDING_ROWS", pending_limit)
     lm, ref = family["lm"], family["ref"]
     proposer = MTPProposer(lm, num_tokens=3, cache_tokens=256, page_size=16)
+    if graphs:
+        from test_graph_spec import EagerProposals
+
+        proposer.graphs = EagerProposals(proposer, batch_sizes=(1, 2))
     vocab = lm.config.vocab_size
     seqs = {"a": random_tokens(vocab, 40, 2), "b": random_tokens(vocab, 9, 3)}
 
@@ -195,8 +200,10 @@ def test_proposer_drafts_match_reference_chain(family, pending_limit, monkeypatc
     seqs["a"] = seqs["a"] + random_tokens(vocab, 2, 4)  # two more tokens committed
     observe("a", 39, 41)
     assert proposer.propose([DraftRequest("a", seqs["a"], 3)]) == [ref.draft(seqs["a"], 3)]
+    assert proposer.stats["graph_proposals"] == (1 if graphs else 0)  # the first proposal absorbs a whole prompt
     proposer.release("a")
     proposer.release("b")
+    proposer.close()
     assert proposer.cache.allocator.free_pages == proposer.cache.num_pages
 
 
@@ -337,6 +344,8 @@ def test_mtp_draft_on_cuda(name, tmp_path):
     assert [r.token_ids for r in done] == [r.token_ids for r in want]
     assert sum(r.draft_proposed for r in done) > 0
     gen.verify_pages()
+    assert proposer.graphs is not None and proposer.graphs.graphs and proposer.stats["graph_proposals"] > 0
+    proposer.close()  # the proposal graphs' scratch page back
     assert proposer.cache.allocator.free_pages == proposer.cache.num_pages
     print(f"[{name}] cuda MTP draft on random weights: {acceptance(done)}")
 

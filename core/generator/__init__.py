@@ -83,7 +83,8 @@ cut an image run (an image longer than ``max_chunk_tokens`` goes in one chunk).
 CUDA graphs: ``Generator(lm, cuda_graphs=True)`` (the default) replays captured decode steps through
 ``trellm.graph.GraphRunner`` on CUDA, and steps that verify drafts too: one graph per (padded batch size,
 k + 1 tokens per row), k the step's longest draft, shorter drafts filled up with placeholder tokens whose
-logits are never read. With an MTP proposer the graphs also return the hidden states it drafts from.
+logits are never read. With an MTP proposer the graphs also return the hidden states it drafts from
+(and the proposer replays graphs of its own proposals: docs/speculative.md).
 Batches with prefill chunks or images run eagerly. Models with recurrent layers replay graphs too (each
 row's state slot is a graph input; verification: see above). The runner keeps one scratch page (and one scratch state slot)
 for padding rows, so ``capacity_tokens`` is one page less than the cache.

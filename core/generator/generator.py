@@ -677,9 +677,10 @@ class Generator:
         if not self._verifies_in_steps or self.graph_runner is None or not any(drafts):
             return False
         need = max(map(len, drafts))
+        admissible = max(0, self.max_batch_size - len(self.active))  # slots left for jobs that may still come in
         for r in decoding:
             while len(r.verify_slots) < need:
-                slot = self._spare_slot()
+                slot = self._spare_slot(reserve=admissible)
                 if slot is None:
                     return False
                 r.verify_slots.append(slot)

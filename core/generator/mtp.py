@@ -32,10 +32,11 @@ from typing import Any
 import attrs
 import torch
 
-from ..batch import ForwardBatch
+from ..batch import ForwardBatch, StepBuffers
 from ..cache import CacheFullError, KVCache, KVCacheLayer, SequenceState
 from ..capabilities import mtp_head
 from ..errors import TrellmError
+from ..graph import DEFAULT_BATCH_SIZES, GraphRunner
 from ..modules.base import LoadContext, Module
 from ..modules.decoder import DecoderLayer
 from ..modules.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -198,7 +199,8 @@ class MTPProposer:
     small paged KV cache (``cache_tokens`` tokens, one attention layer) per job. Drafts are greedy.
     """
 
-    def __init__(self, model: Any, num_tokens: int = 3, cache_tokens: int = 8192, page_size: int = 256):
+    def __init__(self, model: Any, num_tokens: int = 3, cache_tokens: int = 8192, page_size: int = 256,
+                 cuda_graphs: bool = True):
         self.target = getattr(model, "model", model)
         head = mtp_head_of(self.target)
         if head is None:
@@ -213,7 +215,9 @@ class MTPProposer:
         # a tensor-parallel model runs the head on every rank (its own mtp_rows); one process runs it here
         self._mtp_rows = getattr(self.target, "mtp_rows", None) or partial(mtp_rows, self.target)
         self._jobs: dict[Hashable, _JobState] = {}
-        self.stats = {"mtp_forwards": 0, "mtp_tokens": 0}
+        self.stats = {"mtp_forwards": 0, "mtp_tokens": 0, "graph_proposals": 0}
+        capturable = getattr(self.target, "capturable", True) and getattr(self.target, "mtp_rows", None) is None
+        self.graphs = ProposalGraphs(self) if cuda_graphs and capturable and self.cache.device.type == "cuda" else None
 
     # ---- the generator's hooks --------------------------------------------------------------------
 
@@ -260,6 +264,11 @@ class MTPProposer:
             live.append((i, state, k))
         if not live:
             return out
+        drafted = self._propose_in_graph(live, requests) if self.graphs is not None else None
+        if drafted is not None:
+            for (i, _, _), draft in zip(live, drafted):
+                out[i] = draft
+            return out
         y, tokens = self._absorb([(state, len(requests[i].tokens) - 1) for i, state, _ in live])
         committed = [state.seq.length for _, state, _ in live]
         rows = list(range(len(live)))  # live jobs still drafting; y and tokens follow this order
@@ -279,6 +288,52 @@ class MTPProposer:
         state = self._jobs.pop(key, None)
         if state is not None:
             state.seq.release()
+
+    def close(self) -> None:
+        """Drop the proposal graphs and give their scratch page back."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+
+    def _propose_in_graph(self, live: list[tuple[int, _JobState, int]], requests: Sequence[DraftRequest]) -> list[list[int]] | None:
+        """The drafts of ``live`` jobs (index in ``requests``, state, k) by one replay of a :class:`ProposalGraphs`
+        graph; None (nothing changed) when the proposal must run eagerly: a job with more new hidden states than
+        the graph's k + 1 rows (after a prefill), no pages for k draft entries, too many jobs, capture failed."""
+        graphs, k = self.graphs, max(k for _, _, k in live)
+        width = k + 1
+        counts = [min(state.num_pending, len(requests[i].tokens) - 1 - state.base - state.seq.length) for i, state, _ in live]
+        if max(counts) > width or not graphs.fits([state.seq.pages for _, state, _ in live], width):
+            return None
+        try:  # every row runs k steps (eager proposals stop a row at its own k)
+            for i, state, _ in live:
+                state.seq.reserve(len(requests[i].tokens) - state.base + k)
+        except CacheFullError:
+            return None
+        size = graphs.graph_size(len(live), width)
+        if size is None:
+            return None
+        inputs = graphs.inputs[size, width]
+        feeds, bases, last = [], [0] * size, [j * width for j in range(size)]
+        for row, ((_, state, _), count) in enumerate(zip(live, counts)):
+            first = state.base + state.seq.length
+            feeds.append(state.tokens[first + 1: first + 1 + count])
+            inputs.hidden[row * width: row * width + count].copy_(state.pending[:count])
+            state.pending = state.pending[count:] if count < state.num_pending else None
+            bases[row], last[row] = state.base, row * width + count - 1
+        pages = [state.seq.pages for _, state, _ in live]
+        graphs.stage(size, feeds, [state.seq.length for _, state, _ in live], pages, width=width)
+        for state, count in zip((state for _, state, _ in live), counts):
+            state.seq.length += count  # the absorbed entries are real; the chained steps' are dropped
+        for j, buffers in enumerate(inputs.step_buffers, start=1):  # step j feeds draft j at the next position
+            graphs.step_inputs(buffers, [state.seq.length + j - 1 for _, state, _ in live], pages, size)
+        inputs.positions.copy_(torch.tensor(bases + last, dtype=torch.long))
+        graph, _, tokens = graphs.graphs[size, width]
+        graph.replay()
+        drafted = [row[:k_job] for row, (_, _, k_job) in zip(tokens[: len(live)].tolist(), live)]
+        self.stats["graph_proposals"] += 1
+        self.stats["mtp_forwards"] += k
+        self.stats["mtp_tokens"] += sum(counts) + sum(min(k_job, k) - 1 for _, _, k_job in live)
+        return drafted
 
     # ---- MTP forwards -----------------------------------------------------------------------------
 
@@ -318,3 +373,63 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+@attrs.define
+class _ProposalInputs:
+    """A proposal graph's static inputs beyond its absorb batch (see :class:`ProposalGraphs`)."""
+
+    hidden: torch.Tensor  # [size * W, hidden]: each job's new target hidden states (after the final norm), then anything
+    positions: torch.Tensor  # [2 * size] int64: each job's first MTP position, then the row of its last real pair
+    step_buffers: list[StepBuffers]  # one decode batch per chained step
+    steps: list[ForwardBatch]
+
+
+class ProposalGraphs(GraphRunner):
+    """CUDA graphs of a whole MTP proposal, one per (padded batch size, W = k + 1): the absorb forward over W rows
+    per job (its new (hidden state, next token) pairs, at most W, then placeholders), the greedy token after each
+    job's last real pair, then k - 1 chained one-token steps, each fed the previous step's token and output on the
+    device. One replay and one read-back per proposal instead of k eager forwards read back one by one.
+
+    The absorb batch lives in the runner's ``(size, W)`` buffers; the hidden rows, each job's first position (MTP
+    entries are counted from it, RoPE wants absolute positions), its last real row and the chained steps' decode
+    batches are further static inputs (:class:`_ProposalInputs`). Padding jobs and placeholders write to the
+    runner's scratch page of the MTP cache; a chained step's entries past the committed ones are dropped after
+    the proposal, as eager proposals drop them.
+    """
+
+    def __init__(self, proposer: MTPProposer, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES):
+        self.proposer = proposer
+        self.inputs: dict[tuple[int, int], _ProposalInputs] = {}
+        super().__init__(proposer.target, proposer.cache, batch_sizes=batch_sizes)
+
+    def step_inputs(self, buffers: StepBuffers, cached_lens: Sequence[int], pages: Sequence[Sequence[int]],
+                    size: int) -> ForwardBatch:
+        """Write one chained step's decode batch (one token per job after ``cached_lens`` entries) into ``buffers``;
+        its token comes from the step before it, on the device."""
+        return self._build(buffers, [[0]] * len(cached_lens), cached_lens, pages, range(len(cached_lens)), size)
+
+    def _capture(self, size: int, width: int = 1):
+        absorb = self._padding_batch(size, width)
+        weight = self.proposer.target.embed.weight
+        buffers = [self._new_buffers(size, 1) for _ in range(width - 2)]
+        inputs = self.inputs[size, width] = _ProposalInputs(
+            hidden=torch.zeros(size * width, weight.shape[1], dtype=weight.dtype, device=self.device),
+            positions=torch.cat([torch.zeros(size, dtype=torch.long), torch.arange(size) * width]).to(self.device),
+            step_buffers=buffers, steps=[self.step_inputs(b, [], [], size) for b in buffers])
+        graph, out = self._record(lambda: self._draft(absorb, inputs, size, width))
+        return graph, absorb, out
+
+    def _draft(self, absorb: ForwardBatch, inputs: _ProposalInputs, size: int, width: int) -> torch.Tensor:
+        """[size, k] greedy draft tokens (see the class docstring)."""
+        target, head = self.proposer.target, self.proposer.head
+        bases, last = inputs.positions[:size], inputs.positions[size:]
+        batch = attrs.evolve(absorb, positions=absorb.positions + bases.repeat_interleave(width))
+        y = head.forward(target.embed.forward(absorb.input_ids), inputs.hidden, batch)[last]
+        token = target.lm_head.forward(y).float().argmax(dim=-1)
+        tokens = [token]
+        for step in inputs.steps:
+            y = head.forward(target.embed.forward(token), y, attrs.evolve(step, positions=step.positions + bases))
+            token = target.lm_head.forward(y).float().argmax(dim=-1)
+            tokens.append(token)
+        return torch.stack(tokens, dim=1)
