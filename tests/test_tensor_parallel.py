@@ -218,6 +218,7 @@ def _greedy(lm) -> list[int]:
     ("llama", 2, True), ("llama", 4, True), ("qwen3", 2, True), ("exl3_small", 2, True), ("exl3_wide", 4, False),
     ("qwen3_moe", 2, True), ("glm4_moe", 2, True), ("qwen3_5_moe", 2, True), ("nemotron_h", 2, True), ("deepseek_v3", 2, True),
     pytest.param("qwen3_5", 2, True, marks=pytest.mark.slow), pytest.param("lfm2_moe", 2, True, marks=pytest.mark.slow),
+    pytest.param("glm5_next", 4, True, marks=pytest.mark.slow),  # one KDA head and one MLA head per rank
 ])
 def test_logits_and_greedy_tokens_match_one_rank(model_dirs, name, world, generate):
     """Heads and MLP columns split (EXL3 on 128-blocks; GQA KV heads replicated), MoE experts spread, recurrent
@@ -321,6 +322,7 @@ def test_experts_spread_over_ranks(model_dirs):
     ("laguna", 4, r"model\.layers\.2\.self_attn \(OutputGatedAttention\): 2 attention heads cannot be split evenly over 4 ranks"),
     ("deepseek_v4", 4, r"model\.layers\.0\.attn \(CompressedAttention\): output groups \(o_groups\) \(2\) cannot be split evenly"),
     ("gemma4_k_eq_v", 3, r"model\.layers\.0\.self_attn \(Gemma4Attention\): 4 attention heads cannot be split evenly over 3"),
+    ("qwen4_exp", 4, r"layers\.0\.linear_attn \(PLEDeltaNet\): linear-attention key heads \(2\) cannot be split evenly"),
 ])
 def test_unsplittable_layers_are_refused_naming_the_kind(model_dirs, name, world, refusal):
     """The memory plan cuts each rank's shard as a load does (no worker started): a head count the ranks do not

@@ -4,7 +4,8 @@
 device's free memory, or the GiB given per device, against its layers' weights and their KV cache for the asked
 context). The load then puts the embedding on the first device, each decoder layer on its stage's device, the
 final norm, head and any other top-level module (an MTP head, a hyper-connection head) on the last; each cache
-layer is made on its layer's device (``KVCache.for_model`` asks ``model.layer_split``).
+layer is made on its layer's device (``KVCache.for_model`` asks ``model.layer_split``). A layer that reads an
+earlier layer's cache (Gemma 4's KV sharing) sits on that layer's device (:func:`cache_reads`).
 
 How a step crosses devices, with every family's own layer loop unchanged: each placed module's ``forward`` is
 preceded by one that brings its inputs to its device (an instance attribute over the method, as accelerate's

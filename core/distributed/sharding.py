@@ -407,7 +407,7 @@ def shard_mlp(mlp: GatedMLP | MLP | ExpertMLP, comm: Comm, reduce: bool = True) 
 def shard_gated_delta_net(gdn: GatedDeltaNet, comm: Comm) -> None:
     """This rank's key heads and the value heads that read them: q/k/v/z/a/b columns, the conv channels of its
     q|k|v, its heads' decay and dt bias, out_proj rows (all-reduced). Its state layer then holds its heads only."""
-    k0, k1 = rank_range(gdn.num_k_heads, comm, f"{gdn.key}: linear-attention key heads")
+    k0, k1 = rank_range(gdn.num_k_heads, comm, f"{layer_name(gdn)}: linear-attention key heads")
     per, dk, dv = gdn.num_v_heads // gdn.num_k_heads, gdn.head_k_dim, gdn.head_v_dim
     v0, v1 = k0 * per, k1 * per
     channels = [(k0 * dk, k1 * dk), (gdn.key_dim + k0 * dk, gdn.key_dim + k1 * dk),
@@ -458,7 +458,7 @@ def shard_kimi_delta_attention(kda: KimiDeltaAttention, comm: Comm) -> None:
 def shard_mamba2(mixer: Mamba2Mixer, comm: Comm) -> None:
     """This rank's head groups (each group's heads share its B and C): in_proj's z/x/B/C/dt columns, the conv
     channels of x|B|C, the heads' A/D/dt bias and norm weights (the norm is per group), out_proj rows (all-reduced)."""
-    g0, g1 = rank_range(mixer.num_groups, comm, f"{mixer.key}: Mamba-2 groups (n_groups)")
+    g0, g1 = rank_range(mixer.num_groups, comm, f"{layer_name(mixer)}: Mamba-2 groups (n_groups)")
     per, p, n = mixer.num_heads // mixer.num_groups, mixer.head_dim, mixer.state_size
     h0, h1, inner, gn = g0 * per, g1 * per, mixer.inner, mixer.num_groups * mixer.state_size
     xbc = [(h0 * p, h1 * p), (inner + g0 * n, inner + g1 * n), (inner + gn + g0 * n, inner + gn + g1 * n)]
