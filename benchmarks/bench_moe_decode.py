@@ -64,6 +64,8 @@ class RandomWeights:
     def __contains__(self, name: str) -> bool:
         if name.endswith("experts.gate_up_proj"):
             return self.stacked_experts  # [E, 2I, H] tensors rather than one Linear per expert
+        if name.endswith(("experts.gate_proj.weight", "experts.up_proj.weight", "experts.down_proj.weight")):
+            return False  # not gate and up stacked apart (Step 3.5's layout): that would read dense experts
         return name.endswith((".weight", "A_log", "dt_bias"))  # no biases
 
     def info(self, name: str) -> SimpleNamespace:
@@ -281,6 +283,9 @@ def main() -> None:
         raise SystemExit("EXL3 experts are per-expert Linears; use --experts per_expert")
     store = RandomWeights(stacked_experts=layout == "stacked")
     model.load(LoadContext(store=store, device=device, dtype=dtype, quant_formats=formats))
+    loaded = {layer.mlp.experts.layout for layer in model.layers if hasattr(layer.mlp, "experts")}
+    if loaded != {layout}:
+        raise SystemExit(f"asked for {layout} experts, the model loaded {sorted(loaded)}")
     print(f"built {cfg.num_hidden_layers}-layer Qwen3.5-MoE-shaped model ({args.weights}, {layout} experts, {dtype}) on {device} "
           f"in {time.perf_counter() - t0:.1f}s: {model.nbytes() / 1e9:.2f} GB")
     if args.bandwidth:
