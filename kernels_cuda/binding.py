@@ -1108,17 +1108,27 @@ def causal_conv1d_step_slots(
 ROUTER_MAX_EXPERTS = 1024
 
 
-def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights float32 [T, k], ids int64 [T, k]): softmax over the experts, the top k, optionally renormalised."""
+SHARED_PAIR_MODES = {None: 0, "one": 1, "sigmoid": 2}  # TRELLM_SHARED_PAIR_*
+
+
+def softmax_topk(logits: torch.Tensor, k: int, normalize: bool, scaling: float = 1.0,
+                 shared: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, k], ids int64 [T, k]): softmax over the experts, the top k, optionally renormalised,
+    times ``scaling``. ``shared`` "one" / "sigmoid": one more pair per row, [T, k + 1], for the shared expert
+    (id = number of routed experts; weight 1, or sigmoid of logits' last column, which is then not an expert)."""
     expect(logits, "logits", dtype=_FLOATS, shape=(None, None))
-    tokens, experts = logits.shape
+    if shared not in SHARED_PAIR_MODES:
+        raise KernelArgumentError(f"shared={shared!r}: expected one of {sorted(str(m) for m in SHARED_PAIR_MODES)}")
+    tokens, columns = logits.shape
+    experts = columns - (shared == "sigmoid")
     if not 1 <= experts <= ROUTER_MAX_EXPERTS or not 1 <= k <= experts:
         raise KernelArgumentError(f"logits: {experts} experts, top {k} (the kernel takes 1..{ROUTER_MAX_EXPERTS}, k <= experts)")
-    weights = torch.empty(tokens, k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(tokens, k, dtype=torch.int64, device=logits.device)
-    rc = lib().trellm_softmax_topk(
+    out_k = k + (shared is not None)
+    weights = torch.empty(tokens, out_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, out_k, dtype=torch.int64, device=logits.device)
+    rc = lib().trellm_softmax_topk_shared(
         _ptr(logits), DTYPE_CODES[logits.dtype], _ptr(weights, "float *"), _ptr(ids, "int64_t *"), tokens, experts, k,
-        int(bool(normalize)), _stream(),
+        int(bool(normalize)), float(scaling), SHARED_PAIR_MODES[shared], _stream(),
     )
     _check(rc, "softmax_topk")
     return weights, ids

@@ -430,18 +430,23 @@ __device__ __forceinline__ float block_sum(float v, float *sv) {
     return s;
 }
 
-// grid (tokens); weights float32 [tokens, k], ids int64 [tokens, k] (descending weight).
+// grid (tokens); logits [tokens, experts (+ 1 with a sigmoid shared gate)]; weights float32 and ids int64
+// [tokens, out_k] (descending weight), out_k = k, or k + 1 with a shared pair (expert id `experts`, weight
+// 1 or sigmoid of the row's last logit) after the routed ones.
 __global__ void __launch_bounds__(ROUTER_THREADS) softmax_topk_kernel(const void *logits, int dtype, float *weights,
-                                                                      int64_t *ids, int experts, int k, int normalize) {
+                                                                      int64_t *ids, int experts, int k, int normalize,
+                                                                      float scaling, int shared) {
     __shared__ float sv[ROUTER_THREADS / 32];
     __shared__ int si[ROUTER_THREADS / 32];
     const size_t row = blockIdx.x;
+    const size_t row_stride = experts + (shared == TRELLM_SHARED_PAIR_SIGMOID);
+    const int out_k = k + (shared != TRELLM_SHARED_PAIR_NONE);
     float p[ROUTER_PER_THREAD];
     float local_max = -INFINITY;
 #pragma unroll
     for (int j = 0; j < ROUTER_PER_THREAD; ++j) {
         const int e = threadIdx.x + j * ROUTER_THREADS;
-        p[j] = e < experts ? load_as_f32(logits, dtype, row * experts + e) : -INFINITY;
+        p[j] = e < experts ? load_as_f32(logits, dtype, row * row_stride + e) : -INFINITY;
         local_max = fmaxf(local_max, p[j]);
     }
     int unused = 0;
@@ -470,27 +475,42 @@ __global__ void __launch_bounds__(ROUTER_THREADS) softmax_topk_kernel(const void
         const float prob = v * inv_total;
         chosen_sum += prob;
         if (threadIdx.x == 0) {
-            weights[row * k + r] = prob;
-            ids[row * k + r] = i;
+            weights[row * out_k + r] = prob;
+            ids[row * out_k + r] = i;
         }
     }
-    if (normalize && threadIdx.x == 0) {
-        const float inv = 1.f / chosen_sum;
-        for (int r = 0; r < k; ++r) weights[row * k + r] *= inv;
+    if (threadIdx.x == 0) {
+        const float factor = (normalize ? 1.f / chosen_sum : 1.f) * scaling;
+        for (int r = 0; r < k; ++r) weights[row * out_k + r] *= factor;
+        if (shared != TRELLM_SHARED_PAIR_NONE) {
+            float w = 1.f;
+            if (shared == TRELLM_SHARED_PAIR_SIGMOID)
+                w = 1.f / (1.f + __expf(-load_as_f32(logits, dtype, row * row_stride + experts)));
+            weights[row * out_k + k] = w;
+            ids[row * out_k + k] = experts;
+        }
     }
 }
 
 }  // namespace
 
-extern "C" int trellm_softmax_topk(const void *logits, int dtype, float *weights, int64_t *ids, int64_t tokens,
-                                   int64_t experts, int64_t k, int normalize, cudaStream_t stream) {
+extern "C" int trellm_softmax_topk_shared(const void *logits, int dtype, float *weights, int64_t *ids, int64_t tokens,
+                                          int64_t experts, int64_t k, int normalize, float scaling, int shared,
+                                          cudaStream_t stream) {
     if (tokens < 0 || experts < 1 || experts > ROUTER_THREADS * ROUTER_PER_THREAD || k < 1 || k > experts)
         return TRELLM_E_BAD_SHAPE;
     if (dtype < TRELLM_F16 || dtype > TRELLM_F32) return TRELLM_E_BAD_DTYPE;
+    if (shared < TRELLM_SHARED_PAIR_NONE || shared > TRELLM_SHARED_PAIR_SIGMOID) return TRELLM_E_BAD_ARG;
     if (tokens == 0) return TRELLM_OK;
     if (tokens > INT32_MAX) return TRELLM_E_BAD_SHAPE;
     softmax_topk_kernel<<<(unsigned)tokens, ROUTER_THREADS, 0, stream>>>(logits, dtype, weights, ids, (int)experts,
-                                                                         (int)k, normalize);
+                                                                         (int)k, normalize, scaling, shared);
     TRELLM_LAUNCH_CHECK();
     return TRELLM_OK;
+}
+
+extern "C" int trellm_softmax_topk(const void *logits, int dtype, float *weights, int64_t *ids, int64_t tokens,
+                                   int64_t experts, int64_t k, int normalize, cudaStream_t stream) {
+    return trellm_softmax_topk_shared(logits, dtype, weights, ids, tokens, experts, k, normalize, 1.f,
+                                      TRELLM_SHARED_PAIR_NONE, stream);
 }

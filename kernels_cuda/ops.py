@@ -801,4 +801,17 @@ def softmax_topk(logits: torch.Tensor, k: int, normalize: bool = True):
     return binding.softmax_topk(logits.contiguous(), k, normalize)
 
 
+@_moe.softmax_topk_shared.register("cuda")
+def softmax_topk_shared(logits: torch.Tensor, k: int, normalize: bool = True, scaling: float = 1.0, shared: str = "sigmoid"):
+    experts = logits.shape[-1] - (shared == "sigmoid") if logits.dim() == 2 else 0
+    if (
+        logits.dim() != 2
+        or logits.dtype not in _FLOATS
+        or shared not in _moe.SHARED_PAIR_MODES
+        or not 1 <= k <= experts <= binding.ROUTER_MAX_EXPERTS
+    ):
+        return _moe.softmax_topk_shared.reference(logits, k, normalize, scaling, shared)
+    return binding.softmax_topk(logits.contiguous(), k, normalize, scaling, shared)
+
+
 REGISTERED = sorted(name for name, o in _ops._OPS.items() if "cuda" in o.impls)

@@ -272,6 +272,14 @@ int trellm_causal_conv1d_step_slots(const void *x, int x_dtype, const void *weig
  * weights divided by their sum. */
 int trellm_softmax_topk(const void *logits, int dtype, float *weights, int64_t *ids, int64_t tokens, int64_t experts,
                         int64_t k, int normalize, cudaStream_t stream);
+/* shared pair modes of trellm_softmax_topk_shared */
+enum { TRELLM_SHARED_PAIR_NONE = 0, TRELLM_SHARED_PAIR_ONE = 1, TRELLM_SHARED_PAIR_SIGMOID = 2 };
+/* As trellm_softmax_topk with the routed weights times scaling, plus (shared ONE / SIGMOID) one more pair per row
+ * after the k routed ones: weights/ids [tokens, k + 1], id `experts` (the shared expert's slot), weight 1 (ONE)
+ * or sigmoid of the row's last logit (SIGMOID: logits [tokens, experts + 1], the shared gate's logit last). */
+int trellm_softmax_topk_shared(const void *logits, int dtype, float *weights, int64_t *ids, int64_t tokens,
+                               int64_t experts, int64_t k, int normalize, float scaling, int shared,
+                               cudaStream_t stream);
 /* ---- end MoE router ---- */
 /* ---- tiled paged-attention prefill (attention_prefill.cu) ----
  * Same arguments and result as trellm_paged_attention (no key splits, no workspace), for prefill chunks:

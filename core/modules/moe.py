@@ -9,6 +9,7 @@ got tokens once on its contiguous block: no Python loop over tokens.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..batch import ForwardBatch
 from ..errors import WeightError
-from ..ops.moe import combine_pairs, dense_experts_matmul, softmax_topk  # noqa: F401  (softmax_topk: re-exported)
+from ..ops.moe import combine_pairs, dense_experts_matmul, softmax_topk, softmax_topk_shared  # noqa: F401  (softmax_topk: re-exported)
 from ..ops.projection import Weights, project
 from .base import LoadContext, Module
 from .layers import GatedMLP
@@ -401,6 +402,94 @@ def dispatch_experts(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch
 
 SYNC_FREE_MAX_PAIRS = 512
 
+# ---- the shared expert as one more pair (decode) ---------------------------------------------------------
+#
+# A sigmoid-gated shared expert of the routed experts' shape and format (Qwen3.5-MoE, Qwen3-Next: 512 wide
+# like the routed ones) is expert E of a pair set over E + 1 experts: the router and the shared gate run
+# as one matmul ([E + 1, H] rows), one routing launch writes the k routed pairs plus the shared pair
+# (weight sigmoid(gate logit)) and the two pair launches run all k + 1, combining them. That replaces
+# the shared MLP's launches, its gate's matmul, sigmoid, product and sum.
+
+MOE_DECODE_ENV = "TRELLM_MOE_DECODE"
+MOE_DECODE_MODES = ("fused", "pairs")
+
+
+def moe_decode_mode() -> str:
+    """``TRELLM_MOE_DECODE``: "fused" (default) runs a foldable shared expert inside the routed pair launches;
+    "pairs" keeps it a separate MLP, the path before the fold (for comparison and as a fallback)."""
+    mode = os.environ.get(MOE_DECODE_ENV, "fused")
+    if mode not in MOE_DECODE_MODES:
+        raise ValueError(f"{MOE_DECODE_ENV}={mode!r}: expected one of {MOE_DECODE_MODES}")
+    return mode
+
+
+@attrs.frozen(eq=False)
+class SharedExpertFold:
+    """A MoE block's shared expert folded into its routed pair launches (see above).
+
+    ``router`` holds the joint [E (+ 1), H] weight whose rows the router's and shared gate's own Linears view;
+    ``parts`` are the Weights the fold was built from: when one is replaced (a LoRA adapter, tensor
+    parallel sharding), the fold no longer stands for the block and is not used.
+    """
+
+    router: DenseLinear
+    pair_set: object  # the format's expert set over the E routed experts and the shared one (index E)
+    top_k: int
+    normalize: bool
+    scaling: float
+    shared: str  # "sigmoid" (gated) or "one"
+    activation: str
+    parts: tuple
+
+    def matches(self, moe: "MoE") -> bool:
+        return all(a is b for a, b in zip(self.parts, _fold_parts(moe), strict=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output for x [T, H]: routed experts plus the (gated) shared expert."""
+        weights, ids = softmax_topk_shared(self.router.forward(x), self.top_k, self.normalize, self.scaling, self.shared)
+        return self.pair_set.run_pairs(x, weights, ids, self.activation)
+
+
+def _fold_parts(moe: "MoE") -> tuple:
+    experts = getattr(moe.experts, "active", moe.experts)
+    shared = moe.shared
+    gate = moe.shared_gate.impl if moe.shared_gate is not None else None
+    return (moe.router.gate.impl, gate, getattr(experts, "pair_set", None), shared.gate_proj.impl, shared.up_proj.impl,
+            shared.down_proj.impl)
+
+
+def fold_shared_expert(moe: "MoE", device: torch.device) -> SharedExpertFold | None:
+    """The fold of ``moe``'s shared expert when it applies, else None: softmax top-k routing by a bias-free
+    dense router, per-expert routed experts with a pair set and a named activation, a :class:`GatedMLP` shared
+    expert whose projections join that set (same shape and format) under the same activation, a dense
+    bias-free [1, H] shared gate or none. Rebinds the router's and shared gate's weights as rows of one tensor."""
+    strategy, experts = moe.router.strategy, getattr(moe.experts, "active", moe.experts)
+    if type(moe).route is not MoE.route or not isinstance(strategy, SoftmaxTopK) or not isinstance(moe.shared, GatedMLP):
+        return None
+    if moe.router.correction_bias is not None or moe.router.float32_logits:
+        return None
+    if not isinstance(experts, ExpertList) or experts.pair_set is None or experts.activation != moe.shared.activation:
+        return None
+    router = moe.router.gate.impl
+    gate = moe.shared_gate.impl if moe.shared_gate is not None else None
+    dense = [w for w in (router, gate) if w is not None]
+    if not all(type(w) is DenseLinear and w.bias is None for w in dense):
+        return None
+    if gate is not None and (gate.weight.shape != (1, router.in_features) or gate.weight.dtype != router.weight.dtype):
+        return None
+    first = experts.experts[0].gate_proj.impl
+    pair_set = first.expert_set([*experts.experts, moe.shared], device)
+    if pair_set is None:
+        return None
+    if gate is not None:
+        joint = torch.cat([router.weight, gate.weight])
+        router.weight, gate.weight = joint[:-1], joint[-1:]
+    else:
+        joint = router.weight
+    fold = SharedExpertFold(DenseLinear(joint, None), pair_set, strategy.top_k, strategy.normalize, strategy.scaling,
+                            "sigmoid" if gate is not None else "one", experts.activation, ())
+    return attrs.evolve(fold, parts=_fold_parts(moe))
+
 
 class MoE(Module):
     """Routed experts plus optional shared experts (optionally scaled by sigmoid(shared_gate(x)))."""
@@ -417,12 +506,32 @@ class MoE(Module):
         if router.num_experts != experts.num_experts:
             raise ValueError(f"{key}: router has {router.num_experts} experts, expert collection {experts.num_experts}")
         self.key, self.router, self.experts, self.shared, self.shared_gate = key, router, experts, shared, shared_gate
+        self.shared_fold: SharedExpertFold | None = None  # set at load where the shared expert folds (decode)
+
+    def load(self, ctx: LoadContext) -> None:
+        super().load(ctx)
+        self.shared_fold = fold_shared_expert(self, ctx.device)
+
+    def unload(self) -> None:
+        super().unload()
+        self.shared_fold = None
+
+    def fold_for(self, device_type: str, rows: int) -> SharedExpertFold | None:
+        """The shared-expert fold when a step of ``rows`` rows takes it: on CUDA, a decode step (few pairs), in
+        "fused" mode, with the fold still standing for the block."""
+        fold = self.shared_fold
+        if fold is None or device_type != "cuda" or rows * (fold.top_k + 1) > SYNC_FREE_MAX_PAIRS:
+            return None
+        return fold if moe_decode_mode() == "fused" and fold.matches(self) else None
 
     def route(self, x: torch.Tensor, batch: ForwardBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights [T, k] (float32) and expert ids [T, k]: the router's (a subclass may route otherwise)."""
         return self.router.forward(x)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        fold = self.fold_for(x.device.type, x.shape[0])
+        if fold is not None:
+            return fold.forward(x)
         weights, ids = self.route(x, batch)
         out = dispatch_experts(self.experts, x, weights, ids)
         if self.shared is not None:

@@ -26,6 +26,35 @@ def softmax_topk(logits: torch.Tensor, k: int, normalize: bool = True) -> tuple[
     return weights, ids
 
 
+SHARED_PAIR_MODES = ("one", "sigmoid")
+
+
+@op
+def softmax_topk_shared(
+    logits: torch.Tensor, k: int, normalize: bool = True, scaling: float = 1.0, shared: str = "sigmoid"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing of a decode step whose shared expert runs as one more (token, expert) pair: (weights float32
+    [T, k + 1], ids int64 [T, k + 1]).
+
+    The first k columns are :func:`softmax_topk` over the E routed experts, times ``scaling``; column k is
+    expert E (the shared expert's slot) with weight 1 (``shared="one"``, logits [T, E]) or sigmoid of the
+    shared gate's logit, the last column of logits [T, E + 1] (``shared="sigmoid"``: router and shared
+    gate run as one matmul). One op, so that a backend does the whole routing in one launch.
+    """
+    if shared not in SHARED_PAIR_MODES:
+        raise ValueError(f"shared={shared!r}: expected one of {SHARED_PAIR_MODES}")
+    experts = logits.shape[-1] - (shared == "sigmoid")
+    weights, ids = softmax_topk.reference(logits[:, :experts], k, normalize)
+    if scaling != 1.0:
+        weights = weights * scaling
+    if shared == "sigmoid":
+        shared_weight = logits[:, experts:].float().sigmoid()
+    else:
+        shared_weight = weights.new_ones(weights.shape[0], 1)
+    shared_id = torch.full_like(ids[:, :1], experts)
+    return torch.cat([weights, shared_weight], 1), torch.cat([ids, shared_id], 1)
+
+
 def combine_pairs(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """sum_j weights[t, j] * y[t * top_k + j] for pairs ordered token-major: [T * top_k, H] -> [T, H]."""
     tokens, top_k = weights.shape

@@ -1,0 +1,213 @@
+"""The shared expert folded into the routed pair launches (MoE decode), held against the unfused block.
+
+CPU tests: the routing op's reference, when the fold applies and when it declines, the dispatch decision
+(device, rows, ``TRELLM_MOE_DECODE``, replaced weights), and the fold's output against the block's own
+(the same reference math by another route), on hand-built blocks and on the benchmark's random EXL3 model.
+CUDA tests (skipped without a GPU): the routing kernel against its reference, the folded block against
+the unfused pair path and in a CUDA graph.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_cuda_moe import cuda_impl, exl3_experts, kernels, on_cuda, random_exl3, rel_err  # noqa: F401  (tests/ is on sys.path; kernels: a fixture)
+from trellm.modules.layers import GatedMLP
+from trellm.modules.linear import DenseLinear, Linear
+from trellm.modules.moe import (
+    MOE_DECODE_ENV, SYNC_FREE_MAX_PAIRS, MoE, Router, ScoreTopK, SoftmaxTopK, fold_shared_expert,
+)
+from trellm.ops.moe import softmax_topk, softmax_topk_shared
+
+
+def exl3_moe(e=6, h=128, i=128, top_k=2, gated=True, scaling=1.0, shared_width=None, shared_bits=4,
+             device="cpu", dtype=torch.float32, seed=0) -> MoE:
+    """A MoE block of random EXL3 experts and shared expert, dense router and shared gate, folded."""
+    g = torch.Generator().manual_seed(seed + 100)
+    experts = exl3_experts(e, h, i, device=device, seed=seed)
+    router = Router("r", h, e, SoftmaxTopK(top_k, True, scaling))
+    router.gate.impl = DenseLinear((torch.randn(e, h, generator=g) / math.sqrt(h)).to(device, dtype), None)
+    width = shared_width or i
+    shared = GatedMLP("s", h, width)
+    shared.gate_proj.impl = random_exl3(h, width, shared_bits, "mcg", g, device)
+    shared.up_proj.impl = random_exl3(h, width, shared_bits, "mcg", g, device)
+    shared.down_proj.impl = random_exl3(width, h, shared_bits, "mcg", g, device)
+    shared_gate = None
+    if gated:
+        shared_gate = Linear("sg", h, 1)
+        shared_gate.impl = DenseLinear(torch.randn(1, h, generator=g).to(device, dtype), None)
+    moe = MoE("m", router, experts, shared, shared_gate)
+    moe.shared_fold = fold_shared_expert(moe, torch.device(device))
+    return moe
+
+
+# ---- CPU: routing reference -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shared", ["sigmoid", "one"])
+def test_softmax_topk_shared_appends_the_shared_pair(shared):
+    logits = torch.randn(5, 9 if shared == "sigmoid" else 8)
+    weights, ids = softmax_topk_shared(logits, 3, True, 2.5, shared)
+    routed_w, routed_ids = softmax_topk(logits[:, :8], 3, True)
+    assert weights.shape == ids.shape == (5, 4) and weights.dtype == torch.float32 and ids.dtype == torch.int64
+    assert torch.equal(ids[:, :3], routed_ids) and (ids[:, 3] == 8).all()
+    assert torch.allclose(weights[:, :3], 2.5 * routed_w)
+    expect = torch.sigmoid(logits[:, 8]) if shared == "sigmoid" else torch.ones(5)
+    assert torch.allclose(weights[:, 3], expect)
+
+
+def test_softmax_topk_shared_names_a_bad_mode():
+    with pytest.raises(ValueError, match="shared='softmax'"):
+        softmax_topk_shared(torch.randn(2, 4), 1, True, 1.0, "softmax")
+
+
+# ---- CPU: the fold equals the block ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gated,scaling", [(True, 1.0), (False, 1.0), (True, 2.0)])
+def test_fold_matches_the_unfused_block(gated, scaling):
+    moe = exl3_moe(gated=gated, scaling=scaling)
+    fold = moe.shared_fold
+    assert fold is not None and fold.shared == ("sigmoid" if gated else "one")
+    x = torch.randn(3, 128)
+    ref = moe.forward(x)  # CPU: routed experts grouped by expert, the shared MLP and its gate apart
+    assert rel_err(fold.forward(x), ref) < 1e-5
+
+
+def test_fold_shares_the_router_and_gate_storage():
+    moe = exl3_moe()
+    joint = moe.shared_fold.router.weight
+    assert joint.shape == (7, 128)
+    assert moe.router.gate.impl.weight.data_ptr() == joint.data_ptr()
+    assert moe.shared_gate.impl.weight.data_ptr() == joint[6:].data_ptr()
+
+
+def test_fold_declines_what_it_cannot_run():
+    assert exl3_moe(shared_width=256).shared_fold is None  # shared expert wider than the routed ones
+    assert exl3_moe(shared_bits=3).shared_fold is None  # another bitrate: not one pair set
+    moe = exl3_moe()
+    moe.router.strategy = ScoreTopK(2)  # sigmoid routing: no fused routing op
+    assert fold_shared_expert(moe, torch.device("cpu")) is None
+    moe = exl3_moe()
+    moe.router.gate.impl = DenseLinear(moe.router.gate.impl.weight.clone(), torch.zeros(6))  # a router bias
+    assert fold_shared_expert(moe, torch.device("cpu")) is None
+    moe = exl3_moe()
+    moe.shared.activation = "gelu"  # activations differ
+    assert fold_shared_expert(moe, torch.device("cpu")) is None
+
+    class Hashed(MoE):
+        def route(self, x, batch):
+            return super().route(x, batch)
+
+    moe = exl3_moe()
+    assert fold_shared_expert(Hashed("h", moe.router, moe.experts, moe.shared, moe.shared_gate), torch.device("cpu")) is None
+
+
+def test_decode_decision(monkeypatch):
+    moe = exl3_moe(top_k=2)
+    fold = moe.shared_fold
+    monkeypatch.delenv(MOE_DECODE_ENV, raising=False)
+    assert moe.fold_for("cuda", 4) is fold  # the default: fused
+    assert moe.fold_for("cpu", 4) is None
+    assert moe.fold_for("cuda", SYNC_FREE_MAX_PAIRS // 3) is fold
+    assert moe.fold_for("cuda", SYNC_FREE_MAX_PAIRS // 3 + 1) is None  # prefill: grouped by expert
+    monkeypatch.setenv(MOE_DECODE_ENV, "pairs")
+    assert moe.fold_for("cuda", 4) is None
+    monkeypatch.setenv(MOE_DECODE_ENV, "fast")
+    with pytest.raises(ValueError, match="TRELLM_MOE_DECODE='fast'"):
+        moe.fold_for("cuda", 4)
+    monkeypatch.setenv(MOE_DECODE_ENV, "fused")
+    moe.shared.down_proj.impl = random_exl3(128, 128, 4, "mcg", torch.Generator().manual_seed(9), "cpu")  # e.g. sharded
+    assert moe.fold_for("cuda", 4) is None
+    moe.unload()
+    assert moe.shared_fold is None
+
+
+def test_benchmark_model_folds_every_moe_layer():
+    """The tiny Qwen3.5-MoE benchmark model with random EXL3 weights: each MoE block (and only through load)
+    gets a fold, which gives the block's output."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bench_moe_decode as bench
+    finally:
+        sys.path.pop(0)
+    from trellm.config import DecoderConfig
+    from trellm.modules.base import LoadContext
+    from trellm.sdk import build_qwen3_5_moe
+
+    cfg = DecoderConfig.from_hf(dict(bench.TINY, num_hidden_layers=2, architectures=["Qwen3_5MoeForCausalLM"]))
+    model = build_qwen3_5_moe(cfg)
+    model.load(LoadContext(store=bench.RandomWeights(stacked_experts=False), device=torch.device("cpu"),
+                           dtype=torch.float32, quant_formats=[bench.RandomEXL3(4)]))
+    blocks = [layer.mlp for layer in model.layers]
+    assert all(isinstance(b, MoE) and b.shared_fold is not None for b in blocks)
+    x = torch.randn(2, cfg.hidden_size) * 0.1
+    for b in blocks:
+        assert rel_err(b.shared_fold.forward(x), b.forward(x)) < 1e-5
+
+
+# ---- CUDA -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("experts,k,normalize,scaling,shared,dtype", [
+    (256, 8, True, 1.0, "sigmoid", torch.bfloat16), (128, 8, True, 1.0, "one", torch.bfloat16),
+    (60, 4, False, 2.5, "sigmoid", torch.float32), (1024, 2, True, 1.0, "sigmoid", torch.float16),
+])
+@on_cuda
+def test_softmax_topk_shared_cuda(experts, k, normalize, scaling, shared, dtype):
+    logits = (torch.randn(37, experts + (shared == "sigmoid"), device="cuda") * 3).to(dtype)
+    weights, ids = cuda_impl(softmax_topk_shared)(logits, k, normalize, scaling, shared)
+    ref_w, ref_ids = softmax_topk_shared.reference(logits, k, normalize, scaling, shared)
+    assert weights.shape == ids.shape == (37, k + 1) and weights.dtype == torch.float32 and ids.dtype == torch.int64
+    assert torch.equal(ids[:, k], ref_ids[:, k]) and all(len(set(row)) == k for row in ids[:, :k].tolist())
+    assert rel_err(weights, ref_w) < 1e-5  # tie order of equal weights aside, the sorted weights agree
+    chosen = torch.softmax(logits[:, :experts].float(), -1).gather(1, ids[:, :k])
+    if normalize:
+        chosen = chosen / chosen.sum(-1, keepdim=True)
+    assert rel_err(weights[:, :k], scaling * chosen) < 1e-5
+
+
+@pytest.mark.parametrize("tokens,gated", [(1, True), (16, True), (5, False)])
+@on_cuda
+def test_shared_fold_cuda(tokens, gated, monkeypatch):
+    """The folded block on CUDA (3 launches after the router matmul) against the unfused pair path and the reference."""
+    from trellm.ops.projection import project  # noqa: F401  (the shared MLP's route)
+
+    moe = exl3_moe(e=32, h=512, i=256, top_k=8, gated=gated, device="cuda", dtype=torch.bfloat16)
+    assert moe.shared_fold is not None
+    x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setenv(MOE_DECODE_ENV, "fused")
+    assert moe.fold_for("cuda", tokens) is moe.shared_fold
+    fused = moe.forward(x)
+    monkeypatch.setenv(MOE_DECODE_ENV, "pairs")
+    unfused = moe.forward(x)
+    assert fused.shape == unfused.shape == (tokens, 512) and fused.dtype == x.dtype
+    assert rel_err(fused, unfused) < 2e-2
+    cpu = exl3_moe(e=32, h=512, i=256, top_k=8, gated=gated)
+    assert rel_err(fused.cpu(), cpu.forward(x.cpu().float())) < 3e-2
+
+
+@on_cuda
+def test_shared_fold_in_cuda_graph(monkeypatch):
+    monkeypatch.setenv(MOE_DECODE_ENV, "fused")
+    moe = exl3_moe(e=16, h=256, i=128, top_k=4, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        moe.forward(x)  # warm-up
+        with torch.cuda.graph(graph, stream=stream):
+            out = moe.forward(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setenv(MOE_DECODE_ENV, "pairs")
+        assert rel_err(out, moe.forward(x)) < 2e-2
+        monkeypatch.setenv(MOE_DECODE_ENV, "fused")
