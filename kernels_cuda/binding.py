@@ -1081,6 +1081,54 @@ def gated_delta_rule_step_slots(
     return out
 
 
+def gated_delta_net_step_slots(
+    mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor | None, num_k_heads: int, head_k_dim: int,
+    beta_scale: float = 1.0, l2_eps: float = 1e-6,
+) -> torch.Tensor:
+    """A gated delta net's decode step from its raw inputs (``trellm.ops.gated_delta_net_step_slots``): mixed
+    [B, 2 * Hk * Dk + Hv * Dv] = q | k | v, gates a and b [B, Hv] (one dtype), A_log and dt_bias float32 [Hv];
+    updates states[slots] (float32 [S, Hv, Dk, Dv]) in place and returns out [B, Hv, Dv] in mixed's dtype."""
+    expect(mixed, "mixed", dtype=_FLOATS, shape=(None, None))
+    batch = mixed.shape[0]
+    expect(states, "states", dtype=torch.float32, shape=(None, None, head_k_dim, None), device=mixed.device)
+    heads, dv = states.shape[1], states.shape[3]
+    if num_k_heads < 1 or heads % num_k_heads or mixed.shape[1] != 2 * num_k_heads * head_k_dim + heads * dv:
+        raise KernelArgumentError(f"mixed: {mixed.shape[1]} columns, expected q | k | v of {num_k_heads} key heads of "
+                                  f"{head_k_dim} and {heads} value heads of {dv} (states {list(states.shape)})")
+    expect(a, "a", dtype=_FLOATS, shape=(batch, heads), device=mixed.device)
+    expect(b, "b", dtype=a.dtype, shape=(batch, heads), device=mixed.device)
+    for t, name in ((A_log, "A_log"), (dt_bias, "dt_bias")):
+        expect(t, name, dtype=torch.float32, shape=(heads,), device=mixed.device)
+    expect(slots, "slots", dtype=torch.int64, shape=(batch,), device=mixed.device)
+    if head_k_dim not in DELTA_RULE_KEY_DIMS or dv % 32:
+        raise KernelArgumentError(f"states: key dim {head_k_dim} (supported {DELTA_RULE_KEY_DIMS}), value dim {dv} (multiple of 32)")
+    out = torch.empty(batch, heads, dv, dtype=mixed.dtype, device=mixed.device)
+    rc = lib().trellm_gated_delta_net_step_slots(
+        _ptr(mixed), DTYPE_CODES[mixed.dtype], mixed.shape[1], _ptr(a), _ptr(b), DTYPE_CODES[a.dtype],
+        _ptr(A_log, "float *"), _ptr(dt_bias, "float *"), float(beta_scale), float(l2_eps), _ptr(states, "float *"),
+        _ptr(slots, "int64_t *"), _fresh_mask(fresh, batch, mixed.device), _ptr(out), batch, num_k_heads, heads,
+        head_k_dim, dv, float(head_k_dim**-0.5), _stream(),
+    )
+    _check(rc, "gated_delta_net_step_slots")
+    return out
+
+
+def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float, sigmoid_gate: bool) -> torch.Tensor:
+    """``trellm.ops.gated_rms_norm`` over x's last dim: x and gate of one shape, weight [dim]; y in x's dtype."""
+    expect(x, "x", dtype=_FLOATS)
+    dim = x.shape[-1]
+    expect(weight, "weight", dtype=_FLOATS, shape=(dim,), device=x.device)
+    expect(gate, "gate", dtype=_FLOATS, shape=tuple(x.shape), device=x.device)
+    y = torch.empty_like(x)
+    rc = lib().trellm_gated_rms_norm(
+        _ptr(x), DTYPE_CODES[x.dtype], _ptr(weight), DTYPE_CODES[weight.dtype], _ptr(gate), DTYPE_CODES[gate.dtype],
+        _ptr(y), x.numel() // max(dim, 1), dim, float(eps), int(bool(sigmoid_gate)), _stream(),
+    )
+    _check(rc, "gated_rms_norm")
+    return y
+
+
 def causal_conv1d_step_slots(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor, slots: torch.Tensor,
     fresh: torch.Tensor | None, silu: bool,

@@ -28,7 +28,32 @@ struct DeltaArgs {
     const uint8_t *fresh;   // NULL, or [batch]: 1 = start from the zero state
     int q_dtype, k_dtype, v_dtype, heads, dv;
     float scale;
+    // Row layout: head h of sequence b reads q/k at b * qk_row + (h / groups) * DK, v at b * v_row + h * dv.
+    int64_t qk_row, v_row;
+    int groups;
+    // Raw inputs (gates != NULL, a gated delta net's decode step): q and k are L2-normalised here (l2_eps), and
+    // g = -exp(A_log[h]) * softplus(a + dt_bias[h]), beta = sigmoid(b) * beta_scale from gates = {a, b} [batch, heads].
+    const void *gate_a, *gate_b;
+    int gate_dtype;
+    const float *A_log, *dt_bias;
+    float beta_scale, l2_eps;
 };
+
+__device__ __forceinline__ float dn_softplus(float x) { return x > 20.f ? x : log1pf(__expf(x)); }  // torch's threshold
+
+// Block-wide sums of two values (DN_WARPS warps); red [DN_WARPS][32] is free before and after.
+__device__ __forceinline__ float2 dn_block_sum2(float2 v, float (*red)[32]) {
+    v.x = warp_sum(v.x);
+    v.y = warp_sum(v.y);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { red[warp][0] = v.x; red[warp][1] = v.y; }
+    __syncthreads();
+    float2 total = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < DN_WARPS; ++w) { total.x += red[w][0]; total.y += red[w][1]; }
+    __syncthreads();
+    return total;
+}
 
 // grid (Dv / 32, batch * heads), DN_WARPS warps.
 template <int DK>
@@ -39,15 +64,37 @@ __global__ void __launch_bounds__(DN_WARPS * 32) gated_delta_step_kernel(const D
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const size_t bh = blockIdx.y;
     const int col = blockIdx.x * 32 + lane;
+    const size_t b = bh / a.heads;
+    const int h = (int)(bh % a.heads);
+    const size_t qk = b * a.qk_row + (size_t)(h / a.groups) * DK;
+    const bool raw = a.gate_a != nullptr;
     for (int i = threadIdx.x; i < DK; i += blockDim.x) {
-        qs[i] = load_as_f32(a.q, a.q_dtype, bh * DK + i) * a.scale;
-        ks[i] = load_as_f32(a.k, a.k_dtype, bh * DK + i);
+        qs[i] = load_as_f32(a.q, a.q_dtype, qk + i) * (raw ? 1.f : a.scale);
+        ks[i] = load_as_f32(a.k, a.k_dtype, qk + i);
     }
     __syncthreads();
-    const float decay = __expf(a.g[bh]);
-    const float beta = a.beta[bh];
-    const size_t b = bh / a.heads;
-    const size_t row = a.slots ? (size_t)a.slots[b] * a.heads + bh % a.heads : bh;
+    float decay, beta;
+    if (raw) {
+        float2 ssq = make_float2(0.f, 0.f);
+        for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+            ssq.x += qs[i] * qs[i];
+            ssq.y += ks[i] * ks[i];
+        }
+        ssq = dn_block_sum2(ssq, red);
+        const float q_factor = rsqrtf(ssq.x + a.l2_eps) * a.scale, k_factor = rsqrtf(ssq.y + a.l2_eps);
+        for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+            qs[i] *= q_factor;
+            ks[i] *= k_factor;
+        }
+        __syncthreads();
+        const float g = -__expf(a.A_log[h]) * dn_softplus(load_as_f32(a.gate_a, a.gate_dtype, bh) + a.dt_bias[h]);
+        decay = __expf(g);
+        beta = a.beta_scale / (1.f + __expf(-load_as_f32(a.gate_b, a.gate_dtype, bh)));
+    } else {
+        decay = __expf(a.g[bh]);
+        beta = a.beta[bh];
+    }
+    const size_t row = a.slots ? (size_t)a.slots[b] * a.heads + h : bh;
     const bool zero = a.fresh && a.fresh[b];
     const float *S = a.state + row * DK * a.dv + col;
     float *NS = a.new_state + row * DK * a.dv + col;
@@ -65,7 +112,7 @@ __global__ void __launch_bounds__(DN_WARPS * 32) gated_delta_step_kernel(const D
     predicted = 0.f;
 #pragma unroll
     for (int w = 0; w < DN_WARPS; ++w) predicted += red[w][lane];
-    const float u = beta * (load_as_f32(a.v, a.v_dtype, bh * a.dv + col) - predicted);
+    const float u = beta * (load_as_f32(a.v, a.v_dtype, b * a.v_row + (size_t)h * a.dv + col) - predicted);
     __syncthreads();  // everyone has read red before it is reused
 
     float o = 0.f;
@@ -123,15 +170,57 @@ __global__ void conv1d_step_kernel(const ConvArgs a) {
 
 bool valid_dtype(int d) { return d >= TRELLM_F16 && d <= TRELLM_F32; }
 
+// One warp per row of x [rows, dim]: y = round(round(x * rsqrt(mean(x^2) + eps) * w) * act(gate)), act silu or
+// sigmoid, rounded to x's dtype where the reference rounds (rms_norm's output, the product).
+__global__ void gated_rms_norm_kernel(const void *x, int x_dtype, const void *weight, int w_dtype, const void *gate,
+                                      int g_dtype, void *y, int64_t rows, int dim, float eps, int sigmoid_gate) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const size_t base = (size_t)row * dim;
+    float ssq = 0.f;
+    for (int c = lane; c < dim; c += 32) {
+        const float v = load_as_f32(x, x_dtype, base + c);
+        ssq += v * v;
+    }
+    const float rstd = rsqrtf(warp_sum(ssq) / dim + eps);
+    for (int c = lane; c < dim; c += 32) {
+        const float normed = dn_round(load_as_f32(x, x_dtype, base + c) * rstd * load_as_f32(weight, w_dtype, c), x_dtype);
+        const float g = load_as_f32(gate, g_dtype, base + c);
+        const float act = sigmoid_gate ? 1.f / (1.f + __expf(-g)) : g / (1.f + __expf(-g));
+        store_from_f32(y, x_dtype, base + c, normed * act);
+    }
+}
+
 }  // namespace
+
+extern "C" int trellm_gated_rms_norm(const void *x, int x_dtype, const void *weight, int w_dtype, const void *gate,
+                                     int g_dtype, void *y, int64_t rows, int64_t dim, float eps, int sigmoid_gate,
+                                     cudaStream_t stream) {
+    if (rows < 0 || dim < 1 || dim > INT32_MAX) return TRELLM_E_BAD_SHAPE;
+    if (!valid_dtype(x_dtype) || !valid_dtype(w_dtype) || !valid_dtype(g_dtype)) return TRELLM_E_BAD_DTYPE;
+    if (rows == 0) return TRELLM_OK;
+    constexpr int warps = 4;
+    const int64_t blocks = (rows + warps - 1) / warps;
+    if (blocks > INT32_MAX) return TRELLM_E_BAD_SHAPE;
+    gated_rms_norm_kernel<<<(unsigned)blocks, warps * 32, 0, stream>>>(x, x_dtype, weight, w_dtype, gate, g_dtype, y, rows,
+                                                                      (int)dim, eps, sigmoid_gate);
+    TRELLM_LAUNCH_CHECK();
+    return TRELLM_OK;
+}
 
 namespace {
 
 int launch_delta_step(DeltaArgs a, int64_t batch, int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream) {
     if (batch <= 0 || heads <= 0 || dv <= 0 || dv % 32 || batch * heads > 65535) return TRELLM_E_BAD_SHAPE;
     if (!valid_dtype(a.q_dtype) || !valid_dtype(a.k_dtype) || !valid_dtype(a.v_dtype)) return TRELLM_E_BAD_DTYPE;
+    if (a.groups < 1 || heads % a.groups) return TRELLM_E_BAD_SHAPE;
     a.heads = (int)heads;
     a.dv = (int)dv;
+    if (!a.gate_a) {  // q, k, v contiguous [batch, heads, d]
+        a.qk_row = heads * dk;
+        a.v_row = heads * dv;
+    }
     dim3 grid((unsigned)(dv / 32), (unsigned)(batch * heads));
     switch (dk) {
         case 64: gated_delta_step_kernel<64><<<grid, DN_WARPS * 32, 0, stream>>>(a); break;
@@ -164,6 +253,8 @@ DeltaArgs delta_args(const void *q, int q_dtype, const void *k, int k_dtype, con
     a.q = q; a.k = k; a.v = v; a.g = g; a.beta = beta; a.state = state; a.new_state = new_state; a.out = out;
     a.slots = slots; a.fresh = fresh;
     a.q_dtype = q_dtype; a.k_dtype = k_dtype; a.v_dtype = v_dtype; a.heads = 1; a.dv = 0; a.scale = scale;
+    a.qk_row = a.v_row = 0; a.groups = 1;
+    a.gate_a = a.gate_b = nullptr; a.gate_dtype = 0; a.A_log = a.dt_bias = nullptr; a.beta_scale = 1.f; a.l2_eps = 0.f;
     return a;
 }
 
@@ -196,6 +287,26 @@ extern "C" int trellm_gated_delta_rule_step_slots(const void *q, int q_dtype, co
     if (!slots) return TRELLM_E_BAD_ARG;
     DeltaArgs a = delta_args(q, q_dtype, k, k_dtype, v, v_dtype, g, beta, states, states, out, slots, fresh, scale);
     return launch_delta_step(a, batch, heads, dk, dv, stream);
+}
+
+extern "C" int trellm_gated_delta_net_step_slots(const void *mixed, int dtype, int64_t row_stride, const void *a,
+                                                 const void *b, int gate_dtype, const float *A_log, const float *dt_bias,
+                                                 float beta_scale, float l2_eps, float *states, const int64_t *slots,
+                                                 const uint8_t *fresh, void *out, int64_t batch, int64_t k_heads,
+                                                 int64_t v_heads, int64_t dk, int64_t dv, float scale,
+                                                 cudaStream_t stream) {
+    if (!slots || !a || !b || !A_log || !dt_bias) return TRELLM_E_BAD_ARG;
+    if (k_heads <= 0 || v_heads % k_heads || row_stride < 2 * k_heads * dk + v_heads * dv) return TRELLM_E_BAD_SHAPE;
+    if (!valid_dtype(gate_dtype)) return TRELLM_E_BAD_DTYPE;
+    const size_t esize = dtype == TRELLM_F32 ? 4 : 2;
+    const char *base = static_cast<const char *>(mixed);
+    DeltaArgs d = delta_args(base, dtype, base + esize * k_heads * dk, dtype, base + esize * 2 * k_heads * dk, dtype,
+                             nullptr, nullptr, states, states, out, slots, fresh, scale);
+    d.qk_row = d.v_row = row_stride;
+    d.groups = (int)(v_heads / k_heads);
+    d.gate_a = a; d.gate_b = b; d.gate_dtype = gate_dtype; d.A_log = A_log; d.dt_bias = dt_bias;
+    d.beta_scale = beta_scale; d.l2_eps = l2_eps;
+    return launch_delta_step(d, batch, v_heads, dk, dv, stream);
 }
 
 extern "C" int trellm_causal_conv1d_step(const void *x, int x_dtype, const void *weight, int w_dtype, const void *bias,

@@ -775,6 +775,44 @@ def gated_delta_rule_step_slots(q, k, v, g, beta, states, slots, fresh=None):
     )
 
 
+@_deltanet.gated_delta_net_step_slots.register("cuda")
+def gated_delta_net_step_slots(mixed, a, b, A_log, dt_bias, states, slots, fresh=None, num_k_heads=1, head_k_dim=128,
+                               beta_scale=1.0):
+    if (
+        mixed.dim() != 2
+        or a.dim() != 2
+        or states.dim() != 4
+        or states.dtype != torch.float32
+        or not states.is_contiguous()
+        or head_k_dim not in binding.DELTA_RULE_KEY_DIMS
+        or states.shape[3] % 32
+        or mixed.dtype not in _FLOATS
+        or a.dtype not in _FLOATS
+        or b.dtype != a.dtype
+    ):
+        return _deltanet.gated_delta_net_step_slots.reference(mixed, a, b, A_log, dt_bias, states, slots, fresh, num_k_heads,
+                                                              head_k_dim, beta_scale)
+    return binding.gated_delta_net_step_slots(
+        mixed.contiguous(), a.contiguous(), b.contiguous(), A_log.to(torch.float32).contiguous(),
+        dt_bias.to(torch.float32).contiguous(), states, slots.to(torch.int64).contiguous(),
+        fresh.to(torch.bool).contiguous() if fresh is not None else None, num_k_heads, head_k_dim, beta_scale,
+    )
+
+
+@_deltanet.gated_rms_norm.register("cuda")
+def gated_rms_norm(x, weight, gate, eps, activation="silu"):
+    if (
+        activation not in ("silu", "sigmoid")
+        or x.dim() == 0
+        or x.shape[-1] == 0
+        or gate.shape != x.shape
+        or weight.shape != x.shape[-1:]
+        or any(t.dtype not in _FLOATS for t in (x, weight, gate))
+    ):
+        return _deltanet.gated_rms_norm.reference(x, weight, gate, eps, activation)
+    return binding.gated_rms_norm(x.contiguous(), weight.contiguous(), gate.contiguous(), eps, activation == "sigmoid")
+
+
 @_deltanet.causal_conv1d_step_slots.register("cuda")
 def causal_conv1d_step_slots(x, weight, bias, states, slots, fresh=None, activation="silu"):
     if (

@@ -265,6 +265,20 @@ int trellm_causal_conv1d_step_slots(const void *x, int x_dtype, const void *weig
                                     int b_dtype, void *states, int s_dtype, const int64_t *slots, const uint8_t *fresh,
                                     void *out, int64_t batch, int64_t channels, int64_t width, int silu,
                                     cudaStream_t stream);
+/* A gated delta net's decode step from its raw inputs, as trellm_gated_delta_rule_step_slots otherwise: mixed
+ * [batch, row_stride] (dtype) holds q [k_heads * dk] | k [k_heads * dk] | v [v_heads * dv] per row; value head h
+ * reads key head h / (v_heads / k_heads); q and k are L2-normalised (x / sqrt(sum x^2 + l2_eps)); a, b
+ * [batch, v_heads] (gate_dtype) give g = -exp(A_log[h]) * softplus(a + dt_bias[h]) and beta = sigmoid(b) *
+ * beta_scale (A_log, dt_bias float32 [v_heads]). out [batch, v_heads, dv] (dtype). */
+int trellm_gated_delta_net_step_slots(const void *mixed, int dtype, int64_t row_stride, const void *a, const void *b,
+                                      int gate_dtype, const float *A_log, const float *dt_bias, float beta_scale,
+                                      float l2_eps, float *states, const int64_t *slots, const uint8_t *fresh, void *out,
+                                      int64_t batch, int64_t k_heads, int64_t v_heads, int64_t dk, int64_t dv,
+                                      float scale, cudaStream_t stream);
+/* y [rows, dim] (x's dtype) = rms_norm(x) * weight (rounded to x's dtype) * act(gate), act sigmoid (sigmoid_gate 1)
+ * or silu, per row: a gated delta net's (KDA's) output norm. x, gate [rows, dim], weight [dim], own dtypes. */
+int trellm_gated_rms_norm(const void *x, int x_dtype, const void *weight, int w_dtype, const void *gate, int g_dtype,
+                          void *y, int64_t rows, int64_t dim, float eps, int sigmoid_gate, cudaStream_t stream);
 /* ---- end gated delta net slots ---- */
 /* ---- MoE router (moe.cu) ----
  * Per row of logits [tokens, experts] (dtype, experts <= 1024): softmax in float32, the k largest probabilities

@@ -1,10 +1,11 @@
-"""The shared expert folded into the routed pair launches (MoE decode), held against the unfused block.
+"""Decode fusions of the hybrid MoE layers, held against their unfused routes: the shared expert folded into
+the routed pair launches, and the gated delta net's step and output norm each as one op.
 
-CPU tests: the routing op's reference, when the fold applies and when it declines, the dispatch decision
-(device, rows, ``TRELLM_MOE_DECODE``, replaced weights), and the fold's output against the block's own
-(the same reference math by another route), on hand-built blocks and on the benchmark's random EXL3 model.
-CUDA tests (skipped without a GPU): the routing kernel against its reference, the folded block against
-the unfused pair path and in a CUDA graph.
+CPU tests: the ops' references (against plain loops where the reference is new math), when the fold
+applies and when it declines, the route decisions (device, rows, ``TRELLM_MOE_DECODE``,
+``TRELLM_DELTANET_DECODE``, replaced weights), and the fused routes' outputs against the unfused ones on
+hand-built blocks and on the benchmark's random EXL3 model. CUDA tests (skipped without a GPU): each
+kernel against its reference, the fused routes against the unfused kernels, in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -211,3 +212,156 @@ def test_shared_fold_in_cuda_graph(monkeypatch):
         monkeypatch.setenv(MOE_DECODE_ENV, "pairs")
         assert rel_err(out, moe.forward(x)) < 2e-2
         monkeypatch.setenv(MOE_DECODE_ENV, "fused")
+
+
+# ---- gated delta net: the step from raw inputs and the output norm ----------------------------------------
+
+
+def delta_net_inputs(device, dtype=torch.bfloat16, batch=3, k_heads=2, v_heads=4, dk=64, dv=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = dict(
+        mixed=torch.randn(batch, 2 * k_heads * dk + v_heads * dv, generator=g).to(dtype),
+        a=torch.randn(batch, v_heads, generator=g).to(dtype), b=torch.randn(batch, v_heads, generator=g).to(dtype),
+        A_log=torch.rand(v_heads, generator=g) * 2, dt_bias=torch.randn(v_heads, generator=g),
+        states=torch.randn(6, v_heads, dk, dv, generator=g) * 0.1, slots=torch.tensor([4, 1, 3][:batch]),
+        fresh=torch.tensor([False, True, False][:batch]),
+    )
+    return {n: x.to(device) for n, x in t.items()}
+
+
+def test_gated_delta_net_step_reference_is_the_per_head_recurrence():
+    """Against a loop over (sequence, value head) written from the formulas, not from gated_delta_inputs."""
+    from trellm.ops.deltanet import gated_delta_net_step_slots
+
+    t = delta_net_inputs("cpu", torch.float32)
+    k_heads, dk, v_heads, dv = 2, 64, 4, 64
+    states = t["states"].clone()
+    out = gated_delta_net_step_slots(t["mixed"], t["a"], t["b"], t["A_log"], t["dt_bias"], states, t["slots"], t["fresh"],
+                                     k_heads, dk, 2.0)
+    for n, slot in enumerate(t["slots"].tolist()):
+        for h in range(v_heads):
+            kh = h // (v_heads // k_heads)
+            q = t["mixed"][n, kh * dk:(kh + 1) * dk]
+            k = t["mixed"][n, k_heads * dk + kh * dk:k_heads * dk + (kh + 1) * dk]
+            v = t["mixed"][n, 2 * k_heads * dk + h * dv:2 * k_heads * dk + (h + 1) * dv]
+            q, k = q / (q.square().sum() + 1e-6).sqrt(), k / (k.square().sum() + 1e-6).sqrt()
+            decay = math.exp(-math.exp(t["A_log"][h]) * math.log1p(math.exp(t["a"][n, h] + t["dt_bias"][h])))
+            beta = 2.0 / (1 + math.exp(-t["b"][n, h]))
+            s = torch.zeros(dk, dv) if t["fresh"][n] else t["states"][slot, h] * decay
+            s = s + torch.outer(k, beta * (v - s.t() @ k))
+            assert torch.allclose(states[slot, h], s, atol=1e-5)
+            assert torch.allclose(out[n, h], s.t() @ q / math.sqrt(dk), atol=1e-5)
+    assert torch.equal(states[[0, 2, 5]], t["states"][[0, 2, 5]])  # other slots untouched
+
+
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+def test_gated_rms_norm_reference_is_norm_then_gate(activation):
+    from trellm.ops import gated_rms_norm, rms_norm
+
+    x, gate = torch.randn(3, 4, 64).bfloat16(), torch.randn(3, 4, 64).bfloat16()
+    w = torch.randn(64).bfloat16()
+    act = torch.sigmoid if activation == "sigmoid" else torch.nn.functional.silu
+    expect = (rms_norm(x, w, 1e-6).float() * act(gate.float())).bfloat16()
+    assert torch.equal(gated_rms_norm(x, w, gate, 1e-6, activation), expect)
+    with pytest.raises(ValueError, match="unknown activation 'relu'"):
+        gated_rms_norm(x, w, gate, 1e-6, "relu")
+
+
+def test_deltanet_decode_mode(monkeypatch):
+    from trellm.modules.recurrent import DELTANET_DECODE_ENV, deltanet_decode_mode
+
+    monkeypatch.delenv(DELTANET_DECODE_ENV, raising=False)
+    assert deltanet_decode_mode() == "fused"
+    monkeypatch.setenv(DELTANET_DECODE_ENV, "unfused")
+    assert deltanet_decode_mode() == "unfused"
+    monkeypatch.setenv(DELTANET_DECODE_ENV, "yes")
+    with pytest.raises(ValueError, match="TRELLM_DELTANET_DECODE='yes'"):
+        deltanet_decode_mode()
+
+
+def tiny_hybrid_decode(device, dtype, monkeypatch, modes: dict[str, str], steps: int = 2):
+    """Logits of a few batch-2 decode steps of the benchmark's tiny Qwen3.5-MoE model (random EXL3 weights)
+    under the given environment, from one prefill of two prompts."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bench_moe_decode as bench
+    finally:
+        sys.path.pop(0)
+    from trellm.batch import ForwardBatch
+    from trellm.cache import SequenceState
+    from trellm.cache.recurrent import alloc_state_slot
+    from trellm.config import DecoderConfig
+    from trellm.modules.base import LoadContext
+    from trellm.sdk import build_qwen3_5_moe
+
+    for name, value in modes.items():
+        monkeypatch.setenv(name, value)
+    cfg = DecoderConfig.from_hf(dict(bench.TINY, architectures=["Qwen3_5MoeForCausalLM"]))
+    model = build_qwen3_5_moe(cfg)
+    model.load(LoadContext(store=bench.RandomWeights(stacked_experts=False), device=torch.device(device), dtype=dtype,
+                           quant_formats=[bench.RandomEXL3(4)]))
+    cache = model.make_cache(max_tokens=512, page_size=64, max_slots=2)
+    seqs = [SequenceState(cache) for _ in range(2)]
+    for s in seqs:
+        s.reserve(64)
+    slots = torch.tensor([alloc_state_slot(cache) for _ in seqs], device=device)
+    logits = []
+    with torch.inference_mode():  # fixed tokens: both routes must see the same ones (argmax could differ in bf16)
+        for tokens in [[[1, 2, 3, 4], [5, 6, 7]]] + [[[10 + i], [20 + i]] for i in range(steps)]:
+            batch = ForwardBatch.with_cache(tokens, [s.length for s in seqs], [s.pages for s in seqs], cache)
+            batch.state_slots = slots
+            logits.append(model.forward(batch).float())
+            for s, t in zip(seqs, tokens):
+                s.length += len(t)
+    return torch.stack(logits[1:])
+
+
+def test_hybrid_decode_fused_routes_match_unfused_on_cpu(monkeypatch):
+    fused = tiny_hybrid_decode("cpu", torch.float32, monkeypatch, {"TRELLM_DELTANET_DECODE": "fused", MOE_DECODE_ENV: "fused"})
+    unfused = tiny_hybrid_decode("cpu", torch.float32, monkeypatch, {"TRELLM_DELTANET_DECODE": "unfused", MOE_DECODE_ENV: "pairs"})
+    assert rel_err(fused, unfused) < 1e-5
+
+
+@pytest.mark.parametrize("dk,dv,k_heads,v_heads,dtype,beta_scale", [
+    (128, 128, 16, 32, torch.bfloat16, 1.0),  # Qwen3.5-35B-A3B
+    (64, 96, 2, 2, torch.float32, 2.0),
+    (256, 64, 1, 4, torch.float16, 1.0),
+])
+@pytest.mark.parametrize("with_fresh", [False, True])
+@on_cuda
+def test_gated_delta_net_step_cuda(dk, dv, k_heads, v_heads, dtype, beta_scale, with_fresh):
+    from trellm.ops.deltanet import gated_delta_net_step_slots
+
+    t = delta_net_inputs("cuda", dtype, k_heads=k_heads, v_heads=v_heads, dk=dk, dv=dv)
+    fresh = t["fresh"] if with_fresh else None
+    states, ref_states = t["states"].clone(), t["states"].clone()
+    args = (t["a"], t["b"], t["A_log"], t["dt_bias"])
+    out = cuda_impl(gated_delta_net_step_slots)(t["mixed"], *args, states, t["slots"], fresh, k_heads, dk, beta_scale)
+    ref = gated_delta_net_step_slots.reference(t["mixed"].float(), *(x.float() for x in args), ref_states, t["slots"], fresh,
+                                               k_heads, dk, beta_scale)
+    assert out.dtype == dtype and out.shape == (3, v_heads, dv)
+    assert rel_err(states, ref_states) < 1e-5
+    assert rel_err(out, ref) < (1e-2 if dtype != torch.float32 else 1e-5)
+
+
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+@pytest.mark.parametrize("dtype,dim", [(torch.bfloat16, 128), (torch.float16, 96), (torch.float32, 1000)])
+@on_cuda
+def test_gated_rms_norm_cuda(activation, dtype, dim):
+    from trellm.ops import gated_rms_norm
+
+    x, gate = (torch.randn(5, 7, dim, device="cuda") * 3).to(dtype), torch.randn(5, 7, dim, device="cuda").to(dtype)
+    w = torch.randn(dim, device="cuda").to(dtype)
+    out = cuda_impl(gated_rms_norm)(x, w, gate, 1e-6, activation)
+    ref = gated_rms_norm.reference(x, w, gate, 1e-6, activation)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert rel_err(out, ref) < (1e-2 if dtype != torch.float32 else 1e-5)
+
+
+@on_cuda
+def test_hybrid_decode_fused_routes_match_unfused_cuda(monkeypatch):
+    """The tiny Qwen3.5-MoE model's decode logits on the GPU: every fused route against every unfused kernel."""
+    fused = tiny_hybrid_decode("cuda", torch.bfloat16, monkeypatch, {"TRELLM_DELTANET_DECODE": "fused", MOE_DECODE_ENV: "fused"})
+    unfused = tiny_hybrid_decode("cuda", torch.bfloat16, monkeypatch,
+                                 {"TRELLM_DELTANET_DECODE": "unfused", MOE_DECODE_ENV: "pairs"})
+    assert rel_err(fused, unfused) < 3e-2

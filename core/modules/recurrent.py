@@ -8,6 +8,7 @@ cache (``batch.cache is None``) every sequence starts from the zero state.
 """
 from __future__ import annotations
 
+import os
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -19,6 +20,7 @@ from ..cache import KVCache
 from ..capabilities import implements
 from ..config import LinearAttentionConfig
 from ..errors import WeightError
+from ..ops.deltanet import GATED_NORM_ACTIVATIONS, gated_delta_inputs, l2_normalize
 from .base import LoadContext, Module
 from .decoder import CausalLM
 from ..ops.projection import Hidden, Normed, project
@@ -26,13 +28,7 @@ from .layers import Attention, Embedding, OutputGate, RMSNorm
 from .linear import Linear, LinearGroup
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum x^2 + eps) over the last dim in float32 (the FLA convention the checkpoints were trained with)."""
-    x = x.float()
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
-
-_GATES = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
 
 def load_split_conv(ctx: LoadContext, key: str, conv_dim: int, width: int) -> torch.Tensor:
@@ -98,13 +94,27 @@ def short_conv(mixed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out, conv_state, rec_state
 
 
+DELTANET_DECODE_ENV = "TRELLM_DELTANET_DECODE"
+DELTANET_DECODE_MODES = ("fused", "unfused")
+
+
+def deltanet_decode_mode() -> str:
+    """``TRELLM_DELTANET_DECODE``: "fused" (default) runs a gated delta net's decode step as one op from its raw
+    inputs (:func:`~trellm.ops.gated_delta_net_step_slots`) and its output norm as one (:func:`~trellm.ops.gated_rms_norm`);
+    "unfused" computes the norms and gates apart, the path before the fusion (for comparison and as a fallback)."""
+    mode = os.environ.get(DELTANET_DECODE_ENV, "fused")
+    if mode not in DELTANET_DECODE_MODES:
+        raise ValueError(f"{DELTANET_DECODE_ENV}={mode!r}: expected one of {DELTANET_DECODE_MODES}")
+    return mode
+
+
 class GatedRMSNorm(Module):
     """RMSNorm(x) * w * act(gate), per head (``{key}.weight`` [dim]); act is silu (gated delta net) or sigmoid (KDA)."""
 
     def __init__(self, key: str, dim: int, eps: float, activation: str = "silu"):
-        if activation not in _GATES:
-            raise ValueError(f"{key}: unknown gate activation {activation!r}; use one of {sorted(_GATES)}")
-        self.key, self.dim, self.eps, self.gate = key, dim, eps, _GATES[activation]
+        if activation not in GATED_NORM_ACTIVATIONS:
+            raise ValueError(f"{key}: unknown gate activation {activation!r}; use one of {sorted(GATED_NORM_ACTIVATIONS)}")
+        self.key, self.dim, self.eps, self.activation = key, dim, eps, activation
         self.weight: torch.Tensor | None = None
 
     def load(self, ctx: LoadContext) -> None:
@@ -114,8 +124,10 @@ class GatedRMSNorm(Module):
         self.weight = None
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        normed = ops.rms_norm(x, self.weight, self.eps)
-        return (normed.float() * self.gate(gate.float())).to(x.dtype)
+        if deltanet_decode_mode() == "fused":
+            return ops.gated_rms_norm(x, self.weight, gate, self.eps, self.activation)
+        normed = ops.rms_norm(x, self.weight, self.eps)  # the unfused route: norm, casts, activation, product
+        return (normed.float() * GATED_NORM_ACTIVATIONS[self.activation](gate.float())).to(x.dtype)
 
 
 class GatedDeltaNet(Module):
@@ -238,24 +250,21 @@ class GatedDeltaNet(Module):
         mixed, z, b, a = self._project(x)
         layer, fresh, decode = state_cache_inputs(self.key, self.layer_idx, batch, t)
         mixed, conv_state, rec_state = short_conv(mixed, self.conv_weight, self.conv_bias_t, batch, layer, fresh, decode)
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        groups = self.num_v_heads // self.num_k_heads
-        q = l2_normalize(q.reshape(t, self.num_k_heads, self.head_k_dim)).repeat_interleave(groups, dim=1)
-        k = l2_normalize(k.reshape(t, self.num_k_heads, self.head_k_dim)).repeat_interleave(groups, dim=1)
-        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
-        beta = torch.sigmoid(b.float())
-        if self.beta_scale != 1.0:
-            beta = beta * self.beta_scale
-        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
-        if decode:
-            o = ops.gated_delta_rule_step_slots(q, k, v, g, beta, layer.states, batch.state_slots, fresh)
-        elif in_steps(batch, layer):
-            rule = lambda *rows: ops.gated_delta_rule_step_slots(*rows[:5], layer.states, batch.state_slots, rows[5])  # noqa: E731
-            o = stepwise(rule, batch, fresh, [layer.states], q, k, v, g, beta)
+        if decode and deltanet_decode_mode() == "fused":  # norms, gates and recurrence in one op
+            o = ops.gated_delta_net_step_slots(mixed, a, b, self.A_log, self.dt_bias, layer.states, batch.state_slots, fresh,
+                                               self.num_k_heads, self.head_k_dim, self.beta_scale)
         else:
-            o, rec_state = ops.gated_delta_rule_chunked(q, k, v, g, beta, batch.cu_seqlens, rec_state, self.chunk_size)
-            if layer is not None:
-                layer.write(batch.state_slots, conv_state, rec_state)
+            q, k, v, g, beta = gated_delta_inputs(mixed, a, b, self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim,
+                                                  self.beta_scale)
+            if decode:
+                o = ops.gated_delta_rule_step_slots(q, k, v, g, beta, layer.states, batch.state_slots, fresh)
+            elif in_steps(batch, layer):
+                rule = lambda *rows: ops.gated_delta_rule_step_slots(*rows[:5], layer.states, batch.state_slots, rows[5])  # noqa: E731
+                o = stepwise(rule, batch, fresh, [layer.states], q, k, v, g, beta)
+            else:
+                o, rec_state = ops.gated_delta_rule_chunked(q, k, v, g, beta, batch.cu_seqlens, rec_state, self.chunk_size)
+                if layer is not None:
+                    layer.write(batch.state_slots, conv_state, rec_state)
         o = self.norm.forward(o.to(x.dtype), z)
         return self.out_proj(o.reshape(t, self.value_dim))
 

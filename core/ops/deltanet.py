@@ -137,6 +137,71 @@ def gated_delta_rule_step_slots(
     return _step_on_slots(lambda state: gated_delta_rule_step.reference(q, k, v, g, beta, state), states, slots, fresh)
 
 
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim in float32 (the FLA convention the checkpoints were trained with)."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_inputs(
+    mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    num_k_heads: int, head_k_dim: int, beta_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v, g, beta) of the gated delta rule from a gated delta net's conv output and gate inputs.
+
+    mixed [T, 2 * Hk * Dk + Hv * Dv] is q | k | v; q and k are L2-normalised per key head (float32) and each
+    repeated for the Hv / Hk value heads of its group; v [T, Hv, Dv]; beta = sigmoid(b) * beta_scale and the
+    log decay g = -exp(A_log) * softplus(a + dt_bias), float32 [T, Hv] (a, b [T, Hv]; A_log, dt_bias [Hv]).
+    """
+    t, heads = mixed.shape[0], A_log.shape[0]
+    key_dim = num_k_heads * head_k_dim
+    q, k, v = mixed.split([key_dim, key_dim, mixed.shape[1] - 2 * key_dim], dim=-1)
+    groups = heads // num_k_heads
+    q = l2_normalize(q.reshape(t, num_k_heads, head_k_dim)).repeat_interleave(groups, dim=1)
+    k = l2_normalize(k.reshape(t, num_k_heads, head_k_dim)).repeat_interleave(groups, dim=1)
+    beta = torch.sigmoid(b.float())
+    if beta_scale != 1.0:
+        beta = beta * beta_scale
+    g = -A_log.exp() * F.softplus(a.float() + dt_bias)
+    return q, k, v.reshape(t, heads, -1), g, beta
+
+
+@op
+def gated_delta_net_step_slots(
+    mixed: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor | None = None,
+    num_k_heads: int = 1,
+    head_k_dim: int = 128,
+    beta_scale: float = 1.0,
+) -> torch.Tensor:
+    """A gated delta net's decode step from its raw inputs (:func:`gated_delta_inputs`) through
+    :func:`gated_delta_rule_step_slots`: out [B, Hv, Dv] in mixed's dtype. One op, so that a backend runs the
+    L2 norms, the gates and the recurrence in one launch (about twenty small kernels otherwise)."""
+    q, k, v, g, beta = gated_delta_inputs(mixed, a, b, A_log, dt_bias, num_k_heads, head_k_dim, beta_scale)
+    return gated_delta_rule_step_slots.reference(q, k, v, g, beta, states, slots, fresh)
+
+
+GATED_NORM_ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}
+
+
+@op
+def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float, activation: str = "silu") -> torch.Tensor:
+    """RMSNorm(x) * weight (rounded to x's dtype, as :func:`~trellm.ops.rms_norm`) times act(gate), over the last dim,
+    in x's dtype: a gated delta net's (silu) or KDA's (sigmoid) output norm, one launch instead of five."""
+    act = GATED_NORM_ACTIVATIONS.get(activation)
+    if act is None:
+        raise ValueError(f"gated_rms_norm: unknown activation {activation!r}; use one of {sorted(GATED_NORM_ACTIVATIONS)}")
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    return (normed.float() * act(gate.float())).to(x.dtype)
+
+
 def _step_on_slots(step, states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor | None) -> torch.Tensor:
     """``step(state) -> (out, new state)`` on the states of ``slots``, written back in place (fresh rows from zero)."""
     state = states[slots]
