@@ -865,6 +865,11 @@ def kv_dequantize_pages(packed_pages: torch.Tensor, scale_pages: torch.Tensor, p
 MOE_MODES = {"plain": 0, "silu_gated": 1, "combine": 2}
 
 
+def moe_exl3_counters(pairs: int, top_k: int, mode: str, n: int) -> int:
+    """Arrival counters a one-launch ``moe_exl3_matmul`` needs: one per (item, 128-column group) it finishes."""
+    return lib().trellm_moe_exl3_counters(pairs, top_k, MOE_MODES[mode], n)
+
+
 def moe_exl3_matmul(
     x: torch.Tensor,
     expert_of: torch.Tensor,
@@ -878,12 +883,15 @@ def moe_exl3_matmul(
     pair_weights: torch.Tensor | None = None,
     top_k: int = 1,
     out_dtype: torch.dtype | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """EXL3 matmuls of (row, expert) pairs with the expert ids read on the device (no host sync).
 
     ``table`` int64 [matrices, experts, 4] = {trellis, suh, svh, bias or 0} pointers of tensors that
     stay alive as long as the table. Returns [matrices, pairs, n] ("plain"), [pairs, n]
     ("silu_gated": silu(matrix 0) * matrix 1) or [pairs / top_k, n] ("combine": routing-weighted sum).
+    ``counters``: int32, all zero, at least :func:`moe_exl3_counters` long: one launch instead of two (the
+    kernel leaves them zero; one stream at a time may use a buffer).
     """
     if k % 128 or n % 128 or k <= 0 or n <= 0:
         raise KernelArgumentError(f"expert weights: k={k}, n={n} must be positive multiples of 128")
@@ -908,12 +916,18 @@ def moe_exl3_matmul(
             raise KernelArgumentError(f"combine needs 1 matrix and pairs ({pairs}) a multiple of top_k ({top_k})")
         expect(pair_weights, "pair_weights", dtype=torch.float32, shape=(pairs,), device=x.device)
         y = torch.empty(pairs // top_k, n, dtype=dtype, device=x.device)
+    if counters is not None:
+        expect(counters, "counters", dtype=torch.int32, shape=(None,), device=x.device)
+        need = moe_exl3_counters(pairs, top_k, mode, n)
+        if counters.numel() < need:
+            raise KernelArgumentError(f"counters: {counters.numel()} of them, this call needs {need}")
     sms = _num_sms(x.device)
     workspace = torch.empty(lib().trellm_moe_exl3_workspace(pairs, matrices, k, n, sms), dtype=torch.float32,
                             device=x.device)
     rc = lib().trellm_moe_exl3_matmul(
         _ptr(x), DTYPE_CODES[x.dtype], _ptr(expert_of, "int64_t *"), _ptr(table, "uint64_t *"),
-        _ptr(workspace, "float *"), _ptr(pair_weights, "float *"), _ptr(y), _dtype_code(y, "out_dtype"),
+        _ptr(workspace, "float *"), _ptr(counters, "int *"), _ptr(pair_weights, "float *"), _ptr(y),
+        _dtype_code(y, "out_dtype"),
         MOE_MODES[mode], pairs, pairs_per_row, top_k, matrices, num_experts, k, n, K, _codebook_code(codebook), sms,
         _stream(),
     )

@@ -38,6 +38,92 @@ __device__ __forceinline__ ExpertTensors expert_tensors(const uint64_t *table, i
     return t;
 }
 
+struct FinishArgs {
+    const float *partial;        // [slices, matrices, pairs, n]
+    const int64_t *expert_of;    // [pairs]
+    const uint64_t *table;       // [matrices, experts, 4]
+    const float *pair_weights;   // [pairs] (combine mode)
+    void *y;
+    int y_dtype, mode, pairs, matrices, num_experts, n, slices, top_k;
+};
+
+__device__ __forceinline__ float silu_f(float g) { return g / (1.f + __expf(-g)); }
+
+// The lane's 4 finished outputs of (matrix m, pair p, column group): H128(sum of slices) * svh + bias.
+__device__ __forceinline__ void finished_values(const FinishArgs &a, int m, int p, int group, float (&v)[4]) {
+    const int lane = threadIdx.x & 31;
+    const int col = group * MOE_GROUP + lane * 4;
+    v[0] = v[1] = v[2] = v[3] = 0.f;
+    for (int s = 0; s < a.slices; ++s) {
+        const float4 q = __ldcg(reinterpret_cast<const float4 *>(a.partial + (((size_t)s * a.matrices + m) * a.pairs + p) * a.n + col));
+        v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
+    }
+    warp_hadamard_128(v);
+    const int64_t e = a.expert_of[p];
+    if (e < 0 || e >= a.num_experts) {
+        v[0] = v[1] = v[2] = v[3] = 0.f;
+        return;
+    }
+    const ExpertTensors w = expert_tensors(a.table, m, e, a.num_experts);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[i] *= __half2float(w.svh[col + i]);
+        if (w.bias) v[i] += __half2float(w.bias[col + i]);
+    }
+}
+
+// Finishes one (item, 128-column group) with the block's warps, warp w taking units w, w + warps, ...:
+// TRELLM_MOE_PLAIN: item = pair, unit = matrix, y [matrices, pairs, n].
+// TRELLM_MOE_SILU_GATED: item = pair, units 0/1 = gate/up, y [pairs, n] = silu(gate) * up.
+// TRELLM_MOE_COMBINE: item = token, unit j = pair t*top_k + j, y [pairs / top_k, n] = sum_j w_j * y_j.
+// vals: units * MOE_GROUP floats of shared memory (not PLAIN).
+constexpr int FINISH_MAX_WARPS = 32;
+
+// Units finished per item: the token's pairs (COMBINE), gate and up (SILU_GATED), or the matrices (PLAIN).
+__host__ __device__ __forceinline__ int finish_units(int mode, int top_k, int matrices) {
+    return mode == TRELLM_MOE_COMBINE ? top_k : mode == TRELLM_MOE_SILU_GATED ? 2 : matrices;
+}
+
+__device__ void finish_item(const FinishArgs &a, int item, int group, float *vals) {
+    const int lane = threadIdx.x & 31, warp = warp_index(), warps = blockDim.x / 32;
+    const int units = finish_units(a.mode, a.top_k, a.matrices);
+    const bool combine = a.mode == TRELLM_MOE_COMBINE;
+    const int col = group * MOE_GROUP + lane * 4;
+    for (int u = warp; u < units; u += warps) {
+        const int m = combine ? 0 : u;
+        const int p = combine ? item * a.top_k + u : item;
+        float v[4];
+        finished_values(a, m, p, group, v);
+        if (a.mode == TRELLM_MOE_PLAIN) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) store_from_f32(a.y, a.y_dtype, ((size_t)m * a.pairs + p) * a.n + col + i, v[i]);
+        } else {
+            const float scale = combine ? a.pair_weights[p] : 1.f;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) vals[u * MOE_GROUP + lane * 4 + i] = scale * v[i];
+        }
+    }
+    if (a.mode == TRELLM_MOE_PLAIN) return;
+    __syncthreads();
+    for (int c = threadIdx.x; c < MOE_GROUP; c += blockDim.x) {
+        float out;
+        if (a.mode == TRELLM_MOE_SILU_GATED) {
+            out = silu_f(vals[c]) * vals[MOE_GROUP + c];
+        } else {
+            out = 0.f;
+            for (int j = 0; j < units; ++j) out += vals[j * MOE_GROUP + c];
+        }
+        store_from_f32(a.y, a.y_dtype, (size_t)item * a.n + group * MOE_GROUP + c, out);
+    }
+}
+
+// One block per (item, column group), one warp per unit (at least 4 warps).
+__global__ void moe_exl3_finish_kernel(const FinishArgs a) {
+    __shared__ float vals[FINISH_MAX_WARPS * MOE_GROUP];
+    const int groups = a.n / MOE_GROUP;
+    finish_item(a, blockIdx.x / groups, blockIdx.x % groups, vals);
+}
+
 struct PartialArgs {
     const void *x;               // [rows, k], x_dtype; pair p reads row p / pairs_per_row
     const int64_t *expert_of;    // [pairs]
@@ -46,10 +132,34 @@ struct PartialArgs {
     int x_dtype, pairs, pairs_per_row, matrices, num_experts, k, n, kt;
 };
 
+// The tail of a one-launch block, after its partial sums: counts its arrival at its (item, column group); the
+// last block to arrive finishes that (finish_item) and sets the counter back to zero for the next launch.
+__device__ __forceinline__ void finish_if_last(const PartialArgs &a, const FinishArgs &f, int *counters, int p,
+                                               unsigned char *smem_raw) {
+    __shared__ int last;
+    const int group = blockIdx.x;
+    __threadfence();  // this block's partial sums reach L2 before its arrival is counted
+    __syncthreads();
+    const int item = f.mode == TRELLM_MOE_COMBINE ? p / f.top_k : p;
+    if (threadIdx.x == 0) {
+        int *counter = counters + (size_t)item * gridDim.x + group;
+        const int arrivals = (int)gridDim.y * finish_units(f.mode, f.top_k, a.matrices);
+        last = atomicAdd(counter, 1) == arrivals - 1;
+        if (last) *counter = 0;  // every arrival is in
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    finish_item(f, item, group, reinterpret_cast<float *>(smem_raw));
+}
+
 // grid (n / 128, slices, matrices * pairs); MOE_WARPS warps; warp w owns k tiles [w*kt, (w+1)*kt) of the
-// block's slice and all 8 column tiles of the group.
-template <int K, int CB>
-__global__ void __launch_bounds__(MOE_WARPS * 32, 2) moe_exl3_partial_kernel(const PartialArgs a) {
+// block's slice and all 8 column tiles of the group. FUSED (one launch): counters int32 [items * groups], zero
+// between launches, count the blocks of each (item, group) that have written their partial sums; the last one
+// to arrive finishes it (finish_item) and sets its counter back to zero.
+template <int K, int CB, bool FUSED>
+__global__ void __launch_bounds__(MOE_WARPS * 32, 2) moe_exl3_partial_kernel(const PartialArgs a, const FinishArgs f,
+                                                                             int *counters) {
     using G = TileGeom<K>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int slice_k = MOE_WARPS * a.kt * 16;
@@ -63,6 +173,7 @@ __global__ void __launch_bounds__(MOE_WARPS * 32, 2) moe_exl3_partial_kernel(con
     const int64_t e = a.expert_of[p];
     if (e < 0 || e >= a.num_experts) {  // not a valid expert: contributes zeros (the caller validates ids)
         if (threadIdx.x < MOE_GROUP) out[threadIdx.x] = 0.f;
+        if constexpr (FUSED) finish_if_last(a, f, counters, p, smem_raw);
         return;
     }
     const ExpertTensors w = expert_tensors(a.table, m, e, a.num_experts);
@@ -144,81 +255,7 @@ __global__ void __launch_bounds__(MOE_WARPS * 32, 2) moe_exl3_partial_kernel(con
         for (int ww = 0; ww < MOE_WARPS; ++ww) s += red[ww * MOE_GROUP + threadIdx.x];
         out[threadIdx.x] = s;
     }
-}
-
-struct FinishArgs {
-    const float *partial;        // [slices, matrices, pairs, n]
-    const int64_t *expert_of;    // [pairs]
-    const uint64_t *table;       // [matrices, experts, 4]
-    const float *pair_weights;   // [pairs] (combine mode)
-    void *y;
-    int y_dtype, mode, pairs, matrices, num_experts, n, slices, top_k;
-};
-
-__device__ __forceinline__ float silu_f(float g) { return g / (1.f + __expf(-g)); }
-
-// The lane's 4 finished outputs of (matrix m, pair p, column group): H128(sum of slices) * svh + bias.
-__device__ __forceinline__ void finished_values(const FinishArgs &a, int m, int p, int group, float (&v)[4]) {
-    const int lane = threadIdx.x & 31;
-    const int col = group * MOE_GROUP + lane * 4;
-    v[0] = v[1] = v[2] = v[3] = 0.f;
-    for (int s = 0; s < a.slices; ++s) {
-        const float4 q = *reinterpret_cast<const float4 *>(a.partial + (((size_t)s * a.matrices + m) * a.pairs + p) * a.n + col);
-        v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
-    }
-    warp_hadamard_128(v);
-    const int64_t e = a.expert_of[p];
-    if (e < 0 || e >= a.num_experts) {
-        v[0] = v[1] = v[2] = v[3] = 0.f;
-        return;
-    }
-    const ExpertTensors w = expert_tensors(a.table, m, e, a.num_experts);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        v[i] *= __half2float(w.svh[col + i]);
-        if (w.bias) v[i] += __half2float(w.bias[col + i]);
-    }
-}
-
-// One block per (item, 128-column group); warp w finishes one (matrix, pair) of the item, in parallel.
-// TRELLM_MOE_PLAIN: item = pair, warp w = matrix w, y [matrices, pairs, n].
-// TRELLM_MOE_SILU_GATED: item = pair, warps 0/1 = gate/up, y [pairs, n] = silu(gate) * up.
-// TRELLM_MOE_COMBINE: item = token, warp j = pair t*top_k + j, y [pairs / top_k, n] = sum_j w_j * y_j.
-constexpr int FINISH_MAX_WARPS = 32;
-
-__global__ void moe_exl3_finish_kernel(const FinishArgs a, int warps_used) {
-    __shared__ float vals[FINISH_MAX_WARPS][MOE_GROUP];
-    const int lane = threadIdx.x & 31, warp = warp_index();
-    const int groups = a.n / MOE_GROUP;
-    const int group = blockIdx.x % groups, item = blockIdx.x / groups;
-    const int col = group * MOE_GROUP + lane * 4;
-    if (warp < warps_used) {
-        const bool combine = a.mode == TRELLM_MOE_COMBINE;
-        const int m = combine ? 0 : warp;
-        const int p = combine ? item * a.top_k + warp : item;
-        float v[4];
-        finished_values(a, m, p, group, v);
-        if (a.mode == TRELLM_MOE_PLAIN) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) store_from_f32(a.y, a.y_dtype, ((size_t)m * a.pairs + p) * a.n + col + i, v[i]);
-        } else {
-            const float scale = combine ? a.pair_weights[p] : 1.f;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) vals[warp][lane * 4 + i] = scale * v[i];
-        }
-    }
-    if (a.mode == TRELLM_MOE_PLAIN) return;
-    __syncthreads();
-    for (int c = threadIdx.x; c < MOE_GROUP; c += blockDim.x) {
-        float out;
-        if (a.mode == TRELLM_MOE_SILU_GATED) {
-            out = silu_f(vals[0][c]) * vals[1][c];
-        } else {
-            out = 0.f;
-            for (int j = 0; j < warps_used; ++j) out += vals[j][c];
-        }
-        store_from_f32(a.y, a.y_dtype, (size_t)item * a.n + group * MOE_GROUP + c, out);
-    }
+    if constexpr (FUSED) finish_if_last(a, f, counters, p, smem_raw);
 }
 
 // k tiles per warp: enough blocks for about four per SM, but no more slices than needed.
@@ -229,26 +266,32 @@ int choose_kt(int tiles_k, int base_blocks, int num_sms) {
     return max(1, min(kt, 32));
 }
 
+// The partial kernel; with counters (one launch) it also finishes, so its shared memory holds the finish's values too.
 template <int K, int CB>
-int launch_partial(const PartialArgs &a, int slices, cudaStream_t stream) {
-    const size_t smem = (size_t)MOE_WARPS * a.kt * 16 * sizeof(half) + (size_t)MOE_WARPS * MOE_GROUP * sizeof(float);
+int launch_partial(const PartialArgs &a, const FinishArgs &f, int *counters, int slices, cudaStream_t stream) {
+    size_t smem = (size_t)MOE_WARPS * a.kt * 16 * sizeof(half) + (size_t)MOE_WARPS * MOE_GROUP * sizeof(float);
     dim3 grid(a.n / MOE_GROUP, slices, a.matrices * a.pairs);
-    moe_exl3_partial_kernel<K, CB><<<grid, MOE_WARPS * 32, smem, stream>>>(a);
+    if (counters) {
+        smem = max(smem, (size_t)finish_units(f.mode, f.top_k, f.matrices) * MOE_GROUP * sizeof(float));
+        moe_exl3_partial_kernel<K, CB, true><<<grid, MOE_WARPS * 32, smem, stream>>>(a, f, counters);
+    } else {
+        moe_exl3_partial_kernel<K, CB, false><<<grid, MOE_WARPS * 32, smem, stream>>>(a, f, nullptr);
+    }
     TRELLM_LAUNCH_CHECK();
     return TRELLM_OK;
 }
 
 template <int CB>
-int launch_partial_cb(const PartialArgs &a, int K, int slices, cudaStream_t stream) {
+int launch_partial_cb(const PartialArgs &a, const FinishArgs &f, int *counters, int K, int slices, cudaStream_t stream) {
     switch (K) {
-        case 1: return launch_partial<1, CB>(a, slices, stream);
-        case 2: return launch_partial<2, CB>(a, slices, stream);
-        case 3: return launch_partial<3, CB>(a, slices, stream);
-        case 4: return launch_partial<4, CB>(a, slices, stream);
-        case 5: return launch_partial<5, CB>(a, slices, stream);
-        case 6: return launch_partial<6, CB>(a, slices, stream);
-        case 7: return launch_partial<7, CB>(a, slices, stream);
-        case 8: return launch_partial<8, CB>(a, slices, stream);
+        case 1: return launch_partial<1, CB>(a, f, counters, slices, stream);
+        case 2: return launch_partial<2, CB>(a, f, counters, slices, stream);
+        case 3: return launch_partial<3, CB>(a, f, counters, slices, stream);
+        case 4: return launch_partial<4, CB>(a, f, counters, slices, stream);
+        case 5: return launch_partial<5, CB>(a, f, counters, slices, stream);
+        case 6: return launch_partial<6, CB>(a, f, counters, slices, stream);
+        case 7: return launch_partial<7, CB>(a, f, counters, slices, stream);
+        case 8: return launch_partial<8, CB>(a, f, counters, slices, stream);
         default: return TRELLM_E_BAD_ARG;
     }
 }
@@ -309,8 +352,14 @@ extern "C" int64_t trellm_moe_exl3_workspace(int64_t pairs, int64_t matrices, in
     return (int64_t)moe_slices(k, kt) * matrices * pairs * n;
 }
 
+extern "C" int64_t trellm_moe_exl3_counters(int64_t pairs, int64_t top_k, int mode, int64_t n) {
+    if (pairs <= 0 || n <= 0 || n % MOE_GROUP || (mode == TRELLM_MOE_COMBINE && (top_k <= 0 || pairs % top_k))) return 0;
+    return (mode == TRELLM_MOE_COMBINE ? pairs / top_k : pairs) * (n / MOE_GROUP);
+}
+
 extern "C" int trellm_moe_exl3_matmul(const void *x, int x_dtype, const int64_t *expert_of, const uint64_t *table,
-                                      float *workspace, const float *pair_weights, void *y, int y_dtype, int mode,
+                                      float *workspace, int *counters, const float *pair_weights, void *y, int y_dtype,
+                                      int mode,
                                       int64_t pairs, int64_t pairs_per_row, int64_t top_k, int64_t matrices,
                                       int64_t num_experts, int64_t k, int64_t n, int K, int codebook, int num_sms,
                                       cudaStream_t stream) {
@@ -342,13 +391,6 @@ extern "C" int trellm_moe_exl3_matmul(const void *x, int x_dtype, const int64_t 
     pa.n = (int)n;
     pa.kt = choose_kt((int)(k / 16), (int)(n / MOE_GROUP * pairs * matrices), num_sms);
     const int slices = moe_slices(k, pa.kt);
-    int rc;
-    switch (codebook) {
-        case 0: rc = launch_partial_cb<0>(pa, K, slices, stream); break;
-        case 1: rc = launch_partial_cb<1>(pa, K, slices, stream); break;
-        default: rc = launch_partial_cb<2>(pa, K, slices, stream); break;
-    }
-    if (rc) return rc;
 
     FinishArgs fa;
     fa.partial = workspace;
@@ -364,13 +406,17 @@ extern "C" int trellm_moe_exl3_matmul(const void *x, int x_dtype, const int64_t 
     fa.n = (int)n;
     fa.slices = slices;
     fa.top_k = (int)top_k;
-    const int groups = (int)(n / MOE_GROUP);
-    int items, warps_used;
-    if (mode == TRELLM_MOE_PLAIN) { items = (int)pairs; warps_used = (int)matrices; }
-    else if (mode == TRELLM_MOE_SILU_GATED) { items = (int)pairs; warps_used = 2; }
-    else { items = (int)(pairs / top_k); warps_used = (int)top_k; }
-    const int threads = 32 * max(warps_used, 4);  // at least 128 threads for the column loop
-    moe_exl3_finish_kernel<<<items * groups, threads, 0, stream>>>(fa, warps_used);
+    int rc;
+    switch (codebook) {
+        case 0: rc = launch_partial_cb<0>(pa, fa, counters, K, slices, stream); break;
+        case 1: rc = launch_partial_cb<1>(pa, fa, counters, K, slices, stream); break;
+        default: rc = launch_partial_cb<2>(pa, fa, counters, K, slices, stream); break;
+    }
+    if (rc || counters) return rc;  // one launch: the partial kernel's last blocks finished
+
+    const int blocks = (int)trellm_moe_exl3_counters(pairs, top_k, mode, n);  // one per (item, column group)
+    const int threads = 32 * max(finish_units(mode, fa.top_k, fa.matrices), 4);  // >= 128 threads for the column loop
+    moe_exl3_finish_kernel<<<blocks, threads, 0, stream>>>(fa);
     TRELLM_LAUNCH_CHECK();
     return TRELLM_OK;
 }

@@ -687,6 +687,24 @@ def dense_experts_matmul(
     )
 
 
+MOE_COUNTERS_PER_DEVICE = 1 << 16  # covers 512 pairs (the sync-free limit) at n up to 16384
+_MOE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _moe_counters(device: torch.device, pairs: int, top_k: int, mode: str, n: int) -> torch.Tensor | None:
+    """The zeroed arrival counters of a one-launch pair matmul in mode "one_launch", else None (two launches).
+    One buffer per device, made once outside graph capture (the warm-up step before a capture makes it) and
+    never replaced, since a captured graph keeps its address; the kernels leave it zero after every launch."""
+    if _moe.moe_decode_mode() != "one_launch" or binding.moe_exl3_counters(pairs, top_k, mode, n) > MOE_COUNTERS_PER_DEVICE:
+        return None
+    counters = _MOE_COUNTERS.get(device)
+    if counters is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _MOE_COUNTERS[device] = torch.zeros(MOE_COUNTERS_PER_DEVICE, dtype=torch.int32, device=device)
+    return counters
+
+
 def _exl3_set_ok(x: torch.Tensor, experts) -> bool:
     return x.dim() == 2 and x.dtype in _FLOATS and experts.gate_up_table.device == x.device
 
@@ -699,9 +717,11 @@ def exl3_experts_gate_up(x: torch.Tensor, expert_of: torch.Tensor, experts, pair
     ids = expert_of.to(torch.int64).contiguous()
     if activation in ("silu", "swish"):
         return binding.moe_exl3_matmul(x.contiguous(), ids, experts.gate_up_table, k, n, bits, codebook,
-                                       pairs_per_row=pairs_per_row, mode="silu_gated")
+                                       pairs_per_row=pairs_per_row, mode="silu_gated",
+                                       counters=_moe_counters(x.device, ids.numel(), 1, "silu_gated", n))
     gate, up = binding.moe_exl3_matmul(x.contiguous(), ids, experts.gate_up_table, k, n, bits, codebook,
-                                       pairs_per_row=pairs_per_row, mode="plain")
+                                       pairs_per_row=pairs_per_row, mode="plain",
+                                       counters=_moe_counters(x.device, ids.numel(), 1, "plain", n))
     return _ops.gated_activation(gate, up, activation)
 
 
@@ -719,6 +739,7 @@ def exl3_experts_down(h: torch.Tensor, expert_of: torch.Tensor, experts, weights
     return binding.moe_exl3_matmul(
         h.contiguous(), expert_of.to(torch.int64).contiguous(), experts.down_table, k, n, bits, codebook,
         mode="combine", pair_weights=weights.reshape(-1).to(torch.float32).contiguous(), top_k=weights.shape[1],
+        counters=_moe_counters(h.device, expert_of.numel(), weights.shape[1], "combine", n),
     )
 
 

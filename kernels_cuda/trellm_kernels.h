@@ -216,8 +216,12 @@ enum { TRELLM_MOE_PLAIN = 0, TRELLM_MOE_SILU_GATED = 1, TRELLM_MOE_COMBINE = 2 }
  * COMBINE (matrices 1): y [pairs / top_k, n] = sum_j pair_weights[t*top_k + j] * y_{t*top_k + j}
  * (pair_weights float32 [pairs]). workspace: float32 of trellm_moe_exl3_workspace(...) elements. */
 int64_t trellm_moe_exl3_workspace(int64_t pairs, int64_t matrices, int64_t k, int64_t n, int num_sms);
+/* counters: NULL (two launches: partial sums, then a finishing kernel) or int32 [trellm_moe_exl3_counters(...)]
+ * all zero (one launch: the last block of each (item, 128-column group) to write its partial sums finishes it,
+ * and leaves its counter zero again; one stream at a time per counter buffer). */
+int64_t trellm_moe_exl3_counters(int64_t pairs, int64_t top_k, int mode, int64_t n);
 int trellm_moe_exl3_matmul(const void *x, int x_dtype, const int64_t *expert_of, const uint64_t *table,
-                           float *workspace, const float *pair_weights, void *y, int y_dtype, int mode,
+                           float *workspace, int *counters, const float *pair_weights, void *y, int y_dtype, int mode,
                            int64_t pairs, int64_t pairs_per_row, int64_t top_k, int64_t matrices,
                            int64_t num_experts, int64_t k, int64_t n, int K, int codebook, int num_sms,
                            cudaStream_t stream);

@@ -16,13 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_cuda_moe import cuda_impl, exl3_experts, kernels, on_cuda, random_exl3, rel_err  # noqa: F401  (tests/ is on sys.path; kernels: a fixture)
+from test_cuda_moe import (  # noqa: F401  (tests/ is on sys.path; kernels: a fixture)
+    EXL3_CASES, cuda_impl, exl3_experts, kernels, on_cuda, random_exl3, rel_err, routing,
+)
 from trellm.modules.layers import GatedMLP
 from trellm.modules.linear import DenseLinear, Linear
 from trellm.modules.moe import (
     MOE_DECODE_ENV, SYNC_FREE_MAX_PAIRS, MoE, Router, ScoreTopK, SoftmaxTopK, fold_shared_expert,
 )
-from trellm.ops.moe import softmax_topk, softmax_topk_shared
+from trellm.ops.moe import exl3_experts_down, exl3_experts_gate_up, softmax_topk, softmax_topk_shared
 
 
 def exl3_moe(e=6, h=128, i=128, top_k=2, gated=True, scaling=1.0, shared_width=None, shared_bits=4,
@@ -118,6 +120,8 @@ def test_decode_decision(monkeypatch):
     assert moe.fold_for("cuda", SYNC_FREE_MAX_PAIRS // 3 + 1) is None  # prefill: grouped by expert
     monkeypatch.setenv(MOE_DECODE_ENV, "pairs")
     assert moe.fold_for("cuda", 4) is None
+    monkeypatch.setenv(MOE_DECODE_ENV, "one_launch")  # the fold, and one launch per pair matmul
+    assert moe.fold_for("cuda", 4) is fold
     monkeypatch.setenv(MOE_DECODE_ENV, "fast")
     with pytest.raises(ValueError, match="TRELLM_MOE_DECODE='fast'"):
         moe.fold_for("cuda", 4)
@@ -192,9 +196,10 @@ def test_shared_fold_cuda(tokens, gated, monkeypatch):
     assert rel_err(fused.cpu(), cpu.forward(x.cpu().float())) < 3e-2
 
 
+@pytest.mark.parametrize("mode", ["fused", "one_launch"])
 @on_cuda
-def test_shared_fold_in_cuda_graph(monkeypatch):
-    monkeypatch.setenv(MOE_DECODE_ENV, "fused")
+def test_shared_fold_in_cuda_graph(monkeypatch, mode):
+    monkeypatch.setenv(MOE_DECODE_ENV, mode)
     moe = exl3_moe(e=16, h=256, i=128, top_k=4, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
@@ -211,7 +216,33 @@ def test_shared_fold_in_cuda_graph(monkeypatch):
         torch.cuda.synchronize()
         monkeypatch.setenv(MOE_DECODE_ENV, "pairs")
         assert rel_err(out, moe.forward(x)) < 2e-2
-        monkeypatch.setenv(MOE_DECODE_ENV, "fused")
+        monkeypatch.setenv(MOE_DECODE_ENV, mode)
+
+
+@pytest.mark.parametrize("case", EXL3_CASES)
+@on_cuda
+def test_exl3_expert_pairs_one_launch_cuda(case, monkeypatch):
+    """One launch per pair matmul (the last block of each output group finishes it) gives exactly the two-launch
+    result (the same sums in the same order), and leaves its arrival counters zero for the next launch."""
+    from trellm.kernels_cuda.ops import _MOE_COUNTERS
+
+    h, i, bits, down_bits, codebook, tokens, top_k, e, act, bias = case
+    experts = exl3_experts(e, h, i, bits, codebook, "cuda", act, bias, down_bits)
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+    weights, ids = routing(tokens, e, top_k, "cuda")
+    expert_of = ids.reshape(-1)
+    results = {}
+    for mode in ("fused", "one_launch", "one_launch"):  # twice: the counters must be back at zero
+        monkeypatch.setenv(MOE_DECODE_ENV, mode)
+        hidden = cuda_impl(exl3_experts_gate_up)(x, expert_of, experts.pair_set, top_k, act)
+        out = cuda_impl(exl3_experts_down)(hidden, expert_of, experts.pair_set, weights)
+        if mode in results:
+            assert torch.equal(hidden, results[mode][0]) and torch.equal(out, results[mode][1])
+        results[mode] = (hidden, out)
+    assert torch.equal(results["one_launch"][0], results["fused"][0])
+    assert torch.equal(results["one_launch"][1], results["fused"][1])
+    torch.cuda.synchronize()
+    assert int(_MOE_COUNTERS[x.device].abs().sum()) == 0
 
 
 # ---- gated delta net: the step from raw inputs and the output norm ----------------------------------------

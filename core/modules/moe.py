@@ -9,7 +9,6 @@ got tokens once on its contiguous block: no Python loop over tokens.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -20,7 +19,9 @@ import torch.nn.functional as F
 from .. import ops
 from ..batch import ForwardBatch
 from ..errors import WeightError
-from ..ops.moe import combine_pairs, dense_experts_matmul, softmax_topk, softmax_topk_shared  # noqa: F401  (softmax_topk: re-exported)
+from ..ops.moe import (  # noqa: F401  (softmax_topk, MOE_DECODE_*: re-exported)
+    MOE_DECODE_ENV, MOE_DECODE_MODES, combine_pairs, dense_experts_matmul, moe_decode_mode, softmax_topk, softmax_topk_shared,
+)
 from ..ops.projection import Weights, project
 from .base import LoadContext, Module
 from .layers import GatedMLP
@@ -410,19 +411,6 @@ SYNC_FREE_MAX_PAIRS = 512
 # (weight sigmoid(gate logit)) and the two pair launches run all k + 1, combining them. That replaces
 # the shared MLP's launches, its gate's matmul, sigmoid, product and sum.
 
-MOE_DECODE_ENV = "TRELLM_MOE_DECODE"
-MOE_DECODE_MODES = ("fused", "pairs")
-
-
-def moe_decode_mode() -> str:
-    """``TRELLM_MOE_DECODE``: "fused" (default) runs a foldable shared expert inside the routed pair launches;
-    "pairs" keeps it a separate MLP, the path before the fold (for comparison and as a fallback)."""
-    mode = os.environ.get(MOE_DECODE_ENV, "fused")
-    if mode not in MOE_DECODE_MODES:
-        raise ValueError(f"{MOE_DECODE_ENV}={mode!r}: expected one of {MOE_DECODE_MODES}")
-    return mode
-
-
 @attrs.frozen(eq=False)
 class SharedExpertFold:
     """A MoE block's shared expert folded into its routed pair launches (see above).
@@ -518,11 +506,11 @@ class MoE(Module):
 
     def fold_for(self, device_type: str, rows: int) -> SharedExpertFold | None:
         """The shared-expert fold when a step of ``rows`` rows takes it: on CUDA, a decode step (few pairs), in
-        "fused" mode, with the fold still standing for the block."""
+        a mode other than "pairs", with the fold still standing for the block."""
         fold = self.shared_fold
         if fold is None or device_type != "cuda" or rows * (fold.top_k + 1) > SYNC_FREE_MAX_PAIRS:
             return None
-        return fold if moe_decode_mode() == "fused" and fold.matches(self) else None
+        return fold if moe_decode_mode() != "pairs" and fold.matches(self) else None
 
     def route(self, x: torch.Tensor, batch: ForwardBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights [T, k] (float32) and expert ids [T, k]: the router's (a subclass may route otherwise)."""

@@ -4,6 +4,7 @@ Torch references; ``trellm.kernels_cuda`` registers the CUDA versions. The EXL3 
 ``trellm.quant.exl3.format.EXL3ExpertSet``."""
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +14,21 @@ from .dense import gated_activation
 
 if TYPE_CHECKING:
     from ..quant.exl3.format import EXL3ExpertSet
+
+
+MOE_DECODE_ENV = "TRELLM_MOE_DECODE"
+MOE_DECODE_MODES = ("pairs", "fused", "one_launch")
+
+
+def moe_decode_mode() -> str:
+    """``TRELLM_MOE_DECODE``, the MoE decode route on CUDA: "pairs" runs the shared expert as its own MLP (the
+    route before the fold); "fused" (default) folds a foldable shared expert into the routed pair launches;
+    "one_launch" also finishes each EXL3 pair matmul in the launch that computes it (the last block of each
+    output group sums the others' partial results: one launch per projection instead of two)."""
+    mode = os.environ.get(MOE_DECODE_ENV, "fused")
+    if mode not in MOE_DECODE_MODES:
+        raise ValueError(f"{MOE_DECODE_ENV}={mode!r}: expected one of {MOE_DECODE_MODES}")
+    return mode
 
 
 @op
