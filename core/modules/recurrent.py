@@ -186,6 +186,7 @@ class GatedDeltaNet(Module):
             self.in_proj_z = Linear(f"{key}.in_proj_z", hidden_size, self.value_dim)
             self.in_proj_b = Linear(f"{key}.in_proj_b", hidden_size, num_v_heads)
             self.in_proj_a = Linear(f"{key}.in_proj_a", hidden_size, num_v_heads)
+            self.qkv_z = LinearGroup(self.in_proj_qkv, self.in_proj_z)  # one launch where their format groups them
         elif projection == "fused":
             self.in_proj_qkvz = Linear(f"{key}.in_proj_qkvz", hidden_size, self.conv_dim + self.value_dim)
             self.in_proj_ba = Linear(f"{key}.in_proj_ba", hidden_size, 2 * num_v_heads)
@@ -231,8 +232,8 @@ class GatedDeltaNet(Module):
         if self.projection == "separate":
             return self._project_separate(x)
         if self.projection == "split":
-            z = self.in_proj_z(x).view(t, self.num_v_heads, self.head_v_dim)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+            qkv, z = project(x, self.qkv_z.weights())
+            return qkv, z.view(t, self.num_v_heads, self.head_v_dim), self.in_proj_b(x), self.in_proj_a(x)
         per = self.num_v_heads // self.num_k_heads
         qkvz = self.in_proj_qkvz(x).view(t, self.num_k_heads, 2 * self.head_k_dim + 2 * per * self.head_v_dim)
         q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, per * self.head_v_dim, per * self.head_v_dim], dim=-1)
