@@ -5,7 +5,8 @@
     python benchmarks/bench_moe_decode.py --device cuda --layers 8       # fewer layers (faster to set up)
     python benchmarks/bench_moe_decode.py --device cuda --weights exl3 --generator  # + through the Generator
     python benchmarks/bench_moe_decode.py --tiny                         # CPU smoke run, tiny dims
-    python benchmarks/bench_moe_decode.py --device cuda --weights exl3 --moe-decode pairs fused  # old vs new MoE path
+    python benchmarks/bench_moe_decode.py --device cuda --weights exl3 --moe-decode pairs fused one_launch \
+        --deltanet-decode unfused fused                                  # the decode routes side by side
 
 The model is built from trellm's modules (the qwen3_5_moe plugin) and filled with random tensors
 straight on the device, no checkpoint written. Each batch row is one sequence with its own paged
@@ -16,9 +17,10 @@ step captured in a CUDA graph (the step feeds its argmax back and advances posit
 The ideal is the bytes one decode step must read (weights of the layers' non-expert parts, the
 experts the batch routes to, the LM head) divided by the measured copy bandwidth (CUDA) or a
 nominal one; at batch > 1 the expected number of distinct experts per layer under uniform
-routing, E * (1 - (1 - k/E)^B), is used. ``--moe-decode`` times each listed MoE decode path
-(``TRELLM_MOE_DECODE``: "pairs" runs the shared expert as its own MLP, "fused" inside the routed
-pair launches) on the same model, one row each.
+routing, E * (1 - (1 - k/E)^B), is used. ``--moe-decode`` and ``--deltanet-decode`` time each listed
+decode route on the same model, one row per pair (``TRELLM_MOE_DECODE``: "pairs" runs the shared
+expert as its own MLP, "fused" inside the routed pair launches, "one_launch" also finishes each pair
+matmul in its own launch; ``TRELLM_DELTANET_DECODE``: "unfused" or "fused" gated-delta-net glue).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from trellm.cache.recurrent import alloc_state_slot
 from trellm.config import DecoderConfig
 from trellm.modules.base import LoadContext
 from trellm.modules.moe import MOE_DECODE_ENV, MOE_DECODE_MODES, moe_decode_mode
+from trellm.modules.recurrent import DELTANET_DECODE_ENV, DELTANET_DECODE_MODES, deltanet_decode_mode
 from trellm.sdk import build_qwen3_5_moe
 
 # Qwen3.5-35B-A3B text config (hidden 2048, 40 layers, 3 linear : 1 full attention, 256 experts, top 8).
@@ -272,7 +275,9 @@ def main() -> None:
     ap.add_argument("--generator", action="store_true",
                     help="also decode the same jobs through the Generator (rows gen, gen-async), beside the captured step")
     ap.add_argument("--moe-decode", nargs="+", choices=MOE_DECODE_MODES, default=None,
-                    help=f"MoE decode paths to time, one row each (default: ${MOE_DECODE_ENV} or fused)")
+                    help=f"MoE decode routes to time, one row each (default: ${MOE_DECODE_ENV} or fused)")
+    ap.add_argument("--deltanet-decode", nargs="+", choices=DELTANET_DECODE_MODES, default=None,
+                    help=f"gated delta net decode routes to time, one row each (default: ${DELTANET_DECODE_ENV} or fused)")
     ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s for the ideal (default: measured on CUDA, 50e9 on CPU)")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -316,26 +321,29 @@ def main() -> None:
     print(f"MoE dispatch at decode: {'sync-free pair kernels (graph-capturable)' if sync_free else 'grouped by expert (host sync per layer)'}; "
           f"shared expert foldable into the pair launches in {folded} of {len(moe_layers)} MoE layers; "
           f"recurrent state per sequence {state_bytes / 1e6:.1f} MB (read + written each step, not in the ideal)")
-    print(f"{'batch':>5} {'moe path':>8} {'mode':>9} {'tokens/s':>10} {'ms/step':>9} {'ideal tok/s':>12} {'of ideal':>9} {'GB read/step':>13}")
+    print(f"{'batch':>5} {'moe/deltanet route':>20} {'mode':>9} {'tokens/s':>10} {'ms/step':>9} {'ideal tok/s':>12} {'of ideal':>9} "
+          f"{'GB read/step':>13}")
+    routes = [(m, d) for m in args.moe_decode or [moe_decode_mode()] for d in args.deltanet_decode or [deltanet_decode_mode()]]
     for b in args.batch:
         touched = experts * (1 - (1 - top_k / experts) ** b)
         step_bytes = dense_bytes + touched * expert_bytes * moe_layers_count
         ideal = b * bandwidth / step_bytes
-        for path in args.moe_decode or [moe_decode_mode()]:
-            os.environ[MOE_DECODE_ENV] = path
+        for moe_route, deltanet_route in routes:
+            os.environ[MOE_DECODE_ENV], os.environ[DELTANET_DECODE_ENV] = moe_route, deltanet_route
+            route = f"{moe_route}/{deltanet_route}"
             res = run(model, cfg, b, args.prompt, steps, device, not args.no_graph, args.generator)
             for mode in ("eager", "graph", "gen", "gen-async"):
                 if mode in res:
                     tps = res[mode]
-                    print(f"{b:>5} {path:>8} {mode:>9} {tps:>10.1f} {1e3 * b / tps:>9.2f} {ideal:>12.0f} {tps / ideal:>8.1%} "
+                    print(f"{b:>5} {route:>20} {mode:>9} {tps:>10.1f} {1e3 * b / tps:>9.2f} {ideal:>12.0f} {tps / ideal:>8.1%} "
                           f"{step_bytes / 1e9:>13.3f}")
             if "graph" in res and "eager" in res:
-                print(f"{'':>14} graph / eager: {res['graph'] / res['eager']:.2f}x")
+                print(f"{'':>26} graph / eager: {res['graph'] / res['eager']:.2f}x")
             for mode in ("gen", "gen-async"):
                 if res.get(mode) and "graph" in res:
-                    print(f"{'':>14} {mode} / graph: {res[mode] / res['graph']:.2f}x (target: >= 0.90)")
+                    print(f"{'':>26} {mode} / graph: {res[mode] / res['graph']:.2f}x (target: >= 0.90)")
             if "graph_error" in res:
-                print(f"{'':>14} graph capture failed, eager only: {res['graph_error']}")
+                print(f"{'':>26} graph capture failed, eager only: {res['graph_error']}")
 
 
 if __name__ == "__main__":
