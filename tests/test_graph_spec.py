@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import trellm
-from trellm.generator import Generator, Job, JobFinished, NgramProposer, SamplerSettings
+from trellm.generator import DraftModelProposer, Generator, Job, JobFinished, NgramProposer, SamplerSettings
 from trellm.generator.mtp import MTPProposer, ProposalGraphs
 from trellm.sdk.testing import make_tiny_hf_model
 
@@ -150,6 +150,24 @@ def test_placeholder_tokens_borrow_the_scratch_page(llama):
     gen.verify_pages()
 
 
+def test_draft_model_steps_through_graphs(llama, tmp_path):
+    """A draft model's one-token draft steps replay its own decode graphs, the target verifies in its graphs: the
+    tokens of plain greedy decoding, the drafts of the eager proposer."""
+    plain, _, _ = _run(llama)
+    draft = trellm.load(make_tiny_hf_model("LlamaForCausalLM", tmp_path, seed=1, **LLAMA), device="cpu",
+                        dtype=torch.float32, tokenizer=False)
+    eager_done = _run(llama, DraftModelProposer(draft, num_tokens=3, cache_tokens=1024, page_size=16))[2]
+    proposer = DraftModelProposer(draft, num_tokens=3, cache_tokens=1024, page_size=16)
+    proposer.graphs = EagerGraphs(draft.model, proposer.cache, batch_sizes=(1, 2, 4))
+    replayed, gen, done = _run(llama, proposer, graphs=True)
+    assert replayed == plain and _verification_graphs(gen)
+    assert [r.draft_proposed for r in done] == [r.draft_proposed for r in eager_done]
+    assert [r.draft_accepted for r in done] == [r.draft_accepted for r in eager_done]
+    assert proposer.graphs.replays >= 10
+    proposer.close()
+    assert proposer.cache.allocator.free_pages == proposer.cache.num_pages
+
+
 @pytest.fixture(scope="module")
 def mimo(tmp_path_factory):
     from test_new_families import _mimo_checkpoint
@@ -275,6 +293,8 @@ def test_verification_graphs_capture_on_cuda(tmp_path):
     full = [p + t for p, t in zip(prompts, plain)]
     assert run(llama, Oracle(full, 3), True) == run(llama, Oracle(full, 3), False) == plain
     assert run(llama, NgramProposer(num_tokens=3), True) == plain
+    drafter = DraftModelProposer(llama, num_tokens=3, cache_tokens=1024, page_size=16)  # drafting for itself
+    assert run(llama, drafter, True) == plain and drafter.graphs.graphs and not drafter.graphs._failed
     mtp = lambda lm: MTPProposer(lm, num_tokens=3, cache_tokens=1024, page_size=16)  # noqa: E731
     assert run(mimo, mtp(mimo), True) == run(mimo, mtp(mimo), False) == run(mimo, None, False)
     # Qwen3.5: gated delta net layers verified token by token inside the graph, MTP drafts

@@ -344,7 +344,9 @@ def test_mtp_draft_on_cuda(name, tmp_path):
     assert [r.token_ids for r in done] == [r.token_ids for r in want]
     assert sum(r.draft_proposed for r in done) > 0
     gen.verify_pages()
-    assert proposer.graphs is not None and proposer.graphs.graphs and proposer.stats["graph_proposals"] > 0
+    # the dense head's proposals replay graphs; an MoE head's only where its experts have the sync-free pair path
+    assert proposer.graphs is not None and (proposer.stats["graph_proposals"] > 0 or name != "qwen3_5")
+    print(f"[{name}] proposals replayed from graphs: {proposer.stats['graph_proposals']}")
     proposer.close()  # the proposal graphs' scratch page back
     assert proposer.cache.allocator.free_pages == proposer.cache.num_pages
     print(f"[{name}] cuda MTP draft on random weights: {acceptance(done)}")

@@ -424,7 +424,7 @@ class ProposalGraphs(GraphRunner):
         """[size, k] greedy draft tokens (see the class docstring)."""
         target, head = self.proposer.target, self.proposer.head
         bases, last = inputs.positions[:size], inputs.positions[size:]
-        batch = attrs.evolve(absorb, positions=absorb.positions + bases.repeat_interleave(width))
+        batch = attrs.evolve(absorb, positions=absorb.positions + bases[:, None].expand(size, width).reshape(-1))
         y = head.forward(target.embed.forward(absorb.input_ids), inputs.hidden, batch)[last]
         token = target.lm_head.forward(y).float().argmax(dim=-1)
         tokens = [token]

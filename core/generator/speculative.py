@@ -104,16 +104,26 @@ class _NgramIndex:
 
 
 class DraftModelProposer:
-    """A small model drafts greedily; it keeps its own paged cache per job and reuses what still matches."""
+    """A small model drafts greedily; it keeps its own paged cache per job and reuses what still matches.
+
+    On CUDA (``cuda_graphs``) its one-token draft steps (all but the first of a proposal, which catches each job
+    up on the tokens it has not seen) replay captured decode graphs of its own (:class:`~trellm.graph.GraphRunner`
+    over its cache, which keeps one scratch page for them; :meth:`close` gives it back).
+    """
 
     def __init__(self, draft_model: Any, num_tokens: int = 4, cache_tokens: int = 8192, page_size: int = 256,
-                 cache: KVCache | None = None):
+                 cache: KVCache | None = None, cuda_graphs: bool = True):
         self.model = getattr(draft_model, "model", draft_model)
         self.num_tokens = num_tokens
         self.cache = cache if cache is not None else KVCache.for_model(self.model, max_tokens=cache_tokens, page_size=page_size)
         if self.cache.state_layers():
             raise ValueError("a draft model with recurrent layers cannot roll back rejected drafts; use an attention-only draft")
         self._seqs: dict[Hashable, tuple[SequenceState, list[int]]] = {}
+        self.graphs = None
+        if cuda_graphs and self.cache.device.type == "cuda" and getattr(self.model, "capturable", True):
+            from ..graph import GraphRunner
+
+            self.graphs = GraphRunner(self.model, self.cache)
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
@@ -140,11 +150,8 @@ class DraftModelProposer:
             active = [(item, feed) for item, feed in zip(live, feeds) if len(out[item[0]]) < item[3]]
             if not active:
                 break
-            batch = ForwardBatch.with_cache(
-                [feed for _, feed in active], [seq.length for (_, seq, _, _), _ in active],
-                [seq.pages for (_, seq, _, _), _ in active], self.cache,
-            )
-            logits = self.model.forward(batch)
+            logits = self._forward([feed for _, feed in active], [seq.length for (_, seq, _, _), _ in active],
+                                   [seq.pages for (_, seq, _, _), _ in active])
             tokens = logits.argmax(dim=-1).tolist()  # one device->host copy for every job's next draft token
             for row, ((i, seq, cached, k), feed) in enumerate(active):
                 seq.length += len(feed)
@@ -153,10 +160,26 @@ class DraftModelProposer:
             feeds = [[out[item[0]][-1]] if out[item[0]] else [] for item in live]
         return out
 
+    def _forward(self, feeds: list[list[int]], cached: list[int], pages: list[list[int]]) -> torch.Tensor:
+        """Logits after each job's last fed token: a captured decode graph when every job feeds one token."""
+        graphs = self.graphs
+        if graphs is not None and all(len(f) == 1 for f in feeds) and graphs.fits(pages):
+            size = graphs.graph_size(len(feeds))
+            if size is not None:
+                graphs.stage(size, feeds, cached, pages)
+                return graphs.replay(size, len(feeds))
+        return self.model.forward(ForwardBatch.with_cache(feeds, cached, pages, self.cache))
+
     def release(self, key: Hashable) -> None:
         entry = self._seqs.pop(key, None)
         if entry is not None:
             entry[0].release()
+
+    def close(self) -> None:
+        """Drop the draft model's decode graphs and give their scratch page back."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
