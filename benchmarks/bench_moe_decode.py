@@ -1,10 +1,11 @@
-"""Decode speed of a Qwen3.5-MoE-shaped model with random weights, next to the bandwidth ideal.
+"""Decode speed of a Qwen3.5-MoE-shaped (or Qwen3-MoE-shaped) model with random weights, next to the bandwidth ideal.
 
     python benchmarks/bench_moe_decode.py --device cuda                  # Qwen3.5-35B-A3B shape, bf16 weights
     python benchmarks/bench_moe_decode.py --device cuda --weights exl3   # random EXL3 (4-bit) weights
     python benchmarks/bench_moe_decode.py --device cuda --layers 8       # fewer layers (faster to set up)
     python benchmarks/bench_moe_decode.py --device cuda --weights exl3 --generator  # + through the Generator
     python benchmarks/bench_moe_decode.py --tiny                         # CPU smoke run, tiny dims
+    python benchmarks/bench_moe_decode.py --device cuda --weights exl3 --shape qwen3-30b-a3b --batch 1 8  # 48 layers, 128 experts
     python benchmarks/bench_moe_decode.py --device cuda --weights exl3 --moe-decode pairs fused one_launch \
         --deltanet-decode unfused fused                                  # the decode routes side by side
 
@@ -33,7 +34,7 @@ from types import SimpleNamespace
 
 import torch
 from trellm.batch import ForwardBatch
-from trellm.cache import SequenceState
+from trellm.cache import KVCache, SequenceState
 from trellm.cache.recurrent import alloc_state_slot
 from trellm.config import DecoderConfig
 from trellm.modules.base import LoadContext
@@ -55,6 +56,37 @@ TINY = dict(
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
     num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128, shared_expert_intermediate_size=128,
 )
+# Qwen3-30B-A3B config (hidden 2048, 48 attention layers, 128 experts, top 8, no shared expert).
+FULL_QWEN3 = {
+    "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "intermediate_size": 6144, "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "rope_theta": 1000000.0,
+}
+TINY_QWEN3 = dict(FULL_QWEN3, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, vocab_size=1024, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128)
+SHAPES = {  # name: (full config, tiny config, architecture, norm weights stored as w - 1)
+    "qwen3.5-35b-a3b": (FULL, TINY, "Qwen3_5MoeForCausalLM", True),
+    "qwen3-30b-a3b": (FULL_QWEN3, TINY_QWEN3, "Qwen3MoeForCausalLM", False),
+}
+
+
+def build_model(architecture: str, cfg: DecoderConfig):
+    """The model as trellm's plugin for ``architecture`` builds it."""
+    if architecture == "Qwen3MoeForCausalLM":
+        from trellm.sdk import DecoderOptions, build_decoder, use_qwen3_moe_layers
+
+        model = build_decoder(cfg, DecoderOptions(qk_norm=True))
+        use_qwen3_moe_layers(model, cfg)
+        return model
+    return build_qwen3_5_moe(cfg)
+
+
+def make_cache(model, max_tokens: int, page: int, slots: int):
+    """The model's paged cache (with ``slots`` recurrent-state slots for a hybrid model)."""
+    if hasattr(model, "make_cache"):
+        return model.make_cache(max_tokens=max_tokens, page_size=page, max_slots=slots)
+    return KVCache.for_model(model, max_tokens=max_tokens, page_size=page)
 
 
 class RandomWeights:
@@ -62,8 +94,8 @@ class RandomWeights:
 
     model_dir = "<random weights>"
 
-    def __init__(self, seed: int = 0, std: float = 0.02, stacked_experts: bool = True):
-        self.std, self.stacked_experts = std, stacked_experts
+    def __init__(self, seed: int = 0, std: float = 0.02, stacked_experts: bool = True, norm_offset: bool = True):
+        self.std, self.stacked_experts, self.norm_offset = std, stacked_experts, norm_offset
         torch.manual_seed(seed)
 
     def __iter__(self):
@@ -85,7 +117,7 @@ class RandomWeights:
         if name.endswith("linear_attn.norm.weight"):
             return t.fill_(1.0)
         if name.endswith(("norm.weight", "layernorm.weight")):
-            return t.zero_()  # stored as w - 1
+            return t.zero_() if self.norm_offset else t.fill_(1.0)  # stored as w - 1 (Qwen3.5) or w
         if name.endswith("A_log"):
             return t.uniform_(0.0, math.log(16.0))
         if name.endswith("dt_bias"):
@@ -182,7 +214,7 @@ def run(model, cfg, batch_size: int, prompt_len: int, steps: int, device, use_gr
     through the Generator (async scheduling off and on)."""
     page = 64
     total = prompt_len + 2 * (steps + 4) + 8
-    cache = model.make_cache(max_tokens=batch_size * (-(-total // page) + 1) * page, page_size=page, max_slots=batch_size)
+    cache = make_cache(model, batch_size * (-(-total // page) + 1) * page, page, batch_size)
     seqs, slots = [], []
     for _ in range(batch_size):
         s = SequenceState(cache)
@@ -191,7 +223,7 @@ def run(model, cfg, batch_size: int, prompt_len: int, steps: int, device, use_gr
         slots.append(alloc_state_slot(cache))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(batch_size)]
-    slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+    slot_t = None if None in slots else torch.tensor(slots, dtype=torch.long, device=device)  # None: no recurrent layers
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def forward(tokens: list[list[int]]) -> torch.Tensor:
@@ -262,6 +294,7 @@ def generator_rate(model, prompts: list[list[int]], steps: int, page: int, async
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.5-35b-a3b", help="the model shape (default Qwen3.5-35B-A3B)")
     ap.add_argument("--tiny", action="store_true", help="tiny dims (CPU smoke run)")
     ap.add_argument("--layers", type=int, default=None, help="override the number of layers (keep a multiple of 4)")
     ap.add_argument("--weights", choices=("bf16", "exl3"), default="bf16")
@@ -281,24 +314,25 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s for the ideal (default: measured on CUDA, 50e9 on CPU)")
     args = ap.parse_args()
     device = torch.device(args.device)
-    raw = dict(TINY if args.tiny else FULL)
+    full, tiny, architecture, norm_offset = SHAPES[args.shape]
+    raw = dict(tiny if args.tiny else full)
     if args.layers:
         raw["num_hidden_layers"] = args.layers
-    raw["architectures"] = ["Qwen3_5MoeForCausalLM"]
+    raw["architectures"] = [architecture]
     cfg = DecoderConfig.from_hf(raw)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    model = build_qwen3_5_moe(cfg)
+    model = build_model(architecture, cfg)
     formats = [RandomEXL3(args.bits)] if args.weights == "exl3" else []
     t0 = time.perf_counter()
     layout = args.experts or ("per_expert" if args.weights == "exl3" else "stacked")
     if layout == "stacked" and args.weights == "exl3":
         raise SystemExit("EXL3 experts are per-expert Linears; use --experts per_expert")
-    store = RandomWeights(stacked_experts=layout == "stacked")
+    store = RandomWeights(stacked_experts=layout == "stacked", norm_offset=norm_offset)
     model.load(LoadContext(store=store, device=device, dtype=dtype, quant_formats=formats))
     loaded = {layer.mlp.experts.layout for layer in model.layers if hasattr(layer.mlp, "experts")}
     if loaded != {layout}:
         raise SystemExit(f"asked for {layout} experts, the model loaded {sorted(loaded)}")
-    print(f"built {cfg.num_hidden_layers}-layer Qwen3.5-MoE-shaped model ({args.weights}, {layout} experts, {dtype}) on {device} "
+    print(f"built {cfg.num_hidden_layers}-layer {args.shape}-shaped model ({args.weights}, {layout} experts, {dtype}) on {device} "
           f"in {time.perf_counter() - t0:.1f}s: {model.nbytes() / 1e9:.2f} GB")
     if args.bandwidth:
         bandwidth = args.bandwidth
@@ -316,7 +350,7 @@ def main() -> None:
     moe_layers = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "experts")]
     experts0 = moe_layers[0].experts if moe_layers else None
     sync_free = experts0 is not None and (experts0.layout == "stacked" or getattr(experts0.active, "pair_set", None) is not None)
-    state_bytes = sum(l.nbytes() for l in model.make_cache(max_tokens=64, page_size=64, max_slots=1).state_layers())
+    state_bytes = sum(l.nbytes() for l in make_cache(model, 64, 64, 1).state_layers())
     folded = sum(m.shared_fold is not None for m in moe_layers)
     print(f"MoE dispatch at decode: {'sync-free pair kernels (graph-capturable)' if sync_free else 'grouped by expert (host sync per layer)'}; "
           f"shared expert foldable into the pair launches in {folded} of {len(moe_layers)} MoE layers; "
