@@ -133,18 +133,12 @@ def captured_step_ms(gen: Generator, n: int, reps: int = 50, width: int = 1) -> 
     size = None if runner is None else next((b for b in runner.batch_sizes if b >= n), None)
     if size is None or (size, width) not in runner.graphs:
         return None
+    from common import replay_seconds  # benchmarks/common.py, next to this script
+
     graph = runner.graphs[size, width][0]
     for _ in range(3):
         graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return 1e3 * replay_seconds(graph, reps)
 
 
 class _DeviceTrace:

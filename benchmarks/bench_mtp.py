@@ -17,8 +17,9 @@ decode step, and the share of decode time spent inside the MTP proposer. Output 
 run is checked (greedy). On CUDA each run goes with CUDA graphs on and off (``--cuda-graphs both``, the
 default): with them the target's verification step is a captured graph (rows of k + 1 tokens) and so is each
 MTP proposal (absorb + k - 1 chained head steps, ``trellm.generator.mtp.ProposalGraphs``); "captured ms" is
-the replay of the target's graph alone, timed in the same process after the run, and "MTP graphs" how many
-proposals replayed one.
+the replay of the target's graph plus that of the proposal graph, timed in the same process after the run
+(the step's GPU work without host work: the figure the generator's ms/step is held to), and "MTP graphs"
+how many proposals replayed one per decode step.
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ class TimedMTP:
 
 def decode_run(lm, prompts, new_tokens, proposer, k, sync, cache_tokens, graphs: bool = True):
     """Greedy run; returns (results, decode seconds, decode steps, seconds of those inside the proposer, captured
-    ms of the step's graph or None), steps that prefilled left out."""
+    ms of the step's graphs or None), steps that prefilled left out."""
     gen = Generator(lm, max_batch_size=len(prompts), max_chunk_tokens=4096, cache_tokens=cache_tokens, page_size=64,
                     proposer=proposer, num_draft_tokens=k, cuda_graphs=graphs)
     gen.enqueue([Job(list(p), new_tokens, stop_token_ids=[], identifier=i) for i, p in enumerate(prompts)])
@@ -108,6 +109,12 @@ def decode_run(lm, prompts, new_tokens, proposer, k, sync, cache_tokens, graphs:
                 steps += 1
             done += [r for r in results if isinstance(r, JobFinished)]
     captured = captured_step_ms(gen, len(prompts), width=k + 1 if proposer is not None else 1) if graphs else None
+    drafts = getattr(getattr(proposer, "mtp", None), "graphs", None)  # the MTP proposal graph of this batch and k
+    key = None if drafts is None else next(((b, k + 1) for b in drafts.batch_sizes if b >= len(prompts)), None)
+    if captured is not None and key in getattr(drafts, "graphs", {}):
+        from common import replay_seconds
+
+        captured += 1e3 * replay_seconds(drafts.graphs[key][0])
     return sorted(done, key=lambda r: r.identifier), seconds, steps, in_proposer, captured
 
 

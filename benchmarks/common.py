@@ -23,19 +23,25 @@ def capture_graph(fn: Callable[[], object], warmup: int = 2) -> torch.cuda.CUDAG
     return g
 
 
-def time_graph(fn: Callable[[], object], reps: int = 20, warmup: int = 2) -> float:
-    """Median seconds of one replay of a CUDA graph capturing ``fn()`` (launch gaps shrink to the GPU's)."""
-    g = capture_graph(fn, warmup)
+def replay_seconds(graph, reps: int = 20) -> float:
+    """Median seconds of one replay of a captured CUDA graph, on the inputs it holds now."""
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        g.replay()
+        graph.replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
-    del g
     return statistics.median(times)
+
+
+def time_graph(fn: Callable[[], object], reps: int = 20, warmup: int = 2) -> float:
+    """Median seconds of one replay of a CUDA graph capturing ``fn()`` (launch gaps shrink to the GPU's)."""
+    g = capture_graph(fn, warmup)
+    seconds = replay_seconds(g, reps)
+    del g
+    return seconds
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
