@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import trellm
-from trellm.generator import DraftModelProposer, Generator, Job, JobFinished, NgramProposer, SamplerSettings
+from trellm.batch import ForwardBatch
+from trellm.generator import DraftModelProposer, DraftRequest, Generator, Job, JobFinished, NgramProposer, SamplerSettings
 from trellm.generator.mtp import MTPProposer, ProposalGraphs
 from trellm.sdk.testing import make_tiny_hf_model
 
@@ -235,6 +236,28 @@ def test_hybrid_without_stepwise_mixers_verifies_eagerly(tmp_path):
     replayed, gen, done = _run(lm, Oracle(full, 3), graphs=True)
     assert replayed == plain and sum(r.draft_accepted for r in done) > 0
     assert not _verification_graphs(gen) and gen.graph_runner.graphs
+
+
+def test_mtp_graphs_leave_positions_past_their_span_to_eager_proposals(mimo):
+    """MTP entries start where a job's computation started (here position 40, as after a prefix reuse): a proposal
+    whose absolute positions pass the MTP cache's span (the graphs' RoPE table) runs eagerly, with the same drafts."""
+    tokens = torch.randint(0, VOCAB, (52,), generator=torch.Generator().manual_seed(8)).tolist()
+    with torch.inference_mode():
+        hidden = mimo.model.hidden_states(ForwardBatch.no_cache([tokens]))
+    drafts = []
+    for proposer in (MTPProposer(mimo, num_tokens=3, cache_tokens=48, page_size=16), graph_mtp_small(mimo)):
+        proposer.observe_hidden("a", 40, hidden[40:50], tokens[:51])
+        drafts.append(proposer.propose([DraftRequest("a", tokens[:51], 3)]))
+        proposer.observe_hidden("a", 50, hidden[50:51], tokens[:52])  # one more token: a graph-sized absorb
+        drafts.append(proposer.propose([DraftRequest("a", tokens[:52], 3)]))
+    assert drafts[:2] == drafts[2:] and all(d[0] for d in drafts)
+    assert proposer.stats["graph_proposals"] == 0
+
+
+def graph_mtp_small(lm) -> MTPProposer:
+    proposer = MTPProposer(lm, num_tokens=3, cache_tokens=48, page_size=16)  # positions 0..47 in its graphs
+    proposer.graphs = EagerProposals(proposer, batch_sizes=(1,))
+    return proposer
 
 
 def test_hybrid_mtp_through_graphs(tmp_path):

@@ -298,11 +298,15 @@ class MTPProposer:
     def _propose_in_graph(self, live: list[tuple[int, _JobState, int]], requests: Sequence[DraftRequest]) -> list[list[int]] | None:
         """The drafts of ``live`` jobs (index in ``requests``, state, k) by one replay of a :class:`ProposalGraphs`
         graph; None (nothing changed) when the proposal must run eagerly: a job with more new hidden states than
-        the graph's k + 1 rows (after a prefill), no pages for k draft entries, too many jobs, capture failed."""
+        the graph's k + 1 rows (after a prefill), positions past the MTP cache's span (its entries start late
+        after a prefix reuse), no pages for k draft entries, too many jobs, capture failed."""
         graphs, k = self.graphs, max(k for _, _, k in live)
         width = k + 1
         counts = [min(state.num_pending, len(requests[i].tokens) - 1 - state.base - state.seq.length) for i, state, _ in live]
         if max(counts) > width or not graphs.fits([state.seq.pages for _, state, _ in live], width):
+            return None
+        # the graphs' RoPE table covers the MTP cache's span of positions; entries start at ``base`` (prefix reuse)
+        if max(state.base + len(requests[i].tokens) + k for i, state, _ in live) > graphs.max_pages * graphs.page_size:
             return None
         try:  # every row runs k steps (eager proposals stop a row at its own k)
             for i, state, _ in live:
