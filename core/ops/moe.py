@@ -21,11 +21,12 @@ MOE_DECODE_MODES = ("pairs", "fused", "one_launch")
 
 
 def moe_decode_mode() -> str:
-    """``TRELLM_MOE_DECODE``, the MoE decode route on CUDA: "pairs" runs the shared expert as its own MLP (the
-    route before the fold); "fused" (default) folds a foldable shared expert into the routed pair launches;
-    "one_launch" also finishes each EXL3 pair matmul in the launch that computes it (the last block of each
-    output group sums the others' partial results: one launch per projection instead of two)."""
-    mode = os.environ.get(MOE_DECODE_ENV, "fused")
+    """``TRELLM_MOE_DECODE``, the MoE decode route on CUDA: "pairs" (default) runs the shared expert as its own
+    MLP; "fused" folds a foldable shared expert into the routed pair launches; "one_launch" also finishes each
+    EXL3 pair matmul in the launch that computes it (the last block of each output group sums the others'
+    partial results: one launch per projection instead of two). The default stays on the route the H200 has
+    verified until ``tests/test_cuda_moe_fused.py`` has passed there with the new kernels."""
+    mode = os.environ.get(MOE_DECODE_ENV, "pairs")
     if mode not in MOE_DECODE_MODES:
         raise ValueError(f"{MOE_DECODE_ENV}={mode!r}: expected one of {MOE_DECODE_MODES}")
     return mode
