@@ -68,12 +68,13 @@ class RecurrentStateLayer:
             t[dst].copy_(t[src])
 
     def read(self, slots: torch.Tensor, fresh: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv states, recurrent states) of ``slots`` [B]; rows where ``fresh`` [B] is True read as zeros."""
+        """(conv states, recurrent states) of ``slots`` [B]; rows where ``fresh`` [B] is True read as zeros.
+        No host sync (a decode graph captures it): the mask applies whether or not a row is fresh."""
         conv, state = self.conv_states[slots], self.states[slots]
-        if fresh is not None and bool(fresh.any()):
-            keep = ~fresh
-            conv = conv * keep.view(-1, 1, 1).to(conv.dtype)
-            state = state * keep.view(-1, *([1] * (state.dim() - 1))).to(state.dtype)
+        if fresh is not None:
+            zero = conv.new_zeros(())
+            conv = torch.where(fresh.view(-1, 1, 1), zero, conv)
+            state = torch.where(fresh.view(-1, *([1] * (state.dim() - 1))), state.new_zeros(()), state)
         return conv, state
 
     def write(self, slots: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> None:
