@@ -5,7 +5,8 @@
 
 The real SmolLM2-135M weights (the default model, imported from its GGUF) keep their first ``--layers``
 decoder layers, the final norm and the tied head; that model is converted by ``trellm.convert`` with each
-``--variant``'s keyword arguments (``name=key:value,...``; sequential and scale_search take 0 or 1) at
+``--variant``'s keyword arguments (``name=key:value,...``; sequential, scale_search and scale_drift take 0 or
+1, out_scales a mode name: ``auto=out_scales:auto``) at
 each bitrate, the head left unquantized (``--head-bits 16``) unless asked, and scored against its own dense fp32 logits on
 the built-in held-out text: KL(dense || quant) per token, top-1 agreement. A full model costs hours of CPU
 Viterbi (about 10 ms per 256-weight tile per core); a two-layer cut shows what a change buys in minutes.
@@ -21,8 +22,9 @@ import time
 from pathlib import Path
 
 
-def truncated_smollm2(layers: int, out: Path) -> Path:
-    """The default model's first ``layers`` decoder layers (plus embedding, norm, tied head) as an HF dir."""
+def truncated_smollm2(layers: int, out: Path, first: int = 0) -> Path:
+    """The default model's decoder layers ``first`` .. ``first + layers - 1`` (renumbered from 0, plus the
+    embedding, final norm and tied head) as an HF dir."""
     from safetensors.torch import load_file, save_file
 
     from trellm.default_model import default_model_dir
@@ -37,8 +39,10 @@ def truncated_smollm2(layers: int, out: Path) -> Path:
     keep = {}
     for name, t in load_file(str(src / "model.safetensors")).items():
         if name.startswith("model.layers."):
-            if int(name.split(".")[2]) >= layers:
+            index = int(name.split(".")[2])
+            if not first <= index < first + layers:
                 continue
+            name = name.replace(f"model.layers.{index}.", f"model.layers.{index - first}.", 1)
         keep[name] = t.float().contiguous()
     save_file(keep, str(out / "model.safetensors"))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
@@ -52,13 +56,18 @@ def parse_variant(text: str) -> tuple[str, dict]:
     kwargs: dict = {}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition(":")
-        kwargs[key] = bool(int(value)) if key == "sequential" or key == "scale_search" else float(value)
+        if key in ("sequential", "scale_search", "scale_drift"):
+            kwargs[key] = bool(int(value))
+        else:
+            kwargs[key] = value if key == "out_scales" else float(value)
     return name, kwargs
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--first-layer", type=int, default=0,
+                    help="keep the layers from this one on (e.g. one where out_scales auto drops scales)")
     ap.add_argument("--bits", default="2,4")
     ap.add_argument("--head-bits", type=int, default=16)
     ap.add_argument("--variant", action="append", default=[], help="name=key:value,... (convert keyword arguments)")
@@ -71,13 +80,14 @@ def main() -> int:
     from trellm.evaluate import evaluate
 
     work = Path(args.work)
-    dense = truncated_smollm2(args.layers, work / f"dense{args.layers}")
+    cut = f"{args.first_layer}-{args.first_layer + args.layers - 1}" if args.first_layer else str(args.layers)
+    dense = truncated_smollm2(args.layers, work / f"dense{cut}", args.first_layer)
     results_path = work / "exl3_cpu_proxy.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else []
     for variant in args.variant or ["default="]:
         name, kwargs = parse_variant(variant)
         for bits in (float(b) for b in args.bits.split(",")):
-            tag = f"{name}_L{args.layers}_b{bits:g}_h{args.head_bits}"
+            tag = f"{name}_L{cut}_b{bits:g}_h{args.head_bits}"
             out, w = work / f"q_{tag}", work / f"w_{tag}"
             for d in (out, w):
                 if d.exists():
@@ -88,11 +98,15 @@ def main() -> int:
             seconds = time.perf_counter() - t0
             ev = evaluate(out, dense, device="cpu", seq_len=512, max_windows=8)
             proxies = [p for layer in summary["layers"] for p in layer.get("proxy_errors", [])]
-            row = dict(variant=name, kwargs=kwargs, layers=args.layers, bits=bits, head_bits=args.head_bits,
+            drifts = [d for layer in summary["layers"] for d in layer.get("ldlq_drift", [])]
+            choices = {k: c for layer in summary["layers"] for k, c in layer.get("out_scales", {}).items()}
+            row = dict(variant=name, kwargs=kwargs, layers=args.layers, first_layer=args.first_layer, bits=bits,
+                       head_bits=args.head_bits,
                        seconds=round(seconds, 1), kl=ev["kl"], top1=ev["top1_agreement"], ppl=ev["ppl"],
-                       ref_ppl=ev["ref_ppl"], proxy_errors=proxies)
-            print(f"{name:>12} L{args.layers} {bits:g} bpw: KL {ev['kl']:.5f} top1 {ev['top1_agreement']:.4f} "
-                  f"ppl {ev['ppl']:.3f} (dense {ev['ref_ppl']:.3f}) {seconds:.0f}s proxy {proxies}", flush=True)
+                       ref_ppl=ev["ref_ppl"], proxy_errors=proxies, ldlq_drift=drifts, out_scales=choices)
+            print(f"{name:>12} L{cut} {bits:g} bpw: KL {ev['kl']:.5f} top1 {ev['top1_agreement']:.4f} "
+                  f"ppl {ev['ppl']:.3f} (dense {ev['ref_ppl']:.3f}) {seconds:.0f}s proxy {proxies} "
+                  f"LDLQ drift {drifts} out scales not 'always': {choices or 'none'}", flush=True)
             results.append(row)
             results_path.write_text(json.dumps(results, indent=2))
             shutil.rmtree(w, ignore_errors=True)

@@ -15,6 +15,7 @@ Finally the output directory is compiled: sharded safetensors, config.json with
 """
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import math
@@ -32,14 +33,17 @@ from safetensors.torch import load_file, save_file
 from .errors import ConfigError, TrellmError
 from .modules.linear import Linear
 from .quant.exl3.format import MARKER_VALUES, EXL3Linear
-from .quant.exl3.quantize import quantize_group
+from .quant.exl3.quantize import OUT_SCALE_MODES, quantize_group
 
 CODEBOOK = "mul1"
 ERROR_TARGET = 1.0  # convert's default strength of the error-compensating target (compensated_weights)
+OUT_SCALES = "always"  # convert's default output-channel scale choice (quantize.OUT_SCALE_MODES)
+SCALE_DRIFT = False  # convert's default for the scale search's LDLQ drift allowance (quantize.LDLQ_DRIFT)
 NOT_COPIED = {".safetensors", ".bin", ".ckpt", ".pth", ".pt"}
 NOT_COPIED_NAMES = {"config.json", "model.safetensors.index.json"}
 # Arguments that must match when a job is resumed.
-FIXED_ARGS = ("bits", "head_bits", "cal_rows", "cal_cols", "codebook", "scale_search", "sequential", "error_target")
+FIXED_ARGS = ("bits", "head_bits", "cal_rows", "cal_cols", "codebook", "scale_search", "sequential", "error_target",
+              "out_scales", "scale_drift")
 
 
 class ConversionError(TrellmError):
@@ -178,8 +182,10 @@ class HessianRecorder:
     CHUNK_ROWS = 8192  # reference rows moved to the device and multiplied at a time
 
     def __init__(self, inner, tracker: _InputTracker, shared: dict[int, "HessianRecorder"],
-                 reference: torch.Tensor | None = None, keep_rows: int | None = None):
+                 reference: torch.Tensor | None = None, keep_rows: int | None = None,
+                 observer: "GatedSensitivity | None" = None):
         self.inner, self.tracker, self.shared = inner, tracker, shared
+        self.observer = observer  # also sees the group's input rows (the owner's)
         self.in_features, self.out_features = inner.in_features, inner.out_features
         self.group: int | None = None
         self.hessian: torch.Tensor | None = None
@@ -213,6 +219,8 @@ class HessianRecorder:
             if self.hessian is None:
                 self.hessian = torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
             self.hessian.addmm_(rows.t(), rows)
+            if self.observer is not None:
+                self.observer.add(rows)
             if ref is not None:
                 ref = ref[finite.to(ref.device)]
                 self.cross = torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
@@ -248,6 +256,50 @@ class HessianRecorder:
 
     def group_inputs(self) -> torch.Tensor | None:
         return self._owner().inputs
+
+
+class GatedSensitivity:
+    """How much a gated MLP's output moves per unit of error in each output channel of its gate and up
+    projections, from the calibration rows x of their input: for down(act(g) * u), channel j of up matters as
+    E[act(g_j)^2] |down[:, j]|^2 and channel j of gate as E[(act'(g_j) u_j)^2] |down[:, j]|^2 (the slopes of
+    the gated product, times what the down projection makes of it). What the ``out_scales`` choice of the two
+    projections weighs their columns by (:func:`trellm.quant.exl3.quantize.column_scale_shape`); it covers
+    the MLP itself, not the layers after it. The projections are recomputed from the rows with the dense
+    weights (the group is still unquantized while its Hessian is captured).
+    """
+
+    CHUNK_ROWS = 2048  # rows per step: g, u, act and its slope are [rows, intermediate] each
+
+    def __init__(self, mlp):
+        from .ops.dense import activation_fn
+
+        self.gate_key, self.up_key = mlp.gate_proj.key, mlp.up_proj.key
+        self.act = activation_fn(mlp.activation)
+        self.gate, self.gate_bias = _dense_parts(mlp.gate_proj)
+        self.up, self.up_bias = _dense_parts(mlp.up_proj)
+        self.down_energy = _dense_parts(mlp.down_proj)[0].pow(2).sum(0)  # |down[:, j]|^2, [intermediate]
+        self.sums = torch.zeros(2, self.gate.shape[0], dtype=torch.float64, device=self.gate.device)
+        self.count = 0
+
+    def add(self, rows: torch.Tensor) -> None:
+        for r in range(0, rows.shape[0], self.CHUNK_ROWS):
+            x = rows[r : r + self.CHUNK_ROWS].to(self.gate.device)
+            g = torch.nn.functional.linear(x, self.gate, self.gate_bias)
+            u = torch.nn.functional.linear(x, self.up, self.up_bias)
+            with torch.inference_mode(False), torch.enable_grad():
+                g = g.clone().requires_grad_(True)
+                a = self.act(g)
+                (slope,) = torch.autograd.grad(a, g, torch.ones_like(a))
+            self.sums[0] += (slope * u).pow(2).sum(0, dtype=torch.float64)
+            self.sums[1] += a.detach().pow(2).sum(0, dtype=torch.float64)
+            self.count += x.shape[0]
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """Sensitivity per output channel ([intermediate], float32) by linear key; empty without rows."""
+        if self.count == 0:
+            return {}
+        s = (self.sums / self.count).float() * self.down_energy
+        return {self.gate_key: s[0].cpu(), self.up_key: s[1].cpu()}
 
 
 def layer_linears(module) -> list[Linear]:
@@ -443,6 +495,8 @@ def convert(
     stop_after_layer: int | None = None,
     sequential: bool = True,
     error_target: float = ERROR_TARGET,
+    out_scales: str = OUT_SCALES,
+    scale_drift: bool = SCALE_DRIFT,
 ) -> dict:
     """Quantize ``input_dir`` (HF safetensors) to EXL3 in ``output_dir``; returns a summary dict.
 
@@ -451,6 +505,7 @@ def convert(
     ``resume=True`` continues a stopped job with the same arguments. ``sequential`` and
     ``error_target``: see :func:`_quantize_layer` (``error_target`` > 0 also carries the dense
     model's hidden states along, one more state tensor and one more layer forward per layer).
+    ``out_scales`` (always, never, auto, fit) and ``scale_drift``: see :func:`_quantize_layer`.
     """
     import trellm
 
@@ -462,11 +517,14 @@ def convert(
     if not isinstance(error_target, (int, float)) or not 0.0 <= error_target <= 1.0:
         raise ConversionError(f"error_target must be a number between 0 and 1, got {error_target!r}")
     error_target = float(error_target)
+    if out_scales not in OUT_SCALE_MODES:
+        raise ConversionError(f"out_scales must be one of {', '.join(OUT_SCALE_MODES)}, got {out_scales!r}")
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args = dict(
         input_dir=str(input_dir), bits=float(bits), head_bits=int(head_bits), cal_rows=cal_rows, cal_cols=cal_cols,
         codebook=codebook, scale_search=scale_search, calibration=str(calibration) if calibration else None,
-        sequential=bool(sequential), error_target=float(error_target),
+        sequential=bool(sequential), error_target=float(error_target), out_scales=out_scales,
+        scale_drift=bool(scale_drift),
     )
     if resume:
         try:
@@ -532,14 +590,15 @@ def convert(
             layer_groups = [g for g in groups if g.layer == index]
             stream.load(layer)
             state, state_fp, layer_stats = _quantize_layer(layer, index, layer_groups, state, batch, codebook,
-                                                           scale_search, dev, sequential, state_fp, error_target)
+                                                           scale_search, dev, sequential, state_fp, error_target,
+                                                           out_scales, scale_drift)
             stream.release()
             tensors = layer_stats.pop("tensors")
             _atomic_save(tensors, work_dir / "qtensors" / f"{layer.key}.safetensors")
         else:
             stream.load(model.lm_head)
             layer_stats, tensors = _quantize_head(model, state, head_bits, codebook, scale_search, dev, num_layers,
-                                                  state_fp, error_target)
+                                                  state_fp, error_target, out_scales, scale_drift)
             model.lm_head.unload()
             stream.release()
             _atomic_save(tensors, work_dir / "qtensors" / "lm_head.safetensors")
@@ -558,7 +617,7 @@ def convert(
     quant_seconds = time.perf_counter() - t_start
 
     summary = compile_output(input_dir, output_dir, work_dir, raw_config, store, model, groups, avg_bits, head_bits,
-                             codebook, cal_rows, cal_cols, shard_size_mb, progress)
+                             codebook, cal_rows, cal_cols, shard_size_mb, progress, out_scales)
     summary.update(
         bits=avg_bits, head_bits=head_bits, seconds=round(time.perf_counter() - t_start, 2),
         quant_seconds=round(quant_seconds, 2), weights_quantized=weights_done, layers=stats_log,
@@ -666,28 +725,44 @@ def _dense_parts(lin: Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _record(layer, linears: list[Linear], state: torch.Tensor, batch, references: dict[str, torch.Tensor] | None = None,
-            keep_inputs: bool = False) -> tuple[torch.Tensor, dict[str, HessianRecorder]]:
+            keep_inputs: bool = False, sensitivity: dict[str, torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, dict[str, HessianRecorder]]:
     """One forward of ``layer`` with ``linears`` wrapped in recorders; the output and the recorders by key.
-    ``keep_inputs``: the recorders keep the input rows of linears that see every token once."""
+    ``keep_inputs``: the recorders keep the input rows of linears that see every token once.
+    ``sensitivity``: filled with the :class:`GatedSensitivity` of every gated MLP whose gate and up are
+    both recorded, by linear key."""
+    from .modules.layers import GatedMLP
+
     tracker, shared = _InputTracker(), {}
     recorders = {}
     tokens = state.reshape(-1, state.shape[-1]).shape[0] if keep_inputs else None
+    keys = {lin.key for lin in linears}
+    observers: dict[str, GatedSensitivity] = {}
+    if sensitivity is not None:
+        for mlp in layer.modules():
+            if isinstance(mlp, GatedMLP) and {mlp.gate_proj.key, mlp.up_proj.key} <= keys:
+                observers[mlp.gate_proj.key] = observers[mlp.up_proj.key] = GatedSensitivity(mlp)
     for lin in linears:
         ref = references.get(lin.key) if references else None
-        recorders[lin.key] = HessianRecorder(lin.impl, tracker, shared, reference=ref, keep_rows=tokens)
+        recorders[lin.key] = HessianRecorder(lin.impl, tracker, shared, reference=ref, keep_rows=tokens,
+                                             observer=observers.get(lin.key))
         lin.impl = recorders[lin.key]
     try:
         out = layer.forward(state, batch)
     finally:
         for lin in linears:
             lin.impl = recorders[lin.key].inner
+    if sensitivity is not None:
+        for obs in set(observers.values()):
+            sensitivity.update(obs.result())
     return out, recorders
 
 
 @torch.inference_mode()
 def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tensor, batch, codebook: str,
                     scale_search: bool, dev: torch.device, sequential: bool = True,
-                    state_fp: torch.Tensor | None = None, error_target: float = 0.0
+                    state_fp: torch.Tensor | None = None, error_target: float = 0.0,
+                    out_scales: str = "always", scale_drift: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """Quantize one decoder layer's linear groups; returns the hidden states advanced through the quantized
     layer, the dense model's states advanced through the dense layer (``state_fp``, when given) and stats.
@@ -697,6 +772,8 @@ def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tenso
     the quantized attention's), instead of all from one pass with the dense layer.
     ``state_fp`` with ``error_target`` > 0: each linear is quantized towards the weight that best maps its
     input in the quantized model to its output in the dense model (:func:`compensated_weights`).
+    ``out_scales`` "auto" / "fit": gated MLPs' gate and up projections choose their output-channel scales
+    from the :class:`GatedSensitivity` captured with their Hessian. ``scale_drift``: see :func:`quantize_group`.
     """
     from .quant.exl3.quantize import compensated_weights
 
@@ -713,7 +790,8 @@ def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tenso
         del recorders
     use_targets = error_target > 0 and bool(dense_inputs)
     refs = dense_inputs if use_targets else None
-    reference, recorders = _record(layer, list(linears.values()), state, batch, refs)
+    sensitivity: dict[str, torch.Tensor] | None = {} if out_scales in ("auto", "fit") else None
+    reference, recorders = _record(layer, list(linears.values()), state, batch, refs, sensitivity=sensitivity)
     # The order the layer calls its groups in: a group's inputs depend only on the groups called before it.
     order = sorted(plan, key=lambda g: (recorders[g.keys[0]].group is None, recorders[g.keys[0]].group or 0))
     tokens = state.reshape(-1, state.shape[-1]).shape[0]
@@ -723,12 +801,12 @@ def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tenso
     sees_all = {id(g): recorders[g.keys[0]]._owner().count == tokens for g in plan}
 
     tensors: dict[str, torch.Tensor] = {}
-    numel, proxies = 0, {}
+    numel, proxies, drifts, choices = 0, {}, {}, {}
     for position, group in enumerate(order):
         members = [linears[k] for k in group.keys]
         if sequential and position > 0 and sees_all[id(group)]:
             remaining = [linears[k] for g in order[position:] for k in g.keys]
-            recorders.update(_record(layer, remaining, state, batch, refs)[1])
+            recorders.update(_record(layer, remaining, state, batch, refs, sensitivity=sensitivity)[1])
         rec = recorders[group.keys[0]]
         hessian = rec.finished_hessian()
         parts = [_dense_parts(m) for m in members]
@@ -737,20 +815,25 @@ def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tenso
         if cross is not None and hessian is not None:
             weights = compensated_weights(weights, hessian, cross, error_target)
         gi = plan.index(group)
+        sens = [sensitivity.get(k) for k in group.keys] if sensitivity else None
         qts, st = quantize_group(weights, hessian, group.bits, codebook, seed=index * 1000 + gi,
-                                 biases=[b for _, b in parts], scale_search=scale_search, device=dev)
+                                 biases=[b for _, b in parts], scale_search=scale_search, device=dev,
+                                 out_scales=out_scales, sensitivities=sens, drift=scale_drift)
         for m, qt in zip(members, qts):
             tensors.update(qt.state_dict(m.key))
             m.impl = EXL3Linear.from_quantized(qt, m.in_features, m.out_features, dev, m.key)
         numel += st.numel
         proxies[gi] = round(st.proxy_error, 6)
+        choices.update(zip(group.keys, st.extra["out_scales"]))
+        drifts[gi] = st.extra["ldlq_drift"]
     del recorders, dense_inputs
     # Advance the hidden states through the quantized layer: later layers see this layer's error.
     new_state = layer.forward(state, batch).float()
     rfn = ((new_state - reference).norm() / reference.norm().clamp_min(1e-30)).item()
     layer.unload()  # the layer is finished: free its weights
     stats = {"key": layer.key, "numel": numel, "rfn": rfn, "proxy_errors": [proxies[i] for i in sorted(proxies)],
-             "bits": [g.bits for g in plan], "tensors": tensors}
+             "ldlq_drift": [drifts[i] for i in sorted(drifts)], "bits": [g.bits for g in plan], "tensors": tensors,
+             "out_scales": {k: c for k, c in choices.items() if c != "always"}}
     if new_state_fp is not None:  # the error of the quantized model so far, against the dense model's states
         stats["rfn_dense"] = ((new_state - new_state_fp).norm() / new_state_fp.norm().clamp_min(1e-30)).item()
     return new_state, new_state_fp, stats
@@ -759,7 +842,8 @@ def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tenso
 @torch.inference_mode()
 def _quantize_head(model, state: torch.Tensor, head_bits: int, codebook: str, scale_search: bool,
                    dev: torch.device, num_layers: int, state_fp: torch.Tensor | None = None,
-                   error_target: float = 0.0) -> tuple[dict, dict[str, torch.Tensor]]:
+                   error_target: float = 0.0, out_scales: str = "always", scale_drift: bool = False
+                   ) -> tuple[dict, dict[str, torch.Tensor]]:
     from .quant.exl3.quantize import compensated_weights
 
     head = model.lm_head
@@ -777,7 +861,8 @@ def _quantize_head(model, state: torch.Tensor, head_bits: int, codebook: str, sc
         ref = model.norm.forward(state_fp).reshape(-1, x.shape[-1]).float()
         (target,) = compensated_weights([weight], hessian, rows.t() @ ref / rows.shape[0], error_target)
     (qt,), st = quantize_group([target], hessian, head_bits, codebook, seed=num_layers * 1000 + 999,
-                               biases=[bias], scale_search=scale_search, device=dev)
+                               biases=[bias], scale_search=scale_search, device=dev, out_scales=out_scales,
+                               drift=scale_drift)
     return ({"key": "lm_head", "numel": st.numel, "bits": head_bits, "proxy_errors": [round(st.proxy_error, 6)]},
             qt.state_dict("lm_head"))
 
@@ -792,8 +877,9 @@ def _storage_dtype(t: torch.Tensor) -> torch.Tensor:
 
 def compile_output(input_dir: Path, output_dir: Path, work_dir: Path, raw_config: dict, store, model, groups,
                    avg_bits: float, head_bits: int, codebook: str, cal_rows: int, cal_cols: int,
-                   shard_size_mb: int, progress: bool) -> dict:
-    """Assemble the output dir from the source (unquantized tensors) and the work dir (quantized ones)."""
+                   shard_size_mb: int, progress: bool, out_scales: str = "always") -> dict:
+    """Assemble the output dir from the source (unquantized tensors) and the work dir (quantized ones).
+    ``out_scales`` is recorded in ``quantization_config`` (metadata: the scales are in each ``svh``)."""
     from .weights import SafetensorsFile
 
     quantized_keys = {k for g in groups for k in g.keys}
@@ -879,7 +965,7 @@ def compile_output(input_dir: Path, output_dir: Path, work_dir: Path, raw_config
         "bits": round(avg_bits, 2),
         "head_bits": head_bits,
         "calibration": {"rows": cal_rows, "cols": cal_cols},
-        "out_scales": "always",
+        "out_scales": out_scales,
         "codebook": codebook,
     }
     config = dict(raw_config)
@@ -943,6 +1029,12 @@ def add_cli(subparsers) -> None:
     p.add_argument("--error-target", type=float, default=ERROR_TARGET, metavar="S",
                    help="0..1: how far each linear's target moves from its dense weight towards the weight that "
                         "undoes the earlier layers' error (default %(default)s; 0 turns it off)")
+    p.add_argument("--out-scales", default=OUT_SCALES, choices=OUT_SCALE_MODES,
+                   help="output-channel scales: always, never, auto (gated MLPs' gate and up drop them where their "
+                        "channel sensitivity predicts a loss), fit (gate and up scaled by that sensitivity) "
+                        "(default %(default)s)")
+    p.add_argument("--scale-drift", action=argparse.BooleanOptionalAction, default=SCALE_DRIFT,
+                   help="fit the global scale to the strips LDLQ's feedback inflates (default %(default)s)")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=run)
 
@@ -953,7 +1045,7 @@ def run(args) -> int:
                 calibration=args.calibration, device=args.device, progress=not args.quiet, cal_rows=args.cal_rows,
                 cal_cols=args.cal_cols, codebook=args.codebook, scale_search=not args.no_scale_search,
                 sequential=not args.no_sequential,
-                error_target=args.error_target,
+                error_target=args.error_target, out_scales=args.out_scales, scale_drift=args.scale_drift,
                 shard_size_mb=args.shard_size)
     except TrellmError as e:
         print(f"error: {e}", file=sys.stderr)

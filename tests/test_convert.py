@@ -141,6 +141,46 @@ def test_sequential_hessians_and_error_target(converted, tmp_path, monkeypatch):
     assert (o_new[0] - o_dense).norm() > 1e-2 * o_dense.norm()  # error target: o_proj compensates their error
 
 
+def test_gated_sensitivity_is_the_slope_of_the_gated_product(converted):
+    """Per intermediate channel: E[silu(g)^2] |down[:, j]|^2 for up, E[(silu'(g) u)^2] |down[:, j]|^2 for gate."""
+    from trellm.convert import GatedSensitivity
+
+    model = trellm.load(converted[0], device="cpu", dtype=torch.float32, tokenizer=False).model
+    mlp = model.layers[0].mlp
+    x = torch.randn(3000, 128, generator=torch.Generator().manual_seed(2))
+    sens = GatedSensitivity(mlp)
+    with torch.inference_mode():
+        sens.add(x[:1000])
+        sens.add(x[1000:])  # accumulates over calls (and inside, over CHUNK_ROWS chunks)
+        got = sens.result()
+    wg, wu = mlp.gate_proj.impl.dense_weight(), mlp.up_proj.impl.dense_weight()
+    g, u = x @ wg.t(), x @ wu.t()
+    sg = torch.sigmoid(g)
+    down = mlp.down_proj.impl.dense_weight().pow(2).sum(0)
+    torch.testing.assert_close(got[mlp.up_proj.key], (g * sg).pow(2).mean(0) * down, rtol=1e-4, atol=0)
+    torch.testing.assert_close(got[mlp.gate_proj.key], (sg * (1 + g * (1 - sg)) * u).pow(2).mean(0) * down, rtol=1e-4, atol=0)
+
+
+def test_auto_out_scales_conversion(converted, tmp_path, monkeypatch):
+    """out_scales="auto" with the margin at 0 (every gate and up drops its scales; the tiny Llama's own
+    sensitivities keep them): the summary names exactly those, quantization_config records the mode, the
+    model loads and stays close to the dense one, and a resume may not change the mode."""
+    import trellm.quant.exl3.quantize as quant
+
+    src = converted[0]
+    monkeypatch.setattr(quant, "OUT_SCALES_MAX_RATIO", 0.0)
+    summary = convert(src, tmp_path / "q", tmp_path / "w", 4.0, out_scales="auto", scale_search=False, **FAST)
+    dropped = sorted(k for layer in summary["layers"] for k, c in layer.get("out_scales", {}).items() if c == "never")
+    assert dropped == [f"model.layers.{i}.mlp.{p}_proj" for i in (0, 1) for p in ("gate", "up")]
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["out_scales"] == "auto"
+    kl, agree = _kl(src, tmp_path / "q")
+    assert kl < 0.05 and agree > 0.8
+    with pytest.raises(ConversionError, match="different out_scales"):
+        convert(src, tmp_path / "q2", tmp_path / "w", 4.0, resume=True, out_scales="fit", scale_search=False, **FAST)
+    with pytest.raises(ConversionError, match="out_scales must be one of always, never, auto, fit, got 'often'"):
+        convert(src, tmp_path / "q3", tmp_path / "w3", 4.0, out_scales="often", **FAST)
+
+
 def test_fractional_bits_mix_and_cli(converted, capsys):
     src, root, _ = converted
     from trellm.cli import main

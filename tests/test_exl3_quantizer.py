@@ -6,7 +6,15 @@ import torch
 
 from trellm.ops import exl3 as ops
 from trellm.quant.exl3 import EXL3Linear, dequantize, quantize_group, quantize_linear
-from trellm.quant.exl3.quantize import block_ldl, compensated_weights, hessian_form, rate_distortion_bound, relative_mse
+from trellm.quant.exl3.quantize import (
+    block_ldl,
+    column_scale_shape,
+    compensated_weights,
+    hessian_form,
+    out_scale_loss_ratio,
+    rate_distortion_bound,
+    relative_mse,
+)
 from trellm.quant.exl3.viterbi import encode_tiles
 
 
@@ -142,3 +150,89 @@ def test_compensated_weights_reproduce_the_dense_outputs_from_the_quantized_inpu
     h_ref = x_ref.t() @ x_ref / len(x_ref)
     (same,) = compensated_weights([w], h_ref, h_ref)
     assert torch.allclose(same, w, atol=1e-6)
+
+
+def _predicted_loss(t: torch.Tensor, rms: torch.Tensor, s: torch.Tensor) -> float:
+    """The loss column_scale_shape weighs scales by: (sum s t^2) (sum rms^2 / t^2)."""
+    return ((s * t.square()).sum() * (rms.square() / t.square()).sum()).item()
+
+
+def test_out_scale_choice_follows_the_sensitivity():
+    """Sensitive light columns keep the scales, sensitive heavy ones drop them, a flat sensitivity is a tie
+    (kept); "fit" beats both fixed choices on the loss it is derived from."""
+    rms = torch.logspace(-1, 0.5, 256)
+    assert out_scale_loss_ratio(rms, rms**-2) < 0.5 and out_scale_loss_ratio(rms, rms**2) > 2
+    assert out_scale_loss_ratio(rms, torch.ones(256)) == pytest.approx(1.0)
+    assert column_scale_shape(rms, rms**-2, "auto")[1] == "always"
+    assert column_scale_shape(rms, torch.ones(256), "auto")[1] == "always"
+    never, choice = column_scale_shape(rms, rms**2, "auto")
+    assert choice == "never" and torch.equal(never, torch.ones(256))
+    assert column_scale_shape(rms, None, "auto")[1] == "always"  # no sensitivity (attention, down): always
+    assert column_scale_shape(rms, torch.zeros(256), "fit")[1] == "always"  # says nothing: always
+    assert column_scale_shape(rms, rms**2, "never")[1] == "never"
+    s = torch.rand(256, generator=torch.Generator().manual_seed(0)) * rms**2 + 0.5
+    fit, choice = column_scale_shape(rms, s, "fit")
+    assert choice == "fit"
+    assert _predicted_loss(fit, rms, s) < 0.99 * min(_predicted_loss(rms, rms, s), _predicted_loss(torch.ones(256), rms, s))
+    with pytest.raises(ValueError, match="out_scales must be one of .*'sometimes'"):
+        column_scale_shape(rms, s, "sometimes")
+
+
+def test_auto_out_scales_are_stored_in_svh_and_load_back(tmp_path):
+    """gate and up of one group, the gate's heavy channels sensitive (auto drops its scales), the up's light
+    ones (auto keeps them): the choice is in the stored svh, the file loads through the EXL3 format and
+    decodes to the quantizer's own dequantization, with the output error the quantizer reported; and on
+    the gate the dropped scales cut the sensitivity-weighted error below what the plain scales give."""
+    from safetensors.torch import save_file
+
+    from trellm.quant.exl3.format import EXL3Format
+    from trellm.weights import WeightStore
+
+    gen = torch.Generator().manual_seed(5)
+    rms = torch.logspace(-1, 0.5, 128)
+    gate = torch.randn(128, 128, generator=gen) * rms[:, None]  # HF [out, in]: row j is output channel j
+    up = torch.randn(128, 128, generator=gen) * rms[:, None]
+    x = torch.randn(2048, 128, generator=gen) @ (torch.randn(128, 128, generator=gen) * 0.2 + torch.eye(128))
+    h = x.t() @ x / x.shape[0]
+    sens = [rms**2, rms**-2]
+    runs = {}
+    for mode in ("always", "auto"):
+        runs[mode] = quantize_group([gate, up], h, 3, "mul1", seed=2, out_scales=mode, sensitivities=sens, refit=False)
+    qts, stats = runs["auto"]
+    assert stats.extra["out_scales"] == ["never", "always"] and runs["always"][1].extra["out_scales"] == ["always"] * 2
+    gate_svh, up_svh = qts[0].svh.float().abs(), qts[1].svh.float().abs()
+    assert gate_svh.std() / gate_svh.mean() < 1e-3  # one magnitude: no per-channel scales
+    up_rms = up.pow(2).mean(1).sqrt()  # each output channel's own RMS
+    torch.testing.assert_close(up_svh / up_svh.mean(), up_rms / up_rms.mean(), rtol=2e-3, atol=0)
+
+    save_file({**qts[0].state_dict("mlp.gate_proj"), **qts[1].state_dict("mlp.up_proj")}, str(tmp_path / "model.safetensors"))
+    store = WeightStore(tmp_path)
+    num = den = 0.0
+    for key, qt, w in (("mlp.gate_proj", qts[0], gate), ("mlp.up_proj", qts[1], up)):
+        loaded = EXL3Format().load_linear(store, key, 128, 128, False, torch.device("cpu"), torch.float32)
+        decoded = loaded.dense_weight()
+        torch.testing.assert_close(decoded, dequantize(qt).t(), rtol=0, atol=1e-5)
+        num += (x @ (decoded - w).t()).pow(2).sum().item()
+        den += (x @ w.t()).pow(2).sum().item()
+    assert num / den == pytest.approx(stats.proxy_error, rel=0.02)
+
+    def gate_weighted_error(qt) -> float:
+        err = (x @ (dequantize(qt).t() - gate).t()).pow(2).mean(0)  # per output channel
+        return (err * sens[0]).sum().item()
+
+    always, auto = gate_weighted_error(runs["always"][0][0]), gate_weighted_error(qts[0])
+    print(f"\ngate, sensitivity-weighted output error at 3 bpw: scales {always:.4g}, dropped {auto:.4g}")
+    assert auto < 0.8 * always
+
+
+def test_drift_lowers_the_global_scale():
+    """scale_drift searches on the sample scaled up by LDLQ_DRIFT[K], so g comes out smaller; the measured
+    drift (RMS of LDLQ's strip targets over the weight's) is reported, and at K = 1 it is a few percent."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(128, 128, generator=gen)
+    x = torch.randn(2048, 128, generator=gen) @ (torch.randn(128, 128, generator=gen) * 0.1 + torch.eye(128))
+    h = x.t() @ x / x.shape[0]
+    _, plain = quantize_group([w], h, 1, "mul1", seed=3)
+    _, drift = quantize_group([w], h, 1, "mul1", seed=3, drift=True)
+    assert drift.scale < plain.scale
+    assert 1.0 < plain.extra["ldlq_drift"] < 1.3 and plain.extra["out_scales"] == ["always"]

@@ -24,6 +24,18 @@ from ...ops.exl3 import CODEBOOKS, TILE_PERM, hadamard_128, matrix_to_tiles, pac
 from .viterbi import encode_tiles
 
 CODEBOOK_SCALE = 1.24371088  # RMS of the 3INST codebook; W_reg rows are normalized to it
+# How much LDLQ's feedback inflates the strips the tile encoder sees over the regularized weight the scale
+# search samples, by K (RMS of all strip targets over RMS of the weight; grows with the error fed back).
+# The search runs on the weight scaled up by this, so the encoder's actual inputs land where the codebook
+# errs least. ExLlamaV3 1.6.5 measured the same effect on Qwen3-8B; trellm's own figures (QuantStats.extra
+# "ldlq_drift", printed by benchmarks/exl3_cpu_proxy.py) agree on SmolLM2-135M.
+LDLQ_DRIFT = {1: 1.08, 2: 1.018, 3: 1.004}
+# Output-channel scales (``out_scales``): "always" gives every output column its RMS, "never" none, "auto"
+# drops them for a linear whose per-column sensitivity (:func:`out_scale_loss_ratio`) predicts more loss
+# with them than this factor times the loss without, "fit" derives the scales from the sensitivity.
+OUT_SCALE_MODES = ("always", "never", "auto", "fit")
+OUT_SCALES_MAX_RATIO = 1.05  # a margin over 1: the sensitivity is an estimate from calibration tokens
+SENSITIVITY_FLOOR = 0.02  # added to the mean-normalized sensitivity in "fit": unseen channels get bounded scales
 DAMPING = 0.025  # times mean(diag(H)), added to the diagonal
 PAD = 128
 
@@ -142,16 +154,18 @@ def _sample_tiles(w_reg: torch.Tensor, generator: torch.Generator, max_tiles: in
     return tiles.reshape(-1, 256)[:, TILE_PERM.to(w_reg.device)]
 
 
-def _search_scale(w_reg: torch.Tensor, K: int, codebook: str, generator: torch.Generator, max_tiles: int | None = None) -> float:
+def _search_scale(w_reg: torch.Tensor, K: int, codebook: str, generator: torch.Generator, max_tiles: int | None = None,
+                  drift: float = 1.0) -> float:
     """Global scale g minimising the tile quantization MSE of a tile sample (coarse grid, fine grid, parabola).
 
-    The search costs ~7 encodes of the sample: 48 tiles on a CPU (~0.1 s per tile there), 1024 on a GPU,
-    where a larger sample makes g less noisy for next to nothing."""
+    ``drift``: the sample is scaled up by it first (:data:`LDLQ_DRIFT`), so g fits the inflated strips LDLQ
+    will encode rather than the weight itself. The search costs ~7 encodes of the sample: 48 tiles on a CPU
+    (~15 ms per tile there), 1024 on a GPU, where a larger sample makes g less noisy for next to nothing."""
     if max_tiles is None:
         max_tiles = 1024 if w_reg.device.type == "cuda" else 48
     n_tiles = (w_reg.shape[0] // 16) * (w_reg.shape[1] // 16)
     max_tiles = max(8, min(max_tiles, n_tiles // 8))
-    tiles = _sample_tiles(w_reg, generator, max_tiles)
+    tiles = _sample_tiles(w_reg, generator, max_tiles) * drift
 
     def err(s: float) -> float:
         _, vals = encode_tiles(tiles * s, K, codebook)
@@ -237,6 +251,52 @@ def compensated_weights(weights: list[torch.Tensor], hessian: torch.Tensor, cros
     return out
 
 
+def out_scale_loss_ratio(col_rms: torch.Tensor, sensitivity: torch.Tensor) -> float | None:
+    """Predicted output loss of a linear quantized with output-channel scales, over the loss without them.
+
+    After the Hadamards the tile error is spread evenly over the columns it is quantized in. With the scales
+    each column's error is proportional to the column's energy e_j = rms_j^2; without them it is the same for
+    every column. Weighting column j's error by its sensitivity s_j (loss per unit of error), the two losses
+    compare as E[s e] / (E[s] E[e]): above 1 when the sensitive columns are the heavy ones. None when the
+    sensitivity says nothing (no positive finite mean). Both are over the member's live (nonzero) columns.
+    """
+    e = col_rms.double().square()
+    s = sensitivity.to(e.device).double()
+    live = e > 0
+    e, s = e[live], s[live]
+    if not bool(torch.isfinite(s).all()) or e.numel() == 0:
+        return None
+    den = s.mean() * e.mean()
+    if not den.item() > 0:
+        return None
+    return ((s * e).mean() / den).item()
+
+
+def column_scale_shape(col_rms: torch.Tensor, sensitivity: torch.Tensor | None, mode: str) -> tuple[torch.Tensor, str]:
+    """The output-channel scales of one linear, up to a constant, and the choice made ("always", "never", "fit").
+
+    ``mode`` (:data:`OUT_SCALE_MODES`): "always" is the column RMS, "never" ones; without a sensitivity
+    "auto" and "fit" are "always". "auto": "never" when :func:`out_scale_loss_ratio` exceeds
+    :data:`OUT_SCALES_MAX_RATIO`. "fit": the scales t that minimise the predicted loss
+    (sum_j s_j t_j^2) (sum_j rms_j^2 / t_j^2), t_j = (rms_j^2 / s_j)^(1/4), with s normalized to mean 1 and
+    floored (:data:`SENSITIVITY_FLOOR`); t = rms is that optimum for s ~ 1 / rms^2.
+    """
+    if mode not in OUT_SCALE_MODES:
+        raise ValueError(f"out_scales must be one of {', '.join(OUT_SCALE_MODES)}, got {mode!r}")
+    ones = torch.ones_like(col_rms)
+    if mode == "never":
+        return ones, "never"
+    if mode == "always" or sensitivity is None or out_scale_loss_ratio(col_rms, sensitivity) is None:
+        return col_rms.clone(), "always"
+    s = sensitivity.to(device=col_rms.device, dtype=torch.float32)
+    if mode == "auto":
+        keep = out_scale_loss_ratio(col_rms, s) <= OUT_SCALES_MAX_RATIO
+        return (col_rms.clone(), "always") if keep else (ones, "never")
+    live = col_rms > 0
+    s = s.clamp_min(0) / s[live].clamp_min(0).mean() + SENSITIVITY_FLOOR
+    return torch.where(live, (col_rms.square() / s).pow(0.25), ones), "fit"
+
+
 def quantize_group(
     weights: list[torch.Tensor],
     hessian: torch.Tensor | None,
@@ -244,14 +304,20 @@ def quantize_group(
     codebook: str = "mul1",
     seed: int = 0,
     biases: list[torch.Tensor | None] | None = None,
-    out_scales: bool = True,
+    out_scales: str = "always",
     scale_search: bool = True,
     device: torch.device | str | None = None,
     refit: bool = True,
+    sensitivities: list[torch.Tensor | None] | None = None,
+    drift: bool = False,
 ) -> tuple[list[QuantizedTensors], QuantStats]:
     """Quantize linears that share one input (HF weights [out_i, in]) to EXL3 at ``bits`` per weight.
 
     ``hessian`` is E[x x^T] [in, in] of the shared input (None: no calibration, plain tile rounding).
+    ``out_scales`` (:data:`OUT_SCALE_MODES`) with ``sensitivities`` (per member, [out_i] or None): how each
+    member's output columns are scaled before quantization (:func:`column_scale_shape`); the scales are
+    folded into ``svh``, so the file format does not change. ``drift``: the scale search allows for LDLQ's
+    feedback (:data:`LDLQ_DRIFT`).
     ``refit``: after the trellis is chosen, refit each member's suh and svh in the Hessian metric
     (:func:`refit_scales`). Memory: the padded float32 weight, about three slab-sized temporaries and
     [in, in] matrices; the weight is overwritten with the LDLQ error as the strips are done.
@@ -299,12 +365,25 @@ def quantize_group(
     slabs = _column_slabs(k, n)
 
     # Output side: random signs times the normalized column RMS.
+    # Output side: random signs times each member's column scales (column_scale_shape), normalized so that
+    # the scaled columns of every member have the mean square of the group's mean column RMS.
     col_rms = torch.cat([w[:, cols].pow(2).mean(0) for cols in slabs]).sqrt()
     zero_cols = col_rms == 0
-    sv = _random_signs(n, gen).to(device)
-    if out_scales:
-        mean_rms = col_rms[~zero_cols].mean() if (~zero_cols).any() else torch.tensor(1.0, device=device)
-        sv = sv * torch.where(zero_cols, torch.ones_like(col_rms), col_rms / mean_rms)
+    mean_rms = col_rms[~zero_cols].mean() if (~zero_cols).any() else torch.tensor(1.0, device=device)
+    scales = torch.ones(n, device=device)
+    choices = []
+    for m, (cols, out) in enumerate(zip(members, outs)):
+        sens = sensitivities[m] if sensitivities is not None else None
+        if sens is not None and sens.numel() != out:
+            raise ValueError(f"member {m}: sensitivity has {sens.numel()} entries for {out} output channels")
+        rms = col_rms[cols.start : cols.start + out]
+        shape, choice = column_scale_shape(rms, sens, out_scales)
+        live = rms > 0
+        if live.any():
+            spread = (rms[live] / shape[live]).pow(2).mean().sqrt()
+            scales[cols.start : cols.start + out] = torch.where(live, shape * spread / mean_rms, 1.0)
+        choices.append(choice)
+    sv = _random_signs(n, gen).to(device) * scales
     row_ss = torch.zeros(k, device=device)
     for cols in slabs:
         w[:, cols] = hadamard_128(w[:, cols] / sv[cols])
@@ -316,7 +395,7 @@ def quantize_group(
     for cols in slabs:
         w[:, cols] = _had_rows(w[:, cols] / su[:, None])
 
-    g = _search_scale(w, bits, codebook, gen) if scale_search else 1.0
+    g = _search_scale(w, bits, codebook, gen, drift=LDLQ_DRIFT.get(bits, 1.0) if drift else 1.0) if scale_search else 1.0
     w.mul_(g)
     su = su / g
 
@@ -327,12 +406,16 @@ def quantize_group(
     # LDLQ, strips from last to first. w[rows] becomes the strip's error E = W_reg - Q once it is
     # quantized, so the feedback of a strip reads the later strips' errors straight from w.
     trellis = torch.empty(k // 16, n // 16, 16 * bits, dtype=torch.int16, device=device)
+    weight_ss = torch.zeros((), dtype=torch.float64, device=device)
+    target_ss = torch.zeros((), dtype=torch.float64, device=device)
     for strip in range(k // 16 - 1, -1, -1):
         rows = slice(16 * strip, 16 * strip + 16)
         after = 16 * strip + 16
         target = w[rows]
+        weight_ss += target.pow(2).sum(dtype=torch.float64)
         if u is not None and after < k:
             target = target + u[after:, rows].t() @ w[after:]
+        target_ss += target.pow(2).sum(dtype=torch.float64)
         states, vals = encode_tiles(matrix_to_tiles(target).reshape(-1, 256), bits, codebook)
         trellis[strip] = pack_trellis(states.view(n // 16, 256), bits)
         w[rows] -= tiles_to_matrix(vals.view(1, n // 16, 256))
@@ -372,7 +455,9 @@ def quantize_group(
             )
         )
     numel = in_features * sum(outs)
-    return results, QuantStats(bits, numel, proxy, g, time.perf_counter() - t0)
+    ldlq_drift = (target_ss / weight_ss.clamp_min(1e-30)).sqrt().item()
+    extra = {"out_scales": choices, "ldlq_drift": round(ldlq_drift, 5)}
+    return results, QuantStats(bits, numel, proxy, g, time.perf_counter() - t0, extra)
 
 
 def dequantize(qt: QuantizedTensors) -> torch.Tensor:
