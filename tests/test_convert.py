@@ -113,7 +113,8 @@ def test_interrupt_and_resume_is_byte_identical(converted):
 def test_sequential_hessians_and_error_target(converted, tmp_path, monkeypatch):
     """Layer 0 quantized twice: plain (one dense pass for every group's Hessian, the dense weights as targets) and
     sequential with the error target. q/k/v see the embedding in both (same Hessian, and their inputs agree with
-    the dense model's, so the target is the dense weight itself); o_proj comes after the quantized q/k/v, so its
+    the dense model's, so the target is the dense weight itself, up to the float16 rounding of the kept dense
+    inputs); o_proj comes after the quantized q/k/v, so its
     Hessian must differ and its target must move off the dense weight."""
     import trellm.convert as conv
 
@@ -136,9 +137,23 @@ def test_sequential_hessians_and_error_target(converted, tmp_path, monkeypatch):
     (qkv_new, h_qkv_new), (o_new, h_o_new) = seen["new"][:2]
     o_dense = dense["model.layers.0.self_attn.o_proj.weight"].float()
     assert torch.equal(o_plain[0], o_dense) and torch.equal(h_qkv_plain, h_qkv_new)
-    assert torch.allclose(qkv_new[0], dense["model.layers.0.self_attn.q_proj.weight"].float(), atol=1e-6)
+    q_dense = dense["model.layers.0.self_attn.q_proj.weight"].float()
+    q_moved = ((qkv_new[0] - q_dense).norm() / q_dense.norm()).item()
+    print(f"\nq_proj target off the dense weight by {q_moved:.2e} (float16 rounding of the kept dense inputs)")
+    assert q_moved < 2e-3  # the same inputs up to the kept rows' float16 rounding: the dense weight, nearly
     assert (h_o_new - h_o_plain).norm() > 1e-3 * h_o_plain.norm()  # sequential: o_proj sees the quantized q/k/v
     assert (o_new[0] - o_dense).norm() > 1e-2 * o_dense.norm()  # error target: o_proj compensates their error
+
+
+def test_kept_dense_inputs_are_float16_when_they_fit():
+    from trellm.convert import _compact_rows
+
+    rows = torch.randn(64, 32) * 100
+    kept = _compact_rows(rows)
+    assert kept.dtype == torch.float16 and kept.device.type == "cpu"
+    torch.testing.assert_close(kept.float(), rows, rtol=1e-3, atol=0)
+    rows[3, 4], rows[5, 6] = 1e6, float("inf")  # beyond float16: kept exact in float32 (the inf is skipped later)
+    assert _compact_rows(rows).dtype == torch.float32
 
 
 def test_gated_sensitivity_is_the_slope_of_the_gated_product(converted):
