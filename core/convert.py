@@ -37,8 +37,11 @@ from .quant.exl3.quantize import OUT_SCALE_MODES, quantize_group
 
 CODEBOOK = "mul1"
 ERROR_TARGET = 1.0  # convert's default strength of the error-compensating target (compensated_weights)
-OUT_SCALES = "always"  # convert's default output-channel scale choice (quantize.OUT_SCALE_MODES)
-SCALE_DRIFT = False  # convert's default for the scale search's LDLQ drift allowance (quantize.LDLQ_DRIFT)
+# Defaults of the output-channel scale choice (quantize.OUT_SCALE_MODES) and of the scale search's LDLQ drift
+# allowance (quantize.LDLQ_DRIFT): on a CPU proxy (SmolLM2-135M layer 11 alone, 2 bpw) auto, fit and drift
+# each moved KL by under 2%, inside what any change of the trellis moves it; the GPU side-by-side decides.
+OUT_SCALES = "always"
+SCALE_DRIFT = False
 NOT_COPIED = {".safetensors", ".bin", ".ckpt", ".pth", ".pt"}
 NOT_COPIED_NAMES = {"config.json", "model.safetensors.index.json"}
 # Arguments that must match when a job is resumed.
