@@ -77,6 +77,22 @@ def stepwise(step, batch: ForwardBatch, fresh: torch.Tensor | None, states: list
     return torch.stack(out, 1).flatten(0, 1)
 
 
+def delta_recurrence(step, chunked, batch: ForwardBatch, layer, fresh: torch.Tensor | None, decode: bool,
+                     conv_state, rec_state, chunk_size: int, *inputs: torch.Tensor) -> torch.Tensor:
+    """A delta-rule recurrence over the batch (gated delta net, KDA): decoding runs ``step`` (the one-token op on
+    the state slots, in place), a captured verification runs it :func:`stepwise`, anything else runs
+    ``chunked`` from the states read and writes the states (with the conv states) back."""
+    if decode:
+        return step(*inputs, layer.states, batch.state_slots, fresh)
+    if in_steps(batch, layer):
+        rule = lambda *rows: step(*rows[:-1], layer.states, batch.state_slots, rows[-1])  # noqa: E731
+        return stepwise(rule, batch, fresh, [layer.states], *inputs)
+    out, rec_state = chunked(*inputs, batch.cu_seqlens, rec_state, chunk_size)
+    if layer is not None:
+        layer.write(batch.state_slots, conv_state, rec_state)
+    return out
+
+
 def short_conv(mixed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, batch: ForwardBatch, layer,
                fresh: torch.Tensor | None, decode: bool):
     """The causal depthwise conv (+ SiLU) of a recurrent mixer's inputs: (out, conv states or None, recurrent
@@ -258,15 +274,8 @@ class GatedDeltaNet(Module):
         else:
             q, k, v, g, beta = gated_delta_inputs(mixed, a, b, self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim,
                                                   self.beta_scale)
-            if decode:
-                o = ops.gated_delta_rule_step_slots(q, k, v, g, beta, layer.states, batch.state_slots, fresh)
-            elif in_steps(batch, layer):
-                rule = lambda *rows: ops.gated_delta_rule_step_slots(*rows[:5], layer.states, batch.state_slots, rows[5])  # noqa: E731
-                o = stepwise(rule, batch, fresh, [layer.states], q, k, v, g, beta)
-            else:
-                o, rec_state = ops.gated_delta_rule_chunked(q, k, v, g, beta, batch.cu_seqlens, rec_state, self.chunk_size)
-                if layer is not None:
-                    layer.write(batch.state_slots, conv_state, rec_state)
+            o = delta_recurrence(ops.gated_delta_rule_step_slots, ops.gated_delta_rule_chunked, batch, layer, fresh, decode,
+                                 conv_state, rec_state, self.chunk_size, q, k, v, g, beta)
         o = self.norm.forward(o.to(x.dtype), z)
         return self.out_proj(o.reshape(t, self.value_dim))
 
@@ -333,15 +342,8 @@ class KimiDeltaAttention(Module):
         q, k, v = (part.reshape(t, h, d) for part in mixed.split(self.dim, dim=-1))
         q, k = l2_normalize(q), l2_normalize(k)
         g, beta = self.log_decay(x), torch.sigmoid(self.b_proj(x).float())
-        if decode:
-            o = ops.kda_step_slots(q, k, v, g, beta, layer.states, batch.state_slots, fresh)
-        elif in_steps(batch, layer):
-            rule = lambda *rows: ops.kda_step_slots(*rows[:5], layer.states, batch.state_slots, rows[5])  # noqa: E731
-            o = stepwise(rule, batch, fresh, [layer.states], q, k, v, g, beta)
-        else:
-            o, rec_state = ops.kda_chunked(q, k, v, g, beta, batch.cu_seqlens, rec_state, self.chunk_size)
-            if layer is not None:
-                layer.write(batch.state_slots, conv_state, rec_state)
+        o = delta_recurrence(ops.kda_step_slots, ops.kda_chunked, batch, layer, fresh, decode, conv_state, rec_state,
+                             self.chunk_size, q, k, v, g, beta)
         o = self.o_norm.forward(o.to(x.dtype), self.g_b_proj(self.g_a_proj(x)).view(t, h, d))
         return self.o_proj(o.reshape(t, self.dim))
 
