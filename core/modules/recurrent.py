@@ -28,9 +28,6 @@ from .layers import Attention, Embedding, OutputGate, RMSNorm
 from .linear import Linear, LinearGroup
 
 
-
-
-
 def load_split_conv(ctx: LoadContext, key: str, conv_dim: int, width: int) -> torch.Tensor:
     """The q/k/v depthwise conv stored as ``{key}.{q,k,v}_conv1d.weight`` (however the checkpoint split the
     channels), as one [conv_dim, width] weight."""

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import op
+from .dense import rms_norm
 
 
 @op
@@ -197,8 +198,7 @@ def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
     act = GATED_NORM_ACTIVATIONS.get(activation)
     if act is None:
         raise ValueError(f"gated_rms_norm: unknown activation {activation!r}; use one of {sorted(GATED_NORM_ACTIVATIONS)}")
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    normed = rms_norm.reference(x, weight, eps)
     return (normed.float() * act(gate.float())).to(x.dtype)
 
 
