@@ -286,12 +286,12 @@ def column_scale_shape(col_rms: torch.Tensor, sensitivity: torch.Tensor | None, 
     ones = torch.ones_like(col_rms)
     if mode == "never":
         return ones, "never"
-    if mode == "always" or sensitivity is None or out_scale_loss_ratio(col_rms, sensitivity) is None:
+    ratio = None if mode == "always" or sensitivity is None else out_scale_loss_ratio(col_rms, sensitivity)
+    if ratio is None:
         return col_rms.clone(), "always"
-    s = sensitivity.to(device=col_rms.device, dtype=torch.float32)
     if mode == "auto":
-        keep = out_scale_loss_ratio(col_rms, s) <= OUT_SCALES_MAX_RATIO
-        return (col_rms.clone(), "always") if keep else (ones, "never")
+        return (col_rms.clone(), "always") if ratio <= OUT_SCALES_MAX_RATIO else (ones, "never")
+    s = sensitivity.to(device=col_rms.device, dtype=torch.float32)
     live = col_rms > 0
     s = s.clamp_min(0) / s[live].clamp_min(0).mean() + SENSITIVITY_FLOOR
     return torch.where(live, (col_rms.square() / s).pow(0.25), ones), "fit"
@@ -364,7 +364,6 @@ def quantize_group(
     h.diagonal().add_(DAMPING * h.diagonal().mean())
     slabs = _column_slabs(k, n)
 
-    # Output side: random signs times the normalized column RMS.
     # Output side: random signs times each member's column scales (column_scale_shape), normalized so that
     # the scaled columns of every member have the mean square of the group's mean column RMS.
     col_rms = torch.cat([w[:, cols].pow(2).mean(0) for cols in slabs]).sqrt()
