@@ -8,7 +8,6 @@ cache (``batch.cache is None``) every sequence starts from the zero state.
 """
 from __future__ import annotations
 
-import os
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -116,10 +115,7 @@ def deltanet_decode_mode() -> str:
     (:func:`~trellm.ops.gated_delta_net_step_slots`) and its output norm as one (:func:`~trellm.ops.gated_rms_norm`);
     "unfused" (default) computes the norms and gates apart. The default stays on the route the H200 has verified
     until ``tests/test_cuda_moe_fused.py`` has passed there with the fused kernels."""
-    mode = os.environ.get(DELTANET_DECODE_ENV, "unfused")
-    if mode not in DELTANET_DECODE_MODES:
-        raise ValueError(f"{DELTANET_DECODE_ENV}={mode!r}: expected one of {DELTANET_DECODE_MODES}")
-    return mode
+    return ops.route_from_env(DELTANET_DECODE_ENV, DELTANET_DECODE_MODES, "unfused")
 
 
 class GatedRMSNorm(Module):

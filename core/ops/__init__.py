@@ -85,6 +85,15 @@ def all_ops() -> dict[str, Op]:
     return dict(_OPS)
 
 
+def route_from_env(name: str, choices: tuple[str, ...], default: str) -> str:
+    """The route an environment variable picks among ``choices`` (``default`` when unset): how a backend's
+    alternative kernels (e.g. ``TRELLM_MOE_DECODE``) are chosen for timing and as fallbacks."""
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {choices}")
+    return value
+
+
 def load_backends() -> None:
     """Import optional backends once; a backend that cannot load (no nvcc, no cffi) is skipped."""
     global _backends_loaded

@@ -4,12 +4,11 @@ Torch references; ``trellm.kernels_cuda`` registers the CUDA versions. The EXL3 
 ``trellm.quant.exl3.format.EXL3ExpertSet``."""
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
-from . import op
+from . import op, route_from_env
 from .dense import gated_activation
 
 if TYPE_CHECKING:
@@ -26,10 +25,7 @@ def moe_decode_mode() -> str:
     EXL3 pair matmul in the launch that computes it (the last block of each output group sums the others'
     partial results: one launch per projection instead of two). The default stays on the route the H200 has
     verified until ``tests/test_cuda_moe_fused.py`` has passed there with the new kernels."""
-    mode = os.environ.get(MOE_DECODE_ENV, "pairs")
-    if mode not in MOE_DECODE_MODES:
-        raise ValueError(f"{MOE_DECODE_ENV}={mode!r}: expected one of {MOE_DECODE_MODES}")
-    return mode
+    return route_from_env(MOE_DECODE_ENV, MOE_DECODE_MODES, "pairs")
 
 
 @op
