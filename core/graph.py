@@ -119,13 +119,14 @@ class GraphRunner:
         return StepBuffers(self.device, capacity=need, growable=False)
 
     def _build(self, buffers: StepBuffers, feeds, cached_lens, page_rows, logits_rows, size: int,
-               lora_slots: Sequence[int] | None = None, state_slots: Sequence[int] | None = None) -> ForwardBatch:
+               lora_slots: Sequence[int] | None = None, state_slots: Sequence[int] | None = None,
+               state_checkpoints: Sequence[Sequence[int]] | None = None) -> ForwardBatch:
         if lora_slots is None and self._lora_version is not None:  # a model with adapters: the graph reads the slots
             lora_slots = [-1] * len(feeds)
         return buffers.build(feeds, cached_lens, page_rows, self.cache, logits_rows, state_slots=state_slots, pad_to=size,
                              table_width=self.max_pages, pad_page=self._scratch_page,
                              max_seq_len=self.max_pages * self.page_size, lora_slots=lora_slots,
-                             pad_state_slot=self._scratch_slot or 0)
+                             pad_state_slot=self._scratch_slot or 0, state_checkpoints=state_checkpoints)
 
     def _step(self, batch: ForwardBatch) -> Any:
         """What a graph runs: the model's forward, and with ``hidden_states`` the hidden rows it came from."""
@@ -198,19 +199,16 @@ class GraphRunner:
         if width == 1:
             return self._build(self.buffers[size, 1], feeds, cached_lens, page_rows, range(len(feeds)), size, lora_slots,
                                state_slots)
-        n, pad, scratch = len(feeds), size - len(feeds), self._scratch_page
+        # padding rows of ``width`` tokens are written here (StepBuffers pads with one-token rows)
+        pad, scratch = size - len(feeds), self._scratch_page
         rows = [list(f) + [0] * (width - len(f)) for f in feeds] + [[0] * width] * pad
         pages = [p if len(p) * self.page_size >= c + width else [*p, scratch] for p, c in zip(page_rows, cached_lens)]
-        if lora_slots is None and self._lora_version is not None:
-            lora_slots = [-1] * n
         checkpoints = None
         if state_slots is not None:
             state_slots = [*state_slots, *[self._scratch_slot] * pad]
             checkpoints = [*checkpoint_slots, *[[self._scratch_slot] * (width - 1)] * pad]
-        batch = self.buffers[size, width].build(
-            rows, [*cached_lens, *[0] * pad], pages + [[scratch]] * pad, self.cache, None, state_slots=state_slots,
-            table_width=self.max_pages, pad_page=scratch, max_seq_len=self.max_pages * self.page_size,
-            lora_slots=None if lora_slots is None else [*lora_slots, *[-1] * pad], state_checkpoints=checkpoints)
+        batch = self._build(self.buffers[size, width], rows, [*cached_lens, *[0] * pad], pages + [[scratch]] * pad, None,
+                            size, None if lora_slots is None else [*lora_slots, *[-1] * pad], state_slots, checkpoints)
         batch.tokens_per_seq = width
         return batch
 
