@@ -6,7 +6,10 @@ limit is weight bytes / the copy bandwidth measured in the same run; bf16 is tor
 weights of the same shape (also rotated past the L2). ``path``: "fused" is the one-launch small-batch
 kernel (M <= 16), "mid" decodes the trellis in registers against tensor-core fragments of x (17..64),
 "cublas" decodes W_hat to fp16 and multiplies with cuBLAS. ``--routes`` also times every route that can
-take each M (gemv_us, mid_us, cublas_us): the A/B of the three in one process.
+take each M (gemv_us, mid_us, cublas_us): the A/B of the three in one process. With the MUL1 codebook (the
+default: what both converters write) it also times the GEMV's split-halves MUL1 route (gemv_split_us,
+TRELLM_MUL1_GEMV=split) beside its default fp16-fma route (gemv_us), and the same trellis bits read as MCG
+(gemv_mcg_us), the speed the split route is meant to reach.
 
     python benchmarks/bench_exl3_matmul.py [--quick] [--csv out.csv] [--plot out.png]
 
@@ -45,7 +48,7 @@ def parse_shape(text: str) -> tuple[int, int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="K=4 and 2 only, M in 1,4,8,16,32,256")
-    ap.add_argument("--codebook", default="mcg", choices=["3inst", "mcg", "mul1"])
+    ap.add_argument("--codebook", default="mul1", choices=["3inst", "mcg", "mul1"])
     ap.add_argument("--ks", type=int, nargs="*")
     ap.add_argument("--ms", type=int, nargs="*")
     ap.add_argument("--shapes", nargs="*", metavar="KxN", type=parse_shape,
@@ -166,13 +169,17 @@ def time_routes(x: torch.Tensor, layers: list, codebook: str) -> dict[str, float
     routes = {}
     if m <= binding.EXL3_SMALL_MAX_ROWS:
         routes["gemv"] = lambda t, suh, svh: binding.exl3_matmul_small(x, t, suh, svh, codebook)
+        if codebook == "mul1":  # the GEMV's other MUL1 route, and MCG on the same bits
+            for name, cb in (("gemv_split", "mul1_split"), ("gemv_mcg", "mcg")):
+                routes[name] = lambda t, suh, svh, cb=cb: binding.exl3_matmul_small(x, t, suh, svh, cb)
     if m <= binding.EXL3_MID_MAX_ROWS:
         routes["mid"] = lambda t, suh, svh: binding.exl3_matmul_mid(x, t, suh, svh, codebook)
     routes["cublas"] = lambda t, suh, svh: cuda_ops.exl3_matmul_decoded(x, t, suh, svh, codebook)
     return {name: time_graph(lambda f=f: [f(*layer) for layer in layers]) / len(layers) for name, f in routes.items()}
 
 
-ROUTE_STYLES = {"gemv_us": ("GEMV (<= 16 rows)", "o-"), "mid_us": ("mid (<= 64 rows)", "s-"),
+ROUTE_STYLES = {"gemv_us": ("GEMV (<= 16 rows)", "o-"), "gemv_split_us": ("GEMV, MUL1 split route", "o:"),
+                "gemv_mcg_us": ("GEMV, same bits as MCG", "o--"), "mid_us": ("mid (<= 64 rows)", "s-"),
                 "cublas_us": ("decode + cuBLAS", "^-"), "bf16_us": ("bf16 F.linear", "k--")}
 
 

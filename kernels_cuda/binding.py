@@ -22,6 +22,9 @@ HEADER = Path(__file__).resolve().parent / "trellm_kernels.h"
 
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 CODEBOOK_CODES = {"3inst": 0, "mcg": 1, "mul1": 2}
+# The small-batch matmuls (the GEMV) also take "mul1_split": MUL1 through the GEMV's split-halves decode
+# (exl3_gemv.cuh, CB_MUL1_SPLIT), chosen by trellm.kernels_cuda.ops from TRELLM_MUL1_GEMV.
+GEMV_CODEBOOK_CODES = {**CODEBOOK_CODES, "mul1_split": 3}
 ACTIVATION_CODES = {
     "silu": 0, "swish": 0,
     "gelu": 1,
@@ -141,11 +144,11 @@ def _dtype_code(t: torch.Tensor, name: str) -> int:
         raise KernelArgumentError(f"{name}: dtype {t.dtype} not supported (float16, bfloat16, float32)") from None
 
 
-def _codebook_code(codebook: str) -> int:
+def _codebook_code(codebook: str, codes: dict[str, int] = CODEBOOK_CODES) -> int:
     try:
-        return CODEBOOK_CODES[codebook]
+        return codes[codebook]
     except KeyError:
-        raise KernelArgumentError(f"codebook {codebook!r} unknown; expected one of {sorted(CODEBOOK_CODES)}") from None
+        raise KernelArgumentError(f"codebook {codebook!r} unknown; expected one of {sorted(codes)}") from None
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -306,7 +309,7 @@ def exl3_matmul_small(
     rc = lib().trellm_exl3_matmul_small(
         _ptr(x), DTYPE_CODES[x.dtype], _ptr(suh), _ptr(trellis, "int16_t *"), _ptr(svh), _ptr(bias), _ptr(y),
         _dtype_code(y, "out_dtype"), _ptr(workspace, "float *"), _ptr(counters, "int32_t *"), counters.numel(),
-        m, k, n, K, _codebook_code(codebook), rs, _num_sms(x.device), _stream(),
+        m, k, n, K, _codebook_code(codebook, GEMV_CODEBOOK_CODES), rs, _num_sms(x.device), _stream(),
     )
     _check(rc, "exl3_matmul_small")
     return y if residual is None else (y, ssq)
@@ -397,7 +400,7 @@ def exl3_matmul_small_gated(
     rc = lib().trellm_exl3_matmul_small_gated(
         _ptr(gate), _ptr(up), ACTIVATION_CODES[activation], DTYPE_CODES[gate.dtype], _ptr(suh),
         _ptr(trellis, "int16_t *"), _ptr(svh), _ptr(bias), _ptr(y), DTYPE_CODES[y.dtype], _ptr(workspace, "float *"),
-        _ptr(counters, "int32_t *"), counters.numel(), m, k, n, K, _codebook_code(codebook), rs,
+        _ptr(counters, "int32_t *"), counters.numel(), m, k, n, K, _codebook_code(codebook, GEMV_CODEBOOK_CODES), rs,
         _num_sms(gate.device), _stream(),
     )
     _check(rc, "exl3_matmul_small_gated")
@@ -457,7 +460,7 @@ def exl3_matmul_small_multi(
     rc = lib().trellm_exl3_matmul_small_multi(
         _ptr(x), DTYPE_CODES[x.dtype], len(parts), *_part_arrays(parts, ys),
         ffi().new("int64_t[]", ns), _dtype_code(ys[0], "out_dtype"), _ptr(workspace, "float *"),
-        _ptr(counters, "int32_t *"), counters.numel(), m, k, K, _codebook_code(codebook), rs,
+        _ptr(counters, "int32_t *"), counters.numel(), m, k, K, _codebook_code(codebook, GEMV_CODEBOOK_CODES), rs,
         _num_sms(x.device), _stream(),
     )
     _check(rc, "exl3_matmul_small_multi")
@@ -535,7 +538,8 @@ def exl3_matmul_qkv_rope(
         scratch = (_ptr(workspace, "float *"), _ptr(counters, "int32_t *"), counters.numel())
         call = lib().trellm_exl3_matmul_small_qkv_rope
     rc = call(
-        _ptr(x), DTYPE_CODES[x.dtype], *_part_arrays(parts, ys), n_array, *scratch, m, k, K, _codebook_code(codebook),
+        _ptr(x), DTYPE_CODES[x.dtype], *_part_arrays(parts, ys), n_array, *scratch, m, k, K,
+        _codebook_code(codebook, CODEBOOK_CODES if route == "mid" else GEMV_CODEBOOK_CODES),
         _ptr(positions, "int64_t *"), _ptr(cos_table, "float *"), _ptr(sin_table, "float *"), table_len, half,
         int(bool(interleaved)), _ptr(q_norm), _ptr(k_norm), float(norm_eps), int(bool(norm_unit_offset)),
         _ptr(k_pages), _ptr(v_pages if k_pages is not None else None),

@@ -126,7 +126,7 @@ __device__ __forceinline__ void warp_hadamard_128(float v[4]) {
 // EXL3 codebooks (shared/exl3_format.md section 2.4). decode_pair turns two 16-bit states into the
 // half2 (decode(a), decode(b)).
 
-// Each codebook's hash is s * mult + add (mod 2^32).
+// Each codebook's hash is s * mult + add (mod 2^32). (Template id 3, MUL1 on the GEMV's split route, hashes as MUL1.)
 template <int CB> constexpr uint32_t cb_mult = CB == TRELLM_CB_3INST ? 89226354u : (CB == TRELLM_CB_MCG ? 0xCBAC1FEDu : 0x83DCD12Du);
 template <int CB> constexpr uint32_t cb_add = CB == TRELLM_CB_3INST ? 64248484u : 0u;
 
@@ -157,6 +157,7 @@ template <int CB> __device__ __forceinline__ void cb_hash_packed(uint32_t w, uin
 
 // Half2 (decode(a), decode(b)) from the codebook hashes of two states.
 template <int CB> __device__ __forceinline__ half2 decode_hashed_pair(uint32_t ha, uint32_t hb) {
+    static_assert(CB <= TRELLM_CB_MUL1, "a format codebook (MUL1's split route decodes in tile_fragments_split)");
     if constexpr (CB == TRELLM_CB_MUL1) {
         // 0x6400 + byte sum of the hash = fp16(1024 + s); then fp16 fma with k_inv, k_bias.
         ha = __dp4a(ha, 0x01010101u, 0x6400u);

@@ -54,7 +54,7 @@ int exl3_matmul_small_parts(const void *x, const void *x_up, int act, int x_dtyp
     for (int p = 0; p < parts; ++p) n_total += n[p];
     const int slices = gemv_slices((int)k, (int)m, (int)n_total);
     for (int p = 0; p < parts; ++p) {
-        const int rc = check_exl3_dims(k, n[p], K, codebook);
+        const int rc = check_exl3_dims(k, n[p], K, codebook == CB_MUL1_SPLIT ? TRELLM_CB_MUL1 : codebook);
         if (rc) return rc;
         if (reinterpret_cast<uintptr_t>(trellis[p]) % 16) return TRELLM_E_BAD_ARG;  // 16-byte cp.async chunks
         MatmulArgs &a = mp.part[p];
@@ -81,7 +81,8 @@ int exl3_matmul_small_parts(const void *x, const void *x_up, int act, int x_dtyp
     switch (codebook) {
         case 0: return launch_exl3_matmul_small<0>(mp, K, num_sms, stream);
         case 1: return launch_exl3_matmul_small<1>(mp, K, num_sms, stream);
-        default: return launch_exl3_matmul_small<2>(mp, K, num_sms, stream);
+        case 2: return launch_exl3_matmul_small<2>(mp, K, num_sms, stream);
+        default: return launch_exl3_matmul_small<CB_MUL1_SPLIT>(mp, K, num_sms, stream);
     }
 }
 

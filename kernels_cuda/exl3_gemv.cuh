@@ -32,15 +32,44 @@ constexpr int GEMV_WARPS = 8;
 // k tiles per warp (KT): 8 (default) or 4 (TRELLM_EXL3_KT=4); always 4 for more than 8 rows (gemv_kt).
 // A block's k-slice is GEMV_WARPS * KT tiles.
 
+// The MUL1 codebook on the split-halves route below (TRELLM_MUL1_GEMV=split; the GEMV only): a codebook id
+// for the kernel templates, never a format marker. MUL1's weight is k_inv * (1024 + s) + k_bias, s the byte
+// sum of the hash (0..1020). One dp4a turns a hash into the word (fp16(1024 + s), fp16(-1534)), whose halves
+// sum to s - 510 exactly: the word is a split-halves A operand like 3INST's and MCG's, with no byte_perm and
+// no fp16 fma per pair (MUL1 took 11-15% longer than MCG at 1 row). The mma then accumulates
+// sum (s - 510) x, and each k-slice's partial becomes k_inv * acc + (k_bias + 1534 k_inv) * sum x
+// (mul1_split_partial). The difference from the format's fp16 weights is their rounding: the route
+// multiplies by the exact value of the fp16 fma, before its rounding to fp16.
+constexpr int CB_MUL1_SPLIT = 3;
+constexpr uint32_t MUL1_SPLIT_WORD = 0xE5FE6400u;        // (fp16(1024), fp16(-1534)), the byte sum added to the low half
+constexpr float MUL1_K_INV = 1774.0f / 262144.0f;        // fp16 0x1EEE
+constexpr float MUL1_OFFSET_REST = -476.0f / 262144.0f;  // fp16 0xC931 + 1534 * fp16 0x1EEE, exact
+
+__device__ __forceinline__ float mul1_split_partial(float acc, float x_sum) {
+    return fmaf(acc, MUL1_K_INV, x_sum * MUL1_OFFSET_REST);
+}
+
 // Split-halves A fragments for the 3INST and MCG codebooks. Their weight is the sum of the two fp16
 // halves of one 32-bit word; instead of adding the halves (two byte_perms and an hadd2 per pair), the
 // raw word goes into the mma as two k positions that both multiply the same x value: one mma takes the
 // even k of the tile ({e0, e4, e2, e6}), one the odd k ({e1, e5, e3, e7}), against duplicated x.
+// CB_MUL1_SPLIT's words are made the same way from a dp4a (see above).
 template <int K, int CB> __device__ __forceinline__ void tile_fragments_split(const uint32_t (&raw)[TileGeom<K>::NW],
                                                                              int r, uint32_t (&even)[4],
                                                                              uint32_t (&odd)[4]) {
     uint32_t h[8];
     lane_hashes<K, CB>(raw, r, h);
+    if constexpr (CB == CB_MUL1_SPLIT) {
+        even[0] = __dp4a(h[0], 0x01010101u, MUL1_SPLIT_WORD);
+        even[1] = __dp4a(h[4], 0x01010101u, MUL1_SPLIT_WORD);
+        even[2] = __dp4a(h[2], 0x01010101u, MUL1_SPLIT_WORD);
+        even[3] = __dp4a(h[6], 0x01010101u, MUL1_SPLIT_WORD);
+        odd[0] = __dp4a(h[1], 0x01010101u, MUL1_SPLIT_WORD);
+        odd[1] = __dp4a(h[5], 0x01010101u, MUL1_SPLIT_WORD);
+        odd[2] = __dp4a(h[3], 0x01010101u, MUL1_SPLIT_WORD);
+        odd[3] = __dp4a(h[7], 0x01010101u, MUL1_SPLIT_WORD);
+        return;
+    }
     const uint32_t mask = 0x8FFF8FFFu, flip = 0x3B603B60u;
     even[0] = lop3_and_xor(h[0], mask, flip);
     even[1] = lop3_and_xor(h[4], mask, flip);
@@ -298,6 +327,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
     // holds its x fragments (8 rows: 16 KB more for columns, which lets one wave run 3 blocks per SM).
     float *acc_all = reinterpret_cast<float *>(smem_raw + P::RING_BYTES);
     __shared__ int last_groups[16];
+    // CB_MUL1_SPLIT: the sum of this slice's x (as the mma reads it) per row, by 128-chunk, then whole.
+    __shared__ float x_chunk_sums[CB == CB_MUL1_SPLIT ? 16 : 1][CB == CB_MUL1_SPLIT ? KT : 1];
+    __shared__ float x_sums[CB == CB_MUL1_SPLIT ? 16 : 1];
 
     const int lane = threadIdx.x & 31, warp = warp_index();
     const int tiles_k = k / 16, tiles_n = n / 16;
@@ -382,6 +414,11 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
         half2 *dst = reinterpret_cast<half2 *>(xs + (size_t)row * SLICE_K + chunk * 128 + lane * 4);
         dst[0] = __floats2half2_rn(v[0], v[1]);
         dst[1] = __floats2half2_rn(v[2], v[3]);
+        if constexpr (CB == CB_MUL1_SPLIT) {
+            const float2 lo = __half22float2(dst[0]), hi = __half22float2(dst[1]);
+            const float chunk_sum = warp_sum((lo.x + lo.y) + (hi.x + hi.y));
+            if (lane == 0) x_chunk_sums[row][chunk] = chunk_sum;
+        }
     }
     issue_ring(false);
     GEMV_WARP_MARK(2);
@@ -416,6 +453,13 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
                 xf[t][g][0] = b0;
                 xf[t][g][1] = b1;
             }
+        }
+    }
+    if constexpr (CB == CB_MUL1_SPLIT) {
+        if (threadIdx.x < m) {
+            float sum = 0.f;
+            for (int c = 0; c < slice_chunks; ++c) sum += x_chunk_sums[threadIdx.x][c];
+            x_sums[threadIdx.x] = sum;
         }
     }
     __syncthreads();  // every warp holds its x fragments: xs becomes the accumulators
@@ -531,7 +575,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, (gemv_min_blocks<MT, KT>)) ex
     const int cols = (j_end - j_begin) * 16;
     for (int idx = threadIdx.x; idx < m * cols; idx += blockDim.x) {
         const int row = idx / cols, c = idx % cols;
-        args.partial[((size_t)slice * m + row) * n + j_begin * 16 + c] = period > 0 ? red[row * red_stride + c] : warps_sum(c, row);
+        float value = period > 0 ? red[row * red_stride + c] : warps_sum(c, row);
+        if constexpr (CB == CB_MUL1_SPLIT) value = mul1_split_partial(value, x_sums[row]);
+        args.partial[((size_t)slice * m + row) * n + j_begin * 16 + c] = value;
     }
     __syncthreads();
     GEMV_MARK(5);
@@ -788,7 +834,7 @@ int launch_matmul_k(MatmulParts args, int num_sms, cudaStream_t stream) {
 
 #define TRELLM_FOR_EACH_K(MACRO) MACRO(1) MACRO(2) MACRO(3) MACRO(4) MACRO(5) MACRO(6) MACRO(7) MACRO(8)
 
-#define TRELLM_DEFINE_CODEBOOK_LAUNCHERS(CB_VALUE)                                                              \
+#define TRELLM_DEFINE_GEMV_LAUNCHER(CB_VALUE)                                                                  \
     template <>                                                                                                 \
     int launch_exl3_matmul_small<CB_VALUE>(MatmulParts args, int K, int num_sms, cudaStream_t stream) {        \
         switch (K) {                                                                                            \
@@ -796,7 +842,10 @@ int launch_matmul_k(MatmulParts args, int num_sms, cudaStream_t stream) {
             _GEMV_CASE(5) _GEMV_CASE(6) _GEMV_CASE(7) _GEMV_CASE(8)                                             \
             default: return TRELLM_E_BAD_ARG;                                                                   \
         }                                                                                                       \
-    }                                                                                                           \
+    }
+
+#define TRELLM_DEFINE_CODEBOOK_LAUNCHERS(CB_VALUE)                                                              \
+    TRELLM_DEFINE_GEMV_LAUNCHER(CB_VALUE)                                                                       \
     template <>                                                                                                 \
     int launch_exl3_decode_tiles<CB_VALUE>(const uint32_t *trellis, half *w, int k, int n, int K,              \
                                            cudaStream_t stream) {                                              \

@@ -45,6 +45,20 @@ EXL3_GATED_FUSED_MAX_ROWS = 1
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
+# How the GEMV decodes MUL1 (TRELLM_MUL1_GEMV): "fma", each weight as the format's fp16 fma of the byte sum (verified
+# on the H200), or "split", the byte sum straight into split-halves mma operands and the fma's constants applied to
+# each k-slice's sum (exl3_gemv.cuh, CB_MUL1_SPLIT: the decode's integer work of MCG's, and the weights unrounded).
+# "split" becomes the default once tests/test_cuda_ops.py passes with it and bench_exl3_gemv measures it faster.
+MUL1_GEMV_ENV = "TRELLM_MUL1_GEMV"
+MUL1_GEMV_ROUTES = ("fma", "split")
+
+
+def _gemv_codebook(codebook: str) -> str:
+    """The codebook name the GEMV's launches get: MUL1 on the route TRELLM_MUL1_GEMV picks."""
+    if codebook == "mul1" and _ops.route_from_env(MUL1_GEMV_ENV, MUL1_GEMV_ROUTES, "fma") == "split":
+        return "mul1_split"
+    return codebook
+
 
 @_exl3.hadamard_128.register("cuda")
 def hadamard_128(x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +101,7 @@ def exl3_matmul(
         return x.new_empty(*lead, n)
     suh16, svh16, bias16 = _f16(suh), _f16(svh), _f16(bias)
     if m < EXL3_MID_MIN_ROWS:
-        y = binding.exl3_matmul_small(x2, trellis.contiguous(), suh16, svh16, codebook, bias16)
+        y = binding.exl3_matmul_small(x2, trellis.contiguous(), suh16, svh16, _gemv_codebook(codebook), bias16)
     elif m <= EXL3_MID_MAX_ROWS:
         y = binding.exl3_matmul_mid(x2, trellis.contiguous(), suh16, svh16, codebook, bias16)
     else:
@@ -130,7 +144,7 @@ def exl3_matmul_gated(
         return exl3_matmul(gated_activation(gate, up, activation), trellis, suh, svh, codebook, bias)
     lead = gate.shape[:-1]
     y = binding.exl3_matmul_small_gated(gate.reshape(-1, k).contiguous(), up.reshape(-1, k).contiguous(), activation,
-                                        trellis.contiguous(), _f16(suh), _f16(svh), codebook, _f16(bias))
+                                        trellis.contiguous(), _f16(suh), _f16(svh), _gemv_codebook(codebook), _f16(bias))
     return y.reshape(*lead, n)
 
 
@@ -153,7 +167,8 @@ def exl3_matmul_add(x, trellis, suh, svh, codebook, bias, residual):
                                        _f16(bias), residual=residual.contiguous())
     if not _residual_fits(x, k, n, residual):  # many rows (prefill): no sums; the next norm reads h itself
         return exl3_matmul(x, trellis, suh, svh, codebook, bias) + residual, None
-    return binding.exl3_matmul_small(x.contiguous(), trellis.contiguous(), _f16(suh), _f16(svh), codebook, _f16(bias),
+    return binding.exl3_matmul_small(x.contiguous(), trellis.contiguous(), _f16(suh), _f16(svh),
+                                     _gemv_codebook(codebook), _f16(bias),
                                      residual=residual.contiguous())
 
 
@@ -167,7 +182,8 @@ def exl3_matmul_gated_add(gate, up, activation, trellis, suh, svh, codebook, bia
     if not fused:  # 2..5 rows: the activation's own launch, then the GEMV adds the residual and sums (1 launch)
         return exl3_matmul_add(gated_activation(gate, up, activation), trellis, suh, svh, codebook, bias, residual)
     return binding.exl3_matmul_small_gated(gate.contiguous(), up.contiguous(), activation, trellis.contiguous(),
-                                           _f16(suh), _f16(svh), codebook, _f16(bias), residual=residual.contiguous())
+                                           _f16(suh), _f16(svh), _gemv_codebook(codebook), _f16(bias),
+                                           residual=residual.contiguous())
 
 
 def _row_norm_fits(x: torch.Tensor, row_norm) -> bool:
@@ -222,8 +238,8 @@ def exl3_matmul_group(x: torch.Tensor, parts, codebook: str, row_norm=None) -> l
     lead = x.shape[:-1]
     if _gemv_one_launch(x, parts):
         x, row_norm = _split_row_norm(x, row_norm)
-        ys = binding.exl3_matmul_small_multi(x.reshape(-1, x.shape[-1]).contiguous(), _gemv_parts(parts), codebook,
-                                             row_norm=row_norm)
+        ys = binding.exl3_matmul_small_multi(x.reshape(-1, x.shape[-1]).contiguous(), _gemv_parts(parts),
+                                             _gemv_codebook(codebook), row_norm=row_norm)
         return [y.reshape(*lead, y.shape[-1]) for y in ys]
     if _one_call(x, parts, EXL3_MID_MIN_ROWS, EXL3_MID_MAX_ROWS):
         x, row_norm = _split_row_norm(x, row_norm)
@@ -265,8 +281,9 @@ def exl3_qkv_rope_write_kv(x, parts, codebook, head_dim, cos_table, sin_table, p
     x, row_norm = _split_row_norm(x, row_norm)
     c, s, p = _rope_tables(x, cos_table, sin_table, positions)
     q, kk, _ = binding.exl3_matmul_qkv_rope(
-        x.contiguous(), _gemv_parts(parts), codebook, c, s, p, interleaved, _norm_weight(q_norm), _norm_weight(k_norm),
-        norm_eps, norm_unit_offset, k_pages, v_pages, slots.to(device=x.device, dtype=torch.int64).contiguous(),
+        x.contiguous(), _gemv_parts(parts), _gemv_codebook(codebook) if gemv else codebook, c, s, p, interleaved,
+        _norm_weight(q_norm), _norm_weight(k_norm), norm_eps, norm_unit_offset, k_pages, v_pages,
+        slots.to(device=x.device, dtype=torch.int64).contiguous(),
         row_norm=row_norm, route="small" if gemv else "mid",
     )
     return q.reshape(t, -1, head_dim), kk.reshape(t, -1, head_dim)

@@ -31,7 +31,8 @@ enum {
 /* dtype codes */
 enum { TRELLM_F16 = 0, TRELLM_BF16 = 1, TRELLM_F32 = 2 };
 
-/* codebook codes: 3INST, MCG, MUL1 */
+/* codebook codes: 3INST, MCG, MUL1. The small-batch matmuls (trellm_exl3_matmul_small*) also take 3: MUL1
+ * through the GEMV's split-halves decode (no per-weight fp16 fma; weights unrounded, see exl3_gemv.cuh). */
 enum { TRELLM_CB_3INST = 0, TRELLM_CB_MCG = 1, TRELLM_CB_MUL1 = 2 };
 
 /* activation codes for trellm_gated_activation */

@@ -137,20 +137,69 @@ def test_golden_vectors(ops):
             assert rel_err(y.cpu(), d["probe.y"]) < 5e-3, (f.name, dtype)
 
 
-@pytest.mark.parametrize("codebook", CODEBOOKS)
+@pytest.mark.parametrize("codebook", CODEBOOKS + ("mul1_split",))
 @pytest.mark.parametrize("K", range(1, 9))
-@pytest.mark.parametrize("k, rows", [(512, (1, 5, 8)), (2048, (1, 5, 16))], ids=["one-slice", "sliced-k"])
+@pytest.mark.parametrize("k, rows", [(512, (1, 5, 8)), (2048, (1, 5, 16)), (1664, (3, 12))],
+                         ids=["one-slice", "sliced-k", "short-last-slice"])
 def test_exl3_matmul_gemv_all_k(kb, ops, K, codebook, k, rows):
     # The GEMV itself at every row count it takes (the op routes 9..16 rows to the mid-size matmul by default).
-    # k = 2048: two or four k-slices, whose sums meet in the epilogue (global partials and arrival counters).
+    # k = 2048: two or four k-slices, whose sums meet in the epilogue (global partials and arrival counters);
+    # k = 1664: a last slice of fewer 128-chunks. "mul1_split" is MUL1 on the split-halves decode, which sums
+    # each slice's x for the codebook's offset: held against MUL1's reference.
     n = 384
     trellis, suh, svh, bias = _random_layer(k, n, K)
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         y = kb.exl3_matmul_small(x, trellis, suh, svh, codebook, bias)
-        ref = ops.exl3.exl3_matmul.reference(x.float(), trellis, suh, svh, codebook, bias)
+        ref = ops.exl3.exl3_matmul.reference(x.float(), trellis, suh, svh, codebook.removesuffix("_split"), bias)
         assert y.dtype == torch.float16 and y.shape == (m, n)
         assert rel_err(y, ref) < 3e-3, (m, K, codebook)
+
+
+def test_mul1_split_route_reaches_every_gemv_entry(ops, monkeypatch):
+    # TRELLM_MUL1_GEMV=split takes every GEMV entry of the ops (plain, gated, residual add, q/k/v group, q/k/v +
+    # RoPE + KV write) onto the split decode: each result near MUL1's reference and not bit-equal to the "fma"
+    # route's (the split route multiplies by the unrounded weights, so equality would mean it was not taken).
+    # Rows past the GEMV's (the mid route) keep MUL1's own decode. A bad value is refused by name.
+    from trellm.kernels_cuda.ops import MUL1_GEMV_ENV
+    from trellm.ops.exl3 import (exl3_matmul, exl3_matmul_add, exl3_matmul_gated, exl3_matmul_gated_add,
+                                 exl3_matmul_group, exl3_qkv_rope_write_kv)
+
+    torch.manual_seed(11)
+    k_in, hq, hkv, d = 1024, 4, 2, 128
+    layer = _random_layer(k_in, 512, 4)
+    qkv = [_random_layer(k_in, n, 4) for n in (hq * d, hkv * d, hkv * d)]
+    half = d // 2
+    ang = torch.arange(16, device="cuda").float()[:, None] / (10000 ** (torch.arange(half, device="cuda").float() / half))
+    cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
+
+    def calls(rows: int) -> dict:
+        torch.manual_seed(rows)
+        x, gate, up = (torch.randn(rows, k_in, device="cuda", dtype=torch.float16) for _ in range(3))
+        residual = torch.randn(rows, 512, device="cuda", dtype=torch.float16)
+        pages = [torch.zeros(2, 16, hkv, d, device="cuda", dtype=torch.float16) for _ in range(2)]
+        positions = torch.arange(rows, device="cuda")
+        return {
+            "matmul": lambda: cuda_impl(exl3_matmul)(x, *layer[:3], "mul1", layer[3]),
+            "gated": lambda: cuda_impl(exl3_matmul_gated)(gate, up, "silu", *layer[:3], "mul1", None),
+            "add": lambda: cuda_impl(exl3_matmul_add)(x, *layer[:3], "mul1", layer[3], residual)[0],
+            "gated_add": lambda: cuda_impl(exl3_matmul_gated_add)(gate, up, "silu", *layer[:3], "mul1", None, residual)[0],
+            "group": lambda: torch.cat(cuda_impl(exl3_matmul_group)(x, qkv, "mul1"), dim=-1),
+            "qkv_rope": lambda: torch.cat([t.reshape(rows, -1) for t in cuda_impl(exl3_qkv_rope_write_kv)(
+                x, qkv, "mul1", d, cos, sin, positions, *pages, positions)], dim=-1),
+        }
+
+    for rows, gemv in ((1, True), (5, True), (12, False)):
+        monkeypatch.setenv(MUL1_GEMV_ENV, "fma")
+        fma = {name: call() for name, call in calls(rows).items()}
+        monkeypatch.setenv(MUL1_GEMV_ENV, "split")
+        split = {name: call() for name, call in calls(rows).items()}
+        for name in fma:
+            assert rel_err(split[name], fma[name]) < 3e-3, (name, rows)
+            assert torch.equal(split[name], fma[name]) != gemv, (name, rows, "split route taken" if gemv else "mid route")
+    monkeypatch.setenv(MUL1_GEMV_ENV, "fast")
+    with pytest.raises(ValueError, match=MUL1_GEMV_ENV):
+        cuda_impl(exl3_matmul)(torch.randn(1, k_in, device="cuda", dtype=torch.float16), *layer[:3], "mul1")
 
 
 @pytest.mark.parametrize("codebook", CODEBOOKS)
