@@ -8,6 +8,7 @@
     python benchmarks/bench_moe_decode.py --device cuda --weights exl3 --shape qwen3-30b-a3b --batch 1 8  # 48 layers, 128 experts
     python benchmarks/bench_moe_decode.py --device cuda --weights exl3 --moe-decode pairs fused one_launch \
         --deltanet-decode unfused fused                                  # the decode routes side by side
+    python benchmarks/bench_moe_decode.py --device cuda --weights exl3 --mul1-gemv fma split  # MUL1's two decode routes
 
 The model is built from trellm's modules (the qwen3_5_moe plugin) and filled with random tensors
 straight on the device, no checkpoint written. Each batch row is one sequence with its own paged
@@ -40,6 +41,7 @@ from trellm.config import DecoderConfig
 from trellm.modules.base import LoadContext
 from trellm.modules.moe import MOE_DECODE_ENV, MOE_DECODE_MODES, moe_decode_mode
 from trellm.modules.recurrent import DELTANET_DECODE_ENV, DELTANET_DECODE_MODES, deltanet_decode_mode
+from trellm.ops.exl3 import MUL1_GEMV_ENV, MUL1_GEMV_ROUTES, mul1_gemv_route
 from trellm.sdk import build_qwen3_5_moe
 
 # Qwen3.5-35B-A3B text config (hidden 2048, 40 layers, 3 linear : 1 full attention, 256 experts, top 8).
@@ -130,7 +132,7 @@ class RandomEXL3:
 
     name = "exl3-random"
 
-    def __init__(self, bits: int = 4, codebook: str = "mcg"):
+    def __init__(self, bits: int = 4, codebook: str = "mul1"):
         self.bits, self.codebook = bits, codebook
 
     def detect(self, store, key: str) -> bool:
@@ -299,6 +301,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="override the number of layers (keep a multiple of 4)")
     ap.add_argument("--weights", choices=("bf16", "exl3"), default="bf16")
     ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--codebook", choices=("mul1", "mcg", "3inst"), default="mul1",
+                    help="the random EXL3 weights' codebook (default mul1: what both converters write)")
+    ap.add_argument("--mul1-gemv", nargs="+", choices=MUL1_GEMV_ROUTES, default=None,
+                    help="with --weights exl3 --codebook mul1: time each of these MUL1 decode routes (TRELLM_MUL1_GEMV) in turn")
     ap.add_argument("--experts", choices=("stacked", "per_expert"), default=None,
                     help="expert layout (default: stacked for bf16, per_expert for exl3, whose experts are Linears)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
@@ -322,7 +328,7 @@ def main() -> None:
     cfg = DecoderConfig.from_hf(raw)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model = build_model(architecture, cfg)
-    formats = [RandomEXL3(args.bits)] if args.weights == "exl3" else []
+    formats = [RandomEXL3(args.bits, args.codebook)] if args.weights == "exl3" else []
     t0 = time.perf_counter()
     layout = args.experts or ("per_expert" if args.weights == "exl3" else "stacked")
     if layout == "stacked" and args.weights == "exl3":
@@ -332,7 +338,8 @@ def main() -> None:
     loaded = {layer.mlp.experts.layout for layer in model.layers if hasattr(layer.mlp, "experts")}
     if loaded != {layout}:
         raise SystemExit(f"asked for {layout} experts, the model loaded {sorted(loaded)}")
-    print(f"built {cfg.num_hidden_layers}-layer {args.shape}-shaped model ({args.weights}, {layout} experts, {dtype}) on {device} "
+    weights = f"exl3 {args.bits} bpw {args.codebook}" if args.weights == "exl3" else args.weights
+    print(f"built {cfg.num_hidden_layers}-layer {args.shape}-shaped model ({weights}, {layout} experts, {dtype}) on {device} "
           f"in {time.perf_counter() - t0:.1f}s: {model.nbytes() / 1e9:.2f} GB")
     if args.bandwidth:
         bandwidth = args.bandwidth
@@ -355,29 +362,31 @@ def main() -> None:
     print(f"MoE dispatch at decode: {'sync-free pair kernels (graph-capturable)' if sync_free else 'grouped by expert (host sync per layer)'}; "
           f"shared expert foldable into the pair launches in {folded} of {len(moe_layers)} MoE layers; "
           f"recurrent state per sequence {state_bytes / 1e6:.1f} MB (read + written each step, not in the ideal)")
-    print(f"{'batch':>5} {'moe/deltanet route':>20} {'mode':>9} {'tokens/s':>10} {'ms/step':>9} {'ideal tok/s':>12} {'of ideal':>9} "
-          f"{'GB read/step':>13}")
-    routes = [(m, d) for m in args.moe_decode or [moe_decode_mode()] for d in args.deltanet_decode or [deltanet_decode_mode()]]
+    print(f"{'batch':>5} {'moe/deltanet/mul1 route':>25} {'mode':>9} {'tokens/s':>10} {'ms/step':>9} {'ideal tok/s':>12} "
+          f"{'of ideal':>9} {'GB read/step':>13}")
+    routes = [(m, d, g) for m in args.moe_decode or [moe_decode_mode()] for d in args.deltanet_decode or [deltanet_decode_mode()]
+              for g in args.mul1_gemv or [mul1_gemv_route()]]
     for b in args.batch:
         touched = experts * (1 - (1 - top_k / experts) ** b)
         step_bytes = dense_bytes + touched * expert_bytes * moe_layers_count
         ideal = b * bandwidth / step_bytes
-        for moe_route, deltanet_route in routes:
+        for moe_route, deltanet_route, mul1_route in routes:
             os.environ[MOE_DECODE_ENV], os.environ[DELTANET_DECODE_ENV] = moe_route, deltanet_route
-            route = f"{moe_route}/{deltanet_route}"
+            os.environ[MUL1_GEMV_ENV] = mul1_route
+            route = f"{moe_route}/{deltanet_route}/{mul1_route}"
             res = run(model, cfg, b, args.prompt, steps, device, not args.no_graph, args.generator)
             for mode in ("eager", "graph", "gen", "gen-async"):
                 if mode in res:
                     tps = res[mode]
-                    print(f"{b:>5} {route:>20} {mode:>9} {tps:>10.1f} {1e3 * b / tps:>9.2f} {ideal:>12.0f} {tps / ideal:>8.1%} "
+                    print(f"{b:>5} {route:>25} {mode:>9} {tps:>10.1f} {1e3 * b / tps:>9.2f} {ideal:>12.0f} {tps / ideal:>8.1%} "
                           f"{step_bytes / 1e9:>13.3f}")
             if "graph" in res and "eager" in res:
-                print(f"{'':>26} graph / eager: {res['graph'] / res['eager']:.2f}x")
+                print(f"{'':>31} graph / eager: {res['graph'] / res['eager']:.2f}x")
             for mode in ("gen", "gen-async"):
                 if res.get(mode) and "graph" in res:
-                    print(f"{'':>26} {mode} / graph: {res[mode] / res['graph']:.2f}x (target: >= 0.90)")
+                    print(f"{'':>31} {mode} / graph: {res[mode] / res['graph']:.2f}x (target: >= 0.90)")
             if "graph_error" in res:
-                print(f"{'':>26} graph capture failed, eager only: {res['graph_error']}")
+                print(f"{'':>31} graph capture failed, eager only: {res['graph_error']}")
 
 
 if __name__ == "__main__":

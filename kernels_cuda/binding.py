@@ -22,8 +22,8 @@ HEADER = Path(__file__).resolve().parent / "trellm_kernels.h"
 
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 CODEBOOK_CODES = {"3inst": 0, "mcg": 1, "mul1": 2}
-# The small-batch matmuls (the GEMV) also take "mul1_split": MUL1 through the GEMV's split-halves decode
-# (exl3_gemv.cuh, CB_MUL1_SPLIT), chosen by trellm.kernels_cuda.ops from TRELLM_MUL1_GEMV.
+# The small-batch matmuls (the GEMV) and the MoE pair matmuls also take "mul1_split": MUL1 through the
+# split-halves decode (common.cuh, CB_MUL1_SPLIT), chosen by trellm.kernels_cuda.ops from TRELLM_MUL1_GEMV.
 GEMV_CODEBOOK_CODES = {**CODEBOOK_CODES, "mul1_split": 3}
 ACTIVATION_CODES = {
     "silu": 0, "swish": 0,
@@ -932,7 +932,8 @@ def moe_exl3_matmul(
         _ptr(x), DTYPE_CODES[x.dtype], _ptr(expert_of, "int64_t *"), _ptr(table, "uint64_t *"),
         _ptr(workspace, "float *"), _ptr(counters, "int *"), _ptr(pair_weights, "float *"), _ptr(y),
         _dtype_code(y, "out_dtype"),
-        MOE_MODES[mode], pairs, pairs_per_row, top_k, matrices, num_experts, k, n, K, _codebook_code(codebook), sms,
+        MOE_MODES[mode], pairs, pairs_per_row, top_k, matrices, num_experts, k, n, K,
+        _codebook_code(codebook, GEMV_CODEBOOK_CODES), sms,
         _stream(),
     )
     _check(rc, "moe_exl3_matmul")

@@ -439,3 +439,59 @@ template <int K, int CB> __device__ __forceinline__ void tile_fragment(const uin
     a[2] = *reinterpret_cast<uint32_t *>(&p23);
     a[3] = *reinterpret_cast<uint32_t *>(&p67);
 }
+
+// The MUL1 codebook on the split-halves route below (TRELLM_MUL1_GEMV=split: the GEMV and the MoE pair
+// kernels): a codebook id for the kernel templates, never a format marker. MUL1's weight is
+// k_inv * (1024 + s) + k_bias, s the byte sum of the hash (0..1020). One dp4a turns a hash into the word (fp16(1024 + s), fp16(-1534)), whose halves
+// sum to s - 510 exactly: the word is a split-halves A operand like 3INST's and MCG's, with no byte_perm and
+// no fp16 fma per pair (MUL1 took 11-15% longer than MCG at 1 row). The mma then accumulates
+// sum (s - 510) x, and each k-slice's partial becomes k_inv * acc + (k_bias + 1534 k_inv) * sum x
+// (mul1_split_partial). The difference from the format's fp16 weights is their rounding: the route
+// multiplies by the exact value of the fp16 fma, before its rounding to fp16.
+constexpr int CB_MUL1_SPLIT = 3;
+constexpr uint32_t MUL1_SPLIT_WORD = 0xE5FE6400u;        // (fp16(1024), fp16(-1534)), the byte sum added to the low half
+constexpr float MUL1_K_INV = 1774.0f / 262144.0f;        // fp16 0x1EEE
+constexpr float MUL1_OFFSET_REST = -476.0f / 262144.0f;  // fp16 0xC931 + 1534 * fp16 0x1EEE, exact
+
+__device__ __forceinline__ float mul1_split_partial(float acc, float x_sum) {
+    return fmaf(acc, MUL1_K_INV, x_sum * MUL1_OFFSET_REST);
+}
+
+// Split-halves A fragments for the 3INST and MCG codebooks. Their weight is the sum of the two fp16
+// halves of one 32-bit word; instead of adding the halves (two byte_perms and an hadd2 per pair), the
+// raw word goes into the mma as two k positions that both multiply the same x value: one mma takes the
+// even k of the tile ({e0, e4, e2, e6}), one the odd k ({e1, e5, e3, e7}), against duplicated x.
+// CB_MUL1_SPLIT's words are made the same way from a dp4a (see above).
+template <int K, int CB> __device__ __forceinline__ void tile_fragments_split(const uint32_t (&raw)[TileGeom<K>::NW],
+                                                                             int r, uint32_t (&even)[4],
+                                                                             uint32_t (&odd)[4]) {
+    uint32_t h[8];
+    lane_hashes<K, CB>(raw, r, h);
+    if constexpr (CB == CB_MUL1_SPLIT) {
+        even[0] = __dp4a(h[0], 0x01010101u, MUL1_SPLIT_WORD);
+        even[1] = __dp4a(h[4], 0x01010101u, MUL1_SPLIT_WORD);
+        even[2] = __dp4a(h[2], 0x01010101u, MUL1_SPLIT_WORD);
+        even[3] = __dp4a(h[6], 0x01010101u, MUL1_SPLIT_WORD);
+        odd[0] = __dp4a(h[1], 0x01010101u, MUL1_SPLIT_WORD);
+        odd[1] = __dp4a(h[5], 0x01010101u, MUL1_SPLIT_WORD);
+        odd[2] = __dp4a(h[3], 0x01010101u, MUL1_SPLIT_WORD);
+        odd[3] = __dp4a(h[7], 0x01010101u, MUL1_SPLIT_WORD);
+        return;
+    }
+    const uint32_t mask = 0x8FFF8FFFu, flip = 0x3B603B60u;
+    even[0] = lop3_and_xor(h[0], mask, flip);
+    even[1] = lop3_and_xor(h[4], mask, flip);
+    even[2] = lop3_and_xor(h[2], mask, flip);
+    even[3] = lop3_and_xor(h[6], mask, flip);
+    odd[0] = lop3_and_xor(h[1], mask, flip);
+    odd[1] = lop3_and_xor(h[5], mask, flip);
+    odd[2] = lop3_and_xor(h[3], mask, flip);
+    odd[3] = lop3_and_xor(h[7], mask, flip);
+}
+
+// The B operands of a split-halves tile from x's fragment word b (x at k, k + 1): x at k in both halves (for
+// the even-k mma) and x at k + 1 in both (the odd-k mma).
+__device__ __forceinline__ void split_b_operand(uint32_t b, uint32_t &even, uint32_t &odd) {
+    even = __byte_perm(b, b, 0x1010);
+    odd = __byte_perm(b, b, 0x3232);
+}

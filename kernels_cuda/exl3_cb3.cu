@@ -1,5 +1,6 @@
 // The EXL3 GEMV's instantiations for the MUL1 codebook on its split-halves route (CB_MUL1_SPLIT,
-// TRELLM_MUL1_GEMV=split): the GEMV only; the other EXL3 kernels decode MUL1 as codebook 2.
+// TRELLM_MUL1_GEMV=split; moe.cu has the MoE pair kernels'): the mid-size matmul and the tile decode read
+// MUL1 as codebook 2.
 #include "exl3_gemv.cuh"
 
 namespace trellm {

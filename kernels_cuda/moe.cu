@@ -181,6 +181,8 @@ __global__ void __launch_bounds__(MOE_WARPS * 32, 2) moe_exl3_partial_kernel(con
     const int k0 = slice * slice_k;
     const int chunks = min(slice_k, a.k - k0) / 128;
     const int tiles_k = a.k / 16, tiles_n = a.n / 16;
+    // CB_MUL1_SPLIT: the sum of the slice's x by 128-chunk (kt <= 32: at most MOE_WARPS * 4 chunks).
+    __shared__ float x_chunk_sums[CB == CB_MUL1_SPLIT ? MOE_WARPS * 4 : 1];
 
     // Phase 0: xs = fp16(H128(x * suh)) over the slice.
     for (int c = warp; c < chunks; c += MOE_WARPS) {
@@ -193,6 +195,11 @@ __global__ void __launch_bounds__(MOE_WARPS * 32, 2) moe_exl3_partial_kernel(con
         half2 *dst = reinterpret_cast<half2 *>(xs + c * 128 + lane * 4);
         dst[0] = __floats2half2_rn(v[0], v[1]);
         dst[1] = __floats2half2_rn(v[2], v[3]);
+        if constexpr (CB == CB_MUL1_SPLIT) {
+            const float2 lo = __half22float2(dst[0]), hi = __half22float2(dst[1]);
+            const float chunk_sum = warp_sum((lo.x + lo.y) + (hi.x + hi.y));
+            if (lane == 0) x_chunk_sums[c] = chunk_sum;
+        }
     }
     __syncthreads();
 
@@ -222,11 +229,24 @@ __global__ void __launch_bounds__(MOE_WARPS * 32, 2) moe_exl3_partial_kernel(con
             b0 = px[0];
             b1 = px[4];
         }
+        if constexpr (CB == CB_MUL1_SPLIT) {
+            uint32_t x_even[2], x_odd[2];
+            split_b_operand(b0, x_even[0], x_odd[0]);
+            split_b_operand(b1, x_even[1], x_odd[1]);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            uint32_t frag[4];
-            tile_fragment<K, CB>(src[j], r, frag);
-            mma_16816(c[j], frag, b0, b1);
+            for (int j = 0; j < 8; ++j) {
+                uint32_t even[4], odd[4];
+                tile_fragments_split<K, CB>(src[j], r, even, odd);
+                mma_16816(c[j], even, x_even[0], x_even[1]);
+                mma_16816(c[j], odd, x_odd[0], x_odd[1]);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                uint32_t frag[4];
+                tile_fragment<K, CB>(src[j], r, frag);
+                mma_16816(c[j], frag, b0, b1);
+            }
         }
     };
     if (my_tiles > 0) load(raw[0], first_tile);
@@ -253,6 +273,11 @@ __global__ void __launch_bounds__(MOE_WARPS * 32, 2) moe_exl3_partial_kernel(con
         float s = 0.f;
 #pragma unroll
         for (int ww = 0; ww < MOE_WARPS; ++ww) s += red[ww * MOE_GROUP + threadIdx.x];
+        if constexpr (CB == CB_MUL1_SPLIT) {
+            float x_sum = 0.f;
+            for (int ch = 0; ch < chunks; ++ch) x_sum += x_chunk_sums[ch];
+            s = mul1_split_partial(s, x_sum);
+        }
         out[threadIdx.x] = s;
     }
     if constexpr (FUSED) finish_if_last(a, f, counters, p, smem_raw);
@@ -366,7 +391,7 @@ extern "C" int trellm_moe_exl3_matmul(const void *x, int x_dtype, const int64_t 
     if (k <= 0 || n <= 0 || k % 128 || n % 128 || k > INT32_MAX / 2 || n > INT32_MAX / 2) return TRELLM_E_BAD_SHAPE;
     if (pairs <= 0 || pairs_per_row <= 0 || matrices <= 0 || num_experts <= 0) return TRELLM_E_BAD_SHAPE;
     if (matrices * pairs > 65535 || num_experts > INT32_MAX) return TRELLM_E_BAD_SHAPE;
-    if (K < 1 || K > 8 || codebook < 0 || codebook > 2) return TRELLM_E_BAD_ARG;
+    if (K < 1 || K > 8 || codebook < 0 || codebook > CB_MUL1_SPLIT) return TRELLM_E_BAD_ARG;
     if (x_dtype < TRELLM_F16 || x_dtype > TRELLM_F32 || y_dtype < TRELLM_F16 || y_dtype > TRELLM_F32)
         return TRELLM_E_BAD_DTYPE;
     if (mode == TRELLM_MOE_SILU_GATED && matrices != 2) return TRELLM_E_BAD_ARG;
@@ -410,7 +435,8 @@ extern "C" int trellm_moe_exl3_matmul(const void *x, int x_dtype, const int64_t 
     switch (codebook) {
         case 0: rc = launch_partial_cb<0>(pa, fa, counters, K, slices, stream); break;
         case 1: rc = launch_partial_cb<1>(pa, fa, counters, K, slices, stream); break;
-        default: rc = launch_partial_cb<2>(pa, fa, counters, K, slices, stream); break;
+        case 2: rc = launch_partial_cb<2>(pa, fa, counters, K, slices, stream); break;
+        default: rc = launch_partial_cb<CB_MUL1_SPLIT>(pa, fa, counters, K, slices, stream); break;
     }
     if (rc || counters) return rc;  // one launch: the partial kernel's last blocks finished
 

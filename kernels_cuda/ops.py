@@ -45,19 +45,11 @@ EXL3_GATED_FUSED_MAX_ROWS = 1
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
-# How the GEMV decodes MUL1 (TRELLM_MUL1_GEMV): "fma", each weight as the format's fp16 fma of the byte sum (verified
-# on the H200), or "split", the byte sum straight into split-halves mma operands and the fma's constants applied to
-# each k-slice's sum (exl3_gemv.cuh, CB_MUL1_SPLIT: the decode's integer work of MCG's, and the weights unrounded).
-# "split" becomes the default once tests/test_cuda_ops.py passes with it and bench_exl3_gemv measures it faster.
-MUL1_GEMV_ENV = "TRELLM_MUL1_GEMV"
-MUL1_GEMV_ROUTES = ("fma", "split")
-
 
 def _gemv_codebook(codebook: str) -> str:
-    """The codebook name the GEMV's launches get: MUL1 on the route TRELLM_MUL1_GEMV picks."""
-    if codebook == "mul1" and _ops.route_from_env(MUL1_GEMV_ENV, MUL1_GEMV_ROUTES, "fma") == "split":
-        return "mul1_split"
-    return codebook
+    """The codebook name the GEMV's and the MoE pair matmuls' launches get: MUL1 on its route (``mul1_gemv_route``;
+    "split" is common.cuh's CB_MUL1_SPLIT)."""
+    return "mul1_split" if codebook == "mul1" and _exl3.mul1_gemv_route() == "split" else codebook
 
 
 @_exl3.hadamard_128.register("cuda")
@@ -733,10 +725,10 @@ def exl3_experts_gate_up(x: torch.Tensor, expert_of: torch.Tensor, experts, pair
         return _moe.exl3_experts_gate_up.reference(x, expert_of, experts, pairs_per_row, activation)
     ids = expert_of.to(torch.int64).contiguous()
     if activation in ("silu", "swish"):
-        return binding.moe_exl3_matmul(x.contiguous(), ids, experts.gate_up_table, k, n, bits, codebook,
+        return binding.moe_exl3_matmul(x.contiguous(), ids, experts.gate_up_table, k, n, bits, _gemv_codebook(codebook),
                                        pairs_per_row=pairs_per_row, mode="silu_gated",
                                        counters=_moe_counters(x.device, ids.numel(), 1, "silu_gated", n))
-    gate, up = binding.moe_exl3_matmul(x.contiguous(), ids, experts.gate_up_table, k, n, bits, codebook,
+    gate, up = binding.moe_exl3_matmul(x.contiguous(), ids, experts.gate_up_table, k, n, bits, _gemv_codebook(codebook),
                                        pairs_per_row=pairs_per_row, mode="plain",
                                        counters=_moe_counters(x.device, ids.numel(), 1, "plain", n))
     return _ops.gated_activation(gate, up, activation)
@@ -754,7 +746,7 @@ def exl3_experts_down(h: torch.Tensor, expert_of: torch.Tensor, experts, weights
     ):
         return _moe.exl3_experts_down.reference(h, expert_of, experts, weights)
     return binding.moe_exl3_matmul(
-        h.contiguous(), expert_of.to(torch.int64).contiguous(), experts.down_table, k, n, bits, codebook,
+        h.contiguous(), expert_of.to(torch.int64).contiguous(), experts.down_table, k, n, bits, _gemv_codebook(codebook),
         mode="combine", pair_weights=weights.reshape(-1).to(torch.float32).contiguous(), top_k=weights.shape[1],
         counters=_moe_counters(h.device, expert_of.numel(), weights.shape[1], "combine", n),
     )

@@ -31,8 +31,9 @@ enum {
 /* dtype codes */
 enum { TRELLM_F16 = 0, TRELLM_BF16 = 1, TRELLM_F32 = 2 };
 
-/* codebook codes: 3INST, MCG, MUL1. The small-batch matmuls (trellm_exl3_matmul_small*) also take 3: MUL1
- * through the GEMV's split-halves decode (no per-weight fp16 fma; weights unrounded, see exl3_gemv.cuh). */
+/* codebook codes: 3INST, MCG, MUL1. The small-batch matmuls (trellm_exl3_matmul_small*) and
+ * trellm_moe_exl3_matmul also take 3: MUL1 through the split-halves decode (no per-weight fp16 fma; the
+ * weights unrounded, see CB_MUL1_SPLIT in common.cuh). */
 enum { TRELLM_CB_3INST = 0, TRELLM_CB_MCG = 1, TRELLM_CB_MUL1 = 2 };
 
 /* activation codes for trellm_gated_activation */

@@ -200,6 +200,31 @@ def test_exl3_expert_pairs_cuda(case):
     assert rel_err(out, out_ref) < 1.5e-2
 
 
+@pytest.mark.parametrize("case", [EXL3_CASES[2], (2048, 512, 4, 4, "mul1", 16, 8, 32, "silu", False)])
+@on_cuda
+def test_exl3_expert_pairs_mul1_split_route(case, monkeypatch):
+    # TRELLM_MUL1_GEMV=split: the pair kernels decode MUL1 into split-halves operands and add the codebook's
+    # offset from each slice's sum of x. Held against the reference, and not bit-equal to the default route
+    # (whose weights are rounded to fp16), which would mean the route was not taken.
+    from trellm.ops.exl3 import MUL1_GEMV_ENV
+
+    h, i, bits, down_bits, codebook, tokens, top_k, e, act, bias = case
+    bank = exl3_experts(e, h, i, bits, codebook, "cuda", act, bias, down_bits).pair_set
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+    weights, ids = routing(tokens, e, top_k, "cuda")
+    expert_of = ids.reshape(-1)
+    results = {}
+    for route in ("fma", "split"):
+        monkeypatch.setenv(MUL1_GEMV_ENV, route)
+        hidden = cuda_impl(exl3_experts_gate_up)(x, expert_of, bank, top_k, act)
+        results[route] = (hidden, cuda_impl(exl3_experts_down)(hidden, expert_of, bank, weights))
+    hidden, out = results["split"]
+    assert rel_err(hidden, exl3_experts_gate_up.reference(x.float(), expert_of, bank, top_k, act)) < 1.5e-2
+    assert rel_err(out, exl3_experts_down.reference(hidden.float(), expert_of, bank, weights)) < 1.5e-2
+    assert not torch.equal(hidden, results["fma"][0])
+    assert rel_err(hidden, results["fma"][0]) < 1e-2
+
+
 @pytest.mark.parametrize("layout", ["exl3", "stacked"])
 @on_cuda
 def test_moe_dispatch_sync_free_in_cuda_graph(layout):

@@ -161,7 +161,7 @@ def test_mul1_split_route_reaches_every_gemv_entry(ops, monkeypatch):
     # RoPE + KV write) onto the split decode: each result near MUL1's reference and not bit-equal to the "fma"
     # route's (the split route multiplies by the unrounded weights, so equality would mean it was not taken).
     # Rows past the GEMV's (the mid route) keep MUL1's own decode. A bad value is refused by name.
-    from trellm.kernels_cuda.ops import MUL1_GEMV_ENV
+    from trellm.ops.exl3 import MUL1_GEMV_ENV
     from trellm.ops.exl3 import (exl3_matmul, exl3_matmul_add, exl3_matmul_gated, exl3_matmul_gated_add,
                                  exl3_matmul_group, exl3_qkv_rope_write_kv)
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import op
+from . import op, route_from_env
 from .dense import group_sum_squares
 from .projection import RowNorm
 
@@ -37,6 +37,18 @@ __all__ = [
 ]
 
 CODEBOOKS = ("3inst", "mcg", "mul1")
+
+MUL1_GEMV_ENV = "TRELLM_MUL1_GEMV"
+MUL1_GEMV_ROUTES = ("fma", "split")
+
+
+def mul1_gemv_route() -> str:
+    """``TRELLM_MUL1_GEMV``, how the CUDA GEMV and MoE pair matmuls decode MUL1: "fma" (default), each weight as the
+    format's fp16 fma of its hash's byte sum; "split", the byte sum straight into split-halves mma operands and the
+    fma's constants applied to each k-slice's sum (the integer work of MCG's decode; the weights unrounded). The
+    default stays on the route the H200 has verified until ``tests/test_cuda_ops.py`` and ``tests/test_cuda_moe.py``
+    have passed there with the split route and ``bench_exl3_matmul.py --routes`` has measured it."""
+    return route_from_env(MUL1_GEMV_ENV, MUL1_GEMV_ROUTES, "fma")
 # The locked multipliers of the marker codebooks (the value stored in the `.mcg` / `.mul1` scalar).
 CODEBOOK_MULTIPLIERS = {"mcg": 0xCBAC1FED, "mul1": 0x83DCD12D}
 _MASK32 = 0xFFFFFFFF
