@@ -189,6 +189,13 @@ __global__ void exl3_mid_pack_kernel(const MidArgs a) {
         for (int i = 0; i < 4; ++i) v[i] *= __half2float(p.suh[kk0 + i]);
     }
     warp_hadamard_128(v);  // every lane takes part (rows past m are zero)
+    if (a.x_sums) {  // MUL1's split route: this chunk's sum of x as the matmul reads it (fp16)
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sum += __half2float(__float2half_rn(v[i]));
+        sum = warp_sum(sum);
+        if (lane == 0) a.x_sums[((size_t)part * rows + row) * chunks + job % chunks] = sum;
+    }
     // The B fragment of (k tile t, row group g): lane 4(row % 8) + (c % 8) / 2 holds (x[c], x[c + 1]) in its
     // first word for c < 8, in its second for c >= 8 (c = k % 16, even c in the low half).
     const int g = row / 8, fragment_lane_row = (row % 8) * 4;
@@ -220,6 +227,15 @@ __global__ void exl3_mid_finish_kernel(const MidArgs a) {
     for (int s = 0; s < pieces; ++s) {
         const float4 q = *reinterpret_cast<const float4 *>(p.partial + ((size_t)s * a.m + row) * p.n + col);
         v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
+    }
+    if (a.x_sums) {  // MUL1's split route: the codebook's scale and offset (mul1_split_partial) on the whole sum
+        const int chunks = a.k / 128;
+        const float *sums = a.x_sums + ((size_t)part * a.groups * 8 + row) * chunks;
+        float x_sum = 0.f;
+        for (int c = lane; c < chunks; c += 32) x_sum += sums[c];
+        x_sum = __shfl_sync(0xffffffffu, warp_sum(x_sum), 0);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = mul1_split_partial(v[i], x_sum);
     }
     warp_hadamard_128(v);
     if (a.head.enabled) {
@@ -268,6 +284,7 @@ int exl3_matmul_mid_parts(const void *x, int x_dtype, int parts, const void *con
     if (m < 1 || m > MID_MAX_ROWS) return TRELLM_E_BAD_SHAPE;
     if (x_dtype < TRELLM_F16 || x_dtype > TRELLM_F32 || y_dtype < TRELLM_F16 || y_dtype > TRELLM_F32)
         return TRELLM_E_BAD_DTYPE;
+    if (codebook == CB_MUL1_SPLIT && mid_groups((int)m) != 1) codebook = TRELLM_CB_MUL1;  // split: one row group
     const int64_t need = trellm_exl3_matmul_mid_workspace(m, k, parts, n, num_sms);
     if (need == 0) return TRELLM_E_BAD_SHAPE;
     if (workspace_len < need || reinterpret_cast<uintptr_t>(workspace) % 16) return TRELLM_E_BAD_ARG;
@@ -283,7 +300,7 @@ int exl3_matmul_mid_parts(const void *x, int x_dtype, int parts, const void *con
     a.head = head ? *head : HeadEpilogue{};
     int64_t total_n = 0;
     for (int p = 0; p < parts; ++p) {
-        const int rc = check_exl3_dims(k, n[p], K, codebook);
+        const int rc = check_exl3_dims(k, n[p], K, codebook == CB_MUL1_SPLIT ? TRELLM_CB_MUL1 : codebook);
         if (rc) return rc;
         if (reinterpret_cast<uintptr_t>(trellis[p]) % 16) return TRELLM_E_BAD_ARG;
         a.group_begin[p] = (int)(total_n / 128);
@@ -306,6 +323,7 @@ int exl3_matmul_mid_parts(const void *x, int x_dtype, int parts, const void *con
         q.n = (int)n[p];
         partial += (int64_t)pieces * m * n[p];
     }
+    a.x_sums = codebook == CB_MUL1_SPLIT ? partial : nullptr;  // after the partials (mid_workspace_floats)
     const int pack_jobs = parts * a.groups * 8 * (a.k / 128);
     const cudaError_t err = launch_pdl(exl3_mid_pack_kernel, dim3((pack_jobs + 7) / 8), dim3(256), 0, stream, a);
     if (err != cudaSuccess) return (int)err;
@@ -313,7 +331,8 @@ int exl3_matmul_mid_parts(const void *x, int x_dtype, int parts, const void *con
     switch (codebook) {
         case 0: rc = launch_exl3_matmul_mid<0>(a, K, stream); break;
         case 1: rc = launch_exl3_matmul_mid<1>(a, K, stream); break;
-        default: rc = launch_exl3_matmul_mid<2>(a, K, stream); break;
+        case 2: rc = launch_exl3_matmul_mid<2>(a, K, stream); break;
+        default: rc = launch_exl3_matmul_mid<CB_MUL1_SPLIT>(a, K, stream); break;
     }
     if (rc) return rc;
     const int finish_jobs = a.m * a.group_begin[parts];

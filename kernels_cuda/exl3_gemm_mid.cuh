@@ -92,6 +92,8 @@ struct MidArgs {
     int x_dtype, y_dtype, m, k, groups;  // groups: G, the row groups of 8
     int units, blocks;                   // units = group_begin[parts] * k / MID_UNIT_K
     ResidualStream stream;               // the input norm (pack) and the residual add (finish; one part)
+    float *x_sums;                       // CB_MUL1_SPLIT (one row group): [parts][8][k / 128] sums of the packed x
+                                         // (pack), for the codebook's offset (finish); null otherwise
     HeadEpilogue head;                   // head.enabled: q/k/v (3 parts) finished for attention, as the GEMV's
 };
 
@@ -258,13 +260,25 @@ __global__ void __launch_bounds__(MID_WARPS * 32, MID_BLOCKS_PER_SM) exl3_matmul
             for (int q = 0; q < TG::NW; ++q) raw[q] = ring[tt * TG::WORDS + (w0 + q) % TG::WORDS];
             // The weights as fp16 (halves paired and added, as the bit-exact decoder does): one mma per row
             // group. The GEMV's split halves (two mmas against duplicated x) would double the tensor-core work,
-            // which bounds this kernel at 4..8 row groups.
-            uint32_t frag[4];
-            tile_fragment<K, CB>(raw, r, frag);
+            // which bounds this kernel at 4..8 row groups; MUL1's split route (CB_MUL1_SPLIT) is built for one
+            // row group only, where it takes the GEMV's two mmas per tile for fewer decode instructions.
+            if constexpr (CB == CB_MUL1_SPLIT) {
+                static_assert(G == 1, "MUL1's split route runs one row group");
+                uint32_t even[4], odd[4], x_even[2], x_odd[2];
+                tile_fragments_split<K, CB>(raw, r, even, odd);
+                const uint2 xv = xs[tt * 32 + lane];
+                split_b_operand(xv.x, x_even[0], x_odd[0]);
+                split_b_operand(xv.y, x_even[1], x_odd[1]);
+                mma_16816(acc[0], even, x_even[0], x_even[1]);
+                mma_16816(acc[0], odd, x_odd[0], x_odd[1]);
+            } else {
+                uint32_t frag[4];
+                tile_fragment<K, CB>(raw, r, frag);
 #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                const uint2 xv = xs[(tt * G + g) * 32 + lane];
-                mma_16816(acc[g], frag, xv.x, xv.y);
+                for (int g = 0; g < G; ++g) {
+                    const uint2 xv = xs[(tt * G + g) * 32 + lane];
+                    mma_16816(acc[g], frag, xv.x, xv.y);
+                }
             }
         }
         if (i + 1 == count || work.chunk + 1 == chunks_k) {
@@ -312,11 +326,12 @@ inline int mid_pieces(int chunks_k, int units, int blocks) {
 }
 
 // Floats of workspace for total_n columns over `parts` parts: each part's packed x (fp16 per element of the
-// padded rows) and the partials.
+// padded rows), the partials, and (MUL1's split route) the sums of x per row and 128-chunk of k.
 inline int64_t mid_workspace_floats(int m, int k, int parts, int64_t total_n, int num_sms) {
     const int chunks_k = k / MID_UNIT_K, units = (int)(total_n / 128) * chunks_k;
     const int blocks = mid_blocks(units, chunks_k, num_sms);
-    return (int64_t)parts * k * mid_groups(m) * 4 + (int64_t)mid_pieces(chunks_k, units, blocks) * m * total_n;
+    return (int64_t)parts * k * mid_groups(m) * 4 + (int64_t)mid_pieces(chunks_k, units, blocks) * m * total_n +
+           (int64_t)parts * mid_groups(m) * 8 * (k / 128);
 }
 
 // Dynamic shared memory for a launch whose stages take stages_bytes: at least enough that no more than
@@ -351,12 +366,16 @@ int launch_mid_matmul(const MidArgs &args, cudaStream_t stream) {
 
 template <int K, int CB>
 int launch_mid_k(const MidArgs &args, cudaStream_t stream) {
-    switch (args.groups) {
-        case 1: return launch_mid_matmul<K, CB, 1>(args, stream);
-        case 2: return launch_mid_matmul<K, CB, 2>(args, stream);
-        case 4: return launch_mid_matmul<K, CB, 4>(args, stream);
-        case 8: return launch_mid_matmul<K, CB, 8>(args, stream);
-        default: return TRELLM_E_BAD_ARG;
+    if constexpr (CB == CB_MUL1_SPLIT) {
+        return args.groups == 1 ? launch_mid_matmul<K, CB, 1>(args, stream) : TRELLM_E_BAD_ARG;
+    } else {
+        switch (args.groups) {
+            case 1: return launch_mid_matmul<K, CB, 1>(args, stream);
+            case 2: return launch_mid_matmul<K, CB, 2>(args, stream);
+            case 4: return launch_mid_matmul<K, CB, 4>(args, stream);
+            case 8: return launch_mid_matmul<K, CB, 8>(args, stream);
+            default: return TRELLM_E_BAD_ARG;
+        }
     }
 }
 

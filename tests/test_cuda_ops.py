@@ -156,11 +156,12 @@ def test_exl3_matmul_gemv_all_k(kb, ops, K, codebook, k, rows):
         assert rel_err(y, ref) < 3e-3, (m, K, codebook)
 
 
-def test_mul1_split_route_reaches_every_gemv_entry(ops, monkeypatch):
-    # TRELLM_MUL1_GEMV=split takes every GEMV entry of the ops (plain, gated, residual add, q/k/v group, q/k/v +
-    # RoPE + KV write) onto the split decode: each result near MUL1's reference and not bit-equal to the "fma"
-    # route's (the split route multiplies by the unrounded weights, so equality would mean it was not taken).
-    # Rows past the GEMV's (the mid route) keep MUL1's own decode. A bad value is refused by name.
+def test_mul1_split_route_reaches_every_matmul_entry(ops, monkeypatch):
+    # TRELLM_MUL1_GEMV=split takes every in-register matmul entry of the ops (plain, gated, residual add, q/k/v
+    # group, q/k/v + RoPE + KV write; the GEMV's rows and the mid route's up to 8) onto the split decode: each
+    # result near MUL1's reference and not bit-equal to the "fma" route's (the split route multiplies by the
+    # unrounded weights, so equality would mean it was not taken). At 12 rows (two row groups of the mid route)
+    # MUL1 keeps its own decode. A bad value is refused by name.
     from trellm.ops.exl3 import MUL1_GEMV_ENV
     from trellm.ops.exl3 import (exl3_matmul, exl3_matmul_add, exl3_matmul_gated, exl3_matmul_gated_add,
                                  exl3_matmul_group, exl3_qkv_rope_write_kv)
@@ -189,33 +190,36 @@ def test_mul1_split_route_reaches_every_gemv_entry(ops, monkeypatch):
                 x, qkv, "mul1", d, cos, sin, positions, *pages, positions)], dim=-1),
         }
 
-    for rows, gemv in ((1, True), (5, True), (12, False)):
+    for rows, split in ((1, True), (5, True), (7, True), (12, False)):
         monkeypatch.setenv(MUL1_GEMV_ENV, "fma")
         fma = {name: call() for name, call in calls(rows).items()}
         monkeypatch.setenv(MUL1_GEMV_ENV, "split")
-        split = {name: call() for name, call in calls(rows).items()}
+        results = {name: call() for name, call in calls(rows).items()}
         for name in fma:
-            assert rel_err(split[name], fma[name]) < 3e-3, (name, rows)
-            assert torch.equal(split[name], fma[name]) != gemv, (name, rows, "split route taken" if gemv else "mid route")
+            assert rel_err(results[name], fma[name]) < 3e-3, (name, rows)
+            assert torch.equal(results[name], fma[name]) != split, (name, rows, "split route taken" if split else "mul1's own")
     monkeypatch.setenv(MUL1_GEMV_ENV, "fast")
     with pytest.raises(ValueError, match=MUL1_GEMV_ENV):
         cuda_impl(exl3_matmul)(torch.randn(1, k_in, device="cuda", dtype=torch.float16), *layer[:3], "mul1")
 
 
-@pytest.mark.parametrize("codebook", CODEBOOKS)
+@pytest.mark.parametrize("codebook", CODEBOOKS + ("mul1_split",))
 @pytest.mark.parametrize("K", range(1, 9))
 def test_exl3_matmul_mid_all_k(kb, ops, K, codebook):
     # The mid-size route (trellis decoded in registers against packed x fragments): every K and codebook,
     # row counts for each of its row-group sizes (1, 2, 4, 8 groups of 8) and their edges, k split into several
-    # slices.
+    # slices. "mul1_split" (MUL1's split-halves decode, x summed in the pack for the offset) runs up to 8 rows
+    # (one row group) and is MUL1's own decode above: bit-equal to "mul1" there.
     k, n = 2048, 384
     trellis, suh, svh, bias = _random_layer(k, n, K)
     for m in (1, 6, 8, 9, 16, 17, 33, 64):
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         y = kb.exl3_matmul_mid(x, trellis, suh, svh, codebook, bias)
-        ref = ops.exl3.exl3_matmul.reference(x.float(), trellis, suh, svh, codebook, bias)
+        ref = ops.exl3.exl3_matmul.reference(x.float(), trellis, suh, svh, codebook.removesuffix("_split"), bias)
         assert y.dtype == torch.float16 and y.shape == (m, n)
         assert rel_err(y, ref) < 3e-3, (m, K, codebook)
+        if codebook == "mul1_split":
+            assert torch.equal(y, kb.exl3_matmul_mid(x, trellis, suh, svh, "mul1", bias)) == (m > 8), (m, K)
 
 
 @pytest.mark.parametrize("codebook", ["3inst", "mul1"])
