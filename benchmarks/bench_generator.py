@@ -19,7 +19,8 @@ the generator's async scheduling off and then on (``--async-scheduling both``, t
 ``--random-exl3 DIR`` writes (once; reused while its settings match) a Llama-3.1-8B-shaped model with
 random EXL3 weights (``--bits``, head 6 bits, ``--codebook`` mul1 by default, what both converters write)
 and benchmarks it; no tokenizer, prompts are token ids. ``--sample`` gives every job the "default" sampler
-preset (temperature 0.8, top-k 50, top-p 0.95) with a seed, instead of greedy decoding.
+preset (temperature 0.8, top-k 50, top-p 0.95) with a seed, instead of greedy decoding. ``--mul1-gemv fma split``
+runs every batch size on each MUL1 decode route of the CUDA matmuls (``TRELLM_MUL1_GEMV``) in this process.
 
 Fixed per-step overhead (host work around the forward) shows best with a model whose forward is
 cheap: on a GPU the SmolLM2 shape at batch 1; on CPU ``--random-like-smollm2 DIR --tiny`` (2 layers,
@@ -37,6 +38,7 @@ import statistics
 import time
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -44,6 +46,7 @@ import torch
 import trellm
 from trellm.generator import (DraftModelProposer, Generator, Job, JobFinished, JobStarted, NgramProposer,
                               PrefillProgress, SamplerSettings, TokenChunk)
+from trellm.ops.exl3 import MUL1_GEMV_ENV, MUL1_GEMV_ROUTES, mul1_gemv_route
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
@@ -271,6 +274,9 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4, help="with --random-exl3: bits per weight (head: 6)")
     ap.add_argument("--codebook", default="mul1", choices=["mul1", "mcg", "3inst"],
                     help="with --random-exl3: the trellis codebook (default mul1, the converters' default)")
+    ap.add_argument("--mul1-gemv", nargs="+", choices=MUL1_GEMV_ROUTES, default=None,
+                    help="with a mul1 model: run every batch size on each of these MUL1 decode routes (TRELLM_MUL1_GEMV), "
+                         "in this process (default: the route the environment picks)")
     ap.add_argument("--sample", action="store_true", help="jobs sample (preset 'default', seeded) instead of greedy")
     ap.add_argument("--tiny", action="store_true",
                     help="with --random-like-smollm2: 2 layers, hidden 64 (SmolLM2's vocabulary): the step is mostly host overhead")
@@ -342,15 +348,19 @@ def main() -> None:
     if not args.profile:
         print(header)
     modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.async_scheduling]
-    for n, mode in ((int(x), m) for x in args.batch_sizes.split(",") for m in modes):
+    routes = (args.mul1_gemv or [mul1_gemv_route()]) if codebook == "mul1" else [None]
+    for route, n, mode in ((r, int(x), m) for r in routes for x in args.batch_sizes.split(",") for m in modes):
+        if route is not None:  # read when each run's graphs are captured: a fresh Generator per run
+            os.environ[MUL1_GEMV_ENV] = route
         row = run_batch(lm, n, args, async_scheduling=mode)
+        row["codebook"] = codebook if route is None else f"{codebook}/{route}"
         rows.append(row)
         if args.profile:
             print(header)
         captured = row["captured_ms"]  # the step's GPU work alone; the generator's step beyond it is host work
         cap, host = (f"{captured:11.3f}", f"{row['step_ms'] - captured:8.3f}") if captured else (f"{'-':>11}", f"{'-':>8}")
         print(f"{n:5d} {row['wall_s']:8.2f} {row['tok_s']:8.2f} {row['decode_tok_s']:13.2f} {row['step_ms']:8.3f} {cap} {host} "
-              f"{row['ttft_s']:8.2f}  {codebook:<8}  {row['decode_path']}", flush=True)
+              f"{row['ttft_s']:8.2f}  {row['codebook']:<8}  {row['decode_path']}", flush=True)
     if args.plot:
         from common import pyplot, save_figure  # benchmarks/common.py, next to this script
 
@@ -358,9 +368,9 @@ def main() -> None:
         if plt is None:
             return
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        for mode in modes:
-            mine = [r for r in rows if ("async" in r["decode_path"]) == mode]
-            tag = "async" if mode else "sync"
+        for (mode, book) in ((m, b) for b in dict.fromkeys(r["codebook"] for r in rows) for m in modes):
+            mine = [r for r in rows if ("async" in r["decode_path"]) == mode and r["codebook"] == book]
+            tag = ("async" if mode else "sync") + (f", {book}" if len(routes) > 1 else "")
             ax.plot([r["jobs"] for r in mine], [r["tok_s"] for r in mine], "o-", label=f"overall, {tag}")
             ax.plot([r["jobs"] for r in mine], [r["decode_tok_s"] for r in mine], "s--", label=f"decode, {tag}")
         ax.set_xscale("log", base=2)
