@@ -9,7 +9,8 @@ kernel (M <= 16), "mid" decodes the trellis in registers against tensor-core fra
 take each M (gemv_us, mid_us, cublas_us): the A/B of the three in one process. With the MUL1 codebook (the
 default: what both converters write) it also times the GEMV's split-halves MUL1 route (gemv_split_us,
 TRELLM_MUL1_GEMV=split) beside its default fp16-fma route (gemv_us), and the same trellis bits read as MCG
-(gemv_mcg_us), the speed the split route is meant to reach.
+(gemv_mcg_us), the speed the split route is meant to reach; up to 8 rows the mid-size route's split decode too
+(mid_split_us).
 
     python benchmarks/bench_exl3_matmul.py [--quick] [--csv out.csv] [--plot out.png]
 
@@ -174,12 +175,15 @@ def time_routes(x: torch.Tensor, layers: list, codebook: str) -> dict[str, float
                 routes[name] = lambda t, suh, svh, cb=cb: binding.exl3_matmul_small(x, t, suh, svh, cb)
     if m <= binding.EXL3_MID_MAX_ROWS:
         routes["mid"] = lambda t, suh, svh: binding.exl3_matmul_mid(x, t, suh, svh, codebook)
+        if codebook == "mul1" and m <= 8:  # one row group: the mid route's split decode too
+            routes["mid_split"] = lambda t, suh, svh: binding.exl3_matmul_mid(x, t, suh, svh, "mul1_split")
     routes["cublas"] = lambda t, suh, svh: cuda_ops.exl3_matmul_decoded(x, t, suh, svh, codebook)
     return {name: time_graph(lambda f=f: [f(*layer) for layer in layers]) / len(layers) for name, f in routes.items()}
 
 
 ROUTE_STYLES = {"gemv_us": ("GEMV (<= 16 rows)", "o-"), "gemv_split_us": ("GEMV, MUL1 split route", "o:"),
                 "gemv_mcg_us": ("GEMV, same bits as MCG", "o--"), "mid_us": ("mid (<= 64 rows)", "s-"),
+                "mid_split_us": ("mid, MUL1 split route", "s:"),
                 "cublas_us": ("decode + cuBLAS", "^-"), "bf16_us": ("bf16 F.linear", "k--")}
 
 
