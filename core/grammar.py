@@ -9,11 +9,15 @@ transformers tokenizer) and installs as one wheel without torch, triton or TVM. 
 per token against xgrammar's ~4 µs, which the overlap below hides.
 
 How the generator uses it (``Job(grammar=Grammar.json_schema(...))``): at enqueue the grammar is
-compiled for the model's tokenizer (errors raise :class:`GrammarError` there); each step, before the
-forward runs, a worker thread computes the token masks of every grammar job's sampled rows (the
-matchers' Rust code drops the GIL and spreads the jobs over threads), so they are ready when the
-logits are; the masks are applied to the logits on their device, after a captured CUDA graph
-replays, and before sampling or the argmax. Speculative drafts are cut at the first token the grammar
+compiled for the model's tokenizer (errors raise :class:`GrammarError` there). Each step computes the
+token masks of every grammar job's sampled rows while the forward runs (llguidance's executor spreads
+the jobs over threads, its Rust code without the GIL): under async scheduling (CUDA) the step's
+forward is queued before the previous step is read back, and the main thread fills its masks once
+that step's tokens are committed to the matchers (:meth:`GrammarEngine.fill_masks`), so the masks
+hide behind the whole forward and no thread shares the GIL with the forward's launch; otherwise a
+worker thread fills them beside the forward (:meth:`GrammarEngine.start_masks`). The masks are
+applied to the logits on their device, after a captured CUDA graph replays, and before sampling or
+the argmax. Speculative drafts are cut at the first token the grammar
 refuses before they are verified, and each draft position gets the mask of the state after the
 draft tokens before it.
 """
@@ -26,6 +30,7 @@ import threading
 import time
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from .errors import TrellmError
@@ -33,6 +38,7 @@ from .errors import TrellmError
 # Whitespace between JSON tokens: room for indented output, but a model cannot loop on blanks forever.
 JSON_WHITESPACE = r"[\n\t ]{0,20}"
 MASK_THREADS = 8  # the most threads llguidance's executor spreads one step's masks over
+StepMasks = tuple[list[int], torch.Tensor]  # (logits rows masked, the step's int32 bitmask): what apply_masks takes
 
 
 class GrammarError(TrellmError, ValueError):
@@ -176,15 +182,20 @@ class GrammarEngine:
         self.stop_ids = sorted(stop_ids)
         self.tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=self.stop_ids or None)
         self.words = (self.vocab_size + 31) // 32
-        self.executor = llg.LLExecutor(num_threads=max(1, min(os.cpu_count() or 1, MASK_THREADS)))
+        self.executor_threads = max(1, min(os.cpu_count() or 1, MASK_THREADS))
+        self.executor = llg.LLExecutor(num_threads=self.executor_threads)
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trellm-grammar")
         # two pinned buffers, used in turn: a step's copy to the device never races the next step's fill
         self._host_masks = [torch.empty(0, self.words, dtype=torch.int32) for _ in range(2)]
         self._turn = 0
-        self._shifts: dict[torch.device, torch.Tensor] = {}
+        self._bits: dict[torch.device, torch.Tensor] = {}
+        self._stop_set = set(self.stop_ids)
+        ids = np.array(self.stop_ids, dtype=np.int64)
+        self._stop_words = (ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)).astype(np.uint32))
         self._lock = threading.Lock()
-        # masks: rows filled; fill_s: time the worker spent filling them; wait_s: time the step then still
-        # waited for them after its forward (the part the overlap did not hide)
+        # masks: rows filled; fill_s: time spent filling them (the worker's, or with async scheduling the
+        # main thread's while the device runs the forward); wait_s: time a step still waited for the worker
+        # after its forward (the part the overlap did not hide)
         self.stats = {"masks": 0, "fill_s": 0.0, "wait_s": 0.0}
 
     def compile(self, grammar: Grammar) -> GrammarState:
@@ -201,65 +212,81 @@ class GrammarEngine:
 
     def start_masks(self, rows: list[tuple[GrammarState, int, list[int]]], num_rows: int,
                     stop_ids: list[set[int] | None]) -> concurrent.futures.Future:
-        """Begin computing masks on the worker thread: for each (state, first logits row, draft tokens), the
-        row's mask and one per draft token after it. ``stop_ids[i]`` (None = the engine's) replaces the
-        engine's stop tokens in entry i's rows. Resolve with :meth:`apply_masks`."""
+        """Begin computing masks on the worker thread (see :meth:`fill_masks`), beside the forward this
+        thread then launches; resolve with :meth:`apply_masks`."""
+        return self._worker.submit(self._fill, rows, self._next_buffer(num_rows), stop_ids)
+
+    def fill_masks(self, rows: list[tuple[GrammarState, int, list[int]]], num_rows: int,
+                   stop_ids: list[set[int] | None]) -> StepMasks:
+        """The masks of ``num_rows`` logits rows, computed on this thread: for each (state, first logits row,
+        draft tokens), the row's mask and one per draft token after it; other rows allow every token.
+        ``stop_ids[i]`` (None = the engine's) replaces the engine's stop tokens in entry i's rows. Async
+        scheduling calls this while the device runs the step's forward: no thread hand-off, no GIL to share."""
+        return self._fill(rows, self._next_buffer(num_rows), stop_ids)
+
+    def _next_buffer(self, num_rows: int) -> torch.Tensor:
         self._turn ^= 1
         if self._host_masks[self._turn].shape[0] < num_rows:
             self._host_masks[self._turn] = torch.empty(max(num_rows, 64), self.words, dtype=torch.int32,
                                                        pin_memory=torch.cuda.is_available())
-        masks = self._host_masks[self._turn][:num_rows]
-        return self._worker.submit(self._fill, rows, masks, stop_ids)
+        return self._host_masks[self._turn][:num_rows]
 
-    def _fill(self, rows, masks: torch.Tensor, stop_ids: list[set[int] | None]) -> tuple[list[int], torch.Tensor]:
+    def _fill(self, rows, masks: torch.Tensor, stop_ids: list[set[int] | None]) -> StepMasks:
         import llguidance.torch as llt
 
         started = time.perf_counter()
-        with torch.inference_mode():  # the buffer was made under the generator's inference mode
-            masks.fill_(-1)  # rows of jobs without a grammar allow every token
         plain = [(state.matcher, row) for state, row, draft in rows if not draft]
         drafted = [(state.matcher, row, list(draft)) for state, row, draft in rows if draft]
+        used = [r for _, row, draft in rows for r in range(row, row + len(draft) + 1)]
+        if len(used) < masks.shape[0]:
+            with torch.inference_mode():  # the buffer was made under the generator's inference mode
+                masks.fill_(-1)  # rows of jobs without a grammar allow every token
         if plain:
             llt.fill_next_token_bitmask_par(self.executor, plain, masks)
         if drafted:
             llt.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafted, masks)
-        used: list[int] = []
-        for (state, row, draft), stops in zip(rows, stop_ids):
-            used += range(row, row + len(draft) + 1)
-            if stops is not None and set(stops) != set(self.stop_ids):
-                for r in range(row, row + len(draft) + 1):
-                    self._swap_stops(masks[r], stops)
+        swaps = [(row, len(draft) + 1, stops) for (_, row, draft), stops in zip(rows, stop_ids)
+                 if stops is not None and stops != self._stop_set]
+        if swaps:
+            self._swap_stops(masks.numpy().view("uint32"), swaps)
         self.stats["masks"] += len(used)
         self.stats["fill_s"] += time.perf_counter() - started
         return used, masks
 
-    def _swap_stops(self, mask: torch.Tensor, stops: set[int]) -> None:
-        """Where the engine's stop tokens are allowed (the output is complete), allow the job's instead."""
-        words = mask.numpy().view("uint32")
-        if not any(words[t >> 5] >> (t & 31) & 1 for t in self.stop_ids):
-            return
-        for t in self.stop_ids:
-            words[t >> 5] &= ~(1 << (t & 31)) & 0xFFFFFFFF
-        for t in stops:
-            if 0 <= t < self.vocab_size:
-                words[t >> 5] |= 1 << (t & 31)
+    def _swap_stops(self, words: np.ndarray, swaps: list[tuple[int, int, set[int]]]) -> None:
+        """In each (first row, rows, job's stop ids): where the engine's stop tokens are allowed (the output
+        is complete), allow the job's instead. ``words``: the masks as a uint32 array."""
+        stop_words, stop_bits = self._stop_words
+        for first, count, stops in swaps:
+            block = words[first: first + count]
+            for row in np.flatnonzero((block[:, stop_words] & stop_bits).any(axis=1)):
+                for t in self.stop_ids:
+                    block[row, t >> 5] &= ~(1 << (t & 31)) & 0xFFFFFFFF
+                for t in stops:
+                    if 0 <= t < self.vocab_size:
+                        block[row, t >> 5] |= 1 << (t & 31)
 
-    def apply_masks(self, logits: torch.Tensor, pending: concurrent.futures.Future) -> None:
-        """Wait for the masks and set every refused token's logit to -inf (in place, on the logits' device)."""
-        started = time.perf_counter()
-        used, masks = pending.result()
-        self.stats["wait_s"] += time.perf_counter() - started
+    def apply_masks(self, logits: torch.Tensor, masks: StepMasks | concurrent.futures.Future) -> None:
+        """Set every refused token's logit to -inf (in place, on the logits' device); ``masks`` from
+        :meth:`fill_masks`, or :meth:`start_masks`' future, waited for here."""
+        if isinstance(masks, concurrent.futures.Future):
+            started = time.perf_counter()
+            masks = masks.result()
+            self.stats["wait_s"] += time.perf_counter() - started
+        used, words = masks
         if not used:
             return
         device = logits.device
-        shifts = self._shifts.get(device)
-        if shifts is None:
-            shifts = self._shifts[device] = torch.arange(32, dtype=torch.int32, device=device)
-        words = masks.to(device, non_blocking=True)  # pinned on CUDA: queued behind the forward, no wait here
-        allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)[:, : logits.shape[-1]].bool()
-        if logits.shape[-1] > allowed.shape[-1]:  # logits wider than the engine's vocabulary: the rest is refused
-            allowed = torch.nn.functional.pad(allowed, (0, logits.shape[-1] - allowed.shape[-1]), value=False)
-        logits.masked_fill_(~allowed, float("-inf"))
+        bits = self._bits.get(device)
+        if bits is None:  # bit i of a word as an int32 (bit 31 is the sign)
+            bits = self._bits[device] = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32,
+                                                     device=device)
+        words = words.to(device, non_blocking=True)  # pinned on CUDA: queued behind the forward, no wait here
+        refused = torch.eq(words.unsqueeze(-1) & bits, 0).view(words.shape[0], -1)
+        width = min(logits.shape[-1], refused.shape[-1])
+        logits[:, :width].masked_fill_(refused[:, :width], float("-inf"))
+        if logits.shape[-1] > width:  # logits wider than the engine's vocabulary: the rest is refused
+            logits[:, width:] = float("-inf")
 
     def close(self) -> None:
         self._worker.shutdown(wait=False)

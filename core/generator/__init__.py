@@ -93,8 +93,10 @@ Async scheduling: ``Generator(lm, async_scheduling=None)`` (on by default on CUD
 n+1 on the device before step n is read back, feeding each job the token step n chose without it
 leaving the device; the host then commits step n (stop checks, detokenising, streaming, prefix-cache
 naming) while the device runs n+1, so the device no longer idles through the host's bookkeeping. A job
-that finishes at step n wastes its row of step n+1. A step whose next step needs the host's view
-(jobs waiting for a slot, cancellations, drafts, grammars, host-only samplers, banned
+that finishes at step n wastes its row of step n+1. Grammar jobs run ahead too: step n+1's forward is
+queued first, and its masks are filled once step n is committed, while that forward runs; only its
+masking and sampling wait for them. A step whose next step needs the host's view
+(jobs waiting for a slot, cancellations, drafts, host-only samplers, banned
 strings, images, a page completing on a model with recurrent layers, whose state checkpoint must not
 include the next token, pages that are not free) is read back first, as without it; output is the same
 either way. ``iterate()`` returns step n's results while step n+1 runs.

@@ -180,6 +180,10 @@ class _Launched:
     full: dict  # plan index -> CPU logits rows of jobs sampled on the host
     hidden: torch.Tensor | None  # hidden states for the proposer
     width: int = 0  # tokens per row of a captured verification (0: none)
+    sampled: list[int] = attrs.Factory(list)  # plan indices of the jobs that get logits
+    # the forward's logits while the tokens wait to be chosen: a grammar step queued ahead is masked and
+    # sampled only once its predecessor is committed (see Generator._choose_after_commit)
+    logits: torch.Tensor | None = None
 
     def tokens(self) -> tuple[list[int] | None, list[tuple[float, list]] | None]:
         """(ids per logits row, (logprob, top logprobs) per row or None); waits for the copy."""
@@ -359,6 +363,8 @@ class Generator:
         if self.async_scheduling:
             self._inflight = self._launch_next(step, results)  # queued behind ``step``: the device works while we read it
         self._complete(step, results)
+        if self._inflight is not None and self._inflight.logits is not None:
+            self._inflight = self._choose_after_commit(self._inflight, results)
         return results
 
     def stream(self) -> Iterator[Result]:
@@ -736,10 +742,13 @@ class Generator:
         return end - start
 
     def _launch(self, plan: list[tuple[_Running, list[int], list[int]]], results: list[Result],
-                feed_from: tuple[torch.Tensor, list[int]] | None = None, ahead: int = 0) -> _Launched | None:
+                feed_from: tuple[torch.Tensor, list[int]] | None = None, ahead: int = 0,
+                masks_after_commit: bool = False) -> _Launched | None:
         """Run ``plan``'s forward and choose its tokens on the device; start copying them to the host.
         ``feed_from`` = (token ids on the device, the row of each job's next token in them): feed those
-        instead of ``plan``'s (still unknown) tokens, ``ahead`` tokens past each job's committed ones."""
+        instead of ``plan``'s (still unknown) tokens, ``ahead`` tokens past each job's committed ones.
+        ``masks_after_commit``: only queue the forward; the tokens are chosen by :meth:`_choose_after_commit`
+        once the grammar states have taken the tokens fed here."""
         width = self._verify_width(plan)
         # a captured verification: every job's fed tokens, then placeholders, fill ``width`` rows
         lens = [width or len(feed) for _, feed, _ in plan]
@@ -757,22 +766,47 @@ class Generator:
                 sampled.append(i)
         if width:
             rows = list(range(cu[-1]))  # the graph's logits: every row, placeholders included (never read)
-        hidden = None
-        masks = self._start_grammar_masks(plan, row_start, sampled, len(rows))
+        masks = None
+        if not masks_after_commit:
+            masks = self._grammar_masks(plan, row_start, sampled, len(rows))
         try:
             logits = self._forward(plan, rows, feed_from, ahead, width)
+            hidden = None
             if self.hidden_sink is not None:
                 hidden, logits = logits
-            if masks is not None:
-                self._grammar_engine.apply_masks(logits, masks)
-            ids, packed, top, full = self._choose(plan, row_start, sampled, logits, ahead, feed_from)
+            step = _Launched(plan, cu, row_start, None, None, -1, {}, hidden, width, sampled, logits)
+            self._launches += 1
+            self.stats["steps_ahead"] += ahead
+            if not masks_after_commit:
+                self._pick(step, sampled, masks, ahead, feed_from)
         except Exception as exc:  # keep serving: fail this batch's jobs, free their pages
             self._fail(plan, exc, results)
             return None
-        self._launches += 1
-        self.stats["steps_ahead"] += ahead
-        readback = self._readback[self._launches % 2].start(packed) if packed is not None else None
-        return _Launched(plan, cu, row_start, ids, readback, top, full, hidden, width)
+        return step
+
+    def _pick(self, step: _Launched, sampled: list[int], masks: Any, ahead: int = 0,
+              feed_from: tuple[torch.Tensor, list[int]] | None = None) -> None:
+        """Mask ``step``'s logits with its grammar masks (if any), choose the tokens of the jobs ``sampled`` and
+        start reading them back."""
+        logits, step.logits = step.logits, None
+        if masks is not None:
+            self._grammar_engine.apply_masks(logits, masks)
+        step.ids, packed, step.top, step.full = self._choose(step.plan, step.row_start, sampled, logits, ahead, feed_from)
+        step.readback = self._readback[self._launches % 2].start(packed) if packed is not None else None
+
+    def _choose_after_commit(self, step: _Launched, results: list[Result]) -> _Launched | None:
+        """Async scheduling with grammars: ``step`` (queued ahead, its forward running on the device) gets its
+        masks now that the step before it is committed, so the grammar states hold every token its jobs
+        were fed; masking and sampling then queue behind the forward, which the mask computation overlapped.
+        Jobs that finished meanwhile are not sampled. Chosen exactly as a synchronous step would be."""
+        live = [i for i in step.sampled if not step.plan[i][0].job.finished]
+        try:
+            masks = self._grammar_masks(step.plan, step.row_start, live, step.logits.shape[0], now=True)
+            self._pick(step, live, masks)
+        except Exception as exc:  # keep serving: fail this batch's jobs, free their pages
+            self._fail([step.plan[i] for i in live], exc, results)
+            return None
+        return step
 
     def _complete(self, step: _Launched, results: list[Result]) -> None:
         """Read ``step``'s tokens back and commit them: accept, stream, finish, name full pages. Jobs that
@@ -817,7 +851,7 @@ class Generator:
                     self._hand_hidden(r, feed, length_before, step.hidden[cu[i]: cu[i + 1]])
 
     def _fail(self, plan, exc: Exception, results: list[Result]) -> None:
-        warnings.warn(f"trellm generator: forward failed ({exc!r}); failing {len(plan)} jobs")
+        warnings.warn(f"trellm generator: a step failed ({exc!r}); failing {len(plan)} jobs")
         for r, _, _ in plan:
             self._finish(r, EOS_ERROR, results, error=repr(exc))
 
@@ -826,8 +860,10 @@ class Generator:
         read back, each job feeding the token ``step`` chose, which never leaves the device. The host then
         commits ``step`` while the device runs this one, so the device does not wait for the host's
         bookkeeping between steps. A job that finishes at ``step`` wastes its row here (skipped when read).
+        Grammar jobs run ahead too, but their step's tokens are chosen after ``step`` is committed (the masks
+        need the grammar states after ``step``'s tokens): see :meth:`_choose_after_commit`.
         None (the next iterate() schedules on the host's view) when the next step needs what only the host
-        knows: waiting or cancelled jobs, drafts, grammars, host-side sampling, banned strings,
+        knows: waiting or cancelled jobs, drafts, host-side sampling, banned strings,
         images, a recurrent state checkpoint due, or pages that are not free without preempting."""
         live = [(i, entry) for i, entry in enumerate(step.plan) if not entry[0].job.finished]
         if (step.ids is None or self.proposer is not None or self.hidden_sink is not None
@@ -842,7 +878,7 @@ class Generator:
         rows: list[int] = []
         for i, (r, feed, draft) in live:
             settings = r.row_sampling
-            if (draft or len(feed) != 1 or r.prefilling or r.job.cancel_requested or r.grammar is not None
+            if (draft or len(feed) != 1 or r.prefilling or r.job.cancel_requested
                     or r.mm is not None or r.banned or r.bans or settings is None):
                 return None
             if r.lora is not None and (adapters is None or r.lora not in adapters or adapters.uid(r.lora) != r.lora_uid):
@@ -860,16 +896,19 @@ class Generator:
         for (r, _, _), n in zip(plan, need):
             if n > 0:
                 r.seq.pages += prefix.alloc(n)
-        return self._launch(plan, results, feed_from=(step.ids, rows), ahead=1)
+        grammars = any(r.grammar is not None for r, _, _ in plan)
+        return self._launch(plan, results, feed_from=(step.ids, rows), ahead=1, masks_after_commit=grammars)
 
-    def _start_grammar_masks(self, plan, row_start: list[int], sampled: list[int], num_rows: int) -> Any:
-        """Start computing the token masks of the grammar jobs sampled this step (a future), or None.
-        They are computed on the engine's worker thread while this thread runs the forward."""
-        entries = [(plan[i][0].grammar, row_start[i], plan[i][2], plan[i][0]) for i in sampled if plan[i][0].grammar is not None]
-        if not entries:
+    def _grammar_masks(self, plan, row_start: list[int], sampled: list[int], num_rows: int, now: bool = False) -> Any:
+        """The token masks of the grammar jobs ``sampled`` this step, or None when none is sampled: a future
+        computed on the engine's worker while this thread runs the forward, or (``now``) computed here."""
+        jobs = [i for i in sampled if plan[i][0].grammar is not None]
+        if not jobs:
             return None
-        stops = [r.stop_ids if r.stop_ids is not self.default_stop_ids else None for *_, r in entries]
-        return self._grammar_engine.start_masks([e[:3] for e in entries], num_rows, stops)
+        entries = [(plan[i][0].grammar, row_start[i], plan[i][2]) for i in jobs]
+        stops = [plan[i][0].stop_ids if plan[i][0].stop_ids is not self.default_stop_ids else None for i in jobs]
+        engine = self._grammar_engine
+        return (engine.fill_masks if now else engine.start_masks)(entries, num_rows, stops)
 
     def _verify_width(self, plan: list[tuple[_Running, list[int], list[int]]]) -> int:
         """Tokens per row of the captured verification graph that runs ``plan`` (k + 1, k its longest draft),
