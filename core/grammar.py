@@ -11,15 +11,15 @@ per token against xgrammar's ~4 µs, which the overlap below hides.
 How the generator uses it (``Job(grammar=Grammar.json_schema(...))``): at enqueue the grammar is
 compiled for the model's tokenizer (errors raise :class:`GrammarError` there). Each step computes the
 token masks of every grammar job's sampled rows while the forward runs (llguidance's executor spreads
-the jobs over threads, its Rust code without the GIL): under async scheduling (CUDA) the step's
-forward is queued before the previous step is read back, and the main thread fills its masks once
-that step's tokens are committed to the matchers (:meth:`GrammarEngine.fill_masks`), so the masks
-hide behind the whole forward and no thread shares the GIL with the forward's launch; otherwise a
-worker thread fills them beside the forward (:meth:`GrammarEngine.start_masks`). The masks are
-applied to the logits on their device, after a captured CUDA graph replays, and before sampling or
-the argmax. Speculative drafts are cut at the first token the grammar
-refuses before they are verified, and each draft position gets the mask of the state after the
-draft tokens before it.
+the jobs over threads, its Rust code without the GIL). On CUDA the generator's thread fills them
+(:meth:`GrammarEngine.fill_masks`) once the forward is queued: under async scheduling a step's forward
+is queued before the previous step is read back and its masks are filled as soon as that step's
+tokens are committed to the matchers, so they hide behind the whole forward; no thread hand-off, no
+second thread contending for the GIL. On CPU, where the forward runs on the generator's thread, a
+worker thread fills them beside it (:meth:`GrammarEngine.start_masks`). The masks are applied to the
+logits on their device, after a captured CUDA graph replays, and before sampling or the argmax.
+Speculative drafts are cut at the first token the grammar refuses before they are verified, and each
+draft position gets the mask of the state after the draft tokens before it.
 """
 from __future__ import annotations
 
@@ -193,9 +193,8 @@ class GrammarEngine:
         ids = np.array(self.stop_ids, dtype=np.int64)
         self._stop_words = (ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)).astype(np.uint32))
         self._lock = threading.Lock()
-        # masks: rows filled; fill_s: time spent filling them (the worker's, or with async scheduling the
-        # main thread's while the device runs the forward); wait_s: time a step still waited for the worker
-        # after its forward (the part the overlap did not hide)
+        # masks: rows filled; fill_s: time spent filling them (on the worker or the generator's thread);
+        # wait_s: time a step still waited for the worker after its forward (the part the overlap did not hide)
         self.stats = {"masks": 0, "fill_s": 0.0, "wait_s": 0.0}
 
     def compile(self, grammar: Grammar) -> GrammarState:
@@ -220,8 +219,8 @@ class GrammarEngine:
                    stop_ids: list[set[int] | None]) -> StepMasks:
         """The masks of ``num_rows`` logits rows, computed on this thread: for each (state, first logits row,
         draft tokens), the row's mask and one per draft token after it; other rows allow every token.
-        ``stop_ids[i]`` (None = the engine's) replaces the engine's stop tokens in entry i's rows. Async
-        scheduling calls this while the device runs the step's forward: no thread hand-off, no GIL to share."""
+        ``stop_ids[i]`` (None = the engine's) replaces the engine's stop tokens in entry i's rows. The
+        generator calls this while the device runs the step's forward: no thread hand-off, no GIL to share."""
         return self._fill(rows, self._next_buffer(num_rows), stop_ids)
 
     def _next_buffer(self, num_rows: int) -> torch.Tensor:

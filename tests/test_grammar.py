@@ -129,3 +129,29 @@ def test_drafts_are_cut_where_the_grammar_refuses_them(lm, gen):
     schema_plain = run(gen, [Job("A person:", 120, grammar=Grammar.json_schema(PERSON))])[0]
     schema_spec = run(ngram, [Job("A person:", 120, grammar=Grammar.json_schema(PERSON))])[0]
     assert schema_spec.text == schema_plain.text and schema_spec.draft_proposed > 0
+
+
+def test_masks_put_a_jobs_own_stop_ids_where_the_output_may_end(gen, lm):
+    """The engine's masks (draft rows included): a job's stop ids replace the model's exactly in the rows where
+    the output is complete; rows without a grammar allow everything."""
+    engine = gen.grammar_engine
+    digits = Grammar.regex(r"[0-9]{1,3}")
+    one, two, own = (lm.tokenizer.encode(t, add_special_tokens=False)[0] for t in ("1", "2", "!"))
+    fresh, after_one = engine.compile(digits), engine.compile(digits)
+    assert after_one.consume(one)
+    # rows 0-2: a fresh state with the draft "1", "2" (masks at "", "1", "12"); row 3: after "1", the
+    # model's stop ids; row 4: no grammar
+    used, masks = engine.fill_masks([(fresh, 0, [one, two]), (after_one, 3, [])], 5, [{own}, None])
+    assert used == [0, 1, 2, 3]
+
+    def allowed(row: int, token: int) -> bool:
+        return bool(int(masks[row, token >> 5]) >> (token & 31) & 1)
+
+    eos = engine.stop_ids[0]
+    assert [allowed(r, two) for r in range(5)] == [True, True, True, True, True]
+    assert [allowed(r, own) for r in range(5)] == [False, True, True, False, True]
+    assert [allowed(r, eos) for r in range(5)] == [False, False, False, True, True]
+    logits = torch.zeros(5, lm.config.vocab_size)
+    engine.apply_masks(logits, (used, masks))
+    assert torch.isinf(logits[0, own]) and logits[1, own] == 0 and logits[3, eos] == 0 and torch.isinf(logits[3, own])
+    assert not torch.isinf(logits[4]).any() and torch.isinf(logits[:4]).sum(1).min() > 40000

@@ -766,9 +766,10 @@ class Generator:
                 sampled.append(i)
         if width:
             rows = list(range(cu[-1]))  # the graph's logits: every row, placeholders included (never read)
-        masks = None
-        if not masks_after_commit:
-            masks = self._grammar_masks(plan, row_start, sampled, len(rows))
+        # On CUDA the forward is only queued here, so this thread fills the masks after it, while the device
+        # runs it; a CPU forward runs on this thread, so the engine's worker fills them beside it.
+        beside = self.cache.device.type != "cuda" and not masks_after_commit
+        masks = self._grammar_masks(plan, row_start, sampled, len(rows)) if beside else None
         try:
             logits = self._forward(plan, rows, feed_from, ahead, width)
             hidden = None
@@ -778,6 +779,8 @@ class Generator:
             self._launches += 1
             self.stats["steps_ahead"] += ahead
             if not masks_after_commit:
+                if not beside:
+                    masks = self._grammar_masks(plan, row_start, sampled, len(rows), now=True)
                 self._pick(step, sampled, masks, ahead, feed_from)
         except Exception as exc:  # keep serving: fail this batch's jobs, free their pages
             self._fail(plan, exc, results)
