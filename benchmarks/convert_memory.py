@@ -45,14 +45,15 @@ def _fp8_block(w, block: int = 128):
 
 
 def make_random_llama(path: Path, layers: int, hidden: int, inter: int, heads: int, kv: int, vocab: int,
-                      fp8: bool = False) -> Path:
+                      fp8: bool = False, head_dim: int | None = None) -> Path:
     """A LlamaForCausalLM directory with random weights, written tensor by tensor (no transformers):
-    bf16, or with ``fp8`` the decoder linears as FP8 with 128x128 block scales (``quant_method: fp8``)."""
+    bf16, or with ``fp8`` the decoder linears as FP8 with 128x128 block scales (``quant_method: fp8``).
+    ``head_dim``: when the heads are not hidden / heads wide (padded SmolLM2: 12 heads of 64 at hidden 640)."""
     import torch
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    hd = hidden // heads
+    hd = head_dim or hidden // heads
     gen = torch.Generator().manual_seed(0)
 
     def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
@@ -82,6 +83,7 @@ def make_random_llama(path: Path, layers: int, hidden: int, inter: int, heads: i
     (path / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden, "intermediate_size": inter,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv, "vocab_size": vocab,
+        "head_dim": hd,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
         "tie_word_embeddings": False,
         **({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}} if fp8 else {}),

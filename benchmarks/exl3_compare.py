@@ -13,7 +13,9 @@ every output is scored on the built-in held-out text (``trellm.evaluate.eval_tex
 dense model's fp32 logits, by trellm and, when ``exllamav3`` imports, by ExLlamaV3: KL(dense || quant)
 per token, top-1 agreement and perplexity. Conversion wall time: the 4 bpw (or first) conversions of
 both converters run alone, one after the other; the others run ``--parallel`` at a time, and their
-times say "shared". Writes ``exl3_compare.json``, ``exl3_compare.png`` and prints the table.
+times say "shared"; a trellm conversion timed alone also prints its seconds by phase (the converter's
+``summary.json``: dense_pass, hessian_passes, target, viterbi, ...). Writes ``exl3_compare.json``,
+``exl3_compare.png`` and prints the table.
 """
 from __future__ import annotations
 
@@ -238,11 +240,22 @@ def main() -> int:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         return subprocess.Popen(convert_cmd(c, models[m][0], target, b, args), stdout=log, stderr=subprocess.STDOUT, env=env), time.perf_counter()
 
+    def phases(job) -> dict:
+        """A trellm conversion's seconds by phase (its work dir's summary.json), largest first."""
+        m, c, b = job
+        summary = work / m / f"{c}_{b}.work" / "summary.json"
+        if not c.startswith("trellm") or not summary.is_file():
+            return {}
+        found = json.loads(summary.read_text()).get("phases", {})
+        return dict(sorted(found.items(), key=lambda kv: -kv[1]))
+
     for job in solo:  # timed alone
         proc, t0 = launch(job)
         rc = proc.wait(timeout=max(1, args.deadline_s - (time.perf_counter() - start)))
-        results[job] = {"rc": rc, "seconds": round(time.perf_counter() - t0, 1), "timing": "alone"}
+        results[job] = {"rc": rc, "seconds": round(time.perf_counter() - t0, 1), "timing": "alone", "phases": phases(job)}
         print(f"  {job}: exit {rc}, {results[job]['seconds']}s (alone)", flush=True)
+        if results[job]["phases"]:
+            print("    by phase: " + ", ".join(f"{k} {v:.1f}s" for k, v in results[job]["phases"].items()), flush=True)
     pending, running = list(shared), {}
     while pending or running:
         while pending and len(running) < args.parallel:
@@ -268,7 +281,8 @@ def main() -> int:
                 continue
             qdir = work / m / f"{c}_{b}"
             cfg = json.loads((qdir / "config.json").read_text())["quantization_config"]
-            row = dict(model=m, converter=c, target=float(b), bits=cfg["bits"], seconds=res["seconds"], timing=res["timing"])
+            row = dict(model=m, converter=c, target=float(b), bits=cfg["bits"], seconds=res["seconds"], timing=res["timing"],
+                       phases=res.get("phases", {}))
             for engine, fn in (("trellm", trellm_logits), ("exllamav3", exllamav3_logits)):
                 if engine == "exllamav3" and not have_exl3:
                     continue

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from .errors import ConfigError, TrellmError
 from .modules.linear import Linear
 from .quant.exl3.format import MARKER_VALUES, EXL3Linear
-from .quant.exl3.quantize import OUT_SCALE_MODES, quantize_group
+from .quant.exl3.quantize import OUT_SCALE_MODES, PhaseClock, quantize_group
 
 CODEBOOK = "mul1"
 ERROR_TARGET = 1.0  # convert's default strength of the error-compensating target (compensated_weights)
@@ -560,6 +560,7 @@ def convert(
         _write_json(work_dir / "args.json", args)
 
     t_start = time.perf_counter()
+    clock = PhaseClock(dev)
     # Modules are built here but load their weights one at a time (ModelStream): host and device
     # memory hold one decoder layer, the embedding and the head, never the whole model.
     lm = trellm.load(input_dir, device=dev, dtype=torch.float32, tokenizer=True, weights=False)
@@ -597,36 +598,45 @@ def convert(
         state_fp = state.clone() if error_target > 0 else None
         start = 0
 
+    clock.lap("setup")
+
     stats_log: list[dict] = []
     weights_done = 0
     bar = Progress(num_layers + 1, "quantizing", progress)
     bar.update(start)
     for index in range(start, num_layers + 1):
         t0 = time.perf_counter()
+        before = dict(clock.seconds)
         if index < num_layers:
             layer = layers[index]
             layer_groups = [g for g in groups if g.layer == index]
-            stream.load(layer)
+            with clock("io"):
+                stream.load(layer)
             state, state_fp, layer_stats = _quantize_layer(layer, index, layer_groups, state, batch, codebook,
                                                            scale_search, dev, sequential, state_fp, error_target,
-                                                           out_scales, scale_drift)
+                                                           out_scales, scale_drift, clock)
+            clock.mark()
             stream.release()
             tensors = layer_stats.pop("tensors")
             _atomic_save(tensors, work_dir / "qtensors" / f"{layer.key}.safetensors")
         else:
-            stream.load(model.lm_head)
+            with clock("io"):
+                stream.load(model.lm_head)
             layer_stats, tensors = _quantize_head(model, state, head_bits, codebook, scale_search, dev, num_layers,
-                                                  state_fp, error_target, out_scales, scale_drift)
+                                                  state_fp, error_target, out_scales, scale_drift, clock)
+            clock.mark()
             model.lm_head.unload()
             stream.release()
             _atomic_save(tensors, work_dir / "qtensors" / "lm_head.safetensors")
         del tensors
+        _save_checkpoint(work_dir, state, {"next_layer": index + 1}, state_fp)
+        clock.lap("io")
         n = layer_stats.get("numel", 0)
         weights_done += n
         dt = time.perf_counter() - t0
-        layer_stats.update(index=index, seconds=round(dt, 3), weights_per_s=round(n / dt) if dt > 0 else 0)
+        layer_stats.update(index=index, seconds=round(dt, 3), weights_per_s=round(n / dt) if dt > 0 else 0,
+                           phases=clock.since(before))
         stats_log.append(layer_stats)
-        _save_checkpoint(work_dir, state, {"next_layer": index + 1}, state_fp)
         bar.update(index + 1, f"layer {index}: rfn {layer_stats.get('rfn', 0):.4f}")
         if stop_after_layer is not None and index >= stop_after_layer and index < num_layers:
             bar.close()
@@ -634,15 +644,19 @@ def convert(
     bar.close()
     quant_seconds = time.perf_counter() - t_start
 
-    summary = compile_output(input_dir, output_dir, work_dir, raw_config, store, model, groups, avg_bits, head_bits,
-                             codebook, cal_rows, cal_cols, shard_size_mb, progress, out_scales)
+    with clock("compile"):
+        summary = compile_output(input_dir, output_dir, work_dir, raw_config, store, model, groups, avg_bits,
+                                 head_bits, codebook, cal_rows, cal_cols, shard_size_mb, progress, out_scales)
     summary.update(
         bits=avg_bits, head_bits=head_bits, seconds=round(time.perf_counter() - t_start, 2),
         quant_seconds=round(quant_seconds, 2), weights_quantized=weights_done, layers=stats_log,
+        phases=clock.since({}),
     )
     with open(work_dir / "summary.json", "w") as f:
         json.dump(summary, f, indent=2)
     log(f"done: {output_dir} ({summary['seconds']:.1f}s, {avg_bits:.3f} bpw average)", progress)
+    log("time by phase: " + ", ".join(f"{k} {v:.1f}s" for k, v in sorted(summary["phases"].items(), key=lambda kv: -kv[1])),
+        progress)
     lm.store.close()
     return summary
 
@@ -780,7 +794,7 @@ def _record(layer, linears: list[Linear], state: torch.Tensor, batch, references
 def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tensor, batch, codebook: str,
                     scale_search: bool, dev: torch.device, sequential: bool = True,
                     state_fp: torch.Tensor | None = None, error_target: float = 0.0,
-                    out_scales: str = "always", scale_drift: bool = False
+                    out_scales: str = "always", scale_drift: bool = False, clock: PhaseClock | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """Quantize one decoder layer's linear groups; returns the hidden states advanced through the quantized
     layer, the dense model's states advanced through the dense layer (``state_fp``, when given) and stats.
@@ -792,9 +806,12 @@ def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tenso
     input in the quantized model to its output in the dense model (:func:`compensated_weights`).
     ``out_scales`` "auto" / "fit": gated MLPs' gate and up projections choose their output-channel scales
     from the :class:`GatedSensitivity` captured with their Hessian. ``scale_drift``: see :func:`quantize_group`.
+    ``clock``: the steps' times go to its phases dense_pass, hessian_passes, target, advance and quantize_group's.
     """
     from .quant.exl3.quantize import compensated_weights
 
+    clock = clock if clock is not None else PhaseClock()
+    clock.mark()
     linears = {lin.key: lin for lin in layer_linears(layer)}
     dense_inputs: dict[str, torch.Tensor] = {}
     new_state_fp = None
@@ -808,6 +825,7 @@ def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tenso
         for rec in recorders.values():
             rec.release()
         del recorders
+        clock.lap("dense_pass")
     use_targets = error_target > 0 and bool(dense_inputs)
     refs = dense_inputs if use_targets else None
     sensitivity: dict[str, torch.Tensor] | None = {} if out_scales in ("auto", "fit") else None
@@ -819,6 +837,7 @@ def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tenso
     # groups not yet quantized; routed experts keep the latest pass's Hessians (a pass per expert would
     # cost a layer forward each, and quantizing one expert does not change another's inputs).
     sees_all = {id(g): recorders[g.keys[0]]._owner().count == tokens for g in plan}
+    clock.lap("hessian_passes")
 
     tensors: dict[str, torch.Tensor] = {}
     numel, proxies, drifts, choices = 0, {}, {}, {}
@@ -829,6 +848,7 @@ def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tenso
             for lin in remaining:  # superseded by the new pass: free their matrices before it allocates its own
                 recorders[lin.key].release()
             recorders.update(_record(layer, remaining, state, batch, refs, sensitivity=sensitivity)[1])
+            clock.lap("hessian_passes")
         rec = recorders[group.keys[0]]
         hessian = rec.finished_hessian()
         parts = [_dense_parts(m) for m in members]
@@ -836,14 +856,16 @@ def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tenso
         cross = rec.finished_cross() if use_targets else None
         if cross is not None and hessian is not None:
             weights = compensated_weights(weights, hessian, cross, error_target)
+            clock.lap("target")
         gi = plan.index(group)
         sens = [sensitivity.get(k) for k in group.keys] if sensitivity else None
         qts, st = quantize_group(weights, hessian, group.bits, codebook, seed=index * 1000 + gi,
                                  biases=[b for _, b in parts], scale_search=scale_search, device=dev,
-                                 out_scales=out_scales, sensitivities=sens, drift=scale_drift)
+                                 out_scales=out_scales, sensitivities=sens, drift=scale_drift, clock=clock)
         for m, qt in zip(members, qts):
             tensors.update(qt.state_dict(m.key))
             m.impl = EXL3Linear.from_quantized(qt, m.in_features, m.out_features, dev, m.key)
+        clock.mark()
         numel += st.numel
         proxies[gi] = round(st.proxy_error, 6)
         choices.update(zip(group.keys, st.extra["out_scales"]))
@@ -854,6 +876,7 @@ def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tenso
     # Advance the hidden states through the quantized layer: later layers see this layer's error.
     new_state = layer.forward(state, batch).float()
     rfn = ((new_state - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+    clock.lap("advance")
     layer.unload()  # the layer is finished: free its weights
     stats = {"key": layer.key, "numel": numel, "rfn": rfn, "proxy_errors": [proxies[i] for i in sorted(proxies)],
              "ldlq_drift": [drifts[i] for i in sorted(drifts)], "bits": [g.bits for g in plan], "tensors": tensors,
@@ -866,9 +889,11 @@ def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tenso
 @torch.inference_mode()
 def _quantize_head(model, state: torch.Tensor, head_bits: int, codebook: str, scale_search: bool,
                    dev: torch.device, num_layers: int, state_fp: torch.Tensor | None = None,
-                   error_target: float = 0.0, out_scales: str = "always", scale_drift: bool = False
-                   ) -> tuple[dict, dict[str, torch.Tensor]]:
+                   error_target: float = 0.0, out_scales: str = "always", scale_drift: bool = False,
+                   clock: PhaseClock | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     from .quant.exl3.quantize import compensated_weights
+
+    clock = clock if clock is not None else PhaseClock()
 
     head = model.lm_head
     weight, bias = _dense_parts(head)
@@ -877,16 +902,22 @@ def _quantize_head(model, state: torch.Tensor, head_bits: int, codebook: str, sc
         if bias is not None:
             tensors["lm_head.bias"] = bias.half()
         return {"key": "lm_head", "numel": 0, "bits": 16}, tensors
+    clock.mark()
     x = model.norm.forward(state)
     rows = x.reshape(-1, x.shape[-1]).float()
     hessian = rows.t() @ rows / rows.shape[0]
     target = weight
     if state_fp is not None and error_target > 0:
         ref = model.norm.forward(state_fp).reshape(-1, x.shape[-1]).float()
-        (target,) = compensated_weights([weight], hessian, rows.t() @ ref / rows.shape[0], error_target)
+        cross = rows.t() @ ref / rows.shape[0]
+        clock.lap("hessian_passes")
+        (target,) = compensated_weights([weight], hessian, cross, error_target)
+        clock.lap("target")
+    else:
+        clock.lap("hessian_passes")
     (qt,), st = quantize_group([target], hessian, head_bits, codebook, seed=num_layers * 1000 + 999,
                                biases=[bias], scale_search=scale_search, device=dev, out_scales=out_scales,
-                               drift=scale_drift)
+                               drift=scale_drift, clock=clock)
     return ({"key": "lm_head", "numel": st.numel, "bits": head_bits, "proxy_errors": [round(st.proxy_error, 6)]},
             qt.state_dict("lm_head"))
 

@@ -96,6 +96,19 @@ def test_convert_tiny_llama_loads_and_matches_dense(converted):
     assert all(layer["rfn"] < 0.2 for layer in summary["layers"] if "rfn" in layer)
 
 
+def test_summary_times_each_phase(converted):
+    """Every layer's time split by phase (disjoint: they add up to no more than the layer's seconds), and the
+    job's totals, which also hold the setup and the output's compile."""
+    summary = converted[2]
+    layer, head = summary["layers"][0], summary["layers"][-1]
+    steps = {"regularize", "scale_search", "ldl", "viterbi", "refit", "hessian_passes", "target", "io"}
+    assert steps | {"dense_pass", "advance"} <= set(layer["phases"])
+    assert steps <= set(head["phases"]) and "dense_pass" not in head["phases"]
+    for entry in summary["layers"]:
+        assert 0 < sum(entry["phases"].values()) <= entry["seconds"] + 0.01
+    assert {"setup", "compile"} | set(layer["phases"]) <= set(summary["phases"])
+
+
 def test_interrupt_and_resume_is_byte_identical(converted):
     src, root, _ = converted
     work = root / "work_resume"

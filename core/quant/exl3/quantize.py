@@ -16,7 +16,10 @@ with one su, so every strip is one large batch of tiles.
 from __future__ import annotations
 
 import math
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -77,6 +80,46 @@ class QuantStats:
     scale: float  # the global scale g
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
+
+
+class PhaseClock:
+    """Wall seconds by named phase: where a conversion's time goes (the converter's job log and summary.json).
+
+    ``with clock("name"):`` times a block; ``mark()`` then ``lap("name")`` calls time consecutive steps, each
+    lap the time since the previous mark or lap. With a CUDA ``device`` every boundary synchronizes the
+    device, so kernels count in the phase that queued them (a few synchronizations per linear group, nothing
+    next to its Viterbi work). Phases are meant to be disjoint: a nested one also counts in the one around it.
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else None
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def _now(self) -> float:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def mark(self) -> None:
+        self._last = self._now()
+
+    def lap(self, name: str) -> None:
+        now = self._now()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self._last = now
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self.mark()
+        try:
+            yield
+        finally:
+            self.lap(name)
+
+    def since(self, earlier: dict[str, float]) -> dict[str, float]:
+        """Seconds per phase spent after ``earlier`` (a copy of :attr:`seconds`), rounded to milliseconds."""
+        return {k: round(v - earlier.get(k, 0.0), 3) for k, v in self.seconds.items() if v > earlier.get(k, 0.0)}
 
 
 def _had_rows(x: torch.Tensor) -> torch.Tensor:
@@ -310,6 +353,7 @@ def quantize_group(
     refit: bool = True,
     sensitivities: list[torch.Tensor | None] | None = None,
     drift: bool = False,
+    clock: PhaseClock | None = None,
 ) -> tuple[list[QuantizedTensors], QuantStats]:
     """Quantize linears that share one input (HF weights [out_i, in]) to EXL3 at ``bits`` per weight.
 
@@ -321,10 +365,12 @@ def quantize_group(
     ``refit``: after the trellis is chosen, refit each member's suh and svh in the Hessian metric
     (:func:`refit_scales`). Memory: the padded float32 weight, about three slab-sized temporaries and
     [in, in] matrices; the weight is overwritten with the LDLQ error as the strips are done.
+    ``clock``: the steps' times go to its phases regularize, scale_search, ldl, viterbi (LDLQ's strip loop:
+    the tile encodes and their feedback products) and refit (back to the original basis, refit, proxy error).
     """
-    import time
-
     t0 = time.perf_counter()
+    clock = clock if clock is not None else PhaseClock()
+    clock.mark()
     if not 1 <= bits <= 8:
         raise ValueError(f"EXL3 bits per weight must be an integer in 1..8, got {bits}")
     if codebook not in CODEBOOKS:
@@ -394,13 +440,16 @@ def quantize_group(
     for cols in slabs:
         w[:, cols] = _had_rows(w[:, cols] / su[:, None])
 
+    clock.lap("regularize")
     g = _search_scale(w, bits, codebook, gen, drift=LDLQ_DRIFT.get(bits, 1.0) if drift else 1.0) if scale_search else 1.0
+    clock.lap("scale_search")
     w.mul_(g)
     su = su / g
 
     h_reg = _had_rows(hadamard_128(h * su[:, None] * su[None, :]))
     h_reg = 0.5 * (h_reg + h_reg.t())
     u = block_ldl(h_reg) if calibrated else None
+    clock.lap("ldl")
 
     # LDLQ, strips from last to first. w[rows] becomes the strip's error E = W_reg - Q once it is
     # quantized, so the feedback of a strip reads the later strips' errors straight from w.
@@ -418,6 +467,7 @@ def quantize_group(
         states, vals = encode_tiles(matrix_to_tiles(target).reshape(-1, 256), bits, codebook)
         trellis[strip] = pack_trellis(states.view(n // 16, 256), bits)
         w[rows] -= tiles_to_matrix(vals.view(1, n // 16, 256))
+    clock.lap("viterbi")
 
     # The stored fp16 scales; Q (original basis) = W - E_orig, with the fp16 rounding of su / sv.
     suh = su.half()
@@ -456,6 +506,7 @@ def quantize_group(
     numel = in_features * sum(outs)
     ldlq_drift = (target_ss / weight_ss.clamp_min(1e-30)).sqrt().item()
     extra = {"out_scales": choices, "ldlq_drift": round(ldlq_drift, 5)}
+    clock.lap("refit")
     return results, QuantStats(bits, numel, proxy, g, time.perf_counter() - t0, extra)
 
 
