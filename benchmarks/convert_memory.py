@@ -92,15 +92,24 @@ def make_random_llama(path: Path, layers: int, hidden: int, inter: int, heads: i
 
 
 def _stub_tile_encoder() -> None:
-    """Memory-only runs on a slow CPU: every tile is encoded as state 0 (same tensor shapes and dtypes as the
-    Viterbi encoder's output, none of its ~0.1 s per tile). The quantized model is garbage; the peaks are not."""
+    """Runs on a slow CPU: every tile is encoded as a random trellis path (a valid one: each state is the last
+    16 bits of its K-bit symbols, wrapping around the tile), with the same tensor shapes and dtypes as the
+    Viterbi encoder's output and none of its ~10 ms per tile. The quantized weights are random, not close to
+    the model's; but they are finite and of the codebook's scale, so every later step (Hessians of the
+    quantized layers' outputs, scale refit, forwards) does its full work. Memory peaks and phase times stand;
+    the model's quality does not."""
     import torch
 
     from trellm.ops.exl3 import exl3_codebook_decode
     from trellm.quant.exl3 import quantize
 
     def encode(targets, K, codebook, memory_budget=None):
-        states = torch.zeros(targets.shape, dtype=torch.int32, device=targets.device)
+        gen = torch.Generator().manual_seed(targets.shape[0] * 16 + K)
+        symbols = torch.randint(0, 1 << K, targets.shape, generator=gen)
+        states = torch.zeros_like(symbols)
+        for back in range(-(-16 // K)):  # the symbols a state holds: this one and the ones before it
+            states |= torch.roll(symbols, back, dims=1) << (K * back)
+        states = (states & 0xFFFF).int().to(targets.device)
         return states, exl3_codebook_decode(states, codebook).float()
 
     quantize.encode_tiles = encode
@@ -135,7 +144,7 @@ def main() -> int:
     ap.add_argument("--work", default=None, help="scratch dir (default: a temp dir)")
     ap.add_argument("--fp8", action="store_true", help="write the decoder linears as FP8 with block scales (an FP8 source)")
     ap.add_argument("--stub-encoder", action="store_true",
-                    help="memory only: replace the Viterbi tile encoder by a constant one (CPU runs; output is garbage)")
+                    help="memory only: random trellis paths instead of the Viterbi encoder (CPU runs; output is garbage)")
     ap.add_argument("--out", default=None, help="write convert_memory.json here")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()

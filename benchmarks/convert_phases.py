@@ -5,14 +5,15 @@
 
 The model has the real widths of ``--shape`` (smollm2-640: SmolLM2-135M zero-padded to hidden 640, 12 query and
 4 KV heads of 64, as ``exl3_compare.py`` converts it; tiny: a test-sized Llama) and ``--layers`` decoder layers,
-random bf16 weights (``convert_memory.make_random_llama``). Each ``--variant name=key:value,...`` (convert keyword
+random bf16 weights (``convert_memory.make_random_llama``); ``--shape smollm2-real`` is the real SmolLM2-135M's
+first ``--layers`` layers instead (``exl3_cpu_proxy.truncated_smollm2``, calibrated on its tokenizer's text). Each ``--variant name=key:value,...`` (convert keyword
 arguments, as ``exl3_cpu_proxy.py`` takes them) converts it once, and the table shows the wall time of each phase
 of the converter's clock (``summary.json``'s ``phases``: dense_pass, hessian_passes, target, quantize_group's
 regularize / scale_search / ldl / viterbi / refit, advance, io, setup, compile), with the sha256 of the written
 model: two code versions that print the same hash wrote the same bytes. ``--stub-encoder`` replaces the Viterbi
-tile encoder by a constant one (``convert_memory._stub_tile_encoder``): on a CPU the encoder costs ~10 ms per
-256-weight tile and would hide everything else; the other phases do the same work either way (their values, not
-their sizes, change). Writes ``convert_phases.json`` under ``--out``.
+tile encoder by random trellis paths (``convert_memory._stub_tile_encoder``): on a CPU the encoder costs ~10 ms
+per 256-weight tile and would hide everything else; the other phases do the same work either way (their values,
+not their sizes, change). Writes ``convert_phases.json`` under ``--out``.
 """
 from __future__ import annotations
 
@@ -39,10 +40,10 @@ def file_hash(path: Path) -> str:
 
 def main() -> int:
     from convert_memory import _stub_tile_encoder, make_random_llama
-    from exl3_cpu_proxy import parse_variant
+    from exl3_cpu_proxy import parse_variant, truncated_smollm2
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES) + ["smollm2-real"])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--bits", type=float, default=4.0)
     ap.add_argument("--head-bits", type=int, default=16)
@@ -50,7 +51,7 @@ def main() -> int:
     ap.add_argument("--cal-cols", type=int, default=512)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--variant", action="append", default=[], help="name=key:value,... (convert keyword arguments)")
-    ap.add_argument("--stub-encoder", action="store_true", help="a constant tile encoder instead of the Viterbi one")
+    ap.add_argument("--stub-encoder", action="store_true", help="random trellis paths instead of the Viterbi encoder")
     ap.add_argument("--work", default="/tmp/convert_phases")
     ap.add_argument("--out", default=None, help="write convert_phases.json here (default: --work)")
     args = ap.parse_args()
@@ -59,10 +60,12 @@ def main() -> int:
 
     if args.stub_encoder:
         _stub_tile_encoder()
-    hidden, inter, heads, kv, head_dim, vocab = SHAPES[args.shape]
     work = Path(args.work)
     src = work / f"src_{args.shape}_{args.layers}"
-    if not (src / "config.json").is_file():
+    if args.shape == "smollm2-real":
+        truncated_smollm2(args.layers, src)
+    elif not (src / "config.json").is_file():
+        hidden, inter, heads, kv, head_dim, vocab = SHAPES[args.shape]
         make_random_llama(src, args.layers, hidden, inter, heads, kv, vocab, head_dim=head_dim)
     rows = []
     for spec in args.variant or ["default="]:

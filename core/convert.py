@@ -7,9 +7,10 @@ later Hessians see the error of earlier layers -> final norm -> head. Two steps 
 pipeline: within a layer each group's Hessian is captured after the groups the layer calls before it
 are quantized (``sequential``), and the dense model's hidden states are carried along so that each
 linear is quantized towards the weight that maps its quantized-model input to its dense-model output
-(``error_target``, :func:`trellm.quant.exl3.quantize.compensated_weights`). Every finished layer is
-checkpointed into the work dir (hidden states + next layer + the layer's tensors, swapped in
-atomically), so ``resume=True`` continues where a run stopped and produces identical output.
+(``error_target``, :func:`trellm.quant.exl3.quantize.compensated_weights`). Every finished layer's tensors
+are saved into the work dir, and about every minute (``CHECKPOINT_SECONDS``) a checkpoint (hidden states +
+next layer, swapped in atomically), so ``resume=True`` continues from the last checkpoint and produces
+identical output.
 Finally the output directory is compiled: sharded safetensors, config.json with
 ``quantization_config``, quantization_config.json and the non-weight files of the source.
 """
@@ -44,6 +45,10 @@ OUT_SCALES = "always"
 SCALE_DRIFT = False
 NOT_COPIED = {".safetensors", ".bin", ".ckpt", ".pth", ".pt"}
 NOT_COPIED_NAMES = {"config.json", "model.safetensors.index.json"}
+# The hidden states are checkpointed after the first layer that ends this long after the last checkpoint (and
+# after the head, and when a job is stopped): a crash redoes at most about this much work, and a small model does
+# not write its states (two per layer with the error target, 168 MB for SmolLM2-640) after every layer.
+CHECKPOINT_SECONDS = 60.0
 # Arguments that must match when a job is resumed.
 FIXED_ARGS = ("bits", "head_bits", "cal_rows", "cal_cols", "codebook", "scale_search", "sequential", "error_target",
               "out_scales", "scale_drift")
@@ -164,46 +169,52 @@ def _source_tokens(tokenizer, source) -> list[int]:
 
 
 class _InputTracker:
-    """Assigns linears called with the very same input tensor to one group (q/k/v, gate/up)."""
+    """Assigns linears called with the very same input tensor to one group (q/k/v, gate/up), numbered in call
+    order. ``accumulated``: only the first this many groups accumulate their matrices, the others count their
+    rows (None: every group)."""
 
-    def __init__(self):
+    def __init__(self, accumulated: int | None = None):
         self.last_input: torch.Tensor | None = None
         self.last_group = -1
         self.groups = 0
+        self.accumulated = accumulated
+
+    def accumulates(self, group: int) -> bool:
+        return self.accumulated is None or group < self.accumulated
 
 
-def _compact_rows(rows: torch.Tensor) -> torch.Tensor:
-    """A host copy of float32 rows, in float16 when every finite value fits (half the memory of the dense
-    model's inputs that the error target keeps for a layer: 1.75 GB instead of 3.5 GB for an 8B model at the
-    default calibration); float16's 11-bit mantissa leaves the cross term's error far below the
-    quantization error it measures."""
-    finite = rows[torch.isfinite(rows)]
-    small = finite.numel() == 0 or finite.abs().max().item() < torch.finfo(torch.float16).max
-    return rows.to("cpu", dtype=torch.float16 if small else torch.float32, copy=True)
+def _compact_rows(rows: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A copy of float32 rows on ``device``, in float16 when every finite value fits (half the memory of the
+    dense model's inputs that the error target keeps for a layer: 1.75 GB instead of 3.5 GB for an 8B model at
+    the default calibration); float16's 11-bit mantissa leaves the cross term's error far below the
+    quantization error it measures. The rounding is IEEE round-to-nearest-even on any device."""
+    magnitude = rows.abs().nan_to_num_(0.0, posinf=0.0)  # non-finite values are skipped later: they do not count
+    small = magnitude.numel() == 0 or magnitude.max().item() < torch.finfo(torch.float16).max
+    return rows.to(device, dtype=torch.float16 if small else torch.float32, copy=True)
 
 
 class HessianRecorder:
     """Wraps a Linear's weights: forwards unchanged, accumulating H = sum x x^T of its input (float32).
 
-    ``keep_rows``: in the dense model's pass, keep the input rows (on the host) when the linear is called
-    once with exactly that many rows, one per calibration token (:func:`compensated_weights` needs rows
-    that pair token by token; a routed expert's do not). ``reference``: those dense-model rows; the
-    recorder then also accumulates the cross term sum x x_ref^T, unless its own rows do not pair with them.
-    Rows with a non-finite value on either side are skipped.
+    ``keep_rows``: in the dense model's pass, keep the input rows (on ``keep_device``, the host by default)
+    when the linear is called once with exactly that many rows, one per calibration token
+    (:func:`compensated_weights` needs rows that pair token by token; a routed expert's do not).
+    ``reference``: those dense-model rows; the recorder then also accumulates the cross term sum x x_ref^T,
+    unless its own rows do not pair with them. Rows with a non-finite value on either side are skipped.
     """
 
-    CHUNK_ROWS = 8192  # reference rows moved to the device and multiplied at a time
+    CHUNK_ROWS = 8192  # reference rows converted to float32 and multiplied at a time
 
     def __init__(self, inner, tracker: _InputTracker, shared: dict[int, "HessianRecorder"],
                  reference: torch.Tensor | None = None, keep_rows: int | None = None,
-                 observer: "GatedSensitivity | None" = None):
+                 observer: "GatedSensitivity | None" = None, keep_device: torch.device | str = "cpu"):
         self.inner, self.tracker, self.shared = inner, tracker, shared
         self.observer = observer  # also sees the group's input rows (the owner's)
         self.in_features, self.out_features = inner.in_features, inner.out_features
         self.group: int | None = None
         self.hessian: torch.Tensor | None = None
         self.cross: torch.Tensor | None = None
-        self.reference, self.keep_rows = reference, keep_rows
+        self.reference, self.keep_rows, self.keep_device = reference, keep_rows, keep_device
         self.inputs: torch.Tensor | None = None
         self.count = 0
 
@@ -221,29 +232,37 @@ class HessianRecorder:
             rows = x.reshape(-1, x.shape[-1]).float()
             if self.keep_rows is not None:
                 first = self.inputs is None and self.count == 0 and rows.shape[0] == self.keep_rows
-                self.inputs = _compact_rows(rows) if first else None
+                self.inputs = _compact_rows(rows, self.keep_device) if first else None
             finite = torch.isfinite(rows).all(dim=1)
             ref = self.reference
             if ref is not None and (self.count or ref.shape != rows.shape):
                 ref = self.reference = self.cross = None  # called again, or rows that do not pair
             if ref is not None:
                 finite &= torch.isfinite(ref).all(dim=1).to(finite.device)
-            rows = rows[finite]
-            if self.hessian is None:
-                self.hessian = torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
-            self.hessian.addmm_(rows.t(), rows)
-            if self.observer is not None:
-                self.observer.add(rows)
-            if ref is not None:
-                ref = ref[finite.to(ref.device)]
-                self.cross = torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
-                for r in range(0, rows.shape[0], self.CHUNK_ROWS):
-                    part = ref[r : r + self.CHUNK_ROWS].to(device=rows.device, dtype=torch.float32)
-                    self.cross.addmm_(rows[r : r + self.CHUNK_ROWS].t(), part)
+            if bool(finite.all()):  # copies only where a row is dropped
+                rows = rows.contiguous()  # the layout (and so the sums) of the copy it would be
+            else:
+                rows = rows[finite]
+                ref = ref[finite.to(ref.device)] if ref is not None else None
+            if t.accumulates(self.group):
+                self._accumulate(rows, ref)
             self.count += rows.shape[0]
         return self.inner.forward(x)
 
     __call__ = forward
+
+    def _accumulate(self, rows: torch.Tensor, ref: torch.Tensor | None) -> None:
+        width = rows.shape[-1]
+        if self.hessian is None:
+            self.hessian = torch.zeros(width, width, device=rows.device)
+        self.hessian.addmm_(rows.t(), rows)
+        if self.observer is not None:
+            self.observer.add(rows)
+        if ref is not None:
+            self.cross = torch.zeros(width, width, device=rows.device)
+            for r in range(0, rows.shape[0], self.CHUNK_ROWS):
+                part = ref[r : r + self.CHUNK_ROWS].to(device=rows.device, dtype=torch.float32)
+                self.cross.addmm_(rows[r : r + self.CHUNK_ROWS].t(), part)
 
     def release(self) -> None:
         """Drop the accumulated matrices and rows now: recorders of one pass reference each other (``shared``),
@@ -604,6 +623,7 @@ def convert(
     weights_done = 0
     bar = Progress(num_layers + 1, "quantizing", progress)
     bar.update(start)
+    last_checkpoint = -math.inf  # the first layer done is always checkpointed
     for index in range(start, num_layers + 1):
         t0 = time.perf_counter()
         before = dict(clock.seconds)
@@ -629,7 +649,10 @@ def convert(
             stream.release()
             _atomic_save(tensors, work_dir / "qtensors" / "lm_head.safetensors")
         del tensors
-        _save_checkpoint(work_dir, state, {"next_layer": index + 1}, state_fp)
+        stopping = stop_after_layer is not None and stop_after_layer <= index < num_layers
+        if stopping or index == num_layers or time.perf_counter() - last_checkpoint >= CHECKPOINT_SECONDS:
+            _save_checkpoint(work_dir, state, {"next_layer": index + 1}, state_fp)
+            last_checkpoint = time.perf_counter()
         clock.lap("io")
         n = layer_stats.get("numel", 0)
         weights_done += n
@@ -638,7 +661,7 @@ def convert(
                            phases=clock.since(before))
         stats_log.append(layer_stats)
         bar.update(index + 1, f"layer {index}: rfn {layer_stats.get('rfn', 0):.4f}")
-        if stop_after_layer is not None and index >= stop_after_layer and index < num_layers:
+        if stopping:
             bar.close()
             raise ConversionInterrupted(f"stopped after layer {index} (resume with resume=True)")
     bar.close()
@@ -756,16 +779,44 @@ def _dense_parts(lin: Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias
 
 
+class _PassDone(Exception):
+    """Raised by a :class:`_PassEnd`: the capture pass has recorded what it runs for."""
+
+
+class _PassEnd:
+    """Stands in for a linear that the layer calls after every linear a capture pass records, and that the pass
+    does not need: its call ends the pass (the rest of the layer's forward would change no recorded input)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.in_features, self.out_features = inner.in_features, inner.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise _PassDone
+
+    __call__ = forward
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes()
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.inner.dense_weight()
+
+
 def _record(layer, linears: list[Linear], state: torch.Tensor, batch, references: dict[str, torch.Tensor] | None = None,
-            keep_inputs: bool = False, sensitivity: dict[str, torch.Tensor] | None = None
-            ) -> tuple[torch.Tensor, dict[str, HessianRecorder]]:
+            keep_inputs: bool = False, sensitivity: dict[str, torch.Tensor] | None = None,
+            accumulated_groups: int | None = None, keep_device: torch.device | str = "cpu",
+            stop_at: list[Linear] | None = None) -> tuple[torch.Tensor | None, dict[str, HessianRecorder]]:
     """One forward of ``layer`` with ``linears`` wrapped in recorders; the output and the recorders by key.
-    ``keep_inputs``: the recorders keep the input rows of linears that see every token once.
-    ``sensitivity``: filled with the :class:`GatedSensitivity` of every gated MLP whose gate and up are
-    both recorded, by linear key."""
+    ``keep_inputs``: the recorders keep the input rows of linears that see every token once (on
+    ``keep_device``). ``accumulated_groups``: only the first this many groups called accumulate Hessians
+    (:class:`_InputTracker`). ``sensitivity``: filled with the :class:`GatedSensitivity` of every gated MLP
+    whose gate and up are both recorded, by linear key.
+    ``stop_at``: linears the layer calls after all of ``linears``; the pass ends at the first of their calls
+    (a partial forward) and returns no output."""
     from .modules.layers import GatedMLP
 
-    tracker, shared = _InputTracker(), {}
+    tracker, shared = _InputTracker(accumulated_groups), {}
     recorders = {}
     tokens = state.reshape(-1, state.shape[-1]).shape[0] if keep_inputs else None
     keys = {lin.key for lin in linears}
@@ -777,17 +828,36 @@ def _record(layer, linears: list[Linear], state: torch.Tensor, batch, references
     for lin in linears:
         ref = references.get(lin.key) if references else None
         recorders[lin.key] = HessianRecorder(lin.impl, tracker, shared, reference=ref, keep_rows=tokens,
-                                             observer=observers.get(lin.key))
+                                             observer=observers.get(lin.key), keep_device=keep_device)
         lin.impl = recorders[lin.key]
+    ends = {lin.key: _PassEnd(lin.impl) for lin in stop_at or []}
+    for lin in stop_at or []:
+        lin.impl = ends[lin.key]
+    out = None
     try:
         out = layer.forward(state, batch)
+    except _PassDone:
+        pass
     finally:
         for lin in linears:
             lin.impl = recorders[lin.key].inner
+        for lin in stop_at or []:
+            lin.impl = ends[lin.key].inner
     if sensitivity is not None:
         for obs in set(observers.values()):
             sensitivity.update(obs.result())
     return out, recorders
+
+
+def _dense_rows_device(dev: torch.device, tokens: int, widths: list[int]) -> torch.device:
+    """Where a layer's kept dense-model inputs go: the device when even in float32 they would take at most a
+    quarter of its free memory, else the host. On the device, each capture pass reads them where it multiplies
+    them; from the host they crossed PCIe once per pass that records their group (1.3 GB per SmolLM2-640 layer
+    at the default calibration, converted to float32 on the CPU first)."""
+    if dev.type != "cuda":
+        return torch.device("cpu")
+    free, _ = torch.cuda.mem_get_info(dev)
+    return dev if 4 * tokens * sum(widths) <= free // 4 else torch.device("cpu")
 
 
 @torch.inference_mode()
@@ -815,8 +885,11 @@ def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tenso
     linears = {lin.key: lin for lin in layer_linears(layer)}
     dense_inputs: dict[str, torch.Tensor] = {}
     new_state_fp = None
+    tokens = state.reshape(-1, state.shape[-1]).shape[0]
     if state_fp is not None:
-        new_state_fp, recorders = _record(layer, list(linears.values()), state_fp, batch, keep_inputs=True)
+        widths = [linears[g.keys[0]].in_features for g in plan]
+        new_state_fp, recorders = _record(layer, list(linears.values()), state_fp, batch, keep_inputs=True,
+                                          accumulated_groups=0, keep_device=_dense_rows_device(dev, tokens, widths))
         new_state_fp = new_state_fp.float()
         for group in plan:
             inputs = recorders[group.keys[0]].group_inputs()
@@ -829,14 +902,29 @@ def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tenso
     use_targets = error_target > 0 and bool(dense_inputs)
     refs = dense_inputs if use_targets else None
     sensitivity: dict[str, torch.Tensor] | None = {} if out_scales in ("auto", "fit") else None
-    reference, recorders = _record(layer, list(linears.values()), state, batch, refs, sensitivity=sensitivity)
-    # The order the layer calls its groups in: a group's inputs depend only on the groups called before it.
+    # The first pass gives the dense layer's output on the quantized model's states (the rfn reference), the
+    # order the layer calls its groups in (a group's inputs depend only on the groups called before it) and
+    # which groups see every token; with ``sequential`` it accumulates the first group's matrices only.
+    reference, recorders = _record(layer, list(linears.values()), state, batch, refs, sensitivity=sensitivity,
+                                   accumulated_groups=1 if sequential else None)
     order = sorted(plan, key=lambda g: (recorders[g.keys[0]].group is None, recorders[g.keys[0]].group or 0))
-    tokens = state.reshape(-1, state.shape[-1]).shape[0]
-    # Groups that see every token (attention, dense MLPs, shared experts) start a new capture pass of all the
-    # groups not yet quantized; routed experts keep the latest pass's Hessians (a pass per expert would
-    # cost a layer forward each, and quantizing one expert does not change another's inputs).
     sees_all = {id(g): recorders[g.keys[0]]._owner().count == tokens for g in plan}
+
+    def capture(position: int) -> None:
+        """A capture pass for order[position] and the groups after it up to the next that sees every token
+        (routed experts keep the latest pass's Hessians: a pass per expert would cost a layer forward each,
+        and quantizing one expert does not change another's inputs). It ends where the layer calls that next
+        group: the rest of the forward changes no input the pass records."""
+        upto = next((j for j in range(position + 1, len(order)) if sees_all[id(order[j])]), len(order))
+        for g in order[position:]:  # superseded: free their matrices before the new pass allocates its own
+            for k in g.keys:
+                recorders[k].release()
+        served = [linears[k] for g in order[position:upto] for k in g.keys]
+        ends = [linears[k] for k in order[upto].keys] if upto < len(order) else []
+        recorders.update(_record(layer, served, state, batch, refs, sensitivity=sensitivity, stop_at=ends)[1])
+
+    if sequential and len(order) > 1 and not sees_all[id(order[1])]:
+        capture(1)  # routed groups right after the first share its pass: record them before it is quantized
     clock.lap("hessian_passes")
 
     tensors: dict[str, torch.Tensor] = {}
@@ -844,10 +932,7 @@ def _quantize_layer(layer, index: int, plan: list[PlanGroup], state: torch.Tenso
     for position, group in enumerate(order):
         members = [linears[k] for k in group.keys]
         if sequential and position > 0 and sees_all[id(group)]:
-            remaining = [linears[k] for g in order[position:] for k in g.keys]
-            for lin in remaining:  # superseded by the new pass: free their matrices before it allocates its own
-                recorders[lin.key].release()
-            recorders.update(_record(layer, remaining, state, batch, refs, sensitivity=sensitivity)[1])
+            capture(position)  # after the groups before it are quantized
             clock.lap("hessian_passes")
         rec = recorders[group.keys[0]]
         hessian = rec.finished_hessian()

@@ -123,6 +123,52 @@ def test_interrupt_and_resume_is_byte_identical(converted):
         assert (root / "q4_resumed" / name).read_bytes() == (root / "q4" / name).read_bytes(), name
 
 
+def test_resume_redoes_the_layers_after_the_last_checkpoint(converted, tmp_path, monkeypatch):
+    """Checkpoints are written about every CHECKPOINT_SECONDS (always after the first layer): a job that
+    crashes later resumes from the last one, redoes the layers after it and still writes the same bytes."""
+    import trellm.convert as conv
+
+    src, root, _ = converted
+    monkeypatch.setattr(conv, "CHECKPOINT_SECONDS", float("inf"))
+    quantize_head = conv._quantize_head
+
+    def power_cut(*args, **kwargs):
+        raise RuntimeError("power cut")
+
+    monkeypatch.setattr(conv, "_quantize_head", power_cut)
+    with pytest.raises(RuntimeError, match="power cut"):
+        convert(src, tmp_path / "q", tmp_path / "w", 4.0, **FAST)
+    assert json.loads((tmp_path / "w" / "ckpt" / "job.json").read_text())["next_layer"] == 1
+    assert (tmp_path / "w" / "qtensors" / "model.layers.1.safetensors").is_file()  # done, but after the checkpoint
+    monkeypatch.setattr(conv, "_quantize_head", quantize_head)
+    convert(src, tmp_path / "q", tmp_path / "w", 4.0, resume=True, **FAST)
+    assert (tmp_path / "q" / "model.safetensors").read_bytes() == (root / "q4" / "model.safetensors").read_bytes()
+
+
+def test_capture_passes_end_where_nothing_they_record_is_left(converted, tmp_path, monkeypatch):
+    """A sequential capture pass stops at the first linear after the groups it records (o_proj's pass at gate/up,
+    gate/up's at down_proj; down_proj's runs to the end): layer 0 quantized with the passes cut short and with
+    every pass run through the whole layer writes the same bytes."""
+    import trellm.convert as conv
+
+    src = converted[0]
+    ends = []
+    cut_short = conv._PassEnd.forward
+
+    def counted(self, x):
+        ends.append(self.out_features)
+        return cut_short(self, x)
+
+    written = {}
+    for run, forward in (("cut", counted), ("whole", lambda self, x: self.inner.forward(x))):
+        monkeypatch.setattr(conv._PassEnd, "forward", forward)
+        with pytest.raises(ConversionInterrupted):
+            convert(src, tmp_path / run, tmp_path / f"w_{run}", 4.0, stop_after_layer=0, **FAST)
+        written[run] = (tmp_path / f"w_{run}" / "qtensors" / "model.layers.0.safetensors").read_bytes()
+    assert ends == [128, 128]  # gate_proj's call ends o_proj's pass, down_proj's ends gate/up's
+    assert written["cut"] == written["whole"]
+
+
 def test_sequential_hessians_and_error_target(converted, tmp_path, monkeypatch):
     """Layer 0 quantized twice: plain (one dense pass for every group's Hessian, the dense weights as targets) and
     sequential with the error target. q/k/v see the embedding in both (same Hessian, and their inputs agree with
