@@ -384,7 +384,11 @@ def test_sigterm_drains_then_ends_streams_with_an_error_and_done(tiny_llama_smol
         threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
         for t in threads:
             t.start()
-        time.sleep(1.5)
+        # SIGTERM once both requests run: the stream has tokens (a fixed sleep lost that race on a loaded machine)
+        started = time.time()
+        while len(lines) <= 3 and time.time() - started < 60 and all(t.is_alive() for t in threads):
+            time.sleep(0.05)
+        time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(60)
