@@ -87,18 +87,18 @@ def throughput(args: argparse.Namespace, lm) -> None:
     print(f"model {args.model or 'SmolLM2-135M-Instruct'}, device {args.device}, dtype {args.dtype}, "
           f"{args.new_tokens} new tokens per job, torch threads {torch.get_num_threads()}, "
           f"async scheduling {'on' if gen.async_scheduling else 'off'}, mask threads {engine.executor_threads}")
-    print("schema runs: 'new' compiles the schema afresh (llguidance builds lexer states as the jobs first meet "
-          "them), 'again' reruns the same jobs on that grammar (states built, shared by every job's matcher)")
+    print("schema runs: 'new' is a schema the engine has not seen (llguidance builds its lexer states as the "
+          "jobs first meet them), 'again' the same schema in new jobs (states built, shared by every job's matcher)")
     print(f"{'batch':>5} {'plain tok/s':>12} {'schema':>6} {'tok/s':>8} {'slower':>7} {'mask fill ms/step':>18} "
           f"{'mask wait ms/step':>18} {'ahead':>6}")
     for batch in args.batch_sizes:
         prompts = [f"Profile number {i}: describe a person as JSON." for i in range(batch)]
         gen.generate(prompts, 2)  # prefill once: the timed runs reuse the cached prompts
         plain, _, _ = decode_rate(gen, prompts, args.new_tokens, None)
-        schema = Grammar.json_schema(MANY_PROFILES)
+        unseen = dict(MANY_PROFILES, description=f"batch {batch}")  # new text: the engine compiles it afresh
         for run in ("new", "again"):
             before, ahead_before = dict(engine.stats), gen.stats["steps_ahead"]
-            constrained, steps, _ = decode_rate(gen, prompts, args.new_tokens, schema)
+            constrained, steps, _ = decode_rate(gen, prompts, args.new_tokens, Grammar.json_schema(unseen))
             fill = (engine.stats["fill_s"] - before["fill_s"]) / max(steps, 1) * 1e3
             wait = (engine.stats["wait_s"] - before["wait_s"]) / max(steps, 1) * 1e3
             ahead = (gen.stats["steps_ahead"] - ahead_before) / max(steps, 1)
@@ -111,8 +111,10 @@ def mask_costs(args: argparse.Namespace, lm) -> None:
     """Where a step's mask time goes, replayed off-line on the tokens the model chose under the schema
     (per batch size): llguidance alone (one thread, then its executor on 1, 2, ... threads), consuming the
     tokens (one by one, and in parallel), the engine's fill with its Python around llguidance (on this
-    thread, as the generator runs it on CUDA, and through the worker thread, as on CPU), and applying
-    the masks to logits on the device."""
+    thread, as the generator runs it on CUDA; for a schema the engine has not seen yet, whose lexer
+    states are built as the jobs meet them; and through the worker thread, as on CPU), and applying the
+    masks to logits on the device. Generating the tokens built the schema's states, so the other
+    columns are steady-state costs."""
     import llguidance
     import llguidance.torch as llt
 
@@ -124,7 +126,7 @@ def mask_costs(args: argparse.Namespace, lm) -> None:
     print(f"mask costs, replayed on the schema outputs of {args.new_tokens} tokens; device {args.device}; "
           f"{os.cpu_count()} CPUs; engine executor threads {engine.executor_threads}; ms per step")
     print(f"{'batch':>5} {'llg 1 thread':>12} " + " ".join(f"{f'llg par {n}':>10}" for n in threads)
-          + f" {'consume':>8} {'cons par':>8} {'fill_masks':>10} {'worker':>8} {'apply':>8}")
+          + f" {'consume':>8} {'cons par':>8} {'fill_masks':>10} {'new gram':>8} {'worker':>8} {'apply':>8}")
     for batch in args.batch_sizes:
         prompts = [f"Profile number {i}: describe a person as JSON." for i in range(batch)]
         _, _, tokens = decode_rate(gen, prompts, args.new_tokens, schema)
@@ -132,9 +134,9 @@ def mask_costs(args: argparse.Namespace, lm) -> None:
         logits = torch.zeros(batch, int(lm.config.vocab_size), device=args.device)
         mask = llt.allocate_token_bitmask(batch, engine.vocab_size)
 
-        def replay(fill, consume=None) -> tuple[float, float]:
+        def replay(fill, consume=None, grammar: Grammar = schema) -> tuple[float, float]:
             """(ms per step in ``fill(states)``, in consuming the step's tokens) over fresh grammar states."""
-            states = [engine.compile(schema) for _ in range(batch)]
+            states = [engine.compile(grammar) for _ in range(batch)]
             fill_s = consume_s = 0.0
             for step in range(steps):
                 t0 = time.perf_counter()
@@ -166,6 +168,8 @@ def mask_costs(args: argparse.Namespace, lm) -> None:
         rows = lambda states: [(s, i, []) for i, s in enumerate(states)]  # noqa: E731
         stops = [None] * batch
         ours, _ = replay(lambda states: engine.fill_masks(rows(states), batch, stops))
+        unseen = Grammar.json_schema(dict(MANY_PROFILES, description=f"mask costs {batch}"))
+        cold, _ = replay(lambda states: engine.fill_masks(rows(states), batch, stops), grammar=unseen)
         worker, _ = replay(lambda states: engine.start_masks(rows(states), batch, stops).result())
         ready = engine.fill_masks(rows([engine.compile(schema) for _ in range(batch)]), batch, stops)
         sync()
@@ -175,7 +179,7 @@ def mask_costs(args: argparse.Namespace, lm) -> None:
             sync()
         apply = (time.perf_counter() - t0) / steps * 1e3
         print(f"{batch:>5} {single:>12.3f} " + " ".join(f"{p:>10.3f}" for p in par)
-              + f" {consume:>8.3f} {consume_par:>8.3f} {ours:>10.3f} {worker:>8.3f} {apply:>8.3f}")
+              + f" {consume:>8.3f} {consume_par:>8.3f} {ours:>10.3f} {cold:>8.3f} {worker:>8.3f} {apply:>8.3f}")
 
 
 def report(name: str, compile_ms: list[float], mask_us: list[float]) -> None:
@@ -200,9 +204,9 @@ def engines(lm) -> None:
     mask = llt.allocate_token_bitmask(1, vocab)
     llt.fill_next_token_bitmask(engine.compile(Grammar.json_schema({"type": "object"})).matcher, mask, 0)  # warm-up
     compile_ms, mask_us = [], []
-    for _ in range(5):
+    for i in range(5):
         t0 = time.perf_counter()
-        state = engine.compile(Grammar.json_schema(PROFILE))
+        state = engine.compile(Grammar.json_schema(dict(PROFILE, description=f"compile {i}")))  # new text: no cache
         compile_ms.append((time.perf_counter() - t0) * 1e3)
     for t in ids:
         t0 = time.perf_counter()

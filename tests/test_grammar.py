@@ -155,3 +155,21 @@ def test_masks_put_a_jobs_own_stop_ids_where_the_output_may_end(gen, lm):
     engine.apply_masks(logits, (used, masks))
     assert torch.isinf(logits[0, own]) and logits[1, own] == 0 and logits[3, eos] == 0 and torch.isinf(logits[3, own])
     assert not torch.isinf(logits[4]).any() and torch.isinf(logits[:4]).sum(1).min() > 40000
+
+
+def test_the_engine_keeps_compiled_grammars_by_text(gen, lm, monkeypatch):
+    """Two requests with the same schema share one compiled grammar (and the lexer states it builds); each job
+    still gets its own state; the engine keeps a bounded number of them, least recently used dropped first."""
+    import trellm.grammar as grammar_module
+
+    monkeypatch.setattr(grammar_module, "COMPILED_GRAMMARS", 2)
+    engine = gen.grammar_engine
+    a = lm.tokenizer.encode("a", add_special_tokens=False)[0]
+    first, second = engine.compile(Grammar.regex("a{1,5}")), engine.compile(Grammar.regex("a{1,5}"))
+    kept = dict(engine._compiled)
+    assert Grammar.regex("a{1,5}").spec in kept and len(kept) <= 2
+    assert first.consume(a) and first.valid_prefix([a] * 5) == 4 and second.valid_prefix([a] * 5) == 5
+    engine.compile(Grammar.regex("b+"))
+    engine.compile(Grammar.regex("a{1,5}"))  # used again: now the most recent
+    engine.compile(Grammar.regex("c+"))
+    assert list(engine._compiled) == [Grammar.regex("a{1,5}").spec, Grammar.regex("c+").spec]
