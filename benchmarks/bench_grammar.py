@@ -164,7 +164,8 @@ def mask_costs(args: argparse.Namespace, lm) -> None:
         engine_fill = lambda states: llt.fill_next_token_bitmask_par(  # noqa: E731
             engine.executor, [(s.matcher, i) for i, s in enumerate(states)], mask)
         _, consume = replay(engine_fill)
-        _, consume_par = replay(engine_fill, engine.executor.consume_token_par)
+        in_parallel = getattr(engine.executor, "consume_token_par", None)  # absent from older llguidance releases
+        consume_par = replay(engine_fill, in_parallel)[1] if in_parallel else float("nan")
         rows = lambda states: [(s, i, []) for i, s in enumerate(states)]  # noqa: E731
         stops = [None] * batch
         ours, _ = replay(lambda states: engine.fill_masks(rows(states), batch, stops))
