@@ -122,7 +122,7 @@ def mask_costs(args: argparse.Namespace, lm) -> None:
                     cuda_graphs=args.device == "cuda")
     schema = Grammar.json_schema(MANY_PROFILES)
     engine = gen.grammar_engine
-    threads = sorted({1, 2, engine.executor_threads})
+    threads = sorted({1, 2, engine.executor_threads, min(os.cpu_count() or 1, 16)})  # beyond the engine's: would more help?
     print(f"mask costs, replayed on the schema outputs of {args.new_tokens} tokens; device {args.device}; "
           f"{os.cpu_count()} CPUs; engine executor threads {engine.executor_threads}; ms per step")
     print(f"{'batch':>5} {'llg 1 thread':>12} " + " ".join(f"{f'llg par {n}':>10}" for n in threads)
