@@ -1,0 +1,419 @@
+"""Same-input A/B of trellm's EXL3 quantizer against ExLlamaV3's procedure, one linear group at a time, on a CPU.
+
+    OMP_NUM_THREADS=1 python benchmarks/exl3_linear_ab.py --layer 3 --groups qkv,down --bits 4 \
+        --variants trellm,exl3,exl3:scaled --out /tmp/ab.json
+
+The real SmolLM2-135M (the default model) runs dense in float32 on trellm's calibration rows up to decoder
+layer ``--layer``; each chosen group (``qkv`` = q/k/v on their shared input, ``o``, ``gu`` = gate/up, ``down``)
+gets its input Hessian H = E[x x^T] from those rows and its held-out inputs from the built-in evaluation
+text. Every variant quantizes the same weights with the same H and the same tile encoder
+(:func:`trellm.quant.exl3.viterbi.encode_tiles`), so only the procedure around the trellis search differs:
+
+- ``trellm``: :func:`trellm.quant.exl3.quantize.quantize_group` as ``trellm convert`` calls it.
+- ``exl3``: ExLlamaV3 1.6.5's default procedure re-expressed here from its source (as facts): damping
+  0.025 * mean diag; the LDL factor of the Hessian rotated with the input *signs only*, shared by the group;
+  per tensor its own output scales (column RMS over the mean), input scales (row RMS after the output
+  Hadamard) and global scale (diagonal + extreme-tile sample, coarse grid 0.1..1.9 on a third of it, fine
+  grid +-2 x 0.075, parabola); LDLQ over 128-row spans with the group concatenated along n; the post-LDLQ
+  refit of the fp16 scales in the damped Hessian (two rounds), per tensor.
+- ``exl3:<switch>+<switch>``: ``exl3`` with single steps swapped for trellm's, to bisect:
+  ``scaled`` (LDL of the Hessian with the full input scales, as trellm), ``groupsu`` (one input scale vector
+  for the whole group, from the concatenated weight, and one global scale, as trellm), ``norefit``.
+
+Printed per group and variant: the proxy loss tr(E^T H E) / tr(W^T H W) on the calibration Hessian and the
+relative output error |X E|^2 / |X W|^2 on held-out rows, both in the original basis for the fp16 scales as
+stored. Nothing here imports ExLlamaV3.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+GROUPS = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gu": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+SIGMA_REG = 0.025
+CODEBOOK_SCALE = 1.24371088
+LDLQ_DRIFT = {1: 1.08, 2: 1.018, 3: 1.004}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inputs: real weights, Hessians and held-out activations
+
+
+def exl3_style_rows(tokenizer, vocab_size: int, rows: int, cols: int, data_dir: Path) -> list[list[int]]:
+    """Calibration rows made the way ExLlamaV3 1.6.5 makes its default ones (its calibration_data.py, read as
+    facts), from the text files of a directory laid out like its ``standard_cal_data``: weights 20/20/10/10/50/5
+    over c4 (shuffled lines), code (raw slices), multilingual (shuffled lines), technical (raw slices), wiki
+    (articles), tiny (stories), the remainder random tokens; articles are packed into rows, with BOS/EOS around
+    each article on even rows."""
+    import random
+
+    bos = tokenizer.bos_token_id
+    eos = min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None
+
+    def pack(articles: list[str], n: int) -> list[list[int]]:
+        out, row, i = [], [], 0
+        while len(out) < n and i < len(articles):
+            ids = tokenizer.encode(articles[i], add_special_tokens=False)
+            if len(out) % 2 == 0:
+                ids = ([bos] if bos is not None else []) + ids + ([eos] if eos is not None else [])
+            row = (row + ids)[:cols]
+            if len(row) == cols:
+                out.append(row)
+                row = []
+            i += 1
+        return out
+
+    def lines(text: str, n: int) -> list[list[int]]:
+        arts = [a for a in text.split("\n") if a and not a.isspace()]
+        random.seed(0)
+        random.shuffle(arts)
+        return pack(arts, n)
+
+    def raw(text: str, n: int) -> list[list[int]]:
+        ids = tokenizer.encode(text[: n * cols * 8], add_special_tokens=False)
+        return [ids[i * cols : (i + 1) * cols] for i in range(n) if len(ids) >= (i + 1) * cols]
+
+    def wiki(text: str, n: int) -> list[list[int]]:
+        arts = [a[a.find("\n") + 1 :] for a in text.split("</doc>\n")]
+        return pack([a for a in arts if len(a) > 50], n)
+
+    def tiny(text: str, n: int) -> list[list[int]]:
+        return pack([a.strip() for a in text.split("<|endoftext|>")], n)
+
+    mix = [("c4.utf8", 20, lines), ("code.utf8", 20, raw), ("multilingual.utf8", 10, lines),
+           ("technical.utf8", 10, raw), ("wiki.utf8", 50, wiki), ("tiny.utf8", 5, tiny)]
+    total = sum(w for _, w, _ in mix) + 20
+    out: list[list[int]] = []
+    for name, weight, make in mix:
+        out += make((data_dir / name).read_text(encoding="utf-8"), max(1, int(weight / total * rows)))
+    gen = torch.Generator().manual_seed(0)
+    while len(out) < rows:
+        out.append(torch.randint(0, vocab_size, (cols,), generator=gen).tolist())
+    return out
+
+
+def capture(layer_index: int, groups: list[str], cal_rows: int, cal_cols: int, eval_windows: int,
+            cal_source: str = "trellm") -> dict:
+    """Per group: HF weights [out, in], calibration Hessian [in, in] (float64 sums / count) and held-out rows.
+
+    ``cal_source``: "trellm" (``trellm.convert.calibration_rows``) or "exl3:DIR" (:func:`exl3_style_rows`)."""
+    import trellm
+    from trellm.batch import ForwardBatch
+    from trellm.convert import _record, calibration_rows, layer_linears
+    from trellm.default_model import default_model_dir
+    from trellm.evaluate import eval_text, token_windows
+
+    lm = trellm.load(default_model_dir(show_progress=False), device="cpu", dtype=torch.float32, tokenizer=True)
+    model = lm.model
+    layer = model.layers[layer_index]
+    prefix = layer.key + "."
+    linears = {lin.key[len(prefix):]: lin for lin in layer_linears(layer)}
+    out = {}
+    if cal_source == "trellm":
+        cal = calibration_rows(lm.tokenizer, model.embed.vocab_size, cal_rows, cal_cols)
+    elif cal_source.startswith("exl3:"):
+        cal = exl3_style_rows(lm.tokenizer, model.embed.vocab_size, cal_rows, cal_cols, Path(cal_source[5:]))
+    else:
+        raise SystemExit(f"unknown calibration source {cal_source!r}")
+    sets = {
+        "cal": cal,
+        "eval": token_windows(lm.tokenizer, eval_text(), cal_cols, eval_windows),
+    }
+    rows_by_set = {}
+    with torch.inference_mode():
+        for name, seqs in sets.items():
+            batch = ForwardBatch.no_cache(seqs, "cpu")
+            state = model.embed_tokens(batch).float()
+            for i in range(layer_index):
+                state = model.layers[i].forward(state, batch).float()
+            _, recorders = _record(layer, list(linears.values()), state, batch, keep_inputs=True)
+            rows_by_set[name] = {g: recorders[linears[GROUPS[g][0]].key].group_inputs().float() for g in groups}
+    for g in groups:
+        x = rows_by_set["cal"][g].double()
+        out[g] = dict(
+            weights=[linears[r].impl.dense_weight().float().clone() for r in GROUPS[g]],
+            hessian=(x.t() @ x / x.shape[0]).float(),
+            heldout=rows_by_set["eval"][g],
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ExLlamaV3's procedure (from its source, as facts), with trellm's tile encoder
+
+
+def _had():
+    from trellm.ops.exl3 import hadamard_matrix
+
+    return hadamard_matrix("cpu").float()
+
+
+def had_left(x: torch.Tensor) -> torch.Tensor:
+    k, n = x.shape
+    return (_had() @ x.reshape(k // 128, 128, n)).reshape(k, n)
+
+
+def had_right(x: torch.Tensor) -> torch.Tensor:
+    k, n = x.shape
+    return (x.reshape(k, n // 128, 128) @ _had()).reshape(k, n)
+
+
+def exl3_block_ldl(h: torch.Tensor) -> torch.Tensor:
+    """L with H = L D L^T, unit block-lower with 16x16 blocks, scalar diagonal zeroed (as ldlq expects)."""
+    n = h.shape[0]
+    m = n // 16
+    chol = torch.linalg.cholesky(h)
+    dl = torch.linalg.inv(torch.diagonal(chol.reshape(m, 16, m, 16), dim1=0, dim2=2).permute(2, 0, 1))
+    L = chol.view(n, m, 16).clone()
+    for i in range(m):
+        L[:, i, :] = L[:, i, :] @ dl[i]
+    L = L.reshape(n, n)
+    blocks = L.view(m, 16, m, 16).permute(0, 2, 1, 3)
+    r = torch.arange(m)
+    blocks[r, r] = torch.eye(16)
+    L.diagonal().zero_()
+    return L
+
+
+def encode(tiles: torch.Tensor, K: int, codebook: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from trellm.quant.exl3.viterbi import encode_tiles
+
+    states, vals = encode_tiles(tiles.contiguous(), K, codebook)
+    return vals, states
+
+
+def exl3_sample_tiles(w: torch.Tensor, width: int = 3) -> torch.Tensor:
+    from trellm.ops.exl3 import TILE_PERM
+
+    tk, tn = w.shape[0] // 16, w.shape[1] // 16
+    w4 = w.view(tk, 16, tn, 16)
+    diag = max(tk, tn)
+    ii = torch.arange(diag).repeat_interleave(width)
+    ww = torch.arange(width).repeat(diag)
+    kk, nn = ii % tk, (ii + ww) % tn
+    num_x = min(max(8, diag * width // 16), (tk * tn + 1) // 2)
+    ms = w4.square().mean(dim=(1, 3)).flatten()
+    ext = torch.cat((torch.topk(ms, num_x).indices, torch.topk(ms, num_x, largest=False).indices))
+    tiles = w4[torch.cat((kk, ext // tn)), :, torch.cat((nn, ext % tn)), :].reshape(-1, 256)
+    return tiles[:, TILE_PERM]
+
+
+def exl3_scale_search(samples: torch.Tensor, K: int, codebook: str) -> float:
+    def mse(t: torch.Tensor, s: float) -> float:
+        return (encode(t * s, K, codebook)[0] / s - t).square().mean().item()
+
+    coarse = [0.1 + 0.2 * i for i in range(10)]
+    sub = samples[::3]
+    c = coarse[min(range(10), key=lambda i: mse(sub, coarse[i]))]
+    step = 0.075
+    fine = [c + step * (i - 2) for i in range(5)]
+    e = [mse(samples, s) for s in fine]
+    best = min(range(5), key=e.__getitem__)
+    offset = 0.0
+    if 0 < best < 4:
+        denom = e[best - 1] - 2 * e[best] + e[best + 1]
+        offset = max(-0.5, min(0.5, 0.5 * (e[best - 1] - e[best + 1]) / denom)) if denom > 0 else 0.0
+    return max(fine[best] + offset * step, 0.01)
+
+
+def exl3_ldlq(w: torch.Tensor, L: torch.Tensor, K: int, codebook: str, span: int = 128) -> torch.Tensor:
+    from trellm.ops.exl3 import TILE_PERM, TILE_PERM_INV
+
+    k, n = w.shape
+    tn = n // 16
+    prod = torch.zeros(k, n)
+    q = torch.zeros(k, n)
+    for j in range(k, 0, -span):
+        i = j - span
+        for bj in range(span, 0, -16):
+            bi = bj - 16
+            err = w[i + bj : j] - q[i + bj : j]
+            comp = prod[i + bi : i + bj] + L[i + bj : j, i + bi : i + bj].t() @ err
+            rows = w[i + bi : i + bj] + comp
+            tiles = rows.reshape(16, tn, 16).permute(1, 0, 2).reshape(tn, 256)[:, TILE_PERM]
+            vals, _ = encode(tiles, K, codebook)
+            q[i + bi : i + bj] = vals[:, TILE_PERM_INV].reshape(tn, 16, 16).permute(1, 0, 2).reshape(16, n)
+        prod += L[i:j].t() @ (w[i:j] - q[i:j])
+    return q
+
+
+def exl3_refit(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor, rounds: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """ExLlamaV3's refit_scales: column fit then row solve in the (damped) H, ``rounds`` times; returns the
+    row and column factors (r [k], c [n]) that multiply su and sv."""
+    k, n = q.shape
+    hw = h @ w
+    r_all, c_all = torch.ones(k), torch.ones(n)
+    for _ in range(rounds):
+        num = (q * hw).sum(0)
+        dn = (q * (h @ q)).sum(0)
+        c = torch.where(dn > 1e-30, num / dn.clamp(min=1e-30), torch.ones_like(num))
+        q = q * c
+        c_all *= c
+        a = (q @ q.t()) * h
+        b = (q * hw).sum(1)
+        a.diagonal().add_(1e-6 * a.diagonal().mean())
+        r = torch.linalg.solve(a, b)
+        r = torch.where(torch.isfinite(r) & (r > 0), r, torch.ones_like(r))
+        q = q * r[:, None]
+        r_all *= r
+    return r_all, c_all
+
+
+def exl3_quantize_group(weights: list[torch.Tensor], hessian: torch.Tensor, K: int, codebook: str, seed: int,
+                        switches: set[str]) -> list[torch.Tensor]:
+    """Dequantized weights [k, n_t] (in, out; padded; fp16 scales) of ExLlamaV3's procedure for one group."""
+    from trellm.quant.exl3.quantize import padded
+
+    k_in = weights[0].shape[1]
+    k = padded(k_in)
+    h = torch.zeros(k, k)
+    h[:k_in, :k_in] = hessian
+    h.diagonal().add_(SIGMA_REG * h.diagonal().mean())  # damped, original basis
+    torch.manual_seed(seed)
+    su_sign = (torch.randn(k).sign() + 1e-5).sign()
+    h_rot = had_left(had_right(h * su_sign[None, :] * su_sign[:, None]))
+    L_signs = exl3_block_ldl(h_rot) if "scaled" not in switches else None
+
+    originals, regs, sus, svs = [], [], [], []
+    for w_hf in weights:
+        n_out = w_hf.shape[0]
+        n = padded(n_out)
+        w = torch.zeros(k, n)
+        w[:k_in, :n_out] = w_hf.t()
+        originals.append(w.clone())
+        sv = (torch.randn(n).sign() + 1e-5).sign()
+        scales = w.square().mean(0).sqrt()
+        scales = scales / scales.mean()
+        zero = scales.abs() < 1e-30
+        scales[zero] = 0.1
+        sv = sv * scales + 1e-10
+        w = w / sv
+        sv[zero] = 0.0
+        w = had_right(w)
+        svs.append(sv)
+        regs.append(w)
+    if "groupsu" in switches:
+        cat = torch.cat(regs, 1)
+        in_scales = [cat.square().mean(1).sqrt()] * len(regs)
+    else:
+        in_scales = [w.square().mean(1).sqrt() for w in regs]
+    for t, w in enumerate(regs):
+        s = in_scales[t].clone()
+        s[s.abs() < 1e-30] = 0.1
+        su = su_sign * s / (-CODEBOOK_SCALE) + 1e-10
+        regs[t] = had_left(w / su[:, None])
+        sus.append(su)
+    drift = LDLQ_DRIFT.get(K, 1.0)
+    if "groupsu" in switches:
+        g = exl3_scale_search(exl3_sample_tiles(torch.cat(regs, 1)) * drift, K, codebook)
+        gs = [g] * len(regs)
+    else:
+        gs = [exl3_scale_search(exl3_sample_tiles(w) * drift, K, codebook) for w in regs]
+    for t in range(len(regs)):
+        regs[t] = regs[t] * gs[t]
+        sus[t] = sus[t] / gs[t]
+
+    widths = [w.shape[1] for w in regs]
+    if L_signs is not None:
+        q_all = exl3_ldlq(torch.cat(regs, 1), L_signs, K, codebook)
+        qs = list(torch.split(q_all, widths, 1))
+    else:  # the Hessian in the domain LDLQ quantizes in: full su per tensor (or the group's one)
+        qs = []
+        for t, w in enumerate(regs):
+            hs = had_left(had_right(h * sus[t][None, :] * sus[t][:, None]))
+            qs.append(exl3_ldlq(w, exl3_block_ldl(0.5 * (hs + hs.t())), K, codebook))
+
+    out = []
+    for t, q in enumerate(qs):
+        su, sv = sus[t], svs[t]
+        if "norefit" not in switches:
+            r, c = exl3_refit(originals[t], had_right(had_left(q) * su[:, None]) * sv[None, :], h)
+            su, sv = su * r, sv * c
+        out.append(had_right(had_left(q) * su.half().float()[:, None]) * sv.half().float()[None, :])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scoring
+
+
+def score(weights: list[torch.Tensor], deq: list[torch.Tensor], hessian: torch.Tensor, heldout: torch.Tensor) -> dict:
+    k_in = weights[0].shape[1]
+    w = torch.cat([wt.t() for wt in weights], 1).double()
+    q = torch.cat([d[:k_in, : wt.shape[0]] for d, wt in zip(deq, weights)], 1).double()
+    e = q - w
+    h = hessian.double()
+    x = heldout.double()
+    return dict(
+        proxy=((e * (h @ e)).sum() / (w * (h @ w)).sum()).item(),
+        heldout=((x @ e).square().sum() / (x @ w).square().sum()).item(),
+    )
+
+
+def run_variant(name: str, data: dict, K: int, codebook: str, seed: int) -> list[torch.Tensor]:
+    if name == "trellm" or name.startswith("trellm:"):
+        from trellm.quant.exl3.quantize import dequantize, quantize_group
+
+        opts = dict(kv.split("=") for kv in name.split(":")[1].split("+")) if ":" in name else {}
+        kwargs = {key: (value if key == "out_scales" else bool(int(value))) for key, value in opts.items()}
+        qts, _ = quantize_group(data["weights"], data["hessian"], K, codebook, seed=seed, device="cpu", **kwargs)
+        return [dequantize(qt) for qt in qts]
+    if name == "exl3" or name.startswith("exl3:"):
+        switches = set(name.split(":")[1].split("+")) if ":" in name else set()
+        return exl3_quantize_group(data["weights"], data["hessian"], K, codebook, seed, switches)
+    raise SystemExit(f"unknown variant {name!r}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layer", type=int, default=3)
+    ap.add_argument("--groups", default="qkv,down")
+    ap.add_argument("--bits", default="4")
+    ap.add_argument("--codebook", default="mul1")
+    ap.add_argument("--variants", default="trellm,exl3")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--cal-rows", type=int, default=64)
+    ap.add_argument("--cal-cols", type=int, default=512)
+    ap.add_argument("--eval-windows", type=int, default=8)
+    ap.add_argument("--cal-source", default="trellm",
+                    help="trellm (its calibration mix) or exl3:DIR (ExLlamaV3's mix from its standard_cal_data DIR)")
+    ap.add_argument("--out", default=None, help="JSON file the rows are appended to")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    groups = args.groups.split(",")
+    t0 = time.perf_counter()
+    data = capture(args.layer, groups, args.cal_rows, args.cal_cols, args.eval_windows, args.cal_source)
+    print(f"captured layer {args.layer} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    rows = []
+    for g in groups:
+        for bits in (int(b) for b in args.bits.split(",")):
+            for seed in (int(s) for s in args.seeds.split(",")):
+                for variant in args.variants.split(","):
+                    t0 = time.perf_counter()
+                    deq = run_variant(variant, data[g], bits, args.codebook, seed)
+                    s = score(data[g]["weights"], deq, data[g]["hessian"], data[g]["heldout"])
+                    row = dict(layer=args.layer, group=g, bits=bits, seed=seed, variant=variant,
+                               cal=f"{args.cal_source} {args.cal_rows}x{args.cal_cols}", **s,
+                               seconds=round(time.perf_counter() - t0, 1))
+                    rows.append(row)
+                    print(f"L{args.layer} {g:>5} {bits} bpw seed {seed} {variant:>24} cal {row['cal']}: proxy {s['proxy']:.6f} "
+                          f"heldout {s['heldout']:.6f} ({row['seconds']}s)", flush=True)
+    if args.out:
+        path = Path(args.out)
+        old = json.loads(path.read_text()) if path.is_file() else []
+        path.write_text(json.dumps(old + rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
