@@ -106,8 +106,11 @@ def calibration_rows(tokenizer, vocab_size: int, rows: int, cols: int, text_file
 
     Each source of the mix (``trellm.data.calibration_sources``) gets its share of the rows, cut as
     windows spread evenly over its token stream; chat dialogues are rendered with the tokenizer's chat
-    template. The remaining rows (about 1/10; 1/8 with a user file) are uniform random tokens, so every
-    embedding row and rare token direction contributes a little to the Hessians. Deterministic.
+    template. A source shorter than one row (the mix's prose is about 1,300 SmolLM2 tokens) gives rows
+    holding it once, shorter rows: wrapped round into itself inside a row, it would put the model in
+    copy mode, whose activations no real input has. The remaining rows (about 1/10; 1/8 with a user
+    file) are uniform random tokens, so every embedding row and rare token direction contributes a
+    little to the Hessians. Deterministic.
     """
     from .data import CalibrationSource, calibration_sources
 
@@ -138,6 +141,9 @@ def calibration_rows(tokenizer, vocab_size: int, rows: int, cols: int, text_file
             ids = _source_tokens(tokenizer, source)
             if len(ids) < cols and text_file is not None:
                 raise ConversionError(f"calibration text has {len(ids)} tokens, fewer than one row of {cols}")
+            if len(ids) <= cols:  # shorter than a row: rows of the text once (repeated in one row, it puts the
+                out += [ids] * n  # model in copy mode, with activations unlike any real input's)
+                continue
             if len(ids) < n * cols:  # a short source repeats (windows then start at different offsets)
                 ids = ids * -(-n * cols // max(len(ids), 1))
             starts = torch.linspace(0, len(ids) - cols, steps=n).long().tolist()
