@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import json
 import os
 import threading
@@ -265,16 +266,18 @@ class GrammarEngine:
 
     def _swap_stops(self, words: np.ndarray, swaps: list[tuple[int, int, set[int]]]) -> None:
         """In each (first row, rows, job's stop ids): where the engine's stop tokens are allowed (the output
-        is complete), allow the job's instead. ``words``: the masks as a uint32 array."""
+        is complete), allow the job's instead. ``words``: the masks as a uint32 array. The complete rows of
+        every job are found with one gather; only those are rewritten."""
         stop_words, stop_bits = self._stop_words
-        for first, count, stops in swaps:
-            block = words[first: first + count]
-            for row in np.flatnonzero((block[:, stop_words] & stop_bits).any(axis=1)):
-                for t in self.stop_ids:
-                    block[row, t >> 5] &= ~(1 << (t & 31)) & 0xFFFFFFFF
-                for t in stops:
-                    if 0 <= t < self.vocab_size:
-                        block[row, t >> 5] |= 1 << (t & 31)
+        rows = [row for first, count, _ in swaps for row in range(first, first + count)]
+        owners = [stops for _, count, stops in swaps for _ in range(count)]
+        complete = (words[np.array(rows)[:, None], stop_words] & stop_bits).any(axis=1)
+        for row, stops in zip(itertools.compress(rows, complete), itertools.compress(owners, complete)):
+            for t in self.stop_ids:
+                words[row, t >> 5] &= ~(1 << (t & 31)) & 0xFFFFFFFF
+            for t in stops:
+                if 0 <= t < self.vocab_size:
+                    words[row, t >> 5] |= 1 << (t & 31)
 
     def apply_masks(self, logits: torch.Tensor, masks: StepMasks | concurrent.futures.Future) -> None:
         """Set every refused token's logit to -inf (in place, on the logits' device); ``masks`` from
