@@ -25,8 +25,8 @@ relative output error |X E|^2 / |X W|^2 on held-out rows, both in the original b
 stored. Nothing here imports ExLlamaV3.
 
 Measured on SmolLM2-135M, 4 bpw mul1 (held-out error; December 2026): on the same inputs the two procedures
-agree within 2% (layer 3 q/k/v 0.000779 trellm, 0.000792 ExLlamaV3's; down 0.004143, 0.004070; layer 2
-down 0.000376, 0.000372), while the calibration text moves the same quantizer more: layer 3 down 0.004143 on
+agree within 5%, trellm mostly ahead (layer 3 q/k/v 0.000779 trellm, 0.000792 ExLlamaV3's; o 0.001903,
+0.002001; gate/up 0.002625, 0.002633; down 0.004143, 0.004070; layer 2 down 0.000376, 0.000372), while the calibration text moves the same quantizer more: layer 3 down 0.004143 on
 trellm's 64 x 512 rows, 0.003939 on ExLlamaV3's mix at 64 x 512, 0.003790 at 64 x 2048 (its proxy-to-held-out
 gap 9% against trellm's 42%); and 2048-token rows raise layer 2 down's error by half at equal tokens
 (0.000376 -> 0.000574; first-token activations carry a quarter of that Hessian at 512-token rows).
