@@ -222,13 +222,13 @@ class GrammarEngine:
             return GrammarState(template.deep_copy())
 
     def start_masks(self, rows: list[tuple[GrammarState, int, list[int]]], num_rows: int,
-                    stop_ids: list[set[int] | None]) -> concurrent.futures.Future:
+                    stop_ids: list[Sequence[int] | None]) -> concurrent.futures.Future:
         """Begin computing masks on the worker thread (see :meth:`fill_masks`), beside the forward this
         thread then launches; resolve with :meth:`apply_masks`."""
         return self._worker.submit(self._fill, rows, self._next_buffer(num_rows), stop_ids)
 
     def fill_masks(self, rows: list[tuple[GrammarState, int, list[int]]], num_rows: int,
-                   stop_ids: list[set[int] | None]) -> StepMasks:
+                   stop_ids: list[Sequence[int] | None]) -> StepMasks:
         """The masks of ``num_rows`` logits rows, computed on this thread: for each (state, first logits row,
         draft tokens), the row's mask and one per draft token after it; other rows allow every token.
         ``stop_ids[i]`` (None = the engine's) replaces the engine's stop tokens in entry i's rows. The
@@ -242,7 +242,7 @@ class GrammarEngine:
                                                        pin_memory=torch.cuda.is_available())
         return self._host_masks[self._turn][:num_rows]
 
-    def _fill(self, rows, masks: torch.Tensor, stop_ids: list[set[int] | None]) -> StepMasks:
+    def _fill(self, rows, masks: torch.Tensor, stop_ids: list[Sequence[int] | None]) -> StepMasks:
         import llguidance.torch as llt
 
         started = time.perf_counter()
@@ -257,14 +257,14 @@ class GrammarEngine:
         if drafted:
             llt.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafted, masks)
         swaps = [(row, len(draft) + 1, stops) for (_, row, draft), stops in zip(rows, stop_ids)
-                 if stops is not None and stops != self._stop_set]
+                 if stops is not None and set(stops) != self._stop_set]
         if swaps:
             self._swap_stops(masks.numpy().view("uint32"), swaps)
         self.stats["masks"] += len(used)
         self.stats["fill_s"] += time.perf_counter() - started
         return used, masks
 
-    def _swap_stops(self, words: np.ndarray, swaps: list[tuple[int, int, set[int]]]) -> None:
+    def _swap_stops(self, words: np.ndarray, swaps: list[tuple[int, int, Sequence[int]]]) -> None:
         """In each (first row, rows, job's stop ids): where the engine's stop tokens are allowed (the output
         is complete), allow the job's instead. ``words``: the masks as a uint32 array. The complete rows of
         every job are found with one gather; only those are rewritten."""
