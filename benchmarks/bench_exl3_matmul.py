@@ -8,7 +8,8 @@ kernel (M <= 16), "mid" decodes the trellis in registers against tensor-core fra
 "cublas" decodes W_hat to fp16 and multiplies with cuBLAS. ``--routes`` also times every route that can
 take each M (gemv_us, mid_us, cublas_us): the A/B of the three in one process. With the MUL1 codebook (the
 default: what both converters write) it also times the GEMV's split-halves MUL1 route (gemv_split_us,
-TRELLM_MUL1_GEMV=split) beside its default fp16-fma route (gemv_us), and the same trellis bits read as MCG
+TRELLM_MUL1_GEMV=split) beside MUL1 as the environment routes it (gemv_us: the fp16-fma route unless
+TRELLM_MUL1_GEMV is set), and the same trellis bits read as MCG
 (gemv_mcg_us), the speed the split route is meant to reach; up to 8 rows the mid-size route's split decode too
 (mid_split_us).
 

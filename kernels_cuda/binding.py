@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from trellm.errors import TrellmError
+from trellm.ops.exl3 import mul1_gemv_route
 
 from . import build as _build
 
@@ -23,8 +24,8 @@ HEADER = Path(__file__).resolve().parent / "trellm_kernels.h"
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 CODEBOOK_CODES = {"3inst": 0, "mcg": 1, "mul1": 2}
 # The EXL3 matmuls that decode in registers (the GEMV, the mid-size matmul for up to 8 rows, the MoE pairs) also
-# take "mul1_split": MUL1 through the split-halves decode (common.cuh, CB_MUL1_SPLIT), which
-# trellm.kernels_cuda.ops chooses from TRELLM_MUL1_GEMV. Elsewhere (the mid-size matmul above 8 rows) it is MUL1.
+# take "mul1_split": MUL1 through the split-halves decode (common.cuh, CB_MUL1_SPLIT). "mul1" takes the route
+# TRELLM_MUL1_GEMV picks (_matmul_codebook_code). The mid-size matmul above 8 rows decodes MUL1 as MUL1 either way.
 MATMUL_CODEBOOK_CODES = {**CODEBOOK_CODES, "mul1_split": 3}
 ACTIVATION_CODES = {
     "silu": 0, "swish": 0,
@@ -150,6 +151,13 @@ def _codebook_code(codebook: str, codes: dict[str, int] = CODEBOOK_CODES) -> int
         return codes[codebook]
     except KeyError:
         raise KernelArgumentError(f"codebook {codebook!r} unknown; expected one of {sorted(codes)}") from None
+
+
+def _matmul_codebook_code(codebook: str) -> int:
+    """The codebook code of an in-register EXL3 matmul launch: "mul1" on the route ``mul1_gemv_route`` picks."""
+    if codebook == "mul1" and mul1_gemv_route() == "split":
+        codebook = "mul1_split"
+    return _codebook_code(codebook, MATMUL_CODEBOOK_CODES)
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -310,7 +318,7 @@ def exl3_matmul_small(
     rc = lib().trellm_exl3_matmul_small(
         _ptr(x), DTYPE_CODES[x.dtype], _ptr(suh), _ptr(trellis, "int16_t *"), _ptr(svh), _ptr(bias), _ptr(y),
         _dtype_code(y, "out_dtype"), _ptr(workspace, "float *"), _ptr(counters, "int32_t *"), counters.numel(),
-        m, k, n, K, _codebook_code(codebook, MATMUL_CODEBOOK_CODES), rs, _num_sms(x.device), _stream(),
+        m, k, n, K, _matmul_codebook_code(codebook), rs, _num_sms(x.device), _stream(),
     )
     _check(rc, "exl3_matmul_small")
     return y if residual is None else (y, ssq)
@@ -369,7 +377,7 @@ def _mid_call(x, parts, codebook, out_dtype, residual=None, row_norm=None) -> tu
     workspace = _mid_workspace(m, k, n_array, len(parts), sms, x.device)
     rc = lib().trellm_exl3_matmul_mid(
         _ptr(x), DTYPE_CODES[x.dtype], len(parts), *_part_arrays(parts, ys), n_array, _dtype_code(ys[0], "out_dtype"),
-        _ptr(workspace, "float *"), workspace.numel(), m, k, K, _codebook_code(codebook, MATMUL_CODEBOOK_CODES), rs,
+        _ptr(workspace, "float *"), workspace.numel(), m, k, K, _matmul_codebook_code(codebook), rs,
         sms, _stream(),
     )
     _check(rc, "exl3_matmul_mid")
@@ -402,7 +410,7 @@ def exl3_matmul_small_gated(
     rc = lib().trellm_exl3_matmul_small_gated(
         _ptr(gate), _ptr(up), ACTIVATION_CODES[activation], DTYPE_CODES[gate.dtype], _ptr(suh),
         _ptr(trellis, "int16_t *"), _ptr(svh), _ptr(bias), _ptr(y), DTYPE_CODES[y.dtype], _ptr(workspace, "float *"),
-        _ptr(counters, "int32_t *"), counters.numel(), m, k, n, K, _codebook_code(codebook, MATMUL_CODEBOOK_CODES), rs,
+        _ptr(counters, "int32_t *"), counters.numel(), m, k, n, K, _matmul_codebook_code(codebook), rs,
         _num_sms(gate.device), _stream(),
     )
     _check(rc, "exl3_matmul_small_gated")
@@ -462,7 +470,7 @@ def exl3_matmul_small_multi(
     rc = lib().trellm_exl3_matmul_small_multi(
         _ptr(x), DTYPE_CODES[x.dtype], len(parts), *_part_arrays(parts, ys),
         ffi().new("int64_t[]", ns), _dtype_code(ys[0], "out_dtype"), _ptr(workspace, "float *"),
-        _ptr(counters, "int32_t *"), counters.numel(), m, k, K, _codebook_code(codebook, MATMUL_CODEBOOK_CODES), rs,
+        _ptr(counters, "int32_t *"), counters.numel(), m, k, K, _matmul_codebook_code(codebook), rs,
         _num_sms(x.device), _stream(),
     )
     _check(rc, "exl3_matmul_small_multi")
@@ -541,7 +549,7 @@ def exl3_matmul_qkv_rope(
         call = lib().trellm_exl3_matmul_small_qkv_rope
     rc = call(
         _ptr(x), DTYPE_CODES[x.dtype], *_part_arrays(parts, ys), n_array, *scratch, m, k, K,
-        _codebook_code(codebook, MATMUL_CODEBOOK_CODES),
+        _matmul_codebook_code(codebook),
         _ptr(positions, "int64_t *"), _ptr(cos_table, "float *"), _ptr(sin_table, "float *"), table_len, half,
         int(bool(interleaved)), _ptr(q_norm), _ptr(k_norm), float(norm_eps), int(bool(norm_unit_offset)),
         _ptr(k_pages), _ptr(v_pages if k_pages is not None else None),
@@ -935,7 +943,7 @@ def moe_exl3_matmul(
         _ptr(workspace, "float *"), _ptr(counters, "int *"), _ptr(pair_weights, "float *"), _ptr(y),
         _dtype_code(y, "out_dtype"),
         MOE_MODES[mode], pairs, pairs_per_row, top_k, matrices, num_experts, k, n, K,
-        _codebook_code(codebook, MATMUL_CODEBOOK_CODES), sms,
+        _matmul_codebook_code(codebook), sms,
         _stream(),
     )
     _check(rc, "moe_exl3_matmul")

@@ -46,12 +46,6 @@ EXL3_GATED_FUSED_MAX_ROWS = 1
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _matmul_codebook(codebook: str) -> str:
-    """The codebook name the in-register EXL3 matmuls (GEMV, mid-size, MoE pairs) get: MUL1 on its route
-    (``mul1_gemv_route``; "split" is common.cuh's CB_MUL1_SPLIT, which the mid-size matmul takes up to 8 rows)."""
-    return "mul1_split" if codebook == "mul1" and _exl3.mul1_gemv_route() == "split" else codebook
-
-
 @_exl3.hadamard_128.register("cuda")
 def hadamard_128(x: torch.Tensor) -> torch.Tensor:
     if x.dtype not in _FLOATS or x.dim() == 0 or x.shape[-1] % 128:
@@ -93,9 +87,9 @@ def exl3_matmul(
         return x.new_empty(*lead, n)
     suh16, svh16, bias16 = _f16(suh), _f16(svh), _f16(bias)
     if m < EXL3_MID_MIN_ROWS:
-        y = binding.exl3_matmul_small(x2, trellis.contiguous(), suh16, svh16, _matmul_codebook(codebook), bias16)
+        y = binding.exl3_matmul_small(x2, trellis.contiguous(), suh16, svh16, codebook, bias16)
     elif m <= EXL3_MID_MAX_ROWS:
-        y = binding.exl3_matmul_mid(x2, trellis.contiguous(), suh16, svh16, _matmul_codebook(codebook), bias16)
+        y = binding.exl3_matmul_mid(x2, trellis.contiguous(), suh16, svh16, codebook, bias16)
     else:
         y = exl3_matmul_decoded(x2, trellis.contiguous(), suh16, svh16, codebook, bias16)
     return y.reshape(*lead, n)
@@ -136,7 +130,7 @@ def exl3_matmul_gated(
         return exl3_matmul(gated_activation(gate, up, activation), trellis, suh, svh, codebook, bias)
     lead = gate.shape[:-1]
     y = binding.exl3_matmul_small_gated(gate.reshape(-1, k).contiguous(), up.reshape(-1, k).contiguous(), activation,
-                                        trellis.contiguous(), _f16(suh), _f16(svh), _matmul_codebook(codebook), _f16(bias))
+                                        trellis.contiguous(), _f16(suh), _f16(svh), codebook, _f16(bias))
     return y.reshape(*lead, n)
 
 
@@ -155,12 +149,11 @@ def _residual_fits(x: torch.Tensor, k: int, n: int, residual: torch.Tensor, min_
 def exl3_matmul_add(x, trellis, suh, svh, codebook, bias, residual):
     k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
     if _residual_fits(x, k, n, residual, EXL3_MID_MIN_ROWS, EXL3_MID_MAX_ROWS):
-        return binding.exl3_matmul_mid(x.contiguous(), trellis.contiguous(), _f16(suh), _f16(svh),
-                                       _matmul_codebook(codebook), _f16(bias), residual=residual.contiguous())
+        return binding.exl3_matmul_mid(x.contiguous(), trellis.contiguous(), _f16(suh), _f16(svh), codebook,
+                                       _f16(bias), residual=residual.contiguous())
     if not _residual_fits(x, k, n, residual):  # many rows (prefill): no sums; the next norm reads h itself
         return exl3_matmul(x, trellis, suh, svh, codebook, bias) + residual, None
-    return binding.exl3_matmul_small(x.contiguous(), trellis.contiguous(), _f16(suh), _f16(svh),
-                                     _matmul_codebook(codebook), _f16(bias),
+    return binding.exl3_matmul_small(x.contiguous(), trellis.contiguous(), _f16(suh), _f16(svh), codebook, _f16(bias),
                                      residual=residual.contiguous())
 
 
@@ -174,8 +167,7 @@ def exl3_matmul_gated_add(gate, up, activation, trellis, suh, svh, codebook, bia
     if not fused:  # 2..5 rows: the activation's own launch, then the GEMV adds the residual and sums (1 launch)
         return exl3_matmul_add(gated_activation(gate, up, activation), trellis, suh, svh, codebook, bias, residual)
     return binding.exl3_matmul_small_gated(gate.contiguous(), up.contiguous(), activation, trellis.contiguous(),
-                                           _f16(suh), _f16(svh), _matmul_codebook(codebook), _f16(bias),
-                                           residual=residual.contiguous())
+                                           _f16(suh), _f16(svh), codebook, _f16(bias), residual=residual.contiguous())
 
 
 def _row_norm_fits(x: torch.Tensor, row_norm) -> bool:
@@ -230,13 +222,13 @@ def exl3_matmul_group(x: torch.Tensor, parts, codebook: str, row_norm=None) -> l
     lead = x.shape[:-1]
     if _gemv_one_launch(x, parts):
         x, row_norm = _split_row_norm(x, row_norm)
-        ys = binding.exl3_matmul_small_multi(x.reshape(-1, x.shape[-1]).contiguous(), _gemv_parts(parts),
-                                             _matmul_codebook(codebook), row_norm=row_norm)
+        ys = binding.exl3_matmul_small_multi(x.reshape(-1, x.shape[-1]).contiguous(), _gemv_parts(parts), codebook,
+                                             row_norm=row_norm)
         return [y.reshape(*lead, y.shape[-1]) for y in ys]
     if _one_call(x, parts, EXL3_MID_MIN_ROWS, EXL3_MID_MAX_ROWS):
         x, row_norm = _split_row_norm(x, row_norm)
-        ys = binding.exl3_matmul_mid_multi(x.reshape(-1, x.shape[-1]).contiguous(), _gemv_parts(parts),
-                                           _matmul_codebook(codebook), row_norm=row_norm)
+        ys = binding.exl3_matmul_mid_multi(x.reshape(-1, x.shape[-1]).contiguous(), _gemv_parts(parts), codebook,
+                                           row_norm=row_norm)
         return [y.reshape(*lead, y.shape[-1]) for y in ys]
     if row_norm is not None:
         x = row_norm.apply(x)
@@ -273,9 +265,8 @@ def exl3_qkv_rope_write_kv(x, parts, codebook, head_dim, cos_table, sin_table, p
     x, row_norm = _split_row_norm(x, row_norm)
     c, s, p = _rope_tables(x, cos_table, sin_table, positions)
     q, kk, _ = binding.exl3_matmul_qkv_rope(
-        x.contiguous(), _gemv_parts(parts), _matmul_codebook(codebook), c, s, p, interleaved,
-        _norm_weight(q_norm), _norm_weight(k_norm), norm_eps, norm_unit_offset, k_pages, v_pages,
-        slots.to(device=x.device, dtype=torch.int64).contiguous(),
+        x.contiguous(), _gemv_parts(parts), codebook, c, s, p, interleaved, _norm_weight(q_norm), _norm_weight(k_norm),
+        norm_eps, norm_unit_offset, k_pages, v_pages, slots.to(device=x.device, dtype=torch.int64).contiguous(),
         row_norm=row_norm, route="small" if gemv else "mid",
     )
     return q.reshape(t, -1, head_dim), kk.reshape(t, -1, head_dim)
@@ -725,10 +716,10 @@ def exl3_experts_gate_up(x: torch.Tensor, expert_of: torch.Tensor, experts, pair
         return _moe.exl3_experts_gate_up.reference(x, expert_of, experts, pairs_per_row, activation)
     ids = expert_of.to(torch.int64).contiguous()
     if activation in ("silu", "swish"):
-        return binding.moe_exl3_matmul(x.contiguous(), ids, experts.gate_up_table, k, n, bits, _matmul_codebook(codebook),
+        return binding.moe_exl3_matmul(x.contiguous(), ids, experts.gate_up_table, k, n, bits, codebook,
                                        pairs_per_row=pairs_per_row, mode="silu_gated",
                                        counters=_moe_counters(x.device, ids.numel(), 1, "silu_gated", n))
-    gate, up = binding.moe_exl3_matmul(x.contiguous(), ids, experts.gate_up_table, k, n, bits, _matmul_codebook(codebook),
+    gate, up = binding.moe_exl3_matmul(x.contiguous(), ids, experts.gate_up_table, k, n, bits, codebook,
                                        pairs_per_row=pairs_per_row, mode="plain",
                                        counters=_moe_counters(x.device, ids.numel(), 1, "plain", n))
     return _ops.gated_activation(gate, up, activation)
@@ -746,7 +737,7 @@ def exl3_experts_down(h: torch.Tensor, expert_of: torch.Tensor, experts, weights
     ):
         return _moe.exl3_experts_down.reference(h, expert_of, experts, weights)
     return binding.moe_exl3_matmul(
-        h.contiguous(), expert_of.to(torch.int64).contiguous(), experts.down_table, k, n, bits, _matmul_codebook(codebook),
+        h.contiguous(), expert_of.to(torch.int64).contiguous(), experts.down_table, k, n, bits, codebook,
         mode="combine", pair_weights=weights.reshape(-1).to(torch.float32).contiguous(), top_k=weights.shape[1],
         counters=_moe_counters(h.device, expert_of.numel(), weights.shape[1], "combine", n),
     )

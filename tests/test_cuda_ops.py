@@ -205,11 +205,14 @@ def test_mul1_split_route_reaches_every_matmul_entry(ops, monkeypatch):
 
 @pytest.mark.parametrize("codebook", CODEBOOKS + ("mul1_split",))
 @pytest.mark.parametrize("K", range(1, 9))
-def test_exl3_matmul_mid_all_k(kb, ops, K, codebook):
+def test_exl3_matmul_mid_all_k(kb, ops, K, codebook, monkeypatch):
     # The mid-size route (trellis decoded in registers against packed x fragments): every K and codebook,
     # row counts for each of its row-group sizes (1, 2, 4, 8 groups of 8) and their edges, k split into several
     # slices. "mul1_split" (MUL1's split-halves decode, x summed in the pack for the offset) runs up to 8 rows
-    # (one row group) and is MUL1's own decode above: bit-equal to "mul1" there.
+    # (one row group) and is MUL1's own decode above: bit-equal to "mul1" (its default fma route) there.
+    from trellm.ops.exl3 import MUL1_GEMV_ENV
+
+    monkeypatch.delenv(MUL1_GEMV_ENV, raising=False)  # "mul1" is the fma route
     k, n = 2048, 384
     trellis, suh, svh, bias = _random_layer(k, n, K)
     for m in (1, 6, 8, 9, 16, 17, 33, 64):

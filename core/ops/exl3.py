@@ -38,20 +38,22 @@ __all__ = [
 
 CODEBOOKS = ("3inst", "mcg", "mul1")
 
+# The locked multipliers of the marker codebooks (the value stored in the `.mcg` / `.mul1` scalar).
+CODEBOOK_MULTIPLIERS = {"mcg": 0xCBAC1FED, "mul1": 0x83DCD12D}
+_MASK32 = 0xFFFFFFFF
+
 MUL1_GEMV_ENV = "TRELLM_MUL1_GEMV"
 MUL1_GEMV_ROUTES = ("fma", "split")
 
 
 def mul1_gemv_route() -> str:
-    """``TRELLM_MUL1_GEMV``, how the CUDA GEMV and MoE pair matmuls decode MUL1: "fma" (default), each weight as the
-    format's fp16 fma of its hash's byte sum; "split", the byte sum straight into split-halves mma operands and the
-    fma's constants applied to each k-slice's sum (the integer work of MCG's decode; the weights unrounded). The
+    """``TRELLM_MUL1_GEMV``, how the CUDA in-register EXL3 matmuls (GEMV, mid-size, MoE pairs) decode MUL1: "fma"
+    (default), each weight as the format's fp16 fma of its hash's byte sum; "split", the byte sum straight into
+    split-halves mma operands and the fma's constants applied to each k-slice's sum (the integer work of MCG's
+    decode; the weights unrounded); the kernels' binding reads it at each launch. The
     default stays on the route the H200 has verified until ``tests/test_cuda_ops.py`` and ``tests/test_cuda_moe.py``
     have passed there with the split route and ``bench_exl3_matmul.py --routes`` has measured it."""
     return route_from_env(MUL1_GEMV_ENV, MUL1_GEMV_ROUTES, "fma")
-# The locked multipliers of the marker codebooks (the value stored in the `.mcg` / `.mul1` scalar).
-CODEBOOK_MULTIPLIERS = {"mcg": 0xCBAC1FED, "mul1": 0x83DCD12D}
-_MASK32 = 0xFFFFFFFF
 
 
 def _tile_permutation() -> torch.Tensor:
