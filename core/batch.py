@@ -33,6 +33,9 @@ class ForwardBatch:
     # at a time, copying each sequence's state after its token j into slot ``state_checkpoints[j]`` ([tokens_per_seq - 1, B])
     tokens_per_seq: int = 0
     state_checkpoints: torch.Tensor | None = None
+    # [L, vocab] float32 rows the logits are written to (every captured graph of a GraphRunner shares one such
+    # buffer); None: a new tensor
+    logits_out: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -24,8 +24,13 @@ class EagerRecording:
 
     def _record(self, run):
         first = run()
-        out = tuple(t.clone() for t in first) if isinstance(first, tuple) else first.clone()
         runner = self
+
+        def fixed(t: torch.Tensor) -> torch.Tensor:  # the runner's shared logits rows stay shared, as in real graphs
+            shared = runner._logits is not None and t.untyped_storage().data_ptr() == runner._logits.untyped_storage().data_ptr()
+            return t if shared else t.clone()
+
+        out = tuple(map(fixed, first)) if isinstance(first, tuple) else fixed(first)
 
         class Replay:
             def replay(self):

@@ -78,7 +78,7 @@ def _run(lm, proposer=None, graphs: bool = False, sizes=(1, 2, 4), k: int = 3, s
                     num_draft_tokens=k)
     if graphs:
         gen.graph_runner = EagerGraphs(gen.model, gen.cache, batch_sizes=sizes, max_context=gen.cache.capacity_tokens,
-                                       hidden_states=gen.hidden_sink is not None)
+                                       hidden_states=gen.hidden_sink is not None, max_width=1 + k)
     prompts = _prompts(VOCAB)
     sampler = SamplerSettings(temperature=0.8, top_k=20) if sampled else None
     jobs = [Job(prompts[0], 20, identifier=0, stop_token_ids=[]),
@@ -102,6 +102,10 @@ def _verification_graphs(gen) -> list[tuple[int, int]]:
     return sorted(key for key in gen.graph_runner.graphs if key[1] > 1)
 
 
+def _logits_of(out):
+    return out[1] if isinstance(out, tuple) else out
+
+
 def test_drafts_verified_through_graphs_dense(llama):
     """Oracle and n-gram drafts on a dense Llama: verification steps replay (batch, k + 1) graphs, short drafts
     are padded, and tokens equal eager drafting and plain decoding (a seeded sampled job included)."""
@@ -113,6 +117,8 @@ def test_drafts_verified_through_graphs_dense(llama):
     assert replayed == eager == plain
     runner = gen.graph_runner
     assert _verification_graphs(gen) and runner.replays >= 5
+    assert all(_logits_of(out).data_ptr() == runner._logits.data_ptr() for _, _, out in runner.graphs.values()), \
+        "every graph writes its logits to the runner's one shared buffer"
     assert any(min(lens) < width for width, lens in runner.staged), "no step padded a short draft"
     assert any(width < 4 for width, _ in runner.staged), "every step drafted k tokens somewhere"
     accepted, proposed = sum(r.draft_accepted for r in done), sum(r.draft_proposed for r in done)

@@ -442,7 +442,8 @@ class Generator:
 
         sizes = sorted({b for b in DEFAULT_BATCH_SIZES if b < self.max_batch_size} | {self.max_batch_size})
         return GraphRunner(self.model, self.cache, batch_sizes=sizes, max_context=self.cache.capacity_tokens,
-                           hidden_states=self.hidden_sink is not None)
+                           hidden_states=self.hidden_sink is not None,
+                           max_width=1 + self.num_draft_tokens if self.proposer is not None else 1)
 
     def _default_stop_ids(self, model: Any) -> set[int]:
         if implements(model, HasDefaultStopIds):

@@ -243,15 +243,17 @@ class CausalLM(Module):
     def logits_from_hidden(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
-        return self.logits_from_normed(self.norm.forward(x))
+        return self.logits_from_normed(self.norm.forward(x), batch.logits_out)
 
-    def logits_from_normed(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 logits of final-normed hidden rows: LM head, logit scale, softcap."""
-        logits = self.lm_head.forward(x).float()
+    def logits_from_normed(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits of final-normed hidden rows: LM head, logit scale, softcap; written into ``out`` when it
+        has their shape (a captured graph's shared output rows), else into a new tensor."""
+        head = self.lm_head.forward(x)
+        logits = out.copy_(head) if out is not None and out.shape == head.shape else head.float()
         if self.logit_scale != 1.0:
-            logits = logits * self.logit_scale
+            logits.mul_(self.logit_scale)  # in place: ``logits`` is new (or ``out``), never the head's weights
         if self.final_logit_softcap > 0:
-            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+            logits.div_(self.final_logit_softcap).tanh_().mul_(self.final_logit_softcap)
         return logits
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -259,7 +261,7 @@ class CausalLM(Module):
         if hidden.residual is None:
             return self.logits_from_hidden(hidden.x, batch)
         normed, _ = add_norm(self.norm, hidden.x, hidden.residual)  # all rows: one launch, where picking rows first takes two
-        return self.logits_from_normed(normed if batch.logits_indices is None else normed[batch.logits_indices])
+        return self.logits_from_normed(normed if batch.logits_indices is None else normed[batch.logits_indices], batch.logits_out)
 
 
 def layer_ropes(cfg: DecoderConfig, opts: DecoderOptions) -> list[RotaryEmbedding | None]:
