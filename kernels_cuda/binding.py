@@ -1089,24 +1089,37 @@ def gated_delta_rule_step_slots(
     slots: torch.Tensor, fresh: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One recurrent step updating states[slots] (float32 [S, H, Dk, Dv]) in place; returns out [B, H, Dv]."""
+    return _delta_rule_step_slots("gated_delta_rule_step_slots", q, k, v, g, beta, states, slots, fresh, key_decay=False)
+
+
+def kda_step_slots(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: torch.Tensor,
+    slots: torch.Tensor, fresh: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`gated_delta_rule_step_slots` with KDA's decay per key channel, g float32 [B, H, Dk]."""
+    return _delta_rule_step_slots("kda_step_slots", q, k, v, g, beta, states, slots, fresh, key_decay=True)
+
+
+def _delta_rule_step_slots(entry: str, q, k, v, g, beta, states, slots, fresh, key_decay: bool) -> torch.Tensor:
+    """The checks and launch of ``trellm_{entry}``: g [B, H] (a decay per head) or, ``key_decay``, [B, H, Dk]."""
     expect(v, "v", dtype=_FLOATS, shape=(None, None, None))
     b, h, dv = v.shape
     expect(states, "states", dtype=torch.float32, shape=(None, h, None, dv), device=v.device)
     dk = states.shape[2]
     for t, name in ((q, "q"), (k, "k")):
         expect(t, name, dtype=_FLOATS, shape=(b, h, dk), device=v.device)
-    expect(g, "g", dtype=torch.float32, shape=(b, h), device=v.device)
+    expect(g, "g", dtype=torch.float32, shape=(b, h, dk) if key_decay else (b, h), device=v.device)
     expect(beta, "beta", dtype=torch.float32, shape=(b, h), device=v.device)
     expect(slots, "slots", dtype=torch.int64, shape=(b,), device=v.device)
     if dk not in DELTA_RULE_KEY_DIMS or dv % 32:
         raise KernelArgumentError(f"states: key dim {dk} (supported {DELTA_RULE_KEY_DIMS}), value dim {dv} (multiple of 32)")
     out = torch.empty_like(v)
-    rc = lib().trellm_gated_delta_rule_step_slots(
+    rc = getattr(lib(), f"trellm_{entry}")(
         _ptr(q), DTYPE_CODES[q.dtype], _ptr(k), DTYPE_CODES[k.dtype], _ptr(v), DTYPE_CODES[v.dtype],
         _ptr(g, "float *"), _ptr(beta, "float *"), _ptr(states, "float *"), _ptr(slots, "int64_t *"),
         _fresh_mask(fresh, b, v.device), _ptr(out), b, h, dk, dv, float(dk**-0.5), _stream(),
     )
-    _check(rc, "gated_delta_rule_step_slots")
+    _check(rc, entry)
     return out
 
 
@@ -1118,20 +1131,11 @@ def gated_delta_net_step_slots(
     """A gated delta net's decode step from its raw inputs (``trellm.ops.gated_delta_net_step_slots``): mixed
     [B, 2 * Hk * Dk + Hv * Dv] = q | k | v, gates a and b [B, Hv] (one dtype), A_log and dt_bias float32 [Hv];
     updates states[slots] (float32 [S, Hv, Dk, Dv]) in place and returns out [B, Hv, Dv] in mixed's dtype."""
-    expect(mixed, "mixed", dtype=_FLOATS, shape=(None, None))
-    batch = mixed.shape[0]
-    expect(states, "states", dtype=torch.float32, shape=(None, None, head_k_dim, None), device=mixed.device)
-    heads, dv = states.shape[1], states.shape[3]
-    if num_k_heads < 1 or heads % num_k_heads or mixed.shape[1] != 2 * num_k_heads * head_k_dim + heads * dv:
-        raise KernelArgumentError(f"mixed: {mixed.shape[1]} columns, expected q | k | v of {num_k_heads} key heads of "
-                                  f"{head_k_dim} and {heads} value heads of {dv} (states {list(states.shape)})")
+    batch, heads, dv = _check_raw_delta_inputs(mixed, states, slots, num_k_heads, head_k_dim)
     expect(a, "a", dtype=_FLOATS, shape=(batch, heads), device=mixed.device)
     expect(b, "b", dtype=a.dtype, shape=(batch, heads), device=mixed.device)
     for t, name in ((A_log, "A_log"), (dt_bias, "dt_bias")):
         expect(t, name, dtype=torch.float32, shape=(heads,), device=mixed.device)
-    expect(slots, "slots", dtype=torch.int64, shape=(batch,), device=mixed.device)
-    if head_k_dim not in DELTA_RULE_KEY_DIMS or dv % 32:
-        raise KernelArgumentError(f"states: key dim {head_k_dim} (supported {DELTA_RULE_KEY_DIMS}), value dim {dv} (multiple of 32)")
     out = torch.empty(batch, heads, dv, dtype=mixed.dtype, device=mixed.device)
     rc = lib().trellm_gated_delta_net_step_slots(
         _ptr(mixed), DTYPE_CODES[mixed.dtype], mixed.shape[1], _ptr(a), _ptr(b), DTYPE_CODES[a.dtype],
@@ -1140,6 +1144,49 @@ def gated_delta_net_step_slots(
         head_k_dim, dv, float(head_k_dim**-0.5), _stream(),
     )
     _check(rc, "gated_delta_net_step_slots")
+    return out
+
+
+def _check_raw_delta_inputs(mixed: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, num_k_heads: int,
+                            head_k_dim: int) -> tuple[int, int, int]:
+    """(batch, value heads, value dim) of a delta-rule layer's raw decode inputs, after checking mixed = q | k | v
+    against the state slots (float32 [S, Hv, Dk, Dv]) and the slot ids."""
+    expect(mixed, "mixed", dtype=_FLOATS, shape=(None, None))
+    batch = mixed.shape[0]
+    expect(states, "states", dtype=torch.float32, shape=(None, None, head_k_dim, None), device=mixed.device)
+    heads, dv = states.shape[1], states.shape[3]
+    if num_k_heads < 1 or heads % num_k_heads or mixed.shape[1] != 2 * num_k_heads * head_k_dim + heads * dv:
+        raise KernelArgumentError(f"mixed: {mixed.shape[1]} columns, expected q | k | v of {num_k_heads} key heads of "
+                                  f"{head_k_dim} and {heads} value heads of {dv} (states {list(states.shape)})")
+    expect(slots, "slots", dtype=torch.int64, shape=(batch,), device=mixed.device)
+    if head_k_dim not in DELTA_RULE_KEY_DIMS or dv % 32:
+        raise KernelArgumentError(f"states: key dim {head_k_dim} (supported {DELTA_RULE_KEY_DIMS}), value dim {dv} (multiple of 32)")
+    return batch, heads, dv
+
+
+def kimi_delta_attention_step_slots(
+    mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor | None, num_k_heads: int, head_k_dim: int,
+    lower_bound: float | None, l2_eps: float = 1e-6,
+) -> torch.Tensor:
+    """A KDA layer's decode step from its raw inputs (``trellm.ops.kimi_delta_attention_step_slots``): mixed
+    [B, 2 * Hk * Dk + Hv * Dv] = q | k | v, the forget-gate input f [B, Hv * Dk] and beta's b [B, Hv] (one dtype),
+    A_log float32 [Hv], dt_bias float32 [Hv * Dk]; updates states[slots] (float32 [S, Hv, Dk, Dv]) in place and
+    returns out [B, Hv, Dv] in mixed's dtype. ``lower_bound`` None: the softplus decay."""
+    batch, heads, dv = _check_raw_delta_inputs(mixed, states, slots, num_k_heads, head_k_dim)
+    expect(f, "f", dtype=_FLOATS, shape=(batch, heads * head_k_dim), device=mixed.device)
+    expect(b, "b", dtype=f.dtype, shape=(batch, heads), device=mixed.device)
+    expect(A_log, "A_log", dtype=torch.float32, shape=(heads,), device=mixed.device)
+    expect(dt_bias, "dt_bias", dtype=torch.float32, shape=(heads * head_k_dim,), device=mixed.device)
+    out = torch.empty(batch, heads, dv, dtype=mixed.dtype, device=mixed.device)
+    rc = lib().trellm_kimi_delta_attention_step_slots(
+        _ptr(mixed), DTYPE_CODES[mixed.dtype], mixed.shape[1], _ptr(f), _ptr(b), DTYPE_CODES[f.dtype],
+        _ptr(A_log, "float *"), _ptr(dt_bias, "float *"), int(lower_bound is not None),
+        float(lower_bound if lower_bound is not None else 0.0), float(l2_eps), _ptr(states, "float *"),
+        _ptr(slots, "int64_t *"), _fresh_mask(fresh, batch, mixed.device), _ptr(out), batch, num_k_heads, heads,
+        head_k_dim, dv, float(head_k_dim**-0.5), _stream(),
+    )
+    _check(rc, "kimi_delta_attention_step_slots")
     return out
 
 

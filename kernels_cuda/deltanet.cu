@@ -1,8 +1,10 @@
-// Decode-step kernels of the gated delta net: the gated delta rule for one token per sequence and the
-// causal depthwise conv1d step. Each replaces a dozen small torch kernels with one launch.
+// Decode-step kernels of the gated delta net and of Kimi delta attention (KDA): the gated delta rule for one
+// token per sequence and the causal depthwise conv1d step. Each replaces a dozen small torch kernels with one launch.
 //
 // Gated delta rule, per (sequence, value head) with state S [Dk, Dv] (float32):
 //     S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T (q / sqrt(Dk))
+// KDA is the same rule with a decay per key channel, S <- diag(exp(g)) S, g [Dk]: the kernel's KEY_DECAY form,
+// which keeps the Dk decays in shared memory beside q and k and scales row i of the state by its own.
 // Every column j of S evolves on its own given the two dot products over Dk, so a block owns 32
 // columns: lane = column, warp w holds rows [w*Dk/4, (w+1)*Dk/4) of them in registers; the two column
 // sums go through shared memory. One read and one write of the state, coalesced along Dv.
@@ -37,9 +39,18 @@ struct DeltaArgs {
     int gate_dtype;
     const float *A_log, *dt_bias;
     float beta_scale, l2_eps;
+    // KDA (key_decay): g is float32 [batch, heads, DK], or from raw inputs gate_a = f [batch, heads * DK] per channel:
+    // g = lower_bound * sigmoid(exp(A_log[h]) * x) (bounded) or -exp(A_log[h]) * softplus(x), x = f + dt_bias[h * DK + i].
+    int key_decay, bounded;
+    float lower_bound;
 };
 
 __device__ __forceinline__ float dn_softplus(float x) { return x > 20.f ? x : log1pf(__expf(x)); }  // torch's threshold
+
+// KDA's log decay of one key channel from its raw gate x = f + dt_bias, rate = exp(A_log[h]).
+__device__ __forceinline__ float kda_log_decay(float x, float rate, const DeltaArgs &a) {
+    return a.bounded ? a.lower_bound / (1.f + __expf(-rate * x)) : -rate * dn_softplus(x);
+}
 
 // Block-wide sums of two values (DN_WARPS warps); red [DN_WARPS][32] is free before and after.
 __device__ __forceinline__ float2 dn_block_sum2(float2 v, float (*red)[32]) {
@@ -55,11 +66,12 @@ __device__ __forceinline__ float2 dn_block_sum2(float2 v, float (*red)[32]) {
     return total;
 }
 
-// grid (Dv / 32, batch * heads), DN_WARPS warps.
-template <int DK>
+// grid (Dv / 32, batch * heads), DN_WARPS warps. KEY_DECAY: KDA's decay per key channel (a.key_decay).
+template <int DK, bool KEY_DECAY>
 __global__ void __launch_bounds__(DN_WARPS * 32) gated_delta_step_kernel(const DeltaArgs a) {
     constexpr int R = DK / DN_WARPS;
     __shared__ float qs[DK], ks[DK];
+    __shared__ float key_decays[KEY_DECAY ? DK : 1];
     __shared__ float red[DN_WARPS][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const size_t bh = blockIdx.y;
@@ -68,12 +80,19 @@ __global__ void __launch_bounds__(DN_WARPS * 32) gated_delta_step_kernel(const D
     const int h = (int)(bh % a.heads);
     const size_t qk = b * a.qk_row + (size_t)(h / a.groups) * DK;
     const bool raw = a.gate_a != nullptr;
+    const float rate = raw ? __expf(a.A_log[h]) : 0.f;
     for (int i = threadIdx.x; i < DK; i += blockDim.x) {
         qs[i] = load_as_f32(a.q, a.q_dtype, qk + i) * (raw ? 1.f : a.scale);
         ks[i] = load_as_f32(a.k, a.k_dtype, qk + i);
+        if constexpr (KEY_DECAY) {
+            const size_t c = bh * DK + i;
+            key_decays[i] = __expf(raw ? kda_log_decay(load_as_f32(a.gate_a, a.gate_dtype, c) + a.dt_bias[(size_t)h * DK + i],
+                                                       rate, a)
+                                       : a.g[c]);
+        }
     }
     __syncthreads();
-    float decay, beta;
+    float decay = 1.f, beta;  // decay: the scalar per head (unused with KEY_DECAY)
     if (raw) {
         float2 ssq = make_float2(0.f, 0.f);
         for (int i = threadIdx.x; i < DK; i += blockDim.x) {
@@ -87,11 +106,10 @@ __global__ void __launch_bounds__(DN_WARPS * 32) gated_delta_step_kernel(const D
             ks[i] *= k_factor;
         }
         __syncthreads();
-        const float g = -__expf(a.A_log[h]) * dn_softplus(load_as_f32(a.gate_a, a.gate_dtype, bh) + a.dt_bias[h]);
-        decay = __expf(g);
+        if constexpr (!KEY_DECAY) decay = __expf(-rate * dn_softplus(load_as_f32(a.gate_a, a.gate_dtype, bh) + a.dt_bias[h]));
         beta = a.beta_scale / (1.f + __expf(-load_as_f32(a.gate_b, a.gate_dtype, bh)));
     } else {
-        decay = __expf(a.g[bh]);
+        if constexpr (!KEY_DECAY) decay = __expf(a.g[bh]);
         beta = a.beta[bh];
     }
     const size_t row = a.slots ? (size_t)a.slots[b] * a.heads + h : bh;
@@ -104,7 +122,7 @@ __global__ void __launch_bounds__(DN_WARPS * 32) gated_delta_step_kernel(const D
     float predicted = 0.f;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        s[r] = zero ? 0.f : S[(size_t)(r0 + r) * a.dv] * decay;
+        s[r] = zero ? 0.f : S[(size_t)(r0 + r) * a.dv] * (KEY_DECAY ? key_decays[r0 + r] : decay);
         predicted += s[r] * ks[r0 + r];
     }
     red[warp][lane] = predicted;
@@ -211,6 +229,18 @@ extern "C" int trellm_gated_rms_norm(const void *x, int x_dtype, const void *wei
 
 namespace {
 
+template <bool KEY_DECAY>
+int launch_delta_kernel(const DeltaArgs &a, dim3 grid, int64_t dk, cudaStream_t stream) {
+    switch (dk) {
+        case 64: gated_delta_step_kernel<64, KEY_DECAY><<<grid, DN_WARPS * 32, 0, stream>>>(a); break;
+        case 128: gated_delta_step_kernel<128, KEY_DECAY><<<grid, DN_WARPS * 32, 0, stream>>>(a); break;
+        case 256: gated_delta_step_kernel<256, KEY_DECAY><<<grid, DN_WARPS * 32, 0, stream>>>(a); break;
+        default: return TRELLM_E_UNSUPPORTED;
+    }
+    TRELLM_LAUNCH_CHECK();
+    return TRELLM_OK;
+}
+
 int launch_delta_step(DeltaArgs a, int64_t batch, int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream) {
     if (batch <= 0 || heads <= 0 || dv <= 0 || dv % 32 || batch * heads > 65535) return TRELLM_E_BAD_SHAPE;
     if (!valid_dtype(a.q_dtype) || !valid_dtype(a.k_dtype) || !valid_dtype(a.v_dtype)) return TRELLM_E_BAD_DTYPE;
@@ -221,15 +251,8 @@ int launch_delta_step(DeltaArgs a, int64_t batch, int64_t heads, int64_t dk, int
         a.qk_row = heads * dk;
         a.v_row = heads * dv;
     }
-    dim3 grid((unsigned)(dv / 32), (unsigned)(batch * heads));
-    switch (dk) {
-        case 64: gated_delta_step_kernel<64><<<grid, DN_WARPS * 32, 0, stream>>>(a); break;
-        case 128: gated_delta_step_kernel<128><<<grid, DN_WARPS * 32, 0, stream>>>(a); break;
-        case 256: gated_delta_step_kernel<256><<<grid, DN_WARPS * 32, 0, stream>>>(a); break;
-        default: return TRELLM_E_UNSUPPORTED;
-    }
-    TRELLM_LAUNCH_CHECK();
-    return TRELLM_OK;
+    const dim3 grid((unsigned)(dv / 32), (unsigned)(batch * heads));
+    return a.key_decay ? launch_delta_kernel<true>(a, grid, dk, stream) : launch_delta_kernel<false>(a, grid, dk, stream);
 }
 
 int launch_conv_step(ConvArgs a, int64_t batch, int64_t channels, int64_t width, cudaStream_t stream) {
@@ -255,7 +278,38 @@ DeltaArgs delta_args(const void *q, int q_dtype, const void *k, int k_dtype, con
     a.q_dtype = q_dtype; a.k_dtype = k_dtype; a.v_dtype = v_dtype; a.heads = 1; a.dv = 0; a.scale = scale;
     a.qk_row = a.v_row = 0; a.groups = 1;
     a.gate_a = a.gate_b = nullptr; a.gate_dtype = 0; a.A_log = a.dt_bias = nullptr; a.beta_scale = 1.f; a.l2_eps = 0.f;
+    a.key_decay = a.bounded = 0; a.lower_bound = 0.f;
     return a;
+}
+
+int delta_step_slots(const void *q, int q_dtype, const void *k, int k_dtype, const void *v, int v_dtype, const float *g,
+                     const float *beta, float *states, const int64_t *slots, const uint8_t *fresh, void *out,
+                     int64_t batch, int64_t heads, int64_t dk, int64_t dv, float scale, int key_decay,
+                     cudaStream_t stream) {
+    if (!slots) return TRELLM_E_BAD_ARG;
+    DeltaArgs a = delta_args(q, q_dtype, k, k_dtype, v, v_dtype, g, beta, states, states, out, slots, fresh, scale);
+    a.key_decay = key_decay;
+    return launch_delta_step(a, batch, heads, dk, dv, stream);
+}
+
+// The step's arguments from raw inputs (trellm_gated_delta_net_step_slots, trellm_kimi_delta_attention_step_slots):
+// q | k | v read in place from mixed rows, the gates from a and b. TRELLM_OK or the error of arguments that do not fit.
+int raw_delta_args(DeltaArgs *d, const void *mixed, int dtype, int64_t row_stride, const void *a, const void *b,
+                   int gate_dtype, const float *A_log, const float *dt_bias, float l2_eps, float *states,
+                   const int64_t *slots, const uint8_t *fresh, void *out, int64_t k_heads, int64_t v_heads, int64_t dk,
+                   int64_t dv, float scale) {
+    if (!slots || !a || !b || !A_log || !dt_bias) return TRELLM_E_BAD_ARG;
+    if (k_heads <= 0 || v_heads % k_heads || row_stride < 2 * k_heads * dk + v_heads * dv) return TRELLM_E_BAD_SHAPE;
+    if (!valid_dtype(gate_dtype)) return TRELLM_E_BAD_DTYPE;
+    const size_t esize = dtype == TRELLM_F32 ? 4 : 2;
+    const char *base = static_cast<const char *>(mixed);
+    *d = delta_args(base, dtype, base + esize * k_heads * dk, dtype, base + esize * 2 * k_heads * dk, dtype, nullptr,
+                    nullptr, states, states, out, slots, fresh, scale);
+    d->qk_row = d->v_row = row_stride;
+    d->groups = (int)(v_heads / k_heads);
+    d->gate_a = a; d->gate_b = b; d->gate_dtype = gate_dtype; d->A_log = A_log; d->dt_bias = dt_bias;
+    d->l2_eps = l2_eps;
+    return TRELLM_OK;
 }
 
 ConvArgs conv_args(const void *x, int x_dtype, const void *weight, int w_dtype, const void *bias, int b_dtype,
@@ -284,9 +338,16 @@ extern "C" int trellm_gated_delta_rule_step_slots(const void *q, int q_dtype, co
                                                   const int64_t *slots, const uint8_t *fresh, void *out, int64_t batch,
                                                   int64_t heads, int64_t dk, int64_t dv, float scale,
                                                   cudaStream_t stream) {
-    if (!slots) return TRELLM_E_BAD_ARG;
-    DeltaArgs a = delta_args(q, q_dtype, k, k_dtype, v, v_dtype, g, beta, states, states, out, slots, fresh, scale);
-    return launch_delta_step(a, batch, heads, dk, dv, stream);
+    return delta_step_slots(q, q_dtype, k, k_dtype, v, v_dtype, g, beta, states, slots, fresh, out, batch, heads, dk, dv,
+                            scale, 0, stream);
+}
+
+extern "C" int trellm_kda_step_slots(const void *q, int q_dtype, const void *k, int k_dtype, const void *v, int v_dtype,
+                                     const float *g, const float *beta, float *states, const int64_t *slots,
+                                     const uint8_t *fresh, void *out, int64_t batch, int64_t heads, int64_t dk,
+                                     int64_t dv, float scale, cudaStream_t stream) {
+    return delta_step_slots(q, q_dtype, k, k_dtype, v, v_dtype, g, beta, states, slots, fresh, out, batch, heads, dk, dv,
+                            scale, 1, stream);
 }
 
 extern "C" int trellm_gated_delta_net_step_slots(const void *mixed, int dtype, int64_t row_stride, const void *a,
@@ -295,17 +356,28 @@ extern "C" int trellm_gated_delta_net_step_slots(const void *mixed, int dtype, i
                                                  const uint8_t *fresh, void *out, int64_t batch, int64_t k_heads,
                                                  int64_t v_heads, int64_t dk, int64_t dv, float scale,
                                                  cudaStream_t stream) {
-    if (!slots || !a || !b || !A_log || !dt_bias) return TRELLM_E_BAD_ARG;
-    if (k_heads <= 0 || v_heads % k_heads || row_stride < 2 * k_heads * dk + v_heads * dv) return TRELLM_E_BAD_SHAPE;
-    if (!valid_dtype(gate_dtype)) return TRELLM_E_BAD_DTYPE;
-    const size_t esize = dtype == TRELLM_F32 ? 4 : 2;
-    const char *base = static_cast<const char *>(mixed);
-    DeltaArgs d = delta_args(base, dtype, base + esize * k_heads * dk, dtype, base + esize * 2 * k_heads * dk, dtype,
-                             nullptr, nullptr, states, states, out, slots, fresh, scale);
-    d.qk_row = d.v_row = row_stride;
-    d.groups = (int)(v_heads / k_heads);
-    d.gate_a = a; d.gate_b = b; d.gate_dtype = gate_dtype; d.A_log = A_log; d.dt_bias = dt_bias;
-    d.beta_scale = beta_scale; d.l2_eps = l2_eps;
+    DeltaArgs d;
+    const int rc = raw_delta_args(&d, mixed, dtype, row_stride, a, b, gate_dtype, A_log, dt_bias, l2_eps, states, slots,
+                                  fresh, out, k_heads, v_heads, dk, dv, scale);
+    if (rc != TRELLM_OK) return rc;
+    d.beta_scale = beta_scale;
+    return launch_delta_step(d, batch, v_heads, dk, dv, stream);
+}
+
+extern "C" int trellm_kimi_delta_attention_step_slots(const void *mixed, int dtype, int64_t row_stride, const void *f,
+                                                      const void *b, int gate_dtype, const float *A_log,
+                                                      const float *dt_bias, int bounded, float lower_bound,
+                                                      float l2_eps, float *states, const int64_t *slots,
+                                                      const uint8_t *fresh, void *out, int64_t batch, int64_t k_heads,
+                                                      int64_t v_heads, int64_t dk, int64_t dv, float scale,
+                                                      cudaStream_t stream) {
+    DeltaArgs d;
+    const int rc = raw_delta_args(&d, mixed, dtype, row_stride, f, b, gate_dtype, A_log, dt_bias, l2_eps, states, slots,
+                                  fresh, out, k_heads, v_heads, dk, dv, scale);
+    if (rc != TRELLM_OK) return rc;
+    d.key_decay = 1;
+    d.bounded = bounded;
+    d.lower_bound = lower_bound;
     return launch_delta_step(d, batch, v_heads, dk, dv, stream);
 }
 

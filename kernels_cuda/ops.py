@@ -777,17 +777,21 @@ def causal_conv1d_step(x, weight, bias, states, activation="silu"):
     )
 
 
+def _delta_slots_fit(states: torch.Tensor) -> bool:
+    """Whether the delta-rule step kernel takes these state slots: float32 [S, H, Dk, Dv] in place (contiguous),
+    Dk one of its key dims, Dv a multiple of 32."""
+    return (
+        states.dim() == 4
+        and states.dtype == torch.float32
+        and states.is_contiguous()
+        and states.shape[2] in binding.DELTA_RULE_KEY_DIMS
+        and states.shape[3] % 32 == 0
+    )
+
+
 @_deltanet.gated_delta_rule_step_slots.register("cuda")
 def gated_delta_rule_step_slots(q, k, v, g, beta, states, slots, fresh=None):
-    if (
-        v.dim() != 3
-        or states.dim() != 4
-        or states.dtype != torch.float32
-        or not states.is_contiguous()
-        or states.shape[2] not in binding.DELTA_RULE_KEY_DIMS
-        or v.shape[-1] % 32
-        or any(t.dtype not in _FLOATS for t in (q, k, v))
-    ):
+    if v.dim() != 3 or not _delta_slots_fit(states) or any(t.dtype not in _FLOATS for t in (q, k, v)):
         return _deltanet.gated_delta_rule_step_slots.reference(q, k, v, g, beta, states, slots, fresh)
     return binding.gated_delta_rule_step_slots(
         q.contiguous(), k.contiguous(), v.contiguous(), g.to(torch.float32).contiguous(),
@@ -802,11 +806,7 @@ def gated_delta_net_step_slots(mixed, a, b, A_log, dt_bias, states, slots, fresh
     if (
         mixed.dim() != 2
         or a.dim() != 2
-        or states.dim() != 4
-        or states.dtype != torch.float32
-        or not states.is_contiguous()
-        or head_k_dim not in binding.DELTA_RULE_KEY_DIMS
-        or states.shape[3] % 32
+        or not _delta_slots_fit(states)
         or mixed.dtype not in _FLOATS
         or a.dtype not in _FLOATS
         or b.dtype != a.dtype
@@ -817,6 +817,44 @@ def gated_delta_net_step_slots(mixed, a, b, A_log, dt_bias, states, slots, fresh
         mixed.contiguous(), a.contiguous(), b.contiguous(), A_log.to(torch.float32).contiguous(),
         dt_bias.to(torch.float32).contiguous(), states, slots.to(torch.int64).contiguous(),
         fresh.to(torch.bool).contiguous() if fresh is not None else None, num_k_heads, head_k_dim, beta_scale,
+    )
+
+
+@_deltanet.kda_step_slots.register("cuda")
+def kda_step_slots(q, k, v, g, beta, states, slots, fresh=None):
+    """The KDA step kernel where ``TRELLM_KDA_DECODE`` is "kernel" or "fused" (reached on its default route too,
+    so it stays on the reference until verified on a GPU)."""
+    if (
+        _deltanet.kda_decode_route() == "reference"
+        or v.dim() != 3
+        or not _delta_slots_fit(states)
+        or any(t.dtype not in _FLOATS for t in (q, k, v))
+    ):
+        return _deltanet.kda_step_slots.reference(q, k, v, g, beta, states, slots, fresh)
+    return binding.kda_step_slots(
+        q.contiguous(), k.contiguous(), v.contiguous(), g.to(torch.float32).contiguous(),
+        beta.to(torch.float32).contiguous(), states, slots.to(torch.int64).contiguous(),
+        fresh.to(torch.bool).contiguous() if fresh is not None else None,
+    )
+
+
+@_deltanet.kimi_delta_attention_step_slots.register("cuda")
+def kimi_delta_attention_step_slots(mixed, f, b, A_log, dt_bias, states, slots, fresh=None, num_k_heads=1,
+                                    head_k_dim=128, lower_bound=-5.0):
+    if (
+        mixed.dim() != 2
+        or f.dim() != 2
+        or not _delta_slots_fit(states)
+        or mixed.dtype not in _FLOATS
+        or f.dtype not in _FLOATS
+        or b.dtype != f.dtype
+    ):
+        return _deltanet.kimi_delta_attention_step_slots.reference(mixed, f, b, A_log, dt_bias, states, slots, fresh,
+                                                                   num_k_heads, head_k_dim, lower_bound)
+    return binding.kimi_delta_attention_step_slots(
+        mixed.contiguous(), f.contiguous(), b.contiguous(), A_log.to(torch.float32).contiguous(),
+        dt_bias.to(torch.float32).contiguous(), states, slots.to(torch.int64).contiguous(),
+        fresh.to(torch.bool).contiguous() if fresh is not None else None, num_k_heads, head_k_dim, lower_bound,
     )
 
 

@@ -281,6 +281,22 @@ int trellm_gated_delta_net_step_slots(const void *mixed, int dtype, int64_t row_
                                       float l2_eps, float *states, const int64_t *slots, const uint8_t *fresh, void *out,
                                       int64_t batch, int64_t k_heads, int64_t v_heads, int64_t dk, int64_t dv,
                                       float scale, cudaStream_t stream);
+/* Kimi delta attention (KDA): as trellm_gated_delta_rule_step_slots with a decay per key channel, g float32
+ * [batch, heads, dk] (row i of each head's state scaled by exp(g[i])). */
+int trellm_kda_step_slots(const void *q, int q_dtype, const void *k, int k_dtype, const void *v, int v_dtype,
+                          const float *g, const float *beta, float *states, const int64_t *slots, const uint8_t *fresh,
+                          void *out, int64_t batch, int64_t heads, int64_t dk, int64_t dv, float scale,
+                          cudaStream_t stream);
+/* A KDA layer's decode step from its raw inputs, as trellm_gated_delta_net_step_slots (mixed, heads, L2 norms) but
+ * g per key channel from f [batch, v_heads * dk] (gate_dtype): x = f + dt_bias (float32 [v_heads * dk]),
+ * g = lower_bound * sigmoid(exp(A_log[h]) * x) when bounded, else -exp(A_log[h]) * softplus(x); beta = sigmoid(b),
+ * b [batch, v_heads] (gate_dtype). */
+int trellm_kimi_delta_attention_step_slots(const void *mixed, int dtype, int64_t row_stride, const void *f,
+                                           const void *b, int gate_dtype, const float *A_log, const float *dt_bias,
+                                           int bounded, float lower_bound, float l2_eps, float *states,
+                                           const int64_t *slots, const uint8_t *fresh, void *out, int64_t batch,
+                                           int64_t k_heads, int64_t v_heads, int64_t dk, int64_t dv, float scale,
+                                           cudaStream_t stream);
 /* y [rows, dim] (x's dtype) = rms_norm(x) * weight (rounded to x's dtype) * act(gate), act sigmoid (sigmoid_gate 1)
  * or silu, per row: a gated delta net's (KDA's) output norm. x, gate [rows, dim], weight [dim], own dtypes. */
 int trellm_gated_rms_norm(const void *x, int x_dtype, const void *weight, int w_dtype, const void *gate, int g_dtype,

@@ -324,9 +324,6 @@ def tiny_hybrid_decode(device, dtype, monkeypatch, modes: dict[str, str], steps:
         import bench_moe_decode as bench
     finally:
         sys.path.pop(0)
-    from trellm.batch import ForwardBatch
-    from trellm.cache import SequenceState
-    from trellm.cache.recurrent import alloc_state_slot
     from trellm.config import DecoderConfig
     from trellm.modules.base import LoadContext
     from trellm.sdk import build_qwen3_5_moe
@@ -338,6 +335,16 @@ def tiny_hybrid_decode(device, dtype, monkeypatch, modes: dict[str, str], steps:
     model = build_qwen3_5_moe(cfg)
     model.load(LoadContext(store=bench.RandomWeights(stacked_experts=False), device=torch.device(device), dtype=dtype,
                            quant_formats=[bench.RandomEXL3(4)]))
+    return decode_logits(model, device, steps)
+
+
+def decode_logits(model, device, steps: int = 2, prompts=((1, 2, 3, 4), (5, 6, 7))) -> torch.Tensor:
+    """Logits [steps, 2, vocab] of a hybrid model's batch-2 decode steps after its first forward pass over two
+    prompts (one token each: that pass is a decode step too, from fresh state slots)."""
+    from trellm.batch import ForwardBatch
+    from trellm.cache import SequenceState
+    from trellm.cache.recurrent import alloc_state_slot
+
     cache = model.make_cache(max_tokens=512, page_size=64, max_slots=2)
     seqs = [SequenceState(cache) for _ in range(2)]
     for s in seqs:
@@ -345,7 +352,7 @@ def tiny_hybrid_decode(device, dtype, monkeypatch, modes: dict[str, str], steps:
     slots = torch.tensor([alloc_state_slot(cache) for _ in seqs], device=device)
     logits = []
     with torch.inference_mode():  # fixed tokens: both routes must see the same ones (argmax could differ in bf16)
-        for tokens in [[[1, 2, 3, 4], [5, 6, 7]]] + [[[10 + i], [20 + i]] for i in range(steps)]:
+        for tokens in [[list(p) for p in prompts]] + [[[10 + i], [20 + i]] for i in range(steps)]:
             batch = ForwardBatch.with_cache(tokens, [s.length for s in seqs], [s.pages for s in seqs], cache)
             batch.state_slots = slots
             logits.append(model.forward(batch).float())

@@ -37,7 +37,7 @@ def _hf_kda(q, k, v, g, beta, state):
 
 
 def test_kda_chunked_matches_the_recurrence_across_chunks_and_sequences():
-    from trellm.modules.recurrent import l2_normalize
+    from trellm.ops.deltanet import l2_normalize
 
     lengths = [23, 5, 40]  # within one chunk, shorter than one, several chunks with a remainder
     q, k, v, g, beta, init = _kda_inputs(lengths)
@@ -51,7 +51,7 @@ def test_kda_chunked_matches_the_recurrence_across_chunks_and_sequences():
 
 
 def test_kda_step_on_slots_updates_in_place_and_fresh_rows_start_from_zero():
-    from trellm.modules.recurrent import l2_normalize
+    from trellm.ops.deltanet import l2_normalize
 
     q, k, v, g, beta, init = _kda_inputs([1, 1, 1])
     states = init.clone()

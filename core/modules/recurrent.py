@@ -8,7 +8,7 @@ cache (``batch.cache is None``) every sequence starts from the zero state.
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,7 @@ from ..cache import KVCache
 from ..capabilities import implements
 from ..config import LinearAttentionConfig
 from ..errors import WeightError
-from ..ops.deltanet import GATED_NORM_ACTIVATIONS, gated_delta_inputs, l2_normalize
+from ..ops.deltanet import GATED_NORM_ACTIVATIONS, gated_delta_inputs, kda_decode_route, kda_inputs
 from .base import LoadContext, Module
 from .decoder import CausalLM
 from ..ops.projection import Hidden, Normed, project
@@ -119,12 +119,14 @@ def deltanet_decode_mode() -> str:
 
 
 class GatedRMSNorm(Module):
-    """RMSNorm(x) * w * act(gate), per head (``{key}.weight`` [dim]); act is silu (gated delta net) or sigmoid (KDA)."""
+    """RMSNorm(x) * w * act(gate), per head (``{key}.weight`` [dim]); act is silu (gated delta net) or sigmoid (KDA).
+    ``route``: the layer's decode route knob; on "fused" the norm is one op (:func:`~trellm.ops.gated_rms_norm`)."""
 
-    def __init__(self, key: str, dim: int, eps: float, activation: str = "silu"):
+    def __init__(self, key: str, dim: int, eps: float, activation: str = "silu",
+                 route: Callable[[], str] = deltanet_decode_mode):
         if activation not in GATED_NORM_ACTIVATIONS:
             raise ValueError(f"{key}: unknown gate activation {activation!r}; use one of {sorted(GATED_NORM_ACTIVATIONS)}")
-        self.key, self.dim, self.eps, self.activation = key, dim, eps, activation
+        self.key, self.dim, self.eps, self.activation, self.route = key, dim, eps, activation, route
         self.weight: torch.Tensor | None = None
 
     def load(self, ctx: LoadContext) -> None:
@@ -134,7 +136,7 @@ class GatedRMSNorm(Module):
         self.weight = None
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if deltanet_decode_mode() == "fused":
+        if self.route() == "fused":
             return ops.gated_rms_norm(x, self.weight, gate, self.eps, self.activation)
         normed = ops.rms_norm(x, self.weight, self.eps)  # the unfused route: norm, casts, activation, product
         return (normed.float() * GATED_NORM_ACTIVATIONS[self.activation](gate.float())).to(x.dtype)
@@ -298,7 +300,7 @@ class KimiDeltaAttention(Module):
         self.g_a_proj = Linear(f"{key}.g_a_proj", hidden_size, head_dim)
         self.g_b_proj = Linear(f"{key}.g_b_proj", head_dim, self.dim)
         self.b_proj = Linear(f"{key}.b_proj", hidden_size, num_heads)
-        self.o_norm = GatedRMSNorm(f"{key}.o_norm", head_dim, eps, activation="sigmoid")
+        self.o_norm = GatedRMSNorm(f"{key}.o_norm", head_dim, eps, activation="sigmoid", route=kda_decode_route)
         self.o_proj = Linear(f"{key}.o_proj", self.dim, hidden_size)
         self.conv_weight = self.dt_bias = self.A_log = None
 
@@ -319,24 +321,19 @@ class KimiDeltaAttention(Module):
         shape = (self.num_heads, self.head_dim, self.head_dim)
         return RecurrentStateLayer(max_slots, self.conv_dim, self.conv_width, shape, dtype, device)
 
-    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
-        """g [T, H, Dk] (float32, <= 0) of the forget gate."""
-        f = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias).view(x.shape[0], self.num_heads, self.head_dim)
-        rate = self.A_log.exp()[:, None]
-        if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(rate * f)
-        return -rate * F.softplus(f)
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         mixed = torch.cat(project(x, self.qkv.weights()), dim=-1)
         layer, fresh, decode = state_cache_inputs(self.key, self.layer_idx, batch, t)
         mixed, conv_state, rec_state = short_conv(mixed, self.conv_weight, None, batch, layer, fresh, decode)
-        q, k, v = (part.reshape(t, h, d) for part in mixed.split(self.dim, dim=-1))
-        q, k = l2_normalize(q), l2_normalize(k)
-        g, beta = self.log_decay(x), torch.sigmoid(self.b_proj(x).float())
-        o = delta_recurrence(ops.kda_step_slots, ops.kda_chunked, batch, layer, fresh, decode, conv_state, rec_state,
-                             self.chunk_size, q, k, v, g, beta)
+        f, b = self.f_b_proj(self.f_a_proj(x)), self.b_proj(x)  # the forget gate's and beta's inputs
+        if decode and kda_decode_route() == "fused":  # norms, gates and recurrence in one op
+            o = ops.kimi_delta_attention_step_slots(mixed, f, b, self.A_log, self.dt_bias, layer.states, batch.state_slots,
+                                                    fresh, h, d, self.lower_bound)
+        else:
+            q, k, v, g, beta = kda_inputs(mixed, f, b, self.A_log, self.dt_bias, h, d, self.lower_bound)
+            o = delta_recurrence(ops.kda_step_slots, ops.kda_chunked, batch, layer, fresh, decode, conv_state, rec_state,
+                                 self.chunk_size, q, k, v, g, beta)
         o = self.o_norm.forward(o.to(x.dtype), self.g_b_proj(self.g_a_proj(x)).view(t, h, d))
         return self.o_proj(o.reshape(t, self.dim))
 

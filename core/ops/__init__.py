@@ -134,6 +134,7 @@ from .deltanet import (  # noqa: E402,F401
     gated_rms_norm,
     kda_chunked,
     kda_step_slots,
+    kimi_delta_attention_step_slots,
     ssd_chunked,
     ssd_step,
 )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import op
+from . import op, route_from_env
 from .dense import rms_norm
 
 
@@ -144,27 +144,32 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def delta_qkv(mixed: torch.Tensor, num_k_heads: int, head_k_dim: int, heads: int):
+    """(q, k, v) of a delta-rule layer from its conv output mixed [T, 2 * Hk * Dk + Hv * Dv] = q | k | v: q and k
+    L2-normalised per key head (float32) and each repeated for the Hv / Hk value heads of its group, v [T, Hv, Dv]."""
+    t, key_dim = mixed.shape[0], num_k_heads * head_k_dim
+    q, k, v = mixed.split([key_dim, key_dim, mixed.shape[1] - 2 * key_dim], dim=-1)
+    groups = heads // num_k_heads
+    q = l2_normalize(q.reshape(t, num_k_heads, head_k_dim)).repeat_interleave(groups, dim=1)
+    k = l2_normalize(k.reshape(t, num_k_heads, head_k_dim)).repeat_interleave(groups, dim=1)
+    return q, k, v.reshape(t, heads, -1)
+
+
 def gated_delta_inputs(
     mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     num_k_heads: int, head_k_dim: int, beta_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v, g, beta) of the gated delta rule from a gated delta net's conv output and gate inputs.
 
-    mixed [T, 2 * Hk * Dk + Hv * Dv] is q | k | v; q and k are L2-normalised per key head (float32) and each
-    repeated for the Hv / Hk value heads of its group; v [T, Hv, Dv]; beta = sigmoid(b) * beta_scale and the
-    log decay g = -exp(A_log) * softplus(a + dt_bias), float32 [T, Hv] (a, b [T, Hv]; A_log, dt_bias [Hv]).
+    q, k, v as :func:`delta_qkv`; beta = sigmoid(b) * beta_scale and the log decay
+    g = -exp(A_log) * softplus(a + dt_bias), float32 [T, Hv] (a, b [T, Hv]; A_log, dt_bias [Hv]).
     """
-    t, heads = mixed.shape[0], A_log.shape[0]
-    key_dim = num_k_heads * head_k_dim
-    q, k, v = mixed.split([key_dim, key_dim, mixed.shape[1] - 2 * key_dim], dim=-1)
-    groups = heads // num_k_heads
-    q = l2_normalize(q.reshape(t, num_k_heads, head_k_dim)).repeat_interleave(groups, dim=1)
-    k = l2_normalize(k.reshape(t, num_k_heads, head_k_dim)).repeat_interleave(groups, dim=1)
+    q, k, v = delta_qkv(mixed, num_k_heads, head_k_dim, A_log.shape[0])
     beta = torch.sigmoid(b.float())
     if beta_scale != 1.0:
         beta = beta * beta_scale
     g = -A_log.exp() * F.softplus(a.float() + dt_bias)
-    return q, k, v.reshape(t, heads, -1), g, beta
+    return q, k, v, g, beta
 
 
 @op
@@ -329,6 +334,40 @@ def kda_chunked(
     return _chunked_varlen(_chunked_kda_one, q, k, v, g, beta, cu_seqlens, initial_states, chunk_size)
 
 
+def kda_log_decay(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+    """KDA's log decay g [T, H, Dk] (float32, <= 0) from its forget-gate input f [T, H * Dk] (A_log [H], dt_bias
+    [H * Dk]): lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), or without a bound -exp(A_log) * softplus(...)."""
+    heads = A_log.shape[0]
+    x = (f.float() + dt_bias).view(f.shape[0], heads, -1)
+    rate = A_log.exp()[:, None]
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(rate * x)
+    return -rate * F.softplus(x)
+
+
+def kda_inputs(
+    mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    num_k_heads: int, head_k_dim: int, lower_bound: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v, g, beta) of Kimi delta attention from its conv output (:func:`delta_qkv`), forget-gate input f
+    (:func:`kda_log_decay`) and beta input b [T, H]: beta = sigmoid(b), float32."""
+    q, k, v = delta_qkv(mixed, num_k_heads, head_k_dim, A_log.shape[0])
+    return q, k, v, kda_log_decay(f, A_log, dt_bias, lower_bound), torch.sigmoid(b.float())
+
+
+KDA_DECODE_ENV = "TRELLM_KDA_DECODE"
+KDA_DECODE_ROUTES = ("reference", "kernel", "fused")
+
+
+def kda_decode_route() -> str:
+    """``TRELLM_KDA_DECODE``, how a KDA layer's decode step runs on CUDA: "reference" (default) the torch ops
+    throughout; "kernel", the recurrence (:func:`kda_step_slots`) in one launch, its norms and gates in torch;
+    "fused", the step from its raw inputs in one launch (:func:`kimi_delta_attention_step_slots`) and the output
+    norm in one (:func:`gated_rms_norm`). The default stays on the reference until ``tests/test_cuda_kda.py``
+    has passed on a GPU."""
+    return route_from_env(KDA_DECODE_ENV, KDA_DECODE_ROUTES, "reference")
+
+
 @op
 def kda_step_slots(
     q: torch.Tensor,
@@ -344,6 +383,27 @@ def kda_step_slots(
     g [B, H, Dk]). Returns out [B, H, Dv] in v's dtype."""
     return _step_on_slots(lambda state: _delta_rule_step(q, k, v, g.float().exp()[..., None], beta, state),
                           states, slots, fresh)
+
+
+@op
+def kimi_delta_attention_step_slots(
+    mixed: torch.Tensor,
+    f: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor | None = None,
+    num_k_heads: int = 1,
+    head_k_dim: int = 128,
+    lower_bound: float | None = -5.0,
+) -> torch.Tensor:
+    """A KDA layer's decode step from its raw inputs (:func:`kda_inputs`) through :func:`kda_step_slots`: out
+    [B, H, Dv] in mixed's dtype. One op, so that a backend runs the L2 norms, the gates and the recurrence in one
+    launch (about twenty small kernels otherwise), as :func:`gated_delta_net_step_slots` does."""
+    q, k, v, g, beta = kda_inputs(mixed, f, b, A_log, dt_bias, num_k_heads, head_k_dim, lower_bound)
+    return kda_step_slots.reference(q, k, v, g, beta, states, slots, fresh)
 
 
 # ---- Mamba-2 (state-space duality): the same varlen/state conventions, a scalar decay and no delta rule ----
