@@ -1229,6 +1229,61 @@ def causal_conv1d_step_slots(
     return out
 
 
+HC_MAX_STREAMS = 8  # TRELLM_HC_MAX_STREAMS
+
+
+def hyper_connection_weights(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int, eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``trellm.ops.hyper_connection_weights`` in two launches: (block_input [T, D] in streams' dtype, post [T, N],
+    comb [T, N, N] float32) from streams [T, N, D] (D % 4 == 0) and float32 fn, base, scale; streams and fn
+    16-byte aligned."""
+    expect(streams, "streams", dtype=_FLOATS, shape=(None, None, None))
+    t, n, d = streams.shape
+    if not 1 <= n <= HC_MAX_STREAMS or d % 4 or t > 65535 or streams.data_ptr() % 16:
+        raise KernelArgumentError(f"streams: shape {list(streams.shape)} (at most {HC_MAX_STREAMS} streams, width a "
+                                  f"multiple of 4, 65535 tokens) and a 16-byte aligned start")
+    mixes = (2 + n) * n
+    expect(fn, "fn", dtype=torch.float32, shape=(mixes, n * d), device=streams.device)
+    if fn.data_ptr() % 16:
+        raise KernelArgumentError("fn: the mix kernel reads it 16 bytes at a time; its start is not 16-byte aligned")
+    expect(base, "base", dtype=torch.float32, shape=(mixes,), device=streams.device)
+    expect(scale, "scale", dtype=torch.float32, shape=(3,), device=streams.device)
+    if sinkhorn_iters < 0:
+        raise KernelArgumentError(f"sinkhorn_iters: {sinkhorn_iters} (>= 0)")
+    raw = torch.empty(t, mixes, dtype=torch.float32, device=streams.device)
+    post = torch.empty(t, n, dtype=torch.float32, device=streams.device)
+    comb = torch.empty(t, n, n, dtype=torch.float32, device=streams.device)
+    block_input = torch.empty(t, d, dtype=streams.dtype, device=streams.device)
+    rc = lib().trellm_hyper_connection_weights(
+        _ptr(streams), DTYPE_CODES[streams.dtype], _ptr(fn, "float *"), _ptr(base, "float *"), _ptr(scale, "float *"),
+        _ptr(raw, "float *"), _ptr(post, "float *"), _ptr(comb, "float *"), _ptr(block_input), t, n, d,
+        int(sinkhorn_iters), float(eps), float(norm_eps), _stream(),
+    )
+    _check(rc, "hyper_connection_weights")
+    return block_input, post, comb
+
+
+def hyper_connection_merge(streams: torch.Tensor, block_output: torch.Tensor, post: torch.Tensor,
+                           comb: torch.Tensor) -> torch.Tensor:
+    """``trellm.ops.hyper_connection_merge`` in one launch: the new streams [T, N, D] in streams' dtype."""
+    expect(streams, "streams", dtype=_FLOATS, shape=(None, None, None))
+    t, n, d = streams.shape
+    if not 1 <= n <= HC_MAX_STREAMS:
+        raise KernelArgumentError(f"streams: {n} streams (at most {HC_MAX_STREAMS})")
+    expect(block_output, "block_output", dtype=streams.dtype, shape=(t, d), device=streams.device)
+    expect(post, "post", dtype=torch.float32, shape=(t, n), device=streams.device)
+    expect(comb, "comb", dtype=torch.float32, shape=(t, n, n), device=streams.device)
+    y = torch.empty_like(streams)
+    rc = lib().trellm_hyper_connection_merge(
+        _ptr(streams), _ptr(block_output), _ptr(post, "float *"), _ptr(comb, "float *"), _ptr(y),
+        DTYPE_CODES[streams.dtype], t, n, d, _stream(),
+    )
+    _check(rc, "hyper_connection_merge")
+    return y
+
+
 ROUTER_MAX_EXPERTS = 1024
 
 

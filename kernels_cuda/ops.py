@@ -911,4 +911,48 @@ def softmax_topk_shared(logits: torch.Tensor, k: int, normalize: bool = True, sc
     return binding.softmax_topk(logits.contiguous(), k, normalize, scaling, shared)
 
 
+# ---- hyper-connections (mHC: DeepSeek V4, GLM 5.3) ----------------------------------------------------
+
+from trellm.ops import hyper as _hyper  # noqa: E402
+
+
+def _hyper_kernel_takes(streams: torch.Tensor) -> bool:
+    """Whether ``TRELLM_HYPER_CONNECTIONS`` picks the kernels and they take these streams [T, N, D]."""
+    return (
+        _hyper.hyper_connections_route() == "kernel"
+        and streams.dim() == 3
+        and streams.dtype in _FLOATS
+        and 1 <= streams.shape[1] <= binding.HC_MAX_STREAMS
+    )
+
+
+# Tokens up to which a block's weights take the kernels (decode, draft verification): its mix kernel reads every
+# token's streams once per mix row from the L2, which at prefill sizes costs more than torch's few launches and
+# one matmul.
+HC_KERNEL_MAX_TOKENS = 64
+
+
+@_hyper.hyper_connection_weights.register("cuda")
+def hyper_connection_weights(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps):
+    if (
+        not _hyper_kernel_takes(streams)
+        or streams.shape[2] % 4
+        or streams.shape[0] > HC_KERNEL_MAX_TOKENS
+        or sinkhorn_iters < 0
+    ):
+        return _hyper.hyper_connection_weights.reference(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
+    aligned = lambda t: t if t.data_ptr() % 16 == 0 else t.clone()  # noqa: E731  (the mix kernel's 16-byte loads)
+    f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
+    return binding.hyper_connection_weights(aligned(streams.contiguous()), aligned(f32(fn)), f32(base), f32(scale),
+                                            sinkhorn_iters, eps, norm_eps)
+
+
+@_hyper.hyper_connection_merge.register("cuda")
+def hyper_connection_merge(streams, block_output, post, comb):
+    if not _hyper_kernel_takes(streams) or block_output.dtype != streams.dtype:
+        return _hyper.hyper_connection_merge.reference(streams, block_output, post, comb)
+    return binding.hyper_connection_merge(streams.contiguous(), block_output.contiguous(),
+                                          post.to(torch.float32).contiguous(), comb.to(torch.float32).contiguous())
+
+
 REGISTERED = sorted(name for name, o in _ops._OPS.items() if "cuda" in o.impls)

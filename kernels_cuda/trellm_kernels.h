@@ -346,6 +346,23 @@ int trellm_lora_add(const void *x, int64_t ldx, const void *y, int64_t ldy, void
 int trellm_lora_add_parts(const void *x, int64_t ldx, int count, void *const *y, const int64_t *ldy,
                           const void *const *a, const void *const *b, const int64_t *n, const int64_t *slots,
                           int64_t rows, int64_t k, int64_t num_slots, int64_t rank, int dtype, cudaStream_t stream);
+/* ---- hyper-connections (hyper.cu) ----
+ * A block's hyper-connection weights from the streams x [tokens, streams, dim] (dtype, dim % 4 == 0, 16-byte
+ * aligned): mixes = fn [(2 + streams) * streams, streams * dim] . rmsnorm(flat x) (norm_eps; raw float32
+ * [tokens, (2 + streams) * streams] holds them), then with bias [(2 + streams) * streams] and scale [3] (float32):
+ * pre = sigmoid(.) + eps, post = 2 sigmoid(.) float32 [tokens, streams], comb float32 [tokens, streams, streams] a
+ * row softmax + eps normalised by columns, then sinkhorn_iters - 1 times by rows and columns (x / (sum + eps));
+ * block_input [tokens, dim] (dtype) = sum_j pre[j] x[:, j]. tokens <= 65535. */
+enum { TRELLM_HC_MAX_STREAMS = 8 };
+int trellm_hyper_connection_weights(const void *x, int dtype, const float *fn, const float *bias, const float *scale,
+                                    float *raw, float *post, float *comb, void *block_input, int64_t tokens,
+                                    int64_t streams, int64_t dim, int64_t sinkhorn_iters, float eps, float norm_eps,
+                                    cudaStream_t stream);
+/* The streams after a block: y [tokens, streams, dim] = post[:, i] * out + sum_j comb[:, j, i] x[:, j], x and y
+ * [tokens, streams, dim], out [tokens, dim] (dtype), products and sums rounded to dtype as in torch. */
+int trellm_hyper_connection_merge(const void *x, const void *out, const float *post, const float *comb, void *y,
+                                  int dtype, int64_t tokens, int64_t streams, int64_t dim, cudaStream_t stream);
+/* ---- end hyper-connections ---- */
 /* ABI END */
 
 #ifdef __cplusplus

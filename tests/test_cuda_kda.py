@@ -13,6 +13,8 @@ rows, state slots updated in place), replayed from a CUDA graph, and the tiny GL
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +26,12 @@ from trellm import ops
 from trellm.ops.deltanet import (
     KDA_DECODE_ENV, kda_decode_route, kda_step_slots, kimi_delta_attention_step_slots, l2_normalize,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+try:
+    from glm5_decode_ops import tiny_glm5
+finally:
+    sys.path.pop(0)
 
 ROUTES = ("reference", "kernel", "fused")
 
@@ -137,68 +145,12 @@ def test_kda_cuda_routes_reach_their_kernels(stub_kernels, monkeypatch):
     assert bounded[2] == u["mixed"].shape[1]  # the row stride of q | k | v
 
 
-GLM5_NEXT_TEXT = dict(  # a text-only GLM 5.3-Flash config (the keys of tests/test_families_next.py, KDA widths the kernel takes)
-    architectures=["Glm5NextForConditionalGeneration"], vocab_size=256, hidden_size=128, intermediate_size=128,
-    rms_norm_eps=1e-6, max_position_embeddings=256, moe_intermediate_size=32, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
-    n_shared_experts=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=0, qk_nope_head_dim=16, v_head_dim=16,
-    index_topk=8, index_head_dim=16, index_n_heads=8, index_kpool=4,
-    layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
-    indexer_types=["full", "full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse", "dense"],
-    linear_num_heads=2, linear_head_dim=64, hc_mult=4, hc_sinkhorn_iters=5, swiglu_limit=1.0,
-)
-
-
-class RandomGlm5Weights:
-    """A WeightStore making every tensor of a GLM 5.3 model up (no checkpoint, no transformers: the lent GPU
-    machine's transformers predates these configs). Shapes come from the request, or, for the few tensors loaded
-    without one, from the config; decay and gate parameters get values in their trained ranges."""
-
-    model_dir = "<random GLM 5.3 weights>"
-
-    def __init__(self, cfg: dict, seed: int = 0, std: float = 0.08):
-        width, heads = cfg["linear_num_heads"] * cfg["linear_head_dim"], cfg["linear_num_heads"]
-        self.unshaped = {"q_conv1d.weight": (width, 1, 4), "k_conv1d.weight": (width, 1, 4),
-                         "v_conv1d.weight": (width, 1, 4), "dt_bias": (width,), "A_log": (1, 1, heads, 1),
-                         "e_score_correction_bias": (cfg["n_routed_experts"],)}
-        self.std, self.generator = std, torch.Generator().manual_seed(seed)
-
-    def __iter__(self):
-        return iter(())
-
-    def __contains__(self, name: str) -> bool:
-        return name.endswith((".weight", "A_log", "dt_bias", "e_score_correction_bias"))
-
-    def info(self, name: str):
-        from types import SimpleNamespace
-
-        return SimpleNamespace(shape=())
-
-    def get(self, name: str, shape=None, dtype=None, device=None) -> torch.Tensor:
-        if shape is None:
-            shape = next(s for suffix, s in self.unshaped.items() if name.endswith(suffix))
-        t = torch.randn(shape, generator=self.generator)
-        if name.endswith("norm.weight"):
-            t = 1 + 0.1 * t
-        elif name.endswith("A_log"):
-            t = torch.rand(shape, generator=self.generator) * math.log(16.0)
-        elif not name.endswith(("dt_bias", "e_score_correction_bias", "conv1d.weight")):
-            t = t * self.std
-        return t.to(device=device, dtype=torch.float32 if dtype is None else dtype)
-
-
 def tiny_glm5_decode(device, dtype, monkeypatch, route: str, lower_bound: float | None = -5.0, steps: int = 3,
                      prompts=((1, 2, 3, 4), (5, 6, 7))) -> torch.Tensor:
-    """Decode logits [steps, 2, vocab] of a tiny random GLM 5.3 (2 KDA layers) with ``TRELLM_KDA_DECODE=route``."""
-    from trellm.config import DecoderConfig
-    from trellm.modules.base import LoadContext
-    from trellm.plugins.architectures.glm5_next import build
-
+    """Decode logits [steps, 2, vocab] of benchmarks/glm5_decode_ops.py's tiny random GLM 5.3 (2 KDA layers) with
+    ``TRELLM_KDA_DECODE=route``."""
     monkeypatch.setenv(KDA_DECODE_ENV, route)
-    raw = dict(GLM5_NEXT_TEXT, linear_lower_bound=lower_bound)
-    model = build(DecoderConfig.from_hf(raw))
-    model.load(LoadContext(store=RandomGlm5Weights(raw), device=torch.device(device), dtype=dtype))
-    return decode_logits(model, device, steps, prompts)
+    return decode_logits(tiny_glm5(device, dtype, linear_lower_bound=lower_bound), device, steps, prompts)
 
 
 def counting(monkeypatch, name: str) -> list:
