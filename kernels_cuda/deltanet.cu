@@ -12,13 +12,6 @@
 
 namespace {
 
-// v rounded to dtype and back (the reference's .to(dtype) round trips).
-__device__ __forceinline__ float dn_round(float v, int dtype) {
-    if (dtype == TRELLM_F16) return __half2float(__float2half_rn(v));
-    if (dtype == TRELLM_BF16) return __bfloat162float(__float2bfloat16_rn(v));
-    return v;
-}
-
 constexpr int DN_WARPS = 4;
 
 struct DeltaArgs {
@@ -172,8 +165,8 @@ __global__ void conv1d_step_kernel(const ConvArgs a) {
     float window[CONV_MAX_WIDTH];
 #pragma unroll
     for (int j = 0; j < CONV_MAX_WIDTH - 1; ++j)
-        if (j < hist) window[j] = zero ? 0.f : dn_round(load_as_f32(a.states, a.s_dtype, srow * hist + j), a.w_dtype);
-    window[hist < CONV_MAX_WIDTH ? hist : CONV_MAX_WIDTH - 1] = dn_round(load_as_f32(a.x, a.x_dtype, (size_t)i), a.w_dtype);
+        if (j < hist) window[j] = zero ? 0.f : round_as(load_as_f32(a.states, a.s_dtype, srow * hist + j), a.w_dtype);
+    window[hist < CONV_MAX_WIDTH ? hist : CONV_MAX_WIDTH - 1] = round_as(load_as_f32(a.x, a.x_dtype, (size_t)i), a.w_dtype);
     float y = 0.f;
 #pragma unroll
     for (int j = 0; j < CONV_MAX_WIDTH; ++j)
@@ -203,7 +196,7 @@ __global__ void gated_rms_norm_kernel(const void *x, int x_dtype, const void *we
     }
     const float rstd = rsqrtf(warp_sum(ssq) / dim + eps);
     for (int c = lane; c < dim; c += 32) {
-        const float normed = dn_round(load_as_f32(x, x_dtype, base + c) * rstd * load_as_f32(weight, w_dtype, c), x_dtype);
+        const float normed = round_as(load_as_f32(x, x_dtype, base + c) * rstd * load_as_f32(weight, w_dtype, c), x_dtype);
         const float g = load_as_f32(gate, g_dtype, base + c);
         const float act = sigmoid_gate ? 1.f / (1.f + __expf(-g)) : g / (1.f + __expf(-g));
         store_from_f32(y, x_dtype, base + c, normed * act);
