@@ -27,7 +27,7 @@ def hc_inputs(device, dtype, tokens=3, n=4, d=64, seed=0):
     mixes = (2 + n) * n
     t = dict(
         streams=torch.randn(tokens, n, d, generator=g).to(dtype),
-        fn=torch.randn(mixes, n * d, generator=g) * 0.5,
+        fn=torch.randn(mixes, n * d, generator=g) * 2 / (n * d) ** 0.5,  # mixes of order 1: sigmoids not saturated
         base=torch.randn(mixes, generator=g), scale=torch.rand(3, generator=g) + 0.5,
         out=torch.randn(tokens, d, generator=g).to(dtype),
     )
