@@ -76,3 +76,36 @@ def test_cpu_tensors_take_the_cpu_implementation_unless_reference_is_forced(monk
     assert calls == ["cpu"]
     monkeypatch.setenv("TRELLM_OPS", "reference")
     assert ops.paged_attention(q, kp, vp, table, cu, lens).shape == q.shape and calls == ["cpu"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d,dv", [(4, 2, 8, 8), (4, 1, 12, 10), (2, 2, 8, 8)])
+def test_sparse_attention_gathering_chosen_keys_equals_masking_the_context(monkeypatch, dtype, hq, hkv, d, dv):
+    """Decode-sized sparse attention gathers only the keys each token names; it equals the prefill route (the
+    whole context gathered and masked) with GQA, scattered pages, -1 entries, a position named twice (counted
+    once) and a sequence whose token names none (zeros)."""
+    from trellm.ops import sparse
+
+    g = torch.Generator().manual_seed(hq * 10 + hkv)
+    page_size, num_pages, lens, new = 4, 40, [9, 17, 1], [2, 3, 1]
+    k_pages = torch.randn(num_pages, page_size, hkv, d, generator=g).to(dtype)
+    v_pages = torch.randn(num_pages, page_size, hkv, dv, generator=g).to(dtype)
+    table = torch.zeros(3, 6, dtype=torch.int32)
+    order = torch.randperm(num_pages, generator=g)
+    for b, n in enumerate(lens):
+        table[b, : -(-n // page_size)] = order[b * 6: b * 6 + -(-n // page_size)]
+    cu, ctx = torch.tensor([0, 2, 5, 6], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(6, hq, d, generator=g).to(dtype)
+    chosen = []
+    for n, m in zip(lens, new):
+        for j in range(m):
+            c = torch.randint(0, n - m + j + 1, (5,), generator=g)
+            chosen.append(c.masked_fill(torch.rand(5, generator=g) < 0.3, -1))
+    indices = torch.stack(chosen)
+    indices[0, 1] = indices[0, 0] = 3
+    indices[5] = -1
+    gathered = sparse.sparse_paged_attention(q, k_pages, v_pages, table, cu, ctx, indices, 0.3)
+    monkeypatch.setattr(sparse, "CHOSEN_MAX_PAIRS", 0)
+    masked = sparse.sparse_paged_attention(q, k_pages, v_pages, table, cu, ctx, indices, 0.3)
+    assert (gathered[5] == 0).all()
+    torch.testing.assert_close(gathered.float(), masked.float(), atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=0)

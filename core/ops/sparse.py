@@ -71,8 +71,15 @@ def sparse_paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Attention of each new token over the cached tokens ``indices`` [T, k] names (positions in its sequence,
-    -1: none), as :func:`~trellm.ops.paged_attention` with every other token masked out; a token that names
-    none reads zeros (a pooled indexer's query before its first whole pool, without its tail)."""
+    -1: none; a position named twice counts once), as :func:`~trellm.ops.paged_attention` with every other
+    token masked out; a token that names none reads zeros (a pooled indexer's query before its first whole
+    pool, without its tail).
+
+    A few tokens (decode, a draft verification) gather only the keys they name (:func:`_attend_chosen`: bytes
+    and work grow with k, not with the context, and no host sync); a prefill chunk gathers each sequence's
+    context once for all its tokens and masks."""
+    if q.shape[0] * indices.shape[1] <= CHOSEN_MAX_PAIRS:
+        return _attend_chosen(q, k_pages, v_pages, block_table, cu_seqlens, indices, scale)
     out = q.new_empty(q.shape[0], q.shape[1], v_pages.shape[-1])
     bounds, ctx = cu_seqlens.tolist(), context_lens.tolist()
     for b, (s0, s1) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -86,3 +93,28 @@ def sparse_paged_attention(
         out[s0:s1] = _attend(q[s0:s1], k, v, scale, ctx[b] - (s1 - s0), 0, 0.0, None, keep=keep[:, :-1])
         out[s0:s1][(chosen < 0).all(-1)] = 0
     return out
+
+
+CHOSEN_MAX_PAIRS = 64 * 2048  # (token, chosen key) pairs up to which tokens gather their own keys: batch 64 at top-2048
+
+
+def _attend_chosen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+                   cu_seqlens: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`sparse_paged_attention` with each token's named keys gathered from the pages ([T, k, Hkv, D]), float32
+    math as ``_attend``'s: one batched softmax over every token's own keys."""
+    t, hq, d = q.shape
+    page_size, hkv = k_pages.shape[1], k_pages.shape[2]
+    seq = torch.searchsorted(cu_seqlens[1:].long(), torch.arange(t, device=q.device), right=True)  # token -> sequence
+    chosen, _ = indices.sort(dim=-1)  # a position named twice is masked after its first
+    unseen = chosen < 0
+    unseen[:, 1:] |= chosen[:, 1:] == chosen[:, :-1]
+    pos = chosen.clamp_min(0)
+    pages = block_table[seq[:, None], pos // page_size].long()
+    k = k_pages[pages, pos % page_size].float()  # [T, k, Hkv, D]
+    v = v_pages[pages, pos % page_size].float()
+    qg = q.float().view(t, hkv, hq // hkv, d)
+    s = torch.einsum("thgd,tjhd->thgj", qg, k) * scale
+    s = s.masked_fill(unseen[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).masked_fill(unseen.all(-1)[:, None, None, None], 0.0)  # a token naming none reads zeros
+    out = torch.einsum("thgj,tjhd->thgd", p, v).reshape(t, hq, v.shape[-1])
+    return out.to(q.dtype)
