@@ -56,12 +56,25 @@ LDLQ_DRIFT = {1: 1.08, 2: 1.018, 3: 1.004}
 # Inputs: real weights, Hessians and held-out activations
 
 
+EXL3_FILES = ("c4.utf8", "code.utf8", "multilingual.utf8", "technical.utf8", "wiki.utf8", "tiny.utf8")
+HELDOUT_FRACTION = 0.1  # the tail of each ExLlamaV3 file that its reference calibration never reads
+
+
+def exl3_text(data_dir: Path, name: str, part: str) -> str:
+    """The head (first 90%, what the ``exl3:`` calibration reads) or the tail (last 10%, held out) of one file
+    of ExLlamaV3's ``standard_cal_data``, cut at a line break."""
+    text = (data_dir / name).read_text(encoding="utf-8")
+    cut = text.find("\n", int(len(text) * (1 - HELDOUT_FRACTION)))
+    cut = len(text) if cut < 0 else cut + 1
+    return text[:cut] if part == "head" else text[cut:]
+
+
 def exl3_style_rows(tokenizer, vocab_size: int, rows: int, cols: int, data_dir: Path) -> list[list[int]]:
     """Calibration rows made the way ExLlamaV3 1.6.5 makes its default ones (its calibration_data.py, read as
-    facts), from the text files of a directory laid out like its ``standard_cal_data``: weights 20/20/10/10/50/5
-    over c4 (shuffled lines), code (raw slices), multilingual (shuffled lines), technical (raw slices), wiki
-    (articles), tiny (stories), the remainder random tokens; articles are packed into rows, with BOS/EOS around
-    each article on even rows."""
+    facts), from the heads (:func:`exl3_text`) of the text files of a directory laid out like its
+    ``standard_cal_data``: weights 20/20/10/10/50/5 over c4 (shuffled lines), code (raw slices), multilingual
+    (shuffled lines), technical (raw slices), wiki (articles), tiny (stories), the remainder random tokens;
+    articles are packed into rows, with BOS/EOS around each article on even rows."""
     import random
 
     bos = tokenizer.bos_token_id
@@ -97,63 +110,96 @@ def exl3_style_rows(tokenizer, vocab_size: int, rows: int, cols: int, data_dir: 
     def tiny(text: str, n: int) -> list[list[int]]:
         return pack([a.strip() for a in text.split("<|endoftext|>")], n)
 
-    mix = [("c4.utf8", 20, lines), ("code.utf8", 20, raw), ("multilingual.utf8", 10, lines),
-           ("technical.utf8", 10, raw), ("wiki.utf8", 50, wiki), ("tiny.utf8", 5, tiny)]
+    mix = [(EXL3_FILES[0], 20, lines), (EXL3_FILES[1], 20, raw), (EXL3_FILES[2], 10, lines),
+           (EXL3_FILES[3], 10, raw), (EXL3_FILES[4], 50, wiki), (EXL3_FILES[5], 5, tiny)]
     total = sum(w for _, w, _ in mix) + 20
     out: list[list[int]] = []
     for name, weight, make in mix:
-        out += make((data_dir / name).read_text(encoding="utf-8"), max(1, int(weight / total * rows)))
+        out += make(exl3_text(data_dir, name, "head"), max(1, int(weight / total * rows)))
     gen = torch.Generator().manual_seed(0)
     while len(out) < rows:
         out.append(torch.randint(0, vocab_size, (cols,), generator=gen).tolist())
     return out
 
 
-def capture(layer_index: int, groups: list[str], cal_rows: int, cal_cols: int, eval_windows: int,
-            cal_source: str = "trellm", model_dir: str | None = None) -> dict:
-    """Per group: HF weights [out, in], calibration Hessian [in, in] (float64 sums / count) and held-out rows.
+def calibration_sets(specs: list[str], tokenizer, vocab_size: int, rows: int, cols: int) -> dict[str, list[list[int]]]:
+    """Calibration token rows by spec: ``trellm`` (``trellm.convert.calibration_rows``, the built-in mix),
+    ``file:PATH`` (the same on a text file, as ``trellm convert --calibration``), ``rows:PATH`` (rows saved by
+    ``--dump-rows``, e.g. an earlier commit's mix), ``exl3:DIR`` (:func:`exl3_style_rows`)."""
+    from trellm.convert import calibration_rows
 
-    ``cal_source``: "trellm" (``trellm.convert.calibration_rows``) or "exl3:DIR" (:func:`exl3_style_rows`).
-    ``model_dir``: a Llama-family HF dir (default: the default model, SmolLM2-135M)."""
-    import trellm
-    from trellm.batch import ForwardBatch
-    from trellm.convert import _record, calibration_rows, layer_linears
-    from trellm.default_model import default_model_dir
+    out = {}
+    for spec in specs:
+        kind, _, arg = spec.partition(":")
+        if spec == "trellm":
+            out[spec] = calibration_rows(tokenizer, vocab_size, rows, cols)
+        elif kind == "file":
+            out[spec] = calibration_rows(tokenizer, vocab_size, rows, cols, arg)
+        elif kind == "rows":
+            out[spec] = json.loads(Path(arg).read_text())
+        elif kind == "exl3":
+            out[spec] = exl3_style_rows(tokenizer, vocab_size, rows, cols, Path(arg))
+        else:
+            raise SystemExit(f"unknown calibration source {spec!r} (trellm, file:PATH, rows:PATH or exl3:DIR)")
+    return out
+
+
+def heldout_sets(specs: list[str], tokenizer, cols: int, windows: int) -> dict[str, list[list[int]]]:
+    """Held-out token windows by part: ``eval`` (trellm's built-in evaluation text), ``file:PATH``, and for
+    ``exl3:DIR`` the tails of ExLlamaV3's wiki, code, multilingual and tiny files (parts ``wiki`` ...), which
+    neither trellm's mix nor the ``exl3:`` calibration contains; ``windows`` windows of ``cols`` tokens each."""
     from trellm.evaluate import eval_text, token_windows
 
-    src = model_dir or default_model_dir(show_progress=False)
-    lm = trellm.load(src, device="cpu", dtype=torch.float32, tokenizer=True)
+    texts = {}
+    for spec in specs:
+        kind, _, arg = spec.partition(":")
+        if spec == "eval":
+            texts["eval"] = eval_text()
+        elif kind == "file":
+            texts[Path(arg).stem] = Path(arg).read_text(encoding="utf-8")
+        elif kind == "exl3":
+            for name in ("wiki.utf8", "code.utf8", "multilingual.utf8", "tiny.utf8"):
+                texts[name.split(".")[0]] = exl3_text(Path(arg), name, "tail")
+        else:
+            raise SystemExit(f"unknown held-out part {spec!r} (eval, file:PATH or exl3:DIR)")
+    return {name: token_windows(tokenizer, text, cols, windows) for name, text in texts.items()}
+
+
+def capture(layers: list[int], groups: list[str], cal: dict[str, list[list[int]]],
+            heldout: dict[str, list[list[int]]], lm) -> dict:
+    """By (layer, group): HF weights [out, in], by calibration set its Hessian E[x x^T] [in, in] and by
+    held-out part its E[x x^T] (what the held-out error needs: |X E|^2 = tr(E^T X^T X E)). One dense float32
+    forward per token set, up to the last layer."""
+    from trellm.batch import ForwardBatch
+    from trellm.convert import _record, layer_linears
+
     model = lm.model
-    layer = model.layers[layer_index]
-    prefix = layer.key + "."
-    linears = {lin.key[len(prefix):]: lin for lin in layer_linears(layer)}
     out = {}
-    if cal_source == "trellm":
-        cal = calibration_rows(lm.tokenizer, model.embed.vocab_size, cal_rows, cal_cols)
-    elif cal_source.startswith("exl3:"):
-        cal = exl3_style_rows(lm.tokenizer, model.embed.vocab_size, cal_rows, cal_cols, Path(cal_source[5:]))
-    else:
-        raise SystemExit(f"unknown calibration source {cal_source!r}")
-    sets = {
-        "cal": cal,
-        "eval": token_windows(lm.tokenizer, eval_text(), cal_cols, eval_windows),
-    }
-    rows_by_set = {}
+    for li in layers:
+        layer = model.layers[li]
+        prefix = layer.key + "."
+        linears = {lin.key[len(prefix):]: lin for lin in layer_linears(layer)}
+        for g in groups:
+            out[li, g] = dict(weights=[linears[r].impl.dense_weight().float().clone() for r in GROUPS[g]],
+                              hessians={}, heldout={})
+    sets = [("hessians", name, seqs) for name, seqs in cal.items()]
+    sets += [("heldout", name, seqs) for name, seqs in heldout.items()]
     with torch.inference_mode():
-        for name, seqs in sets.items():
+        for kind, name, seqs in sets:
             batch = ForwardBatch.no_cache(seqs, "cpu")
             state = model.embed_tokens(batch).float()
-            for i in range(layer_index):
-                state = model.layers[i].forward(state, batch).float()
-            _, recorders = _record(layer, list(linears.values()), state, batch, keep_inputs=True)
-            rows_by_set[name] = {g: recorders[linears[GROUPS[g][0]].key].group_inputs().float() for g in groups}
-    for g in groups:
-        x = rows_by_set["cal"][g].double()
-        out[g] = dict(
-            weights=[linears[r].impl.dense_weight().float().clone() for r in GROUPS[g]],
-            hessian=(x.t() @ x / x.shape[0]).float(),
-            heldout=rows_by_set["eval"][g],
-        )
+            for i in range(max(layers) + 1):
+                layer = model.layers[i]
+                if i not in layers:
+                    state = layer.forward(state, batch).float()
+                    continue
+                prefix = layer.key + "."
+                linears = {lin.key[len(prefix):]: lin for lin in layer_linears(layer)}
+                state, recorders = _record(layer, list(linears.values()), state, batch, keep_inputs=True)
+                state = state.float()
+                for g in groups:
+                    x = recorders[linears[GROUPS[g][0]].key].group_inputs().double()
+                    out[i, g][kind][name] = (x.t() @ x / x.shape[0]).float()
     return out
 
 
@@ -356,37 +402,42 @@ def exl3_quantize_group(weights: list[torch.Tensor], hessian: torch.Tensor, K: i
 # Scoring
 
 
-def score(weights: list[torch.Tensor], deq: list[torch.Tensor], hessian: torch.Tensor, heldout: torch.Tensor) -> dict:
+def score(weights: list[torch.Tensor], deq: list[torch.Tensor], hessian: torch.Tensor,
+          heldout: dict[str, torch.Tensor]) -> dict:
+    """Proxy loss tr(E^T H E) / tr(W^T H W) on the calibration Hessian; per held-out part the relative output
+    error |X E|^2 / |X W|^2 (the same ratio on that part's E[x x^T]) and ``heldout``, their mean over parts."""
     k_in = weights[0].shape[1]
     w = torch.cat([wt.t() for wt in weights], 1).double()
     q = torch.cat([d[:k_in, : wt.shape[0]] for d, wt in zip(deq, weights)], 1).double()
     e = q - w
-    h = hessian.double()
-    x = heldout.double()
-    return dict(
-        proxy=((e * (h @ e)).sum() / (w * (h @ w)).sum()).item(),
-        heldout=((x @ e).square().sum() / (x @ w).square().sum()).item(),
-    )
+
+    def ratio(h: torch.Tensor) -> float:
+        h = h.double()
+        return ((e * (h @ e)).sum() / (w * (h @ w)).sum()).item()
+
+    parts = {name: ratio(h) for name, h in heldout.items()}
+    return dict(proxy=ratio(hessian), heldout=sum(parts.values()) / len(parts), parts=parts)
 
 
-def run_variant(name: str, data: dict, K: int, codebook: str, seed: int, device: str = "cpu") -> list[torch.Tensor]:
+def run_variant(name: str, weights: list[torch.Tensor], hessian: torch.Tensor, K: int, codebook: str, seed: int,
+                device: str = "cpu") -> list[torch.Tensor]:
     if name == "trellm" or name.startswith("trellm:"):
         from trellm.quant.exl3.quantize import dequantize, quantize_group
 
         opts = dict(kv.split("=") for kv in name.split(":")[1].split("+")) if ":" in name else {}
         kwargs = {key: (value if key == "out_scales" else bool(int(value))) for key, value in opts.items()}
-        qts, _ = quantize_group(data["weights"], data["hessian"], K, codebook, seed=seed, device=device, **kwargs)
+        qts, _ = quantize_group(weights, hessian, K, codebook, seed=seed, device=device, **kwargs)
         return [dequantize(qt).cpu() for qt in qts]
     if name == "exl3" or name.startswith("exl3:"):
         switches = set(name.split(":")[1].split("+")) if ":" in name else set()
-        return exl3_quantize_group(data["weights"], data["hessian"], K, codebook, seed, switches)
+        return exl3_quantize_group(weights, hessian, K, codebook, seed, switches)
     raise SystemExit(f"unknown variant {name!r}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", default=None, help="Llama-family HF dir (default: the default model)")
-    ap.add_argument("--layer", type=int, default=3)
+    ap.add_argument("--layer", default="3", help="decoder layers, comma-separated")
     ap.add_argument("--groups", default="qkv,down")
     ap.add_argument("--bits", default="4")
     ap.add_argument("--codebook", default="mul1")
@@ -394,38 +445,64 @@ def main() -> int:
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--cal-rows", type=int, default=64)
     ap.add_argument("--cal-cols", type=int, default=512)
-    ap.add_argument("--eval-windows", type=int, default=8)
     ap.add_argument("--cal-source", default="trellm",
-                    help="trellm (its calibration mix) or exl3:DIR (ExLlamaV3's mix from its standard_cal_data DIR)")
+                    help="calibration sets, comma-separated: trellm (the built-in mix), file:PATH (a --calibration "
+                         "text file), rows:PATH (rows saved by --dump-rows), exl3:DIR (ExLlamaV3's mix from its "
+                         "standard_cal_data DIR, the first 90%% of each file)")
+    ap.add_argument("--heldout", default="eval",
+                    help="held-out parts, comma-separated: eval (trellm's eval.txt), file:PATH, exl3:DIR (the last "
+                         "10%% of ExLlamaV3's wiki, code, multilingual and tiny files)")
+    ap.add_argument("--heldout-windows", type=int, default=8, help="windows per held-out part (default 8)")
+    ap.add_argument("--heldout-cols", type=int, default=512, help="tokens per held-out window (default 512)")
+    ap.add_argument("--dump-rows", default=None, help="write the first --cal-source's token rows to this JSON file "
+                                                      "and stop (for rows:PATH later, e.g. after the mix changed)")
     ap.add_argument("--device", default="cpu",
                     help="where the trellm variants quantize (cuda: its CUDA tile encoder and GPU scale sample); "
                          "the exl3 variants stay on the CPU encoder")
     ap.add_argument("--out", default=None, help="JSON file the rows are appended to")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
+    import trellm
+    from trellm.default_model import default_model_dir
+
     groups = args.groups.split(",")
+    layers = [int(x) for x in args.layer.split(",")]
     t0 = time.perf_counter()
-    data = capture(args.layer, groups, args.cal_rows, args.cal_cols, args.eval_windows, args.cal_source,
-                   args.model_dir)
-    print(f"captured layer {args.layer} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    lm = trellm.load(args.model_dir or default_model_dir(show_progress=False), device="cpu", dtype=torch.float32,
+                     tokenizer=True)
+    vocab = lm.model.embed.vocab_size
+    cal = calibration_sets(args.cal_source.split(","), lm.tokenizer, vocab, args.cal_rows, args.cal_cols)
+    if args.dump_rows:
+        Path(args.dump_rows).write_text(json.dumps(next(iter(cal.values()))))
+        print(f"wrote {args.dump_rows}")
+        return 0
+    heldout = heldout_sets(args.heldout.split(","), lm.tokenizer, args.heldout_cols, args.heldout_windows)
+    data = capture(layers, groups, cal, heldout, lm)
+    print(f"captured layers {layers}: {len(cal)} calibration sets, held-out parts "
+          f"{ {k: sum(map(len, v)) for k, v in heldout.items()} } tokens ({time.perf_counter() - t0:.0f}s)", flush=True)
     rows = []
-    for g in groups:
-        for bits in (int(b) for b in args.bits.split(",")):
-            for seed in (int(s) for s in args.seeds.split(",")):
-                for variant in args.variants.split(","):
-                    t0 = time.perf_counter()
-                    deq = run_variant(variant, data[g], bits, args.codebook, seed, args.device)
-                    s = score(data[g]["weights"], deq, data[g]["hessian"], data[g]["heldout"])
-                    row = dict(layer=args.layer, group=g, bits=bits, seed=seed, variant=variant, device=args.device,
-                               cal=f"{args.cal_source} {args.cal_rows}x{args.cal_cols}", **s,
-                               seconds=round(time.perf_counter() - t0, 1))
-                    rows.append(row)
-                    print(f"L{args.layer} {g:>5} {bits} bpw seed {seed} {variant:>24} cal {row['cal']}: proxy {s['proxy']:.6f} "
-                          f"heldout {s['heldout']:.6f} ({row['seconds']}s)", flush=True)
-    if args.out:
-        path = Path(args.out)
-        old = json.loads(path.read_text()) if path.is_file() else []
-        path.write_text(json.dumps(old + rows, indent=2))
+    for bits in (int(b) for b in args.bits.split(",")):  # every tensor at the first bitrate first
+        for li in layers:
+            for g in groups:
+                d = data[li, g]
+                for seed in (int(s) for s in args.seeds.split(",")):
+                    for cal_name, hessian in d["hessians"].items():
+                        for variant in args.variants.split(","):
+                            t0 = time.perf_counter()
+                            deq = run_variant(variant, d["weights"], hessian, bits, args.codebook, seed, args.device)
+                            s = score(d["weights"], deq, hessian, d["heldout"])
+                            row = dict(layer=li, group=g, bits=bits, seed=seed, variant=variant, device=args.device,
+                                       cal=f"{cal_name} {args.cal_rows}x{args.cal_cols}", **s,
+                                       seconds=round(time.perf_counter() - t0, 1))
+                            rows.append(row)
+                            parts = " ".join(f"{k} {v:.6f}" for k, v in s["parts"].items())
+                            print(f"L{li} {g:>5} {bits} bpw seed {seed} {variant:>8} cal {row['cal']}: proxy "
+                                  f"{s['proxy']:.6f} heldout {s['heldout']:.6f} ({parts}) ({row['seconds']}s)",
+                                  flush=True)
+                            if args.out:  # appended as it goes: a long run killed early keeps its rows
+                                path = Path(args.out)
+                                old = json.loads(path.read_text()) if path.is_file() else []
+                                path.write_text(json.dumps(old + [row], indent=2))
     return 0
 
 
