@@ -106,9 +106,10 @@ def calibration_rows(tokenizer, vocab_size: int, rows: int, cols: int, text_file
 
     Each source of the mix (``trellm.data.calibration_sources``) gets its share of the rows, cut as
     windows spread evenly over its token stream; chat dialogues are rendered with the tokenizer's chat
-    template. A source shorter than one row (the mix's prose is about 1,300 SmolLM2 tokens) gives rows
-    holding it once, shorter rows: wrapped round into itself inside a row, it would put the model in
-    copy mode, whose activations no real input has. The remaining rows (about 1/10; 1/8 with a user
+    template. At the default 64 x 512 no window overlaps another. A source shorter than one row (at
+    8,192-token rows, the mix's technical text of about 3,300 SmolLM2 tokens) gives rows holding it once,
+    shorter rows: wrapped round into itself inside a row, it would put the model in copy mode, whose
+    activations no real input has. The remaining rows (about 1/10; 1/8 with a user
     file) are uniform random tokens, so every embedding row and rare token direction contributes a
     little to the Hessians. Deterministic.
     """

@@ -1,10 +1,12 @@
-"""Built-in calibration mix for EXL3 conversion: prose, code, several languages, technical text, chat.
+"""Built-in calibration mix for EXL3 conversion: prose (stories, news, letters, recipes, instructions),
+encyclopedic articles, code in many languages, Python, text in 34 languages and a dozen scripts, technical
+and legal text with LaTeX math, numbers, chat.
 
-The files here are written for trellm (no downloaded corpus). Two sources come from the running
-Python instead of files, for volume: the source code of a fixed list of standard-library modules
-(code) and the language reference topics of ``pydoc_data`` (technical English). The numeric section
-is generated deterministically. Chat dialogues are rendered with the model's own chat template by
-the converter, so its special tokens and turn markers are calibrated too.
+The files here are written for trellm (no downloaded corpus); ``eval.txt`` is the held-out evaluation text
+and no part of the mix. Two sources come from the running Python instead of files, for volume: the source
+code of a fixed list of standard-library modules and the language reference topics of ``pydoc_data``
+(technical English). The numeric section is generated deterministically. Chat dialogues are rendered with
+the model's own chat template by the converter, so its special tokens and turn markers are calibrated too.
 """
 from __future__ import annotations
 
@@ -71,23 +73,32 @@ def stdlib_code() -> str:
 
 
 def reference_topics() -> str:
-    """The Python language reference topics shipped with pydoc (technical English), in key order."""
+    """The Python language reference topics shipped with pydoc (technical English), in key order, each
+    paragraph once (several topics quote the same sections)."""
     try:
         from pydoc_data.topics import topics
     except ImportError:
         return ""
-    return "\n\n".join(topics[k] for k in sorted(topics))
+    paragraphs = (p for k in sorted(topics) for p in topics[k].split("\n\n"))
+    return "\n\n".join(dict.fromkeys(p for p in paragraphs if p.strip()))
 
 
 @lru_cache(maxsize=1)
 def calibration_sources() -> tuple[CalibrationSource, ...]:
-    """The built-in mix. Shares sum to 0.9: the converter fills the rest with uniform random tokens."""
+    """The built-in mix. Shares sum to 0.9: the converter fills the rest with uniform random tokens.
+
+    Each file source holds enough text for its share of the default 64 rows of 512 SmolLM2 tokens without a
+    repeat (``tests/test_calibration.py``); the large generated ones (Python's own code and reference) are
+    separate sources, so that the written files are not diluted by them."""
     return (
-        CalibrationSource("prose", _read("prose.txt"), 0.20),
-        CalibrationSource("code", _read("code.txt") + "\n\n" + stdlib_code(), 0.22),
-        CalibrationSource("multilingual", _read("multilingual.txt"), 0.13),
-        CalibrationSource("technical", _read("technical.txt") + "\n\n" + reference_topics(), 0.17),
-        CalibrationSource("numbers", _numbers(), 0.05),
+        CalibrationSource("prose", "\n\n".join(_read(f) for f in ("prose.txt", "fiction.txt", "everyday.txt")), 0.20),
+        CalibrationSource("encyclopedic", _read("encyclopedic.txt"), 0.16),
+        CalibrationSource("code", _read("code.txt"), 0.10),
+        CalibrationSource("python", stdlib_code(), 0.07),
+        CalibrationSource("multilingual", _read("multilingual.txt"), 0.12),
+        CalibrationSource("technical", _read("technical.txt"), 0.05),
+        CalibrationSource("reference", reference_topics(), 0.04),
+        CalibrationSource("numbers", _numbers(), 0.03),
         CalibrationSource("chat", _read("chat.txt"), 0.13, chat=True),
     )
 
