@@ -9,7 +9,7 @@ joined in the order given); a name starting with ``smollm2-640`` is zero-padded 
 to 640 (:func:`pad_smollm2`: the same function, every width a multiple of 128, which ExLlamaV3 needs).
 Then, per model and bitrate, both converters run on the dense model (head 6 bits, codebook mul1), and trellm once more per
 ``--trellm-variant NAME=FLAGS`` (extra ``trellm convert`` flags, reported as converter ``trellm-NAME``);
-every output is scored on the built-in held-out text (``trellm.evaluate.eval_text``) against the
+every output is scored on the built-in held-out text (``trellm.evaluate.eval_text``; ``--eval-text FILE``) against the
 dense model's fp32 logits, by trellm and, when ``exllamav3`` imports, by ExLlamaV3: KL(dense || quant)
 per token, top-1 agreement and perplexity. Conversion wall time: the 4 bpw (or first) conversions of
 both converters run alone, one after the other; the others run ``--parallel`` at a time, and their
@@ -195,6 +195,9 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--eval-text", default=None,
+                    help="UTF-8 text to score on, cut into --windows windows of --seq-len tokens (default: the "
+                         "built-in held-out text, trellm.evaluate.eval_text, about 700 SmolLM2 tokens of prose)")
     ap.add_argument("--deadline-s", type=float, default=540)
     ap.add_argument("--trellm-variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="also convert with trellm convert FLAGS, reported as converter trellm-NAME (e.g. "
@@ -219,7 +222,8 @@ def main() -> int:
     for spec in args.model:
         name, _, files = spec.partition("=")
         dense = prepare(name, files.split(","), work)
-        windows = token_windows(Tokenizer.from_dir(dense), eval_text(), args.seq_len, args.windows)
+        text = Path(args.eval_text).read_text(encoding="utf-8") if args.eval_text else eval_text()
+        windows = token_windows(Tokenizer.from_dir(dense), text, args.seq_len, args.windows)
         models[name] = (dense, windows)
         print(f"{name}: dense model ready, {sum(len(w) for w in windows)} held-out tokens "
               f"({time.perf_counter() - start:.0f}s)", flush=True)

@@ -2,11 +2,16 @@
 
     OMP_NUM_THREADS=1 python benchmarks/exl3_linear_ab.py --layer 3 --groups qkv,down --bits 4 \
         --variants trellm,exl3,exl3:scaled --out /tmp/ab.json
+    OMP_NUM_THREADS=2 python benchmarks/exl3_linear_ab.py --layer 3,12,25 --groups qkv,down --bits 4,2 \
+        --variants trellm --cal-source trellm,rows:OLD.json,file:SELF.txt,exl3:DIR --heldout eval,exl3:DIR
 
-The real SmolLM2-135M (the default model) runs dense in float32 on trellm's calibration rows up to decoder
-layer ``--layer``; each chosen group (``qkv`` = q/k/v on their shared input, ``o``, ``gu`` = gate/up, ``down``)
-gets its input Hessian H = E[x x^T] from those rows and its held-out inputs from the built-in evaluation
-text. Every variant quantizes the same weights with the same H and the same tile encoder
+The real SmolLM2-135M (the default model) runs dense in float32 on each calibration set (``--cal-source``:
+trellm's built-in mix, a ``--calibration`` text file, saved rows, ExLlamaV3's mix) up to the decoder layers
+``--layer``; each chosen group (``qkv`` = q/k/v on their shared input, ``o``, ``gu`` = gate/up, ``down``)
+gets its input Hessian H = E[x x^T] from those rows, and per held-out part (``--heldout``: trellm's
+evaluation text; with ``exl3:DIR`` the last 10% of ExLlamaV3's wiki, code, multilingual and tiny-stories
+files, which no calibration set here contains) the E[x x^T] of its windows. Every variant quantizes the same
+weights with the same H and the same tile encoder
 (:func:`trellm.quant.exl3.viterbi.encode_tiles`), so only the procedure around the trellis search differs:
 
 - ``trellm``: :func:`trellm.quant.exl3.quantize.quantize_group` as ``trellm convert`` calls it.
@@ -20,16 +25,42 @@ text. Every variant quantizes the same weights with the same H and the same tile
   ``scaled`` (LDL of the Hessian with the full input scales, as trellm), ``groupsu`` (one input scale vector
   for the whole group, from the concatenated weight, and one global scale, as trellm), ``norefit``.
 
-Printed per group and variant: the proxy loss tr(E^T H E) / tr(W^T H W) on the calibration Hessian and the
-relative output error |X E|^2 / |X W|^2 on held-out rows, both in the original basis for the fp16 scales as
-stored. Nothing here imports ExLlamaV3.
+Printed per group, calibration set and variant: the proxy loss tr(E^T H E) / tr(W^T H W) on the calibration
+Hessian and the relative output error |X E|^2 / |X W|^2 per held-out part and their mean ("heldout"), in
+the original basis for the fp16 scales as stored. Nothing here imports ExLlamaV3.
 
-Measured on SmolLM2-135M, 4 bpw mul1 (held-out error; December 2026): on the same inputs the two procedures
-agree within 5%, trellm mostly ahead (layer 3 q/k/v 0.000779 trellm, 0.000792 ExLlamaV3's; o 0.001903,
-0.002001; gate/up 0.002625, 0.002633; down 0.004143, 0.004070; layer 2 down 0.000376, 0.000372), while the calibration text moves the same quantizer more: layer 3 down 0.004143 on
-trellm's 64 x 512 rows, 0.003939 on ExLlamaV3's mix at 64 x 512, 0.003790 at 64 x 2048 (its proxy-to-held-out
-gap 9% against trellm's 42%); and 2048-token rows raise layer 2 down's error by half at equal tokens
-(0.000376 -> 0.000574; first-token activations carry a quarter of that Hessian at 512-token rows).
+Measured on SmolLM2-135M, 4 bpw mul1 (held-out error on eval.txt alone; December 2026): on the same inputs
+the two procedures agree within 5%, trellm mostly ahead (layer 3 q/k/v 0.000779 trellm, 0.000792 ExLlamaV3's;
+o 0.001903, 0.002001; gate/up 0.002625, 0.002633; down 0.004143, 0.004070; layer 2 down 0.000376, 0.000372),
+while the calibration text moves the same quantizer more: layer 3 down 0.004143 on trellm's 64 x 512 rows of
+its first mix (25 KB), 0.003939 on ExLlamaV3's mix at 64 x 512, 0.003790 at 64 x 2048; and 2048-token rows
+raise layer 2 down's error by half at equal tokens (0.000376 -> 0.000574; first-token activations carry a
+quarter of that Hessian at 512-token rows).
+
+The calibration mix (trellm variant, 64 x 512 rows, seed 0; held-out error as the mean over five parts: eval.txt
+and the held-out tails of ExLlamaV3's wiki, code, multilingual and tiny files), the first mix (25 KB, its prose,
+multilingual and chat rows repeating the same text) against the written 116 KB mix that replaced it, with
+ExLlamaV3's mix for reference:
+
+    bpw tensor     first mix  116 KB mix  ExLlamaV3's   (new/first)
+    4   L3 q/k/v   0.000887   0.000874    0.000945      0.985
+    4   L3 down    0.004397   0.004104    0.004170      0.933
+    4   L12 q/k/v  0.000565   0.000553    0.000570      0.980
+    4   L12 down   0.003689   0.003440    0.003455      0.932
+    4   L25 q/k/v  0.001024   0.000996    0.001057      0.973
+    4   L25 down   0.003617   0.003318    0.003496      0.917
+    2   L3 q/k/v   0.013734   0.013651    0.014667      0.994
+    2   L3 down    0.065330   0.060965    0.062074      0.933
+    2   L12 q/k/v  0.008427   0.008270    0.008536      0.981
+    2   L12 down   0.055215   0.051707    0.051754      0.936
+    2   L25 q/k/v  0.015352   0.014738    0.015319      0.960
+    2   L25 down   0.054695   0.050304    0.053224      0.920
+
+The proxy-to-held-out gap (held-out / proxy - 1) halved: down 47-51% on the first mix, 17-27% on the new one
+(ExLlamaV3's 28-31%); ExLlamaV3's mix wins only on the wiki part (its own source). Text sampled from the model
+itself (``self_calibration.py``, 56 rows of 512 tokens as a ``--calibration`` file, the rest random rows) did
+worse than either mix: L3 q/k/v 0.000960, L3 down 0.004546 at 4 bpw (proxy gaps 52% and 73%: SmolLM2-135M's
+samples loop on a phrase).
 """
 from __future__ import annotations
 
@@ -166,10 +197,13 @@ def heldout_sets(specs: list[str], tokenizer, cols: int, windows: int) -> dict[s
 
 
 def capture(layers: list[int], groups: list[str], cal: dict[str, list[list[int]]],
-            heldout: dict[str, list[list[int]]], lm) -> dict:
+            heldout: dict[str, list[list[int]]], lm, cache: Path | None = None) -> dict:
     """By (layer, group): HF weights [out, in], by calibration set its Hessian E[x x^T] [in, in] and by
     held-out part its E[x x^T] (what the held-out error needs: |X E|^2 = tr(E^T X^T X E)). One dense float32
-    forward per token set, up to the last layer."""
+    forward per token set, up to the last layer. ``cache``: a file of earlier captures, keyed by the token
+    rows' hash, layer and group; sets found there for every layer and group are not run again."""
+    import hashlib
+
     from trellm.batch import ForwardBatch
     from trellm.convert import _record, layer_linears
 
@@ -182,10 +216,17 @@ def capture(layers: list[int], groups: list[str], cal: dict[str, list[list[int]]
         for g in groups:
             out[li, g] = dict(weights=[linears[r].impl.dense_weight().float().clone() for r in GROUPS[g]],
                               hessians={}, heldout={})
+    stored = torch.load(cache) if cache is not None and cache.is_file() else {}
     sets = [("hessians", name, seqs) for name, seqs in cal.items()]
     sets += [("heldout", name, seqs) for name, seqs in heldout.items()]
     with torch.inference_mode():
         for kind, name, seqs in sets:
+            digest = hashlib.sha1(json.dumps(seqs).encode()).hexdigest()[:16]
+            keys = {(li, g): f"{digest}|{li}|{g}" for li in layers for g in groups}
+            if all(k in stored for k in keys.values()):
+                for (li, g), k in keys.items():
+                    out[li, g][kind][name] = stored[k]
+                continue
             batch = ForwardBatch.no_cache(seqs, "cpu")
             state = model.embed_tokens(batch).float()
             for i in range(max(layers) + 1):
@@ -199,7 +240,9 @@ def capture(layers: list[int], groups: list[str], cal: dict[str, list[list[int]]
                 state = state.float()
                 for g in groups:
                     x = recorders[linears[GROUPS[g][0]].key].group_inputs().double()
-                    out[i, g][kind][name] = (x.t() @ x / x.shape[0]).float()
+                    out[i, g][kind][name] = stored[keys[i, g]] = (x.t() @ x / x.shape[0]).float()
+            if cache is not None:
+                torch.save(stored, cache)
     return out
 
 
@@ -454,12 +497,18 @@ def main() -> int:
                          "10%% of ExLlamaV3's wiki, code, multilingual and tiny files)")
     ap.add_argument("--heldout-windows", type=int, default=8, help="windows per held-out part (default 8)")
     ap.add_argument("--heldout-cols", type=int, default=512, help="tokens per held-out window (default 512)")
+    ap.add_argument("--write-heldout", default=None,
+                    help="write the --heldout parts' windows as one UTF-8 text (each part decoded, blank line "
+                         "between) and stop: an --eval-text for exl3_compare.py that scores on the same text")
     ap.add_argument("--dump-rows", default=None, help="write the first --cal-source's token rows to this JSON file "
                                                       "and stop (for rows:PATH later, e.g. after the mix changed)")
     ap.add_argument("--device", default="cpu",
                     help="where the trellm variants quantize (cuda: its CUDA tile encoder and GPU scale sample); "
                          "the exl3 variants stay on the CPU encoder")
     ap.add_argument("--out", default=None, help="JSON file the rows are appended to")
+    ap.add_argument("--capture-cache", type=Path, default=None,
+                    help="file keeping the captured matrices of each token set, layer and group: a later run "
+                         "with another --cal-source forwards only the sets it has not seen")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     import trellm
@@ -468,7 +517,18 @@ def main() -> int:
     groups = args.groups.split(",")
     layers = [int(x) for x in args.layer.split(",")]
     t0 = time.perf_counter()
-    lm = trellm.load(args.model_dir or default_model_dir(show_progress=False), device="cpu", dtype=torch.float32,
+    model_dir = args.model_dir or default_model_dir(show_progress=False)
+    if args.write_heldout:
+        from trellm.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_dir(model_dir)
+        parts = heldout_sets(args.heldout.split(","), tokenizer, args.heldout_cols, args.heldout_windows)
+        Path(args.write_heldout).write_text(
+            "\n\n".join(tokenizer.decode([t for w in windows for t in w]) for windows in parts.values()),
+            encoding="utf-8")
+        print(f"wrote {args.write_heldout}: parts {list(parts)}")
+        return 0
+    lm = trellm.load(model_dir, device="cpu", dtype=torch.float32,
                      tokenizer=True)
     vocab = lm.model.embed.vocab_size
     cal = calibration_sets(args.cal_source.split(","), lm.tokenizer, vocab, args.cal_rows, args.cal_cols)
@@ -477,7 +537,7 @@ def main() -> int:
         print(f"wrote {args.dump_rows}")
         return 0
     heldout = heldout_sets(args.heldout.split(","), lm.tokenizer, args.heldout_cols, args.heldout_windows)
-    data = capture(layers, groups, cal, heldout, lm)
+    data = capture(layers, groups, cal, heldout, lm, args.capture_cache)
     print(f"captured layers {layers}: {len(cal)} calibration sets, held-out parts "
           f"{ {k: sum(map(len, v)) for k, v in heldout.items()} } tokens ({time.perf_counter() - t0:.0f}s)", flush=True)
     rows = []
