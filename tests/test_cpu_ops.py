@@ -109,3 +109,39 @@ def test_sparse_attention_gathering_chosen_keys_equals_masking_the_context(monke
     masked = sparse.sparse_paged_attention(q, k_pages, v_pages, table, cu, ctx, indices, 0.3)
     assert (gathered[5] == 0).all()
     torch.testing.assert_close(gathered.float(), masked.float(), atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=0)
+
+
+@pytest.mark.parametrize("selected", [False, True])
+def test_compressed_attention_reads_only_the_window_pages(selected):
+    """DeepSeek V4's compressed attention gathers only the pages of its new tokens' sliding windows; it equals
+    attention over the whole context masked to the window (the former route), past and within the window."""
+    from trellm.ops.attention import _attend, gather_pages
+    from trellm.ops.compressed import compressed_attention
+
+    g = torch.Generator().manual_seed(1)
+    page_size, window, rate, heads, d = 4, 6, 2, 3, 8
+    lens, new = [30, 5, 13], [1, 2, 3]
+    k_pages = torch.randn(24, page_size, 1, d, generator=g)
+    table = torch.randperm(24, generator=g)[:24].view(3, 8).to(torch.int32)
+    cu = torch.tensor([0, 1, 3, 6], dtype=torch.int32)
+    q = torch.randn(6, heads, d, generator=g)
+    entries = [torch.randn(n // rate, d, generator=g) for n in lens]
+    sinks = torch.randn(heads, generator=g)
+    selection = torch.randint(-1, 3, (6, 2), generator=g) if selected else None
+    out = compressed_attention(q, k_pages, table, cu, torch.tensor(lens, dtype=torch.int32), entries, 0.4, window, rate,
+                               sinks, selection)
+    for b, (s0, n, m) in enumerate(zip([0, 1, 3], lens, new)):
+        kv = torch.cat([gather_pages(k_pages, table[b], n), entries[b][:, None]])
+        qpos = torch.arange(m)[:, None] + n - m
+        kpos = torch.arange(n)[None]
+        keep_tokens = (kpos <= qpos) & (kpos > qpos - window)
+        if selection is None:
+            keep_entries = torch.arange(len(entries[b]))[None] < (qpos + 1) // rate
+        else:
+            keep_entries = torch.zeros(m, len(entries[b]) + 1, dtype=torch.bool)
+            chosen = selection[s0:s0 + m]
+            keep_entries.scatter_(1, torch.where(chosen >= 0, chosen, len(entries[b])), True)
+            keep_entries = keep_entries[:, :-1]
+        want = _attend(q[s0:s0 + m], kv, kv, 0.4, 0, 0, 0.0, sinks, causal=False,
+                       keep=torch.cat([keep_tokens, keep_entries], dim=1))
+        torch.testing.assert_close(out[s0:s0 + m], want, atol=1e-6, rtol=0)

@@ -47,13 +47,17 @@ def compressed_attention(
     entries listed there (-1: none). ``sinks`` [H]: per-head logits that take softmax mass and give nothing."""
     out = q.new_empty(q.shape[0], q.shape[1], k_pages.shape[-1])
     bounds, ctx = cu_seqlens.tolist(), context_lens.tolist()
+    page_size = k_pages.shape[1]
     for b, (s0, s1) in enumerate(zip(bounds[:-1], bounds[1:])):
         if s1 == s0:
             continue
-        kv = torch.cat([gather_pages(k_pages, block_table[b], ctx[b]), entries[b].to(k_pages.dtype)[:, None]])
+        # only the pages holding some new token's window: a decode step reads ~sliding_window tokens, not the context
+        first_page = max(0, ctx[b] - (s1 - s0) - sliding_window + 1) // page_size
+        window = gather_pages(k_pages, block_table[b, first_page:], ctx[b] - first_page * page_size)
+        kv = torch.cat([window, entries[b].to(k_pages.dtype)[:, None]])
         n = entries[b].shape[0]
         qpos = torch.arange(s1 - s0, device=q.device)[:, None] + ctx[b] - (s1 - s0)
-        kpos = torch.arange(ctx[b], device=q.device)[None]
+        kpos = torch.arange(first_page * page_size, ctx[b], device=q.device)[None]
         keep_tokens = (kpos <= qpos) & (kpos > qpos - sliding_window)
         if selection is None:
             keep_entries = torch.arange(n, device=q.device)[None] < (qpos + 1) // rate
