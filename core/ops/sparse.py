@@ -109,9 +109,9 @@ def _attend_chosen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     unseen = chosen < 0
     unseen[:, 1:] |= chosen[:, 1:] == chosen[:, :-1]
     pos = chosen.clamp_min(0)
-    pages = block_table[seq[:, None], pos // page_size].long()
-    k = k_pages[pages, pos % page_size].float()  # [T, k, Hkv, D]
-    v = v_pages[pages, pos % page_size].float()
+    pages, offsets = block_table[seq[:, None], pos // page_size].long(), pos % page_size
+    k = k_pages[pages, offsets].float()  # [T, k, Hkv, D]
+    v = v_pages[pages, offsets].float()
     qg = q.float().view(t, hkv, hq // hkv, d)
     s = torch.einsum("thgd,tjhd->thgj", qg, k) * scale
     s = s.masked_fill(unseen[:, None, None, :], float("-inf"))
