@@ -149,7 +149,7 @@ def decode_step_log(context: int, sinkhorn_iters: int) -> KindLog:
     for owner, method, kind in ((hyper.HyperConnection, "forward", "hyper weights"), (hyper.HyperMix, "merge", "hyper merge"),
                                 (recurrent.KimiDeltaAttention, "forward", "KDA"), (latent.SparseLatentAttention, "attention", "MLA"),
                                 (latent.SparseIndexer, "select", "indexer select"),
-                                (latent.SparseIndexer, "pooled_keys", "indexer pools"),
+                                (latent.SparseIndexer, "pooled", "indexer pools"),
                                 (latent, "sparse_paged_attention", "sparse attention"), (moe.MoE, "forward", "MoE")):
         log.tag(owner, method, kind)
     try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from trellm import ops
 from trellm.batch import ForwardBatch
-from trellm.cache.indexed import ExtraRowsKVCacheLayer
+from trellm.cache.indexed import ExtraRowsKVCacheLayer, WindowEntries, completed_windows, window_entry_pages, window_rows
 from trellm.capabilities import (
     DenseKVPages,
     HasMTPHead,
@@ -191,8 +191,8 @@ __all__ = [
     "QwenVLConfig", "read_qwen_vl_config", "QwenVision", "QwenTowerLanguageModel", "QwenVisionLanguageModel",
     # capabilities (trellm.capabilities): what a model or cache layer can do
     "HasRecurrentState", "SupportsImages", "HasMTPHead", "PagedKVLayer", "DenseKVPages", "StateSlots", "implements",
-    # a cache layer keeping more per token than K/V (an indexer's keys, positions)
-    "ExtraRowsKVCacheLayer",
+    # a cache layer keeping more per token than K/V (an indexer's keys, positions) and per window (pooled keys)
+    "ExtraRowsKVCacheLayer", "WindowEntries", "completed_windows", "window_rows", "window_entry_pages",
     "is_hybrid", "supports_images", "mtp_head", "is_paged_layer", "has_dense_pages", "is_state_layer",
     # tensor parallel: a module that splits itself (SplitsOverRanks) cuts its projections with these, or splits as
     # the attention / MLP / gated delta net it extends

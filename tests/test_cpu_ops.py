@@ -113,8 +113,9 @@ def test_sparse_attention_gathering_chosen_keys_equals_masking_the_context(monke
 
 @pytest.mark.parametrize("selected", [False, True])
 def test_compressed_attention_reads_only_the_window_pages(selected):
-    """DeepSeek V4's compressed attention gathers only the pages of its new tokens' sliding windows; it equals
-    attention over the whole context masked to the window (the former route), past and within the window."""
+    """DeepSeek V4's compressed attention gathers only the pages of its new tokens' sliding windows, and with a
+    selection only the chosen entries; it equals attention over the whole context and every entry, masked (the
+    former route), past and within the window."""
     from trellm.ops.attention import _attend, gather_pages
     from trellm.ops.compressed import compressed_attention
 
@@ -128,8 +129,14 @@ def test_compressed_attention_reads_only_the_window_pages(selected):
     entries = [torch.randn(n // rate, d, generator=g) for n in lens]
     sinks = torch.randn(heads, generator=g)
     selection = torch.randint(-1, 3, (6, 2), generator=g) if selected else None
-    out = compressed_attention(q, k_pages, table, cu, torch.tensor(lens, dtype=torch.int32), entries, 0.4, window, rate,
-                               sinks, selection)
+    # the entries in pages of 2 under their own block table, a sequence's pages scattered
+    per_page, entry_table = 2, torch.randperm(30, generator=g)[:24].view(3, 8).to(torch.int32)
+    entry_pages = torch.randn(30, per_page, d, generator=g)
+    for b, e in enumerate(entries):
+        for w in range(len(e)):
+            entry_pages[entry_table[b, w // per_page], w % per_page] = e[w]
+    out = compressed_attention(q, k_pages, table, cu, torch.tensor(lens, dtype=torch.int32), entry_pages, entry_table,
+                               0.4, window, rate, sinks, selection)
     for b, (s0, n, m) in enumerate(zip([0, 1, 3], lens, new)):
         kv = torch.cat([gather_pages(k_pages, table[b], n), entries[b][:, None]])
         qpos = torch.arange(m)[:, None] + n - m

@@ -212,9 +212,9 @@ def test_qwen4_exp_indexer_rotates_blocks_at_mrope_positions(qwen4v, monkeypatch
     assert mm.position_delta < 0  # 40 image tokens over max(8, 5) positions: index and position part ways
     ref = hf_logits(hf, mm.input_ids, *hf_inputs(proc, img))
     assert within_range(lm.logits([PROMPT], images=[[img]])[0], ref)
-    select = IndexedAttention.select
-    monkeypatch.setattr(IndexedAttention, "select",
-                        lambda self, q, raw, positions, first: select(self, q, raw, torch.arange(len(positions)), first))
+    block_keys = IndexedAttention.block_keys  # (one sequence, no cache: every block, in order)
+    monkeypatch.setattr(IndexedAttention, "block_keys",
+                        lambda self, raw, first_positions: block_keys(self, raw, torch.arange(len(raw)) * self.ratio))
     assert not within_range(lm.logits([PROMPT], images=[[img]])[0], ref)
 
 

@@ -1,5 +1,5 @@
 """Compressed attention (DeepSeek V4): sliding-window attention over one shared K = V head, plus long-range
-entries that each fold a window of ``rate`` tokens into one (:func:`trellm.ops.compressed.compress_windows`).
+entries that each fold a window of ``rate`` tokens into one (:func:`trellm.ops.compressed.fold_windows`).
 
 Three layer kinds: ``sliding_attention`` (the window only), ``heavily_compressed_attention`` (HCA: every
 entry the query has passed, non-overlapping windows) and ``compressed_sparse_attention`` (CSA: overlapping
@@ -9,9 +9,11 @@ first position), and is undone on the attention output. Learned per-head sinks; 
 projection.
 
 The paged cache keeps, per token, the sliding key and the compressor's (and indexer compressor's) inputs,
-so a window's entry is rebuilt from its tokens whenever the window is complete
-(:class:`~trellm.cache.indexed.ExtraRowsKVCacheLayer`): prefix pages stay shareable, and no per-sequence
-state outlives the pages.
+and per window the entries folded from them (:class:`~trellm.cache.indexed.ExtraRowsKVCacheLayer`): a
+forward pass folds only the windows its new tokens complete (CSA's overlap reads the window before too), so a
+decode step's work and reads do not grow with the context but for the entries attention reads (all of them
+for HCA; CSA reads the indexer's keys and only the entries it picks). Everything lives in pages under the
+block table: prefix pages stay shareable, and no per-sequence state outlives the pages.
 """
 from __future__ import annotations
 
@@ -19,9 +21,9 @@ import torch
 
 from .. import ops
 from ..batch import ForwardBatch
-from ..cache.indexed import ExtraRowsKVCacheLayer
-from ..ops.attention import gather_pages
-from ..ops.compressed import compress_windows, compressed_attention
+from ..cache.indexed import (CompletedWindows, ExtraRowsKVCacheLayer, WindowEntries, completed_windows, window_entry_pages,
+                             window_rows)
+from ..ops.compressed import compressed_attention, fold_windows
 from ..ops.sparse import sparse_index_topk, varlen_as_pages
 from .base import LoadContext, Module
 from .layers import RMSNorm, RotaryEmbedding
@@ -60,12 +62,18 @@ class WindowCompressor(Module):
         """What the cache keeps per token: [T, 2 * width] (kv | gate)."""
         return torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
 
-    def entries(self, rows: torch.Tensor, max_seq_len: int) -> torch.Tensor:
-        """The entries [n, dim] of one sequence's complete windows from its tokens' rows [S, 2 * width]."""
+    @property
+    def span(self) -> int:
+        """Tokens an entry reads: its window, and with ``overlap`` the window before."""
+        return 2 * self.rate if self.overlap else self.rate
+
+    def entries(self, rows: torch.Tensor, valid: torch.Tensor, windows: CompletedWindows, max_seq_len: int) -> torch.Tensor:
+        """The entries [N, dim] of ``windows`` from their span's rows [N, span, 2 * width] (``valid`` [N, span]:
+        tokens before the sequence start read as nothing), each rotated at its window's first position."""
         kv, gate = rows.split(self.width, dim=-1)
-        e = self.norm.forward(compress_windows(kv, gate, self.ape, self.rate, self.overlap).to(rows.dtype))
-        positions = torch.arange(e.shape[0], device=e.device) * self.rate
-        cos, sin = self.rope.cos_sin(positions, max_seq_len)
+        kv, gate = kv.masked_fill(~valid[..., None], 0), gate.masked_fill(~valid[..., None], float("-inf"))
+        e = self.norm.forward(fold_windows(kv, gate, self.ape, self.overlap).to(rows.dtype))
+        cos, sin = self.rope.cos_sin(windows.window * self.rate, max_seq_len)
         return rope_tail(e[:, None], cos, sin)[:, 0]
 
 
@@ -81,12 +89,13 @@ class CompressedIndexer(Module):
         self.wq_b = Linear(f"{key}.wq_b", q_lora_rank, heads * head_dim)
         self.weights_proj = Linear(f"{key}.weights_proj", hidden_size, heads)
 
-    def select(self, x: torch.Tensor, q_resid: torch.Tensor, keys: list[torch.Tensor], batch: ForwardBatch, cos_sin) -> torch.Tensor:
-        """[T, topk] entry indices each query attends to (-1: none); ``keys[b]``: sequence b's entries."""
+    def select(self, x: torch.Tensor, q_resid: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+               batch: ForwardBatch, cos_sin) -> torch.Tensor:
+        """[T, topk] entry indices each query attends to (-1: none); ``keys``: the entries' (pages, block table,
+        count per sequence), as :func:`~trellm.cache.indexed.window_entry_pages` gives them."""
         q = rope_tail(self.wq_b(q_resid).view(-1, self.heads, self.head_dim), *cos_sin)
         weights = self.weights_proj(x).float() * self.heads**-0.5
-        counts = torch.tensor([0] + [k.shape[0] for k in keys], device=x.device).cumsum(0).to(torch.int32)
-        key_pages, table, key_counts = varlen_as_pages(torch.cat(keys), counts)
+        key_pages, table, key_counts = keys
         return sparse_index_topk(q, weights, key_pages, table, batch.cu_seqlens, key_counts, batch.positions,
                                  self.topk, self.head_dim**-0.5, self.rate)
 
@@ -134,21 +143,38 @@ class CompressedAttention(Module):
         indexer = 0 if self.indexer is None else 2 * self.indexer.compressor.width
         return 0 if self.compressor is None else 2 * self.compressor.width + indexer
 
+    def _compressors(self) -> dict[str, WindowCompressor]:
+        """The compressors whose entries this layer caches, by entry name, in the order of their cached rows."""
+        named = {} if self.compressor is None else {"entries": self.compressor}
+        return named | ({"index_keys": self.indexer.compressor} if self.indexer is not None else {})
+
     def cache_layer(self, kv_layer):
-        return kv_layer if self.compressor is None else ExtraRowsKVCacheLayer(kv_layer, self.row_width())
+        if self.compressor is None:
+            return kv_layer
+        entries = [WindowEntries(name, self.rate, c.dim) for name, c in self._compressors().items()]
+        return ExtraRowsKVCacheLayer(kv_layer, self.row_width(), entries=entries)
 
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        rows = [self.compressor.rows(x)] + ([self.indexer.compressor.rows(x)] if self.indexer is not None else [])
-        return torch.cat(rows, dim=-1)
-
-    def _sequence_rows(self, rows: torch.Tensor, batch: ForwardBatch) -> list[torch.Tensor]:
-        """Each sequence's rows from its first token: from the cache (after storing the new ones) or this batch."""
-        if batch.cache is None:
-            bounds = batch.cu_seqlens.tolist()
-            return [rows[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-        layer = batch.cache.layers[self.layer_idx]
-        layer.store_rows(rows, batch.slots)
-        return [gather_pages(layer.row_pages, batch.block_table[b], n) for b, n in enumerate(batch.context_lens.tolist())]
+    def _entries(self, x: torch.Tensor, batch: ForwardBatch) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Each compressor's entries of every complete window (pages, block table, count per sequence): the
+        windows this batch completes are folded from their tokens' rows (stored first, with a cache) and join
+        the cached ones."""
+        compressors = self._compressors()
+        rows = torch.cat([c.rows(x) for c in compressors.values()], dim=-1)
+        row_pages = None
+        if batch.cache is not None:
+            layer = batch.cache.layers[self.layer_idx]
+            layer.store_rows(rows, batch.slots)
+            row_pages = layer.row_pages
+        windows = completed_windows(batch, self.rate)
+        span_rows, valid = window_rows(windows, max(c.span for c in compressors.values()), rows, batch, row_pages)
+        out, start = {}, 0
+        for name, c in compressors.items():
+            width = 2 * c.width
+            own = span_rows[:, -c.span:, start:start + width]
+            values = c.entries(own, valid[:, -c.span:], windows, batch.max_seq_len) if windows.count else own.new_zeros(0, c.dim)
+            out[name] = window_entry_pages(batch, self.layer_idx, name, windows, values)
+            start += width
+        return out
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
@@ -164,16 +190,14 @@ class CompressedAttention(Module):
             layer = batch.cache.layers[self.layer_idx]
             layer.store(kv, kv, batch.slots)
             k_pages, table, ctx = layer.k_pages, batch.block_table, batch.context_lens
-        entries, selection = [kv.new_zeros(0, self.head_dim)] * (batch.cu_seqlens.shape[0] - 1), None
+        entry_pages = entry_table = selection = None
         if self.compressor is not None:
-            seqs = self._sequence_rows(self._rows(x), batch)
-            width = 2 * self.compressor.width
-            entries = [self.compressor.entries(r[:, :width], batch.max_seq_len) for r in seqs]
+            entries = self._entries(x, batch)
+            entry_pages, entry_table, _ = entries["entries"]
             if self.indexer is not None:
-                keys = [self.indexer.compressor.entries(r[:, width:], batch.max_seq_len) for r in seqs]
-                selection = self.indexer.select(x, q_resid, keys, batch, (cos, sin))
-        o = compressed_attention(q, k_pages, table, batch.cu_seqlens, ctx, entries, self.scale, self.sliding_window,
-                                 self.rate, self.sinks, selection)
+                selection = self.indexer.select(x, q_resid, entries["index_keys"], batch, (cos, sin))
+        o = compressed_attention(q, k_pages, table, batch.cu_seqlens, ctx, entry_pages, entry_table, self.scale,
+                                 self.sliding_window, self.rate, self.sinks, selection)
         o = rope_tail(o, cos, -sin).reshape(t, self.o_groups, -1)
         o = torch.einsum("tgi,goi->tgo", o, self.wo_a_groups).reshape(t, -1)
         return self.wo_b(o)

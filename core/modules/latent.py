@@ -11,7 +11,9 @@ paged-attention op serves prefill and decode unchanged.
 ``index_topk`` cached tokens each query attends to (its keys kept in the cache beside the latent,
 :class:`~trellm.cache.indexed.ExtraRowsKVCacheLayer`), or a layer reuses the selection of the last layer
 that ran an indexer (GLM 5's shared layers). The indexer may score pools of tokens instead of tokens
-(GLM 5.3-Flash), and the attention may have no RoPE part at all (``qk_rope_head_dim`` 0, GLM 5.3-Flash).
+(GLM 5.3-Flash): a pool's key is folded once, by the forward pass that completes the pool, and cached in the
+layer's entry pages beside its tokens' rows. The attention may have no RoPE part at all (``qk_rope_head_dim``
+0, GLM 5.3-Flash).
 """
 from __future__ import annotations
 
@@ -21,9 +23,9 @@ import torch
 
 from .. import ops
 from ..batch import ForwardBatch
-from ..cache.indexed import ExtraRowsKVCacheLayer, require_dense_pages
+from ..cache.indexed import (ExtraRowsKVCacheLayer, WindowEntries, completed_windows, require_dense_pages, window_entry_pages,
+                             window_rows)
 from ..config import DecoderConfig, config_int
-from ..ops.attention import gather_pages
 from ..ops.sparse import sparse_index_topk, sparse_paged_attention, varlen_as_pages
 from .base import LoadContext, Module
 from .layers import Attention, LayerNorm, RMSNorm, RotaryEmbedding
@@ -165,35 +167,43 @@ class SparseIndexer(Module):
             k = ops.rotary_embedding(k[:, None], *cos_sin, self.interleaved)[:, 0]
         return k if self.pool == 1 else torch.cat([k, x @ self.pool_gate.t()], dim=-1)
 
-    def select(self, q_resid: torch.Tensor, weights_x: torch.Tensor, row_pages: torch.Tensor, block_table: torch.Tensor,
-               batch: ForwardBatch, context_lens: torch.Tensor, cos_sin) -> torch.Tensor:
-        """[T, topk (+ pool - 1 tail tokens)] positions each query attends to (-1: none), scoring the cached rows
-        in ``row_pages``."""
+    def entries(self) -> list[WindowEntries]:
+        """The per-pool entries a pooling indexer caches: each complete pool's key, float32 as it is computed."""
+        return [WindowEntries(POOLED_KEYS, self.pool, self.head_dim, torch.float32)] if self.pool > 1 else []
+
+    def select(self, q_resid: torch.Tensor, weights_x: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+               batch: ForwardBatch, cos_sin) -> torch.Tensor:
+        """[T, topk (+ pool - 1 tail tokens)] positions each query attends to (-1: none), scoring ``keys``: (pages,
+        block table, count per sequence) of the tokens' keys, or of the pools' keys when pooling (:meth:`pooled`)."""
         q = self.wq_b(q_resid).view(-1, self.heads, self.head_dim)
         if cos_sin is not None:
             q = ops.rotary_embedding(q, *cos_sin, self.interleaved)
         weights = weights_x.float() * self.heads**-0.5
         scale = self.head_dim**-0.5
+        key_pages, table, counts = keys
         if self.pool == 1:
-            return sparse_index_topk(q, weights, row_pages, block_table, batch.cu_seqlens, context_lens, batch.positions,
-                                     self.topk, scale)
-        pool_pages, pool_table, pools = self.pooled_keys(row_pages, block_table, context_lens)
-        chosen = sparse_index_topk(q, weights, pool_pages, pool_table, batch.cu_seqlens, pools, batch.positions,
+            return sparse_index_topk(q, weights, key_pages, table, batch.cu_seqlens, counts, batch.positions, self.topk, scale)
+        chosen = sparse_index_topk(q, weights, key_pages, table, batch.cu_seqlens, counts, batch.positions,
                                    self.topk // self.pool, scale, rate=self.pool)
         return pool_tokens(chosen, self.pool, batch.positions if self.pool_tail else None)
 
-    def pooled_keys(self, row_pages: torch.Tensor, block_table: torch.Tensor,
-                    context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The keys of every sequence's complete pools as pages of one key [P, 1, head_dim] (float32), their block
-        table and each sequence's pool count."""
-        p, d, pooled = self.pool, self.head_dim, []
-        for b, n in enumerate(context_lens.tolist()):
-            rows = gather_pages(row_pages, block_table[b], n // p * p).float().view(-1, p, 2, d)
-            keys, gates = rows.unbind(2)
-            pooled.append(((gates + self.pool_bias.float()).softmax(dim=1) * keys).sum(1))
-        counts = torch.tensor([0] + [k.shape[0] for k in pooled], device=row_pages.device).cumsum(0)
-        pages, table, _ = varlen_as_pages(torch.cat(pooled), counts)
-        return pages, table, (counts[1:] - counts[:-1]).to(torch.int32)
+    def pooled(self, rows: torch.Tensor, batch: ForwardBatch, layer_idx: int,
+               row_pages: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every complete pool's key as (pages, block table, count per sequence): the pools this batch completes
+        are folded from their tokens' rows (``rows`` [T, row_width], this batch's; with a cache, ``row_pages``,
+        holding them already) and join the cached ones of layer ``layer_idx``."""
+        windows = completed_windows(batch, self.pool)
+        pool_rows, _ = window_rows(windows, self.pool, rows, batch, row_pages)
+        return window_entry_pages(batch, layer_idx, POOLED_KEYS, windows, self.pool_keys(pool_rows))
+
+    def pool_keys(self, rows: torch.Tensor) -> torch.Tensor:
+        """The keys [N, head_dim] (float32) of N pools from their tokens' rows [N, pool, row_width]: the keys
+        softmax-weighted per channel by their gate logits plus the in-pool position bias."""
+        keys, gates = rows.float().unflatten(-1, (2, self.head_dim)).unbind(2)
+        return ((gates + self.pool_bias.float()).softmax(dim=1) * keys).sum(1)
+
+
+POOLED_KEYS = "pooled_keys"
 
 
 def pool_tokens(chosen: torch.Tensor, pool: int, tail_positions: torch.Tensor | None) -> torch.Tensor:
@@ -231,7 +241,9 @@ class SparseLatentAttention(LatentAttention):
 
     def cache_layer(self, kv_layer):
         """The K/V layer, with a page pool for the indexer's keys when this layer runs one."""
-        return require_dense_pages(kv_layer) if self.indexer is None else ExtraRowsKVCacheLayer(kv_layer, self.indexer.row_width)
+        if self.indexer is None:
+            return require_dense_pages(kv_layer)
+        return ExtraRowsKVCacheLayer(kv_layer, self.indexer.row_width, entries=self.indexer.entries())
 
     def attend_latent(self, q, k, v, batch: ForwardBatch, cos_sin, q_resid, x_rest, x) -> torch.Tensor:
         if batch.cache is None:
@@ -245,11 +257,14 @@ class SparseLatentAttention(LatentAttention):
             self.selection = self.source.selection.to(k_pages.device)
         else:
             wk_x, weights_x = x_rest
-            keys = self.indexer.keys(wk_x, cos_sin, x)
-            if batch.cache is None:
-                key_pages = keys.unsqueeze(1)
+            rows = self.indexer.keys(wk_x, cos_sin, x)
+            row_pages = None
+            if batch.cache is not None:
+                layer.store_rows(rows, batch.slots)
+                row_pages = layer.row_pages
+            if self.indexer.pool > 1:
+                keys = self.indexer.pooled(rows, batch, self.layer_idx, row_pages)
             else:
-                layer.store_rows(keys, batch.slots)
-                key_pages = layer.row_pages
-            self.selection = self.indexer.select(q_resid, weights_x, key_pages, table, batch, ctx, cos_sin)
+                keys = (rows.unsqueeze(1), table, ctx) if row_pages is None else (row_pages, table, ctx)
+            self.selection = self.indexer.select(q_resid, weights_x, keys, batch, cos_sin)
         return sparse_paged_attention(q, k_pages, v_pages, table, batch.cu_seqlens, ctx, self.selection, self.scale)

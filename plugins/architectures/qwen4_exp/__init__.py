@@ -43,6 +43,8 @@ from trellm.sdk import (
     QwenVLConfig,
     RMSNorm,
     RotaryEmbedding,
+    WindowEntries,
+    completed_windows,
     gather_pages,
     ops,
     qwen_moe_mlp,
@@ -51,9 +53,12 @@ from trellm.sdk import (
     shard_attention,
     shard_gated_delta_net,
     state_cache_inputs,
+    window_entry_pages,
+    window_rows,
 )
 
 PREFIX = "model.language_model"
+BLOCK_KEYS = "block_keys"  # the cache's entry of each complete indexer block
 
 
 @attrs.frozen
@@ -152,7 +157,8 @@ class IndexedAttention(GatedAttention):
         self.index_k_norm = RMSNorm(f"{key}.indexer.k_layernorm", self.index_dim, cfg.rms_norm_eps, unit_offset=True)
 
     def cache_layer(self, kv_layer) -> ExtraRowsKVCacheLayer:
-        return ExtraRowsKVCacheLayer(kv_layer, self.index_dim, positions=True)
+        return ExtraRowsKVCacheLayer(kv_layer, self.index_dim, positions=True,
+                                     entries=[WindowEntries(BLOCK_KEYS, self.ratio, self.index_dim)])
 
     def split_over_ranks(self, comm) -> None:
         """Tensor parallel: the attention heads split as any gated attention's; the indexer stays whole on every rank
@@ -165,26 +171,44 @@ class IndexedAttention(GatedAttention):
         cos, sin = self.rope.cos_sin(positions, int(positions.max()) + 1 if positions.numel() else 1)
         return ops.rotary_embedding(x, cos, sin)
 
-    def select(self, q: torch.Tensor, raw_keys: torch.Tensor, positions: torch.Tensor, first: int) -> torch.Tensor:
-        """[n, L] bool: the tokens the n queries (index queries [n, heads, dim], rotated) at indices
-        first, first + 1, ... attend to, from the context's raw index keys [L, dim] and position values [L]."""
-        n, length, r = q.shape[0], raw_keys.shape[0], self.ratio
+    def block_keys(self, raw_keys: torch.Tensor, first_positions: torch.Tensor) -> torch.Tensor:
+        """The keys [N, dim] of N blocks from their tokens' raw index keys [N, ratio, dim]: the mean, normed, rotated
+        at the position value of the block's first token (``first_positions`` [N])."""
+        pooled = self.index_k_norm.forward(raw_keys.float().mean(1).to(raw_keys.dtype))
+        return self._rotate(pooled[:, None], first_positions)[:, 0]
+
+    def select(self, q: torch.Tensor, block_keys: torch.Tensor, length: int, first: int) -> torch.Tensor:
+        """[n, length] bool: the tokens the n queries (index queries [n, heads, dim], rotated) at indices
+        first, first + 1, ... attend to, from the keys of the context's complete blocks [length // ratio, dim]."""
+        n, r = q.shape[0], self.ratio
         queries = torch.arange(first, first + n, device=q.device)
         tokens = torch.arange(length, device=q.device)
         whole_blocks = (queries + 1) // r  # blocks each query sees whole
         tail_start = whole_blocks * r
         mask = (tokens[None] >= tail_start[:, None]) & (tokens[None] <= queries[:, None])
-        blocks = length // r
+        blocks = block_keys.shape[0]
         if blocks:
-            pooled = self.index_k_norm.forward(raw_keys[: blocks * r].float().view(blocks, r, -1).mean(1).to(raw_keys.dtype))
-            pooled = self._rotate(pooled[:, None], positions[: blocks * r : r])[:, 0]
-            scores = F.relu(torch.einsum("nhd,bd->nbh", q.float(), pooled.float())).sum(-1) / math.sqrt(self.index_dim)
+            scores = F.relu(torch.einsum("nhd,bd->nbh", q.float(), block_keys.float())).sum(-1) / math.sqrt(self.index_dim)
             seen = torch.arange(blocks, device=q.device)[None] < whole_blocks[:, None]
             scores = scores.masked_fill(~seen, float("-inf"))
             best = scores.topk(min(self.blocks_kept, blocks), dim=-1).indices
             chosen = torch.zeros(n, blocks, dtype=torch.bool, device=q.device).scatter_(1, best, seen.gather(1, best))
             mask[:, : blocks * r] |= chosen.repeat_interleave(r, dim=1)
         return mask
+
+    def _block_keys(self, raw_key: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every complete block's key as (pages, block table, count per sequence): the blocks this batch completes
+        are pooled from their tokens' raw keys and positions (this batch's, or with a cache the cached ones, the
+        new ones stored first) and join the cached ones."""
+        layer = None if batch.cache is None else batch.cache.layers[self.layer_idx]
+        if layer is not None:
+            layer.store_rows(raw_key, batch.slots, batch.positions)
+        windows = completed_windows(batch, self.ratio)
+        raw, _ = window_rows(windows, self.ratio, raw_key, batch, None if layer is None else layer.row_pages)
+        firsts, _ = window_rows(windows, self.ratio, batch.positions[:, None], batch,
+                                None if layer is None else layer.position_pages[..., None])
+        keys = self.block_keys(raw, firsts[:, 0, 0]) if windows.count else raw_key.new_zeros(0, self.index_dim)
+        return window_entry_pages(batch, self.layer_idx, BLOCK_KEYS, windows, keys)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -197,20 +221,21 @@ class IndexedAttention(GatedAttention):
         index_q = self._rotate(self.index_q_norm.forward(index_q.view(t, self.index_heads, self.index_dim)), batch.positions)
         bounds = batch.cu_seqlens.tolist()
         spans = list(zip(bounds[:-1], bounds[1:]))
-        if batch.cache is None:  # (keys, values, raw index keys, positions, index of the first new token)
-            contexts = [(k[s0:s1], v[s0:s1], raw_key[s0:s1], batch.positions[s0:s1], 0) for s0, s1 in spans]
+        key_pages, key_table, key_counts = self._block_keys(raw_key, batch)
+        key_counts = key_counts.tolist()
+        if batch.cache is None:  # (keys, values, index of the first new token)
+            contexts = [(k[s0:s1], v[s0:s1], 0) for s0, s1 in spans]
         else:
             layer = batch.cache.layers[self.layer_idx]
             layer.store(k, v, batch.slots)
-            layer.store_rows(raw_key, batch.slots, batch.positions)
             lengths, table = batch.context_lens.tolist(), batch.block_table
-            contexts = [tuple(gather_pages(pages, table[b], lengths[b])
-                              for pages in (layer.k_pages, layer.v_pages, layer.row_pages, layer.position_pages))
-                        + (lengths[b] - (s1 - s0),) for b, (s0, s1) in enumerate(spans)]
+            contexts = [(gather_pages(layer.k_pages, table[b], lengths[b]), gather_pages(layer.v_pages, table[b], lengths[b]),
+                         lengths[b] - (s1 - s0)) for b, (s0, s1) in enumerate(spans)]
         out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
         groups = h // kvh
-        for (s0, s1), (ctx_k, ctx_v, ctx_raw, ctx_positions, first) in zip(spans, contexts):
-            mask = self.select(index_q[s0:s1], ctx_raw, ctx_positions, first)
+        for b, ((s0, s1), (ctx_k, ctx_v, first)) in enumerate(zip(spans, contexts)):
+            block_keys = gather_pages(key_pages, key_table[b], key_counts[b])
+            mask = self.select(index_q[s0:s1], block_keys, ctx_k.shape[0], first)
             keys = ctx_k.float().repeat_interleave(groups, dim=1)  # [L, H, d]
             scores = torch.einsum("nhd,lhd->nhl", q[s0:s1].float(), keys) * self.head_dim**-0.5
             probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
