@@ -955,4 +955,33 @@ def hyper_connection_merge(streams, block_output, post, comb):
                                           post.to(torch.float32).contiguous(), comb.to(torch.float32).contiguous())
 
 
+# ---- the DSA lightning indexer (DeepSeek V3.2 / V4, GLM 5) ---------------------------------------------------------
+
+from trellm.ops import sparse as _sparse  # noqa: E402
+
+# Tokens up to which the indexer's scores take the kernel (decode steps, draft verification: batch 64 with three
+# draft tokens): it reads every visible key once per token, where a prefill's matmul shares them among its tokens,
+# and its logits span the block table's whole width.
+INDEX_KERNEL_MAX_TOKENS = 256
+
+
+@_sparse.sparse_index_topk.register("cuda")
+def sparse_index_topk(q, weights, key_pages, block_table, cu_seqlens, key_counts, positions, topk, scale, rate=1):
+    """The logits kernel and torch's top-k (no host read at any context) where ``TRELLM_SPARSE_INDEX`` is "kernel"."""
+    if (
+        _sparse.sparse_index_route() != "kernel"
+        or not 0 < q.shape[0] <= INDEX_KERNEL_MAX_TOKENS
+        or block_table.shape[0] == 0
+        or not binding.sparse_index_logits_takes(q, key_pages)
+    ):
+        return _sparse.sparse_index_topk.reference(q, weights, key_pages, block_table, cu_seqlens, key_counts, positions,
+                                                   topk, scale, rate)
+    logits = binding.sparse_index_logits(
+        q.contiguous(), weights.to(torch.float32).contiguous(), key_pages, block_table.to(torch.int32).contiguous(),
+        cu_seqlens.to(torch.int32).contiguous(), key_counts.to(torch.int32).contiguous(),
+        positions.to(torch.int64).contiguous(), scale, rate,
+    )
+    return _sparse.top_visible(logits, topk)
+
+
 REGISTERED = sorted(name for name, o in _ops._OPS.items() if "cuda" in o.impls)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import op
+from . import op, route_from_env
 from .attention import _attend, gather_pages
 
 
@@ -20,6 +20,24 @@ def varlen_as_pages(x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Te
     for b, (start, n) in enumerate(zip(bounds[:-1], lens)):
         table[b, :n] = torch.arange(start, start + n, dtype=torch.int32, device=x.device)
     return x.unsqueeze(1), table, torch.tensor(lens, dtype=torch.int32, device=x.device)
+
+
+SPARSE_INDEX_ENV = "TRELLM_SPARSE_INDEX"
+SPARSE_INDEX_ROUTES = ("reference", "kernel")
+
+
+def sparse_index_route() -> str:
+    """``TRELLM_SPARSE_INDEX``, how :func:`sparse_index_topk` scores the keys of a decode step or a draft
+    verification on CUDA: "reference" (default) the torch ops (sync-free up to ``INDEX_GATHER_MAX_PAIRS``
+    (token, key) pairs, so such steps capture in a CUDA graph; longer contexts loop over the sequences on the host);
+    "kernel", the logits in one launch at any context (kernels_cuda/indexer.cu) and torch's top-k. The default
+    stays on the reference until ``tests/test_cuda_indexer.py`` has passed on a GPU."""
+    return route_from_env(SPARSE_INDEX_ENV, SPARSE_INDEX_ROUTES, "reference")
+
+
+# (token, key slot) pairs up to which the torch reference scores every token against its whole block-table row at
+# once ([T, W, D] keys gathered, [T, H, W] scores): batch 64 at 4096 keys, and any prefill of that size
+INDEX_GATHER_MAX_PAIRS = 64 * 4096
 
 
 @op
@@ -41,8 +59,24 @@ def sparse_index_topk(
     key s scores ``sum_h weights[t, h] * relu(scale * q[t, h] . key[s])`` for query t (``q`` [T, H, D],
     ``weights`` [T, H]), float32. A key stands for ``rate`` tokens (1: one token; DeepSeek V4 indexes
     compressed windows) and is visible once the query at ``positions[t]`` has passed them all,
-    ``s < (pos + 1) // rate``; the ``topk`` best visible keys are kept (all while there are no more).
+    ``s < (pos + 1) // rate``; the ``topk`` best visible keys are kept (all while there are no more; of equal
+    scores the earlier key), in no promised order (callers use them as a set).
+
+    Up to ``INDEX_GATHER_MAX_PAIRS`` (token, key slot) pairs, every token scores the whole width of the block table
+    (:func:`index_logits`: no host read, so decode steps capture in a CUDA graph); a larger prefill scores each
+    sequence's own keys in a loop (:func:`index_topk_by_sequence`).
     """
+    if q.shape[0] * block_table.shape[1] * key_pages.shape[1] <= INDEX_GATHER_MAX_PAIRS:
+        return top_visible(index_logits(q, weights, key_pages, block_table, cu_seqlens, key_counts, positions, scale, rate),
+                           topk)
+    return index_topk_by_sequence(q, weights, key_pages, block_table, cu_seqlens, key_counts, positions, topk, scale, rate)
+
+
+def index_topk_by_sequence(q: torch.Tensor, weights: torch.Tensor, key_pages: torch.Tensor, block_table: torch.Tensor,
+                           cu_seqlens: torch.Tensor, key_counts: torch.Tensor, positions: torch.Tensor, topk: int,
+                           scale: float, rate: int = 1) -> torch.Tensor:
+    """:func:`sparse_index_topk` one sequence at a time, over that sequence's own keys (host reads of
+    ``cu_seqlens`` and ``key_counts``): a prefill's route."""
     out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
     bounds, counts = cu_seqlens.tolist(), key_counts.tolist()
     for b, (s0, s1) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -52,10 +86,56 @@ def sparse_index_topk(
         scores = torch.relu(torch.einsum("thd,sd->ths", q[s0:s1].float(), keys) * scale)
         index = torch.einsum("th,ths->ts", weights[s0:s1].float(), scores)
         visible = (positions[s0:s1, None] + 1) // rate  # keys before this are visible
-        index = index.masked_fill(torch.arange(counts[b], device=q.device)[None] >= visible, float("-inf"))
-        k = min(topk, counts[b])
-        chosen = index.topk(k, dim=-1).indices
-        out[s0:s1, :k] = torch.where(chosen < visible, chosen, -1)
+        out[s0:s1] = top_visible(index.masked_fill(torch.arange(counts[b], device=q.device)[None] >= visible,
+                                                   float("-inf")), topk)
+    return out
+
+
+def index_logits(q: torch.Tensor, weights: torch.Tensor, key_pages: torch.Tensor, block_table: torch.Tensor,
+                 cu_seqlens: torch.Tensor, key_counts: torch.Tensor, positions: torch.Tensor, scale: float,
+                 rate: int = 1) -> torch.Tensor:
+    """Every query's scores over the whole width ``W = block_table.shape[1] * page_size`` of its sequence's block
+    table row: [T, W] float32, -inf where the query cannot see the key (``s >= (pos + 1) // rate``, or past its
+    sequence's ``key_counts``). No host read and shapes that do not depend on the data (a CUDA graph captures it);
+    the torch form of kernels_cuda/indexer.cu, gathering [T, W, D] keys."""
+    t, page_size = q.shape[0], key_pages.shape[1]
+    seq, visible = _token_sequences(cu_seqlens, key_counts, positions, rate, t)
+    slot = torch.arange(block_table.shape[1] * page_size, device=q.device)
+    seen = slot[None] < visible[:, None]  # [T, W]
+    pages = torch.where(seen, block_table[seq[:, None], slot // page_size].long(), 0)  # unseen slots read page 0
+    keys = key_pages[pages, slot % page_size].float()  # [T, W, D]
+    scores = torch.relu(torch.einsum("thd,twd->thw", q.float(), keys) * scale)
+    return torch.einsum("th,thw->tw", weights.float(), scores).masked_fill(~seen, float("-inf"))
+
+
+def _token_sequences(cu_seqlens: torch.Tensor, key_counts: torch.Tensor, positions: torch.Tensor, rate: int,
+                     tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each token's sequence [T], how many of its sequence's keys it sees [T]), on the device; a token past
+    ``cu_seqlens[-1]`` sees none."""
+    batch = cu_seqlens.shape[0] - 1
+    token = torch.arange(tokens, device=positions.device)
+    seq = torch.searchsorted(cu_seqlens[1:].long(), token, right=True)
+    inside = seq < batch
+    seq = seq.clamp_max(max(batch - 1, 0))
+    counts = key_counts.long()[seq] if batch else torch.zeros_like(seq)
+    return seq, torch.where(inside, torch.minimum((positions.long() + 1) // rate, counts), 0)
+
+
+def top_visible(logits: torch.Tensor, topk: int) -> torch.Tensor:
+    """The columns of each row's ``topk`` best finite logits (``logits`` [T, N] float32; -inf: not visible), -1 past
+    the visible ones. Of equal logits the earlier column wins, on every device and route: each logit becomes an
+    int64 rank (its float order above, its column's reverse below), unique per row, so torch's top-k has no tie
+    to break its own way."""
+    t, n = logits.shape
+    out = torch.full((t, topk), -1, dtype=torch.long, device=logits.device)
+    k = min(topk, n)
+    if k == 0:
+        return out
+    bits = (logits.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 (all heads' relu 0 with negative weights) is 0.0
+    order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # an int32 that sorts as the floats do
+    rank = order.long() * 2**32 + (n - 1 - torch.arange(n, device=logits.device))
+    chosen = rank.topk(k, dim=-1).indices
+    out[:, :k] = torch.where(logits.gather(1, chosen) > float("-inf"), chosen, -1)
     return out
 
 

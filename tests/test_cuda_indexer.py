@@ -1,0 +1,310 @@
+"""The DSA lightning indexer's top-k (``trellm.ops.sparse.sparse_index_topk``: GLM 5, DeepSeek V4) without host reads.
+
+A decode step or a draft verification scores every token against the whole width of its sequence's block-table row
+(``index_logits``, or kernels_cuda/indexer.cu where ``TRELLM_SPARSE_INDEX=kernel``), masks what it cannot see with
+-inf and keeps the top k (``top_visible``); a large prefill loops over the sequences (``index_topk_by_sequence``).
+
+CPU tests: the device route against the loop (several sequences of different lengths, rate 1 and 4, sequences
+with no key or fewer keys than k, a multi-token query mid-sequence, ties; exact on integer-valued inputs), no host
+read (the route runs on meta tensors, where the loop cannot), the route knob and the CUDA registration against a
+stub library, and a tiny GLM 5 decoding alike on both routes. CUDA tests (skipped without a GPU): the kernel's logits
+against ``index_logits`` (f16/bf16, 8..64 heads, 32..128 dims, strided key rows), its selection against the
+reference, the route captured in a CUDA graph and replayed over new inputs, and a tiny GLM 5 whose decode steps
+capture in the Generator's graphs on both routes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_cuda_kda import declared_arguments
+from test_cuda_moe import kernels, on_cuda, rel_err  # noqa: F401  (kernels: a fixture)
+from test_projection_routes import stub_kernels  # noqa: F401  (a fixture)
+from trellm.ops import sparse
+from trellm.ops.sparse import (
+    SPARSE_INDEX_ENV, index_logits, index_topk_by_sequence, sparse_index_route, sparse_index_topk, top_visible,
+)
+
+
+def index_inputs(device="cpu", dtype=torch.float32, heads=8, dim=32, page_size=4, contexts=(37, 9, 0, 3, 20),
+                 new=(5, 1, 0, 1, 2), rate=1, integer=False, row_pad=0, spare_pages=3, short_last=3, seed=0) -> dict:
+    """The arguments of :func:`sparse_index_topk` (less topk) for sequences of ``contexts`` tokens whose last
+    ``new[b]`` are this step's queries; ``contexts[b] // rate`` keys each (the last sequence ``short_last`` fewer, so
+    that its count, not its queries' positions, bounds what they see), on scattered pages of a table wider than any
+    sequence needs, its unused entries out of range (read one and the test fails). ``integer``: small integers
+    and a power-of-two scale, so every route's float32 sums are exact and equal scores tie exactly.
+    ``row_pad``: each key row sits in a wider row (strided pages, as a cache's extra rows)."""
+    g = torch.Generator().manual_seed(seed)
+    counts = [c // rate for c in contexts]
+    counts[-1] = max(counts[-1] - short_last, 0)
+    pages_of = [-(-n // page_size) for n in counts]
+    width_pages = max(pages_of) + spare_pages
+    num_pages = sum(pages_of) + 4
+
+    def values(*shape):
+        if integer:
+            return torch.randint(-2, 3, shape, generator=g).float()
+        return torch.randn(*shape, generator=g)
+
+    rows = values(num_pages, page_size, dim + row_pad)
+    key_pages = rows.to(dtype)[..., :dim]
+    table = torch.full((len(contexts), width_pages), 10**6, dtype=torch.int32)
+    order = torch.randperm(num_pages, generator=g)
+    used = 0
+    for b, n in enumerate(pages_of):
+        table[b, :n] = order[used: used + n]
+        used += n
+        table[b, n + 1:] = -1  # out of range the other way
+    positions = [p for c, m in zip(contexts, new) for p in range(c - m, c)]
+    t = len(positions)
+    weights = values(t, heads) * (0.5 if integer else 1.0)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    args = dict(q=values(t, heads, dim).to(dtype), weights=weights, key_pages=key_pages, block_table=table,
+                cu_seqlens=cu, key_counts=torch.tensor(counts, dtype=torch.int32),
+                positions=torch.tensor(positions, dtype=torch.long), scale=0.25 if integer else dim**-0.5, rate=rate)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def device_route(a: dict, topk: int) -> torch.Tensor:
+    logits = index_logits(a["q"], a["weights"], a["key_pages"], a["block_table"], a["cu_seqlens"], a["key_counts"],
+                          a["positions"], a["scale"], a["rate"])
+    return top_visible(logits, topk)
+
+
+def loop_route(a: dict, topk: int) -> torch.Tensor:
+    return index_topk_by_sequence(a["q"], a["weights"], a["key_pages"], a["block_table"], a["cu_seqlens"],
+                                  a["key_counts"], a["positions"], topk, a["scale"], a["rate"])
+
+
+def as_sets(chosen: torch.Tensor) -> torch.Tensor:
+    """Each row's indices sorted (the consumers use them as a set)."""
+    return chosen.sort(dim=-1).values
+
+
+@pytest.mark.parametrize("rate", [1, 4])
+@pytest.mark.parametrize("topk", [1, 6, 40])
+@pytest.mark.parametrize("integer", [True, False])
+def test_device_route_keeps_the_loops_keys(rate, topk, integer):
+    """Five sequences (37 and 20 tokens with 5 and 2 new ones, a prefill-like query mid-sequence; 9 and 3 with one;
+    an empty one), rate 1 and 4 (the 3-token sequence has no key at rate 4, the 9-token one fewer than k): the same
+    keys as the loop, which also finds each query's visible keys as the contract says."""
+    a = index_inputs(rate=rate, integer=integer, seed=rate + topk)
+    device, loop = device_route(a, topk), loop_route(a, topk)
+    assert device.shape == loop.shape == (a["q"].shape[0], topk) and device.dtype == torch.long
+    assert torch.equal(as_sets(device), as_sets(loop))
+    for t, pos in enumerate(a["positions"].tolist()):
+        b = int(torch.searchsorted(a["cu_seqlens"][1:], t, right=True))
+        visible = min((pos + 1) // rate, int(a["key_counts"][b]))
+        row = loop[t].tolist()
+        assert sorted(row)[: topk - min(topk, visible)] == [-1] * (topk - min(topk, visible))
+        assert all(0 <= s < visible for s in row if s >= 0) and len({s for s in row if s >= 0}) == min(topk, visible)
+
+
+def test_device_route_on_half_precision_and_strided_key_rows():
+    """bf16 queries and keys, each key row inside a wider cache row: the same keys as the loop."""
+    a = index_inputs(dtype=torch.bfloat16, heads=16, dim=64, row_pad=64, seed=3)
+    assert a["key_pages"].stride(1) == 128
+    assert torch.equal(as_sets(device_route(a, 8)), as_sets(loop_route(a, 8)))
+
+
+def test_ties_go_to_the_earlier_key_on_both_routes():
+    """Identical keys (every score equal): both routes keep the earliest visible keys; a score of -0.0 (negative
+    head weights times relu's zeros) ties with 0.0."""
+    a = index_inputs(contexts=(30, 7), new=(2, 1), integer=True, short_last=0)
+    a["key_pages"] = torch.ones_like(a["key_pages"])
+    want = [[0, 1, 2, 3, 4]] * 3
+    assert device_route(a, 5).tolist() == loop_route(a, 5).tolist() == want
+    assert top_visible(torch.tensor([[0.0, -0.0, float("-inf"), -0.0, 0.0]]), 4).tolist() == [[0, 1, 3, 4]]
+
+
+def test_the_device_route_reads_nothing_on_the_host():
+    """On meta tensors (no data: any host read raises) the device route gives [T, topk]; the loop cannot run there."""
+    a = index_inputs(device="meta")
+    assert sparse_index_topk(**{**a, "topk": 6}).shape == (a["q"].shape[0], 6)
+    with pytest.raises(Exception):
+        loop_route(a, 6)
+
+
+def test_the_reference_loops_past_its_gather_bound(monkeypatch):
+    """Up to INDEX_GATHER_MAX_PAIRS (token, key slot) pairs the op runs the device route, past it the loop; alike."""
+    a = index_inputs(seed=5)
+    calls = []
+    for name in ("index_logits", "index_topk_by_sequence"):
+        monkeypatch.setattr(sparse, name, lambda *x, _f=getattr(sparse, name), _n=name, **k: calls.append(_n) or _f(*x, **k))
+    small = sparse_index_topk(**a, topk=6)
+    monkeypatch.setattr(sparse, "INDEX_GATHER_MAX_PAIRS", a["q"].shape[0] * a["block_table"].shape[1] * 4 - 1)
+    large = sparse_index_topk(**a, topk=6)
+    assert calls == ["index_logits", "index_topk_by_sequence"]
+    assert torch.equal(as_sets(small), as_sets(large))
+
+
+def test_sparse_index_route(monkeypatch):
+    monkeypatch.delenv(SPARSE_INDEX_ENV, raising=False)
+    assert sparse_index_route() == "reference"  # until tests/test_cuda_indexer.py has passed on a GPU
+    monkeypatch.setenv(SPARSE_INDEX_ENV, "kernel")
+    assert sparse_index_route() == "kernel"
+    monkeypatch.setenv(SPARSE_INDEX_ENV, "fused")
+    with pytest.raises(ValueError, match="TRELLM_SPARSE_INDEX='fused'"):
+        sparse_index_route()
+
+
+def test_sparse_index_route_reaches_the_kernel(stub_kernels, monkeypatch):
+    """On CPU tensors against a stub kernel library: the default route launches nothing; "kernel" reaches the entry
+    point with the header's argument count, the sizes and strides (a key row inside a wider row), scale and rate;
+    fp32 keys, 16-dim heads and a prefill past INDEX_KERNEL_MAX_TOKENS keep the reference."""
+    from trellm.kernels_cuda import ops as cuda_ops
+
+    a = index_inputs(dtype=torch.bfloat16, heads=8, dim=64, row_pad=32, rate=4)
+    monkeypatch.delenv(SPARSE_INDEX_ENV, raising=False)
+    sparse_index_topk(**a, topk=6)
+    assert stub_kernels == []
+    monkeypatch.setenv(SPARSE_INDEX_ENV, "kernel")
+    assert sparse_index_topk(**a, topk=6).shape == (9, 6)
+    sparse_index_topk(**{**a, "q": a["q"].float(), "key_pages": a["key_pages"].float()}, topk=6)
+    sparse_index_topk(**index_inputs(dtype=torch.bfloat16, dim=16), topk=6)
+    monkeypatch.setattr(cuda_ops, "INDEX_KERNEL_MAX_TOKENS", 8)
+    sparse_index_topk(**a, topk=6)
+    assert [name for name, _ in stub_kernels] == ["sparse_index_logits"]
+    args = stub_kernels[0][1]
+    assert len(args) == declared_arguments("sparse_index_logits")
+    assert args[9:19] == [9, 8, 64, 5, 4, 4 * 96, 96, a["block_table"].shape[1], 64**-0.5, 4]
+
+
+def decode_logits(model, prompts, steps: int = 3) -> torch.Tensor:
+    """Logits [steps, B, vocab] of ``steps`` decode steps (fixed tokens) after a prefill of ``prompts``, through the
+    paged cache."""
+    from trellm.batch import ForwardBatch
+    from trellm.cache import KVCache
+
+    cache = KVCache.for_model(model, max_tokens=64 * len(prompts), page_size=16)
+    pages = [cache.allocator.alloc(4) for _ in prompts]
+    lengths, logits = [0] * len(prompts), []
+    with torch.inference_mode():
+        for tokens in [[list(p) for p in prompts]] + [[[10 + i + b] for b in range(len(prompts))] for i in range(steps)]:
+            logits.append(model.forward(ForwardBatch.with_cache(tokens, lengths, pages, cache)).float())
+            lengths = [n + len(t) for n, t in zip(lengths, tokens)]
+    return torch.stack(logits[1:])
+
+
+def test_tiny_glm5_decodes_alike_through_both_routes(monkeypatch):
+    """A tiny GLM 5 (DSA indexer over the paged cache) decoding two sequences: the device route (the default at this
+    size) and the loop give the same logits at every step, and the decode steps took the device route."""
+    model = tiny_glm_dsa("cpu", torch.float32).model
+    prompts = ((1, 2, 3, 4, 5, 6, 7, 8, 9, 10), (5, 6, 7))
+    calls = []
+    monkeypatch.setattr(sparse, "index_logits", lambda *x, _f=sparse.index_logits: calls.append(x[0].shape[0]) or _f(*x))
+    device = decode_logits(model, prompts)
+    assert calls.count(2) == 2 * 3  # two indexer layers, three decode steps of two tokens
+    monkeypatch.setattr(sparse, "INDEX_GATHER_MAX_PAIRS", 0)
+    loop = decode_logits(model, prompts)
+    assert rel_err(device, loop) < 1e-5
+
+
+# index_topk 4 < the prompts: later queries attend to a selection; 32-dim indexer heads, which the kernel takes
+TINY_GLM_DSA = dict(
+    architectures=["GlmMoeDsaForCausalLM"], vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-6, max_position_embeddings=256,
+    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
+    q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+    index_topk=4, index_head_dim=32, index_n_heads=8, first_k_dense_replace=1,
+    indexer_types=["full", "shared", "full"],
+)
+
+
+def tiny_glm_dsa(device, dtype):
+    """A tiny random GLM 5 (:data:`TINY_GLM_DSA`) built by the glm_moe_dsa plugin, made with transformers."""
+    import tempfile
+
+    import trellm
+    from trellm.sdk.testing import make_tiny_hf_model
+
+    config = {k: v for k, v in TINY_GLM_DSA.items() if k != "architectures"}
+    model_dir = make_tiny_hf_model("GlmMoeDsaForCausalLM", tempfile.mkdtemp(prefix="tiny_glm_dsa_"), **config)
+    return trellm.load(model_dir, device=device, dtype=dtype, tokenizer=False)
+
+
+# ---- CUDA: the kernel against the torch route ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,dim,rate,row_pad", [(64, 128, 1, 0), (64, 128, 4, 128), (8, 32, 1, 32), (20, 64, 2, 0),
+                                                    (16, 96, 1, 0)])
+@on_cuda
+def test_index_logits_kernel_cuda(dtype, heads, dim, rate, row_pad):
+    """The kernel's logits equal index_logits (finite where visible, -inf at exactly the same slots), and its
+    selection keeps keys whose scores equal the reference's kept ones."""
+    from trellm.kernels_cuda import binding
+
+    a = index_inputs("cuda", dtype, heads=heads, dim=dim, page_size=16, contexts=(700, 90, 0, 3, 301),
+                     new=(5, 1, 0, 1, 2), rate=rate, row_pad=row_pad, seed=heads + dim)
+    args = [a[k] for k in ("q", "weights", "key_pages", "block_table", "cu_seqlens", "key_counts", "positions")]
+    got = binding.sparse_index_logits(*args, a["scale"], rate)
+    want = index_logits(*args, a["scale"], rate)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = torch.isfinite(want)
+    assert rel_err(got[finite], want[finite]) < 1e-5
+    chosen = top_visible(got, 32)
+    ref = top_visible(want, 32)
+    assert torch.equal(chosen < 0, ref < 0)
+    kept = lambda c: want.gather(1, c.clamp_min(0)).masked_fill(c < 0, 0).sort(dim=-1).values  # noqa: E731
+    torch.testing.assert_close(kept(chosen), kept(ref), atol=1e-4 * float(want[finite].abs().max()), rtol=0)
+
+
+@on_cuda
+def test_sparse_index_topk_cuda_route_matches_the_reference(monkeypatch):
+    """Through the op with TRELLM_SPARSE_INDEX=kernel: the same keys as the CPU loop on integer-valued inputs (exact
+    sums: identical scores, ties included)."""
+    monkeypatch.setenv(SPARSE_INDEX_ENV, "kernel")
+    a = index_inputs("cuda", torch.bfloat16, heads=64, dim=128, page_size=16, contexts=(300, 40, 0, 3), new=(3, 1, 0, 1),
+                     rate=4, integer=True)
+    cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+    assert torch.equal(as_sets(sparse_index_topk(**a, topk=16)).cpu(), as_sets(loop_route(cpu, 16)))
+
+
+@on_cuda
+def test_sparse_index_topk_kernel_route_captures(monkeypatch):
+    """The kernel route captured in a CUDA graph, replayed after the step's positions, key counts and keys change in
+    place (the next decode step): each replay equals the route run eagerly on those inputs."""
+    monkeypatch.setenv(SPARSE_INDEX_ENV, "kernel")
+    a = index_inputs("cuda", torch.bfloat16, heads=64, dim=128, page_size=16, contexts=(500, 77, 1000),
+                     new=(1, 1, 1), spare_pages=8)
+    names = ("q", "weights", "key_pages", "block_table", "cu_seqlens", "key_counts", "positions")
+    run = lambda: sparse_index_topk(*(a[n] for n in names), 64, a["scale"], 1)  # noqa: E731
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for step in range(1, 4):
+        a["positions"] += 1
+        a["key_counts"] += 1
+        a["q"].copy_(torch.randn_like(a["q"], dtype=torch.float32).to(a["q"].dtype))
+        graph.replay()
+        assert torch.equal(as_sets(out), as_sets(run())), step
+
+
+@pytest.mark.parametrize("route", ["reference", "kernel"])
+@on_cuda
+def test_tiny_glm5_decode_steps_capture(monkeypatch, route):
+    """A tiny GLM 5 in bf16 through the Generator: its decode steps run as captured CUDA graphs on both routes (the
+    reference's device route at this size, the kernel at any) and give the tokens of eager decoding."""
+    import warnings
+
+    from trellm.generator import Generator, Job
+
+    monkeypatch.setenv(SPARSE_INDEX_ENV, route)
+    model = tiny_glm_dsa("cuda", torch.bfloat16)
+    prompts = [[(7 * i + j) % 96 for j in range(n)] for i, n in enumerate((23, 9, 40))]
+
+    def generate(cuda_graphs: bool):
+        gen = Generator(model, max_batch_size=4, cache_tokens=512, page_size=16, cuda_graphs=cuda_graphs)
+        gen.enqueue([Job(p, 12, identifier=i, stop_token_ids=[]) for i, p in enumerate(prompts)])
+        done = {r.identifier: r.token_ids for r in gen.stream() if type(r).__name__ == "JobFinished"}
+        return gen, [done[i] for i in range(len(prompts))]
+
+    _, eager = generate(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gen, graphed = generate(True)
+    failed = [str(w.message) for w in caught if "CUDA graph" in str(w.message)]  # a failed capture warns why
+    assert gen.graph_runner.graphs and not gen.graph_runner._failed and not failed, failed
+    assert graphed == eager
