@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from trellm import ops
 from trellm.batch import ForwardBatch
-from trellm.cache.indexed import ExtraRowsKVCacheLayer, WindowEntries, completed_windows, window_entry_pages, window_rows
+from trellm.cache.indexed import (ExtraRowsKVCacheLayer, WindowEntries, completed_windows, token_indices, window_entry_pages,
+                                  window_rows)
 from trellm.capabilities import (
     DenseKVPages,
     HasMTPHead,
@@ -60,7 +61,7 @@ from trellm.generator.mtp import MTPHead, MTPLayout, build_qwen_mtp_head
 from trellm.hookspecs import hookimpl
 from trellm.modules.base import LoadContext, Module
 from trellm.modules.decoder import CausalLM, DecoderLayer, DecoderOptions, build_decoder, decoder_family
-from trellm.modules.latent import LatentAttention, SparseIndexer, SparseLatentAttention
+from trellm.modules.latent import LatentAttention, SparseIndexer, SparseLatentAttention, pool_tokens
 from trellm.modules.compressed import CompressedAttention, CompressedIndexer, WindowCompressor
 from trellm.modules.hyper import (
     HybridHyperCausalLM,
@@ -164,7 +165,7 @@ __all__ = [
     "Module", "LoadContext", "ForwardBatch", "Linear", "LinearGroup", "Embedding", "RMSNorm", "LayerNorm", "RotaryEmbedding",
     "Attention", "OutputGate", "OutputGatedAttention", "GatedMLP", "MLP", "DecoderLayer", "CausalLM", "DecoderOptions", "build_decoder", "decoder_family",
     # multi-head latent attention, dense or with a DSA sparse-attention indexer (trellm.modules.latent)
-    "LatentAttention", "SparseIndexer", "SparseLatentAttention",
+    "LatentAttention", "SparseIndexer", "SparseLatentAttention", "pool_tokens",
     # DeepSeek V4's sliding + compressed attention (trellm.modules.compressed)
     "CompressedAttention", "CompressedIndexer", "WindowCompressor",
     # the text families others build on (trellm.sdk.families)
@@ -192,7 +193,7 @@ __all__ = [
     # capabilities (trellm.capabilities): what a model or cache layer can do
     "HasRecurrentState", "SupportsImages", "HasMTPHead", "PagedKVLayer", "DenseKVPages", "StateSlots", "implements",
     # a cache layer keeping more per token than K/V (an indexer's keys, positions) and per window (pooled keys)
-    "ExtraRowsKVCacheLayer", "WindowEntries", "completed_windows", "window_rows", "window_entry_pages",
+    "ExtraRowsKVCacheLayer", "WindowEntries", "completed_windows", "token_indices", "window_rows", "window_entry_pages",
     "is_hybrid", "supports_images", "mtp_head", "is_paged_layer", "has_dense_pages", "is_state_layer",
     # tensor parallel: a module that splits itself (SplitsOverRanks) cuts its projections with these, or splits as
     # the attention / MLP / gated delta net it extends

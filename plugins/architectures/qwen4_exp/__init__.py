@@ -6,8 +6,10 @@ MoE with a gated shared expert on every layer) with three additions.
   weight per stream; the model's last step mixes the streams the same way (there is no final RMSNorm).
 - Sparse attention (QSA): an indexer scores blocks of ``indexer_compress_ratio`` keys (the mean of the raw
   index keys, normed, rotated at the block start) against multi-head index queries (ReLU, summed); each
-  query attends to the best ``indexer_budget / ratio`` whole blocks it sees plus its incomplete tail block.
-  The raw index key and the position of each token ride in the cache beside its K/V.
+  query attends to the best ``indexer_budget / ratio`` whole blocks it sees plus its incomplete tail block, and
+  reads only those tokens' K/V (:func:`trellm.ops.sparse.sparse_paged_attention`, as DSA does). The raw index key
+  and the position of each token ride in the cache beside its K/V, and each block's key, pooled once by the step
+  that completes the block, in the layer's entry pages.
 - Per-layer embeddings (PLE) on ``ple_layer_ids`` (1-based; linear-attention layers): hashed n-gram
   embeddings of the last ``ngram_size`` tokens (reset at EOS) gate a value into every stream, plus a
   dilated causal conv of it. The token history and conv inputs ride in the layer's recurrent-state slot.
@@ -45,14 +47,15 @@ from trellm.sdk import (
     RotaryEmbedding,
     WindowEntries,
     completed_windows,
-    gather_pages,
     ops,
+    pool_tokens,
     qwen_moe_mlp,
     read_keys,
     read_qwen_vl_config,
     shard_attention,
     shard_gated_delta_net,
     state_cache_inputs,
+    token_indices,
     window_entry_pages,
     window_rows,
 )
@@ -144,8 +147,9 @@ class StreamMixer(Module):
 
 class IndexedAttention(GatedAttention):
     """Gated attention over the tokens the QSA indexer picks (see the module docstring). The cache keeps each
-    token's raw index key and its position value beside its K/V: a pooled block key rotates at its first
-    token's position, which with images is an M-RoPE (time, row, column) position, not its index."""
+    token's raw index key and its position value beside its K/V, and each complete block's key: a block key
+    rotates at its first token's position, which with images is an M-RoPE (time, row, column) position, not its
+    index, and that token may be an earlier chunk's."""
 
     def __init__(self, key: str, layer_idx: int, cfg: DecoderConfig, keys: Qwen4ExpKeys, rope: RotaryEmbedding):
         super().__init__(key, layer_idx, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
@@ -177,24 +181,16 @@ class IndexedAttention(GatedAttention):
         pooled = self.index_k_norm.forward(raw_keys.float().mean(1).to(raw_keys.dtype))
         return self._rotate(pooled[:, None], first_positions)[:, 0]
 
-    def select(self, q: torch.Tensor, block_keys: torch.Tensor, length: int, first: int) -> torch.Tensor:
-        """[n, length] bool: the tokens the n queries (index queries [n, heads, dim], rotated) at indices
-        first, first + 1, ... attend to, from the keys of the context's complete blocks [length // ratio, dim]."""
-        n, r = q.shape[0], self.ratio
-        queries = torch.arange(first, first + n, device=q.device)
-        tokens = torch.arange(length, device=q.device)
-        whole_blocks = (queries + 1) // r  # blocks each query sees whole
-        tail_start = whole_blocks * r
-        mask = (tokens[None] >= tail_start[:, None]) & (tokens[None] <= queries[:, None])
-        blocks = block_keys.shape[0]
-        if blocks:
-            scores = F.relu(torch.einsum("nhd,bd->nbh", q.float(), block_keys.float())).sum(-1) / math.sqrt(self.index_dim)
-            seen = torch.arange(blocks, device=q.device)[None] < whole_blocks[:, None]
-            scores = scores.masked_fill(~seen, float("-inf"))
-            best = scores.topk(min(self.blocks_kept, blocks), dim=-1).indices
-            chosen = torch.zeros(n, blocks, dtype=torch.bool, device=q.device).scatter_(1, best, seen.gather(1, best))
-            mask[:, : blocks * r] |= chosen.repeat_interleave(r, dim=1)
-        return mask
+    def select(self, index_q: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor], batch: ForwardBatch,
+               index: torch.Tensor) -> torch.Tensor:
+        """[T, kept * ratio + ratio - 1] token indices each query attends to (-1: none): the ``blocks_kept`` whole
+        blocks it sees that score best (ReLU of each index head's dot product with the block key, summed over
+        heads, / sqrt(dim)), then its own incomplete block. ``index_q`` [T, heads, dim] (rotated), ``keys``: the
+        block keys' (pages, block table, count per sequence), ``index`` [T]: each query's token index."""
+        weights = torch.full(index_q.shape[:2], self.index_dim**-0.5, dtype=torch.float32, device=index_q.device)
+        chosen = ops.sparse.sparse_index_topk(index_q, weights, *keys[:2], batch.cu_seqlens, keys[2], index,
+                                              self.blocks_kept, 1.0, rate=self.ratio)
+        return pool_tokens(chosen, self.ratio, index)
 
     def _block_keys(self, raw_key: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every complete block's key as (pages, block table, count per sequence): the blocks this batch completes
@@ -219,27 +215,15 @@ class IndexedAttention(GatedAttention):
         v = v.view(t, kvh, d)
         index_q, raw_key = self.index_qk_proj(x).split([self.index_heads * self.index_dim, self.index_dim], dim=-1)
         index_q = self._rotate(self.index_q_norm.forward(index_q.view(t, self.index_heads, self.index_dim)), batch.positions)
-        bounds = batch.cu_seqlens.tolist()
-        spans = list(zip(bounds[:-1], bounds[1:]))
-        key_pages, key_table, key_counts = self._block_keys(raw_key, batch)
-        key_counts = key_counts.tolist()
-        if batch.cache is None:  # (keys, values, index of the first new token)
-            contexts = [(k[s0:s1], v[s0:s1], 0) for s0, s1 in spans]
+        chosen = self.select(index_q, self._block_keys(raw_key, batch), batch, token_indices(batch)[1])
+        if batch.cache is None:
+            k_pages, table, lengths = ops.sparse.varlen_as_pages(k, batch.cu_seqlens)
+            v_pages = v.unsqueeze(1)
         else:
             layer = batch.cache.layers[self.layer_idx]
             layer.store(k, v, batch.slots)
-            lengths, table = batch.context_lens.tolist(), batch.block_table
-            contexts = [(gather_pages(layer.k_pages, table[b], lengths[b]), gather_pages(layer.v_pages, table[b], lengths[b]),
-                         lengths[b] - (s1 - s0)) for b, (s0, s1) in enumerate(spans)]
-        out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
-        groups = h // kvh
-        for b, ((s0, s1), (ctx_k, ctx_v, first)) in enumerate(zip(spans, contexts)):
-            block_keys = gather_pages(key_pages, key_table[b], key_counts[b])
-            mask = self.select(index_q[s0:s1], block_keys, ctx_k.shape[0], first)
-            keys = ctx_k.float().repeat_interleave(groups, dim=1)  # [L, H, d]
-            scores = torch.einsum("nhd,lhd->nhl", q[s0:s1].float(), keys) * self.head_dim**-0.5
-            probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
-            out[s0:s1] = torch.einsum("nhl,lhd->nhd", probs, ctx_v.float().repeat_interleave(groups, dim=1)).to(x.dtype)
+            k_pages, v_pages, table, lengths = layer.k_pages, layer.v_pages, batch.block_table, batch.context_lens
+        out = ops.sparse.sparse_paged_attention(q, k_pages, v_pages, table, batch.cu_seqlens, lengths, chosen, d**-0.5)
         return self.o_proj(out.reshape(t, h * d) * torch.sigmoid(gate.reshape(t, -1)))
 
 
