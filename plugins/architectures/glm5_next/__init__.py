@@ -8,7 +8,7 @@ sub-layer, and SwiGLU MLPs with clamped inputs (dense, and DeepSeek-style groupe
   per channel), keeps the best ``index_topk / index_kpool`` pools a query can see whole, plus the query's
   incomplete tail pool; attention reads only those tokens. ``indexer_types`` "shared" layers reuse the
   selection of the full layer just before them. Each token's indexer key and pooling gate are cached beside
-  its latent.
+  its latent, and each complete pool's key (float32), pooled once by the step that completes the pool.
 - Hyper-connections (:class:`~trellm.sdk.HyperDecoderLayer`, DeepSeek V4's mHC): the residual is ``hc_mult``
   streams; each sub-layer reads a sigmoid-weighted sum of them and writes back ``post * out + comb^T streams``
   (comb Sinkhorn-normalised); the final hidden is the streams' mean.
