@@ -37,13 +37,15 @@ def make_tiny_llama(path: Path, heads: int = 4, kv_heads: int = 2) -> Path:
 
 
 def make_peft_adapter(base_dir: Path, out: Path, r: int, alpha: float, targets: list[str], rslora: bool = False,
-                      seed: int = 1, std: float = 0.1) -> Path:
-    """A real PEFT adapter: the base wrapped with LoraConfig, every lora_A / lora_B random and non-zero, saved."""
+                      seed: int = 1, std: float = 0.1, parameters: list[str] | None = None) -> Path:
+    """A real PEFT adapter: the base wrapped with LoraConfig, every lora_A / lora_B random and non-zero, saved.
+    ``parameters``: PEFT's ``target_parameters`` (MoE expert stacks)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
-    pm = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora))
+    pm = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
+                                          target_parameters=parameters))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in pm.named_parameters():
@@ -310,9 +312,111 @@ def test_moe_and_hybrid_logits_match_peft(tmp_path, arch, targets):
     assert_close(lm.logits(ids), peft_logits(base, adapter, ids))
 
 
-def test_adapters_on_moe_experts_are_refused_by_name(tiny, tmp_path):
-    _, base, a, _ = tiny
+_STACKS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+_QWEN3_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [1]}
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """A tiny Qwen3-MoE (per-expert checkpoint tensors, as transformers saves them) and real PEFT adapters on its
+    expert stacks (``target_parameters``): both stacks with attention, and the down stack alone."""
+    from trellm.sdk.testing import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("moe_lora")
+    base = make_tiny_hf_model("Qwen3MoeForCausalLM", root / "base", **_QWEN3_MOE)
+    both = make_peft_adapter(base, root / "both", r=4, alpha=8, targets=["q_proj", "o_proj"], parameters=_STACKS)
+    down = make_peft_adapter(base, root / "down", r=2, alpha=4, targets=["v_proj"], parameters=_STACKS[1:], seed=5)
+    return base, both, down
+
+
+@pytest.mark.parametrize("which", ["both", "down"])
+def test_expert_stack_adapters_match_peft(moe, which):
+    base, both, down = moe
+    adapter = both if which == "both" else down
+    ids = IDS[:, :16]
+    want = peft_logits(base, adapter, ids)
+    assert not torch.allclose(want, peft_logits(base, None, ids), atol=1e-2)
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=adapter)
+    stacks = read_peft_adapter(adapter).expert_stacks["model.layers.0.mlp.experts"]
+    assert sorted(stacks) == (["down_proj", "gate_up_proj"] if which == "both" else ["down_proj"])
+    assert_close(lm.logits(ids), want)
+    experts = lm.model.layers[0].mlp.experts
+    assert experts.lora is not None and experts.run_pairs(ids[0, :, None].float(), None, None) is None  # no pair kernels
+    lm.unload_lora(lm.loras[0])
+    assert experts.lora is None
+    assert_close(lm.logits(ids), peft_logits(base, None, ids))
+
+
+def test_per_expert_module_adapter_matches_peft(moe, tmp_path):
+    """An adapter trained where experts were nn.Linear modules names each expert's projections: the same factors
+    as the stacked adapter, laid out per expert, give PEFT's logits of the stacked one."""
+    base, both, _ = moe
+    from safetensors.torch import load_file, save_file
+
+    tensors, per_expert = load_file(str(both / "adapter_model.safetensors")), {}
+    pre = "base_model.model.model.layers.0.mlp.experts"
+    for key, t in tensors.items():
+        if not key.startswith(pre + "."):
+            per_expert[key] = t
+    stacks = read_peft_adapter(both).expert_stacks["model.layers.0.mlp.experts"]
+    for e in range(8):
+        gu, dn = stacks["gate_up_proj"].expert(e), stacks["down_proj"].expert(e)
+        for name, a, b in (("gate_proj", gu.a, gu.b[:32]), ("up_proj", gu.a, gu.b[32:]), ("down_proj", dn.a, dn.b)):
+            per_expert[f"{pre}.{e}.{name}.lora_A.weight"] = a.clone()
+            per_expert[f"{pre}.{e}.{name}.lora_B.weight"] = b.clone()
+    legacy = _edit_adapter(both, tmp_path / "legacy", {"target_parameters": None,
+                                                        "target_modules": ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]})
+    save_file(per_expert, str(legacy / "adapter_model.safetensors"))
+    ids = IDS[:, :16]
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=legacy)
+    assert_close(lm.logits(ids), peft_logits(base, both, ids))
+
+
+def test_expert_adapters_in_a_mixed_generator_batch_match_single_runs(moe):
+    """Rows on different adapters (and on none) share one batch: expert dispatch regroups rows by expert, and each
+    row still gets its own adapter's update."""
+    base, both, down = moe
     lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False)
-    experts = _edit_adapter(a, tmp_path / "experts", {"target_parameters": ["mlp.experts.gate_up_proj"]})
-    with pytest.raises(LoraError, match="target_parameters.*MoE expert"):
-        lm.load_lora(experts)
+    lm.load_lora(both, name="both")
+    lm.load_lora(down, name="down")
+    prompts = [IDS[0, :9].tolist(), IDS[1, :12].tolist(), IDS[0, 3:14].tolist()]
+    names = ["both", None, "down"]
+    singles = [list(lm.generate_ids(p, 6, stop_token_ids=[], lora=n or "")) for p, n in zip(prompts, names)]
+    gen = Generator(lm, max_batch_size=4, cache_tokens=1024, page_size=16)
+    gen.enqueue([Job(p, 6, lora=n, stop_token_ids=[], identifier=i) for i, (p, n) in enumerate(zip(prompts, names))])
+    done = {r.identifier: r.token_ids for r in gen.stream() if type(r).__name__ == "JobFinished"}
+    assert [done[i] for i in range(3)] == singles
+    assert len({tuple(t) for t in singles}) == 3
+    gen.verify_pages()
+
+
+def test_bad_expert_adapters_say_what_is_wrong(moe, tiny, tmp_path):
+    base, both, _ = moe
+    with pytest.raises(LoraError, match="target_parameters names 'mlp.gate.weight'.*expert stacks"):
+        read_peft_adapter(_edit_adapter(both, tmp_path / "router", {"target_parameters": ["mlp.gate.weight"]}))
+    lm = trellm.load(tiny[1], device="cpu", dtype=torch.float32, tokenizer=False)  # a dense Llama: no experts
+    with pytest.raises(LoraError, match="experts 'model.layers.0.mlp.experts', which this model does not have"):
+        lm.load_lora(both)
+
+    def fewer_experts(t):
+        for key in list(t):
+            if ".mlp.experts." in key:
+                t[key] = (t[key][:16] if "lora_A" in key else t[key][:, :16]).contiguous()
+        return t
+
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False)
+    with pytest.raises(LoraError, match="factors for 4 experts of rank 4.*has 8"):
+        lm.load_lora(_edit_adapter(both, tmp_path / "fewer", tensors=fewer_experts))
+    assert lm.loras == []
+
+
+def test_adapters_on_stacked_expert_tensors_are_refused_by_name(tmp_path):
+    """gpt-oss checkpoints keep experts as 3-D tensors: LoRA there is refused, naming the experts."""
+    from trellm.sdk.testing import make_tiny_hf_model
+
+    base = make_tiny_hf_model("GptOssForCausalLM", tmp_path / "base", num_local_experts=4, num_experts_per_tok=2,
+                              intermediate_size=32, layer_types=["full_attention", "sliding_attention"])
+    adapter = make_peft_adapter(base, tmp_path / "adapter", r=2, alpha=4, targets=["q_proj"], parameters=_STACKS)
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False)
+    with pytest.raises(LoraError, match="stores 'model.layers.0.mlp.experts' as stacked 3-D tensors"):
+        lm.load_lora(adapter)

@@ -13,9 +13,16 @@ weights through ``project`` again, keeping their fused routes: a sub-layer's las
 update to the residual before the base's fused residual add (so the sums of squares the next norm reads
 include it); a q/k/v or gate/up group (:class:`LoraGroup`) runs its base group in one launch, adds every
 part's update in one more (``trellm.ops.lora_add_parts``), then its post step (RoPE and the KV write).
+
+MoE experts held one module per expert (per-expert checkpoint tensors, EXL3) take adapters like any projection;
+an adapter on stacked expert tensors (PEFT's ``target_parameters``) is split into each expert's factors at load.
+Expert dispatch regroups rows by expert, so it tells the adapters which token each row is
+(:meth:`LoraSet.regrouped`); an expert collection that carries an adapter (``experts.lora`` is set) leaves its
+sync-free pair kernels, which would skip the update, for the grouped path.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,9 +31,10 @@ import torch
 
 from .. import ops
 from ..modules.linear import Linear
+from ..modules.moe import ExpertList, Experts
 from ..ops import Residual, WrappedWeights, project, projection_input
 from ..ops.projection import WeightList, group_weights
-from .peft import LoraError, LoraFactors, PeftAdapter, read_peft_adapter
+from .peft import ExpertStackFactors, LoraError, LoraFactors, PeftAdapter, read_peft_adapter
 
 __all__ = ["LoraError", "LoraGroup", "LoraSet", "LoraWeights", "PeftAdapter", "read_peft_adapter", "lora_set", "adapter_root"]
 
@@ -156,6 +164,10 @@ class LoraSet:
                 fused_key = getattr(m, "fused_key", None)
                 if fused_key is not None:
                     self.fused.setdefault(fused_key, []).append(m)
+        self.experts: dict[str, Experts | ExpertList] = {}  # expert collections by key (an Experts over its ExpertList)
+        for m in model.modules():
+            if isinstance(m, Experts) or (isinstance(m, ExpertList) and m.key not in self.experts):
+                self.experts[m.key] = m
         self.head = getattr(model, "lm_head", None)
         emb = model.embed.weight
         self.dtype, self.device = emb.dtype, emb.device
@@ -167,6 +179,7 @@ class LoraSet:
         self._logits_indices: torch.Tensor | None = None
         self._logit_slots: torch.Tensor | None = None
         self._on_device: dict = {}  # (head, device) -> this batch's slots there (a layer split's other devices)
+        self._regrouped: torch.Tensor | None = None  # the token of each row an expert projects (expert dispatch)
 
     # ---- names and slots -------------------------------------------------------------------------
 
@@ -194,43 +207,81 @@ class LoraSet:
     def _targets(self, adapter: PeftAdapter) -> list[tuple[Linear, LoraFactors]]:
         """(projection, its factors) for every module of ``adapter``, checked against this model (nothing
         changes yet, so a bad adapter loses nothing)."""
-        out: list[tuple[Linear, LoraFactors]] = []
+        named: list[tuple[str, Linear, LoraFactors]] = []  # (the adapter tensors' name, projection, factors)
         for module, f in adapter.modules.items():
             if module.rsplit(".", 1)[-1] in _READ_WHOLE:
                 raise LoraError(f"{adapter.path}: targets {module!r}, whose weight this model reads whole at load "
                                 "(absorbed into attention); LoRA on it is not supported")
-            if ".experts." in f".{module}.":
-                raise LoraError(f"{adapter.path}: targets {module!r}, a MoE expert projection; LoRA on experts is not "
-                                "supported yet (attention, dense MLP, shared experts and the head are)")
             if module in self.linears:
-                parts = [(self.linears[module], f)]
+                self._check_loaded(adapter, module, self.linears[module])
+                named.append((module, self.linears[module], f))
             elif module in self.fused:  # split B by the parts' rows; A is shared
-                parts, start = [], 0
-                for lin in sorted(self.fused[module], key=lambda p: p.start):
-                    parts.append((lin, LoraFactors(f.a, f.b[lin.start: lin.start + lin.out_features], f.scale)))
                 if f.b.shape[0] != self.fused[module][0].fused_rows:
                     raise LoraError(f"{adapter.path}: tensor {module + '.lora_B.weight'!r} has shape {list(f.b.shape)}, "
                                     f"the base's {module!r} has {self.fused[module][0].fused_rows} output rows "
                                     "(an adapter for another base model?)")
+                for lin in sorted(self.fused[module], key=lambda p: p.start):
+                    named.append((module, lin, LoraFactors(f.a, f.b[lin.start: lin.start + lin.out_features], f.scale)))
             else:
                 raise LoraError(f"{adapter.path}: targets module {module!r}, which this model does not have "
                                 f"(an adapter for another base model, or a module trellm does not adapt)")
-            for lin, part in parts:
-                if lin.impl is None:
-                    raise LoraError(f"{lin.key}: the model is not loaded")
-                want_a, want_b = (part.rank, lin.in_features), (lin.out_features, part.rank)
-                for tname, t, want in (("lora_A", part.a, want_a), ("lora_B", part.b, want_b)):
-                    if tuple(t.shape) != want:
-                        raise LoraError(f"{adapter.path}: tensor {module + '.' + tname + '.weight'!r} has shape "
-                                        f"{list(t.shape)}, the base model's {lin.key!r} needs {list(want)} "
-                                        f"(in {lin.in_features}, out {lin.out_features}): an adapter for another base model")
-                out.append((lin, part))
+        for module, by_name in adapter.expert_stacks.items():
+            for name, stack in by_name.items():
+                named += self._expert_stack_targets(adapter, module, name, stack)
+        out: list[tuple[Linear, LoraFactors]] = []
+        for module, lin, part in named:
+            if lin.impl is None:
+                raise LoraError(f"{lin.key}: the model is not loaded")
+            want_a, want_b = (part.rank, lin.in_features), (lin.out_features, part.rank)
+            for tname, t, want in (("lora_A", part.a, want_a), ("lora_B", part.b, want_b)):
+                if tuple(t.shape) != want:
+                    raise LoraError(f"{adapter.path}: tensor {module + '.' + tname + '.weight'!r} has shape "
+                                    f"{list(t.shape)}, the base model's {lin.key!r} needs {list(want)} "
+                                    f"(in {lin.in_features}, out {lin.out_features}): an adapter for another base model")
+            out.append((lin, part))
         for module, base_weight in adapter.base_layers.items():
             lin = self.linears.get(module)
             shape = (lin.out_features, lin.in_features) if lin is not None else None
             if shape is not None and tuple(base_weight.shape) != shape:
                 raise LoraError(f"{adapter.path}: tensor {module + '.base_layer.weight'!r} has shape {list(base_weight.shape)}, "
                                 f"the base model's {module!r} has {list(shape)}: an adapter for another base model")
+        return out
+
+    def _check_loaded(self, adapter: PeftAdapter, module: str, lin: Linear) -> None:
+        """A per-expert projection of experts this model holds as stacked tensors has no weights of its own."""
+        owner = self.experts.get(module.rsplit(".", 2)[0])
+        if lin.impl is None and isinstance(owner, Experts) and owner.layout == "stacked":
+            raise LoraError(f"{adapter.path}: targets {module!r}, but this checkpoint stores {owner.key!r} as stacked "
+                            "3-D tensors, which LoRA cannot adapt yet (per-expert tensors and EXL3 experts can)")
+
+    def _expert_stack_targets(self, adapter: PeftAdapter, module: str, name: str,
+                              stack: ExpertStackFactors) -> list[tuple[str, Linear, LoraFactors]]:
+        """Each expert's projections and factors for PEFT's LoRA on the stacked tensor ``module.name``."""
+        tensor = f"{module}.lora_A.weight ({name})"
+        owner = self.experts.get(module)
+        if owner is None:
+            raise LoraError(f"{adapter.path}: {tensor} targets experts {module!r}, which this model does not have "
+                            "(an adapter for another base model)")
+        experts = owner.active if isinstance(owner, Experts) else owner
+        if not isinstance(experts, ExpertList):
+            raise LoraError(f"{adapter.path}: {tensor}: this checkpoint stores {module!r} as stacked 3-D tensors, which "
+                            "LoRA cannot adapt yet (per-expert tensors and EXL3 experts can)")
+        if stack.experts != experts.num_experts:
+            raise LoraError(f"{adapter.path}: {tensor} has shape {list(stack.a.shape)}: factors for {stack.experts} "
+                            f"experts of rank {stack.rank}, the base model's {module!r} has {experts.num_experts}")
+        out = []
+        for e, mlp in enumerate(experts.experts):
+            f = stack.expert(e)
+            if name == "down_proj":
+                out.append((f"{module}.{name}", mlp.down_proj, f))
+                continue
+            rows = mlp.gate_proj.out_features
+            if f.b.shape[0] != 2 * rows:
+                raise LoraError(f"{adapter.path}: tensor {module + '.lora_B.weight'!r} ({name}) has {f.b.shape[0]} output "
+                                f"rows, the base model's {module!r} needs {2 * rows} (gate then up): an adapter for "
+                                "another base model")
+            out.append((f"{module}.{name}", mlp.gate_proj, LoraFactors(f.a, f.b[:rows], f.scale)))
+            out.append((f"{module}.{name}", mlp.up_proj, LoraFactors(f.a, f.b[rows:], f.scale)))
         return out
 
     def load(self, path: str | Path | PeftAdapter, name: str | None = None, scale: float = 1.0) -> str:
@@ -251,6 +302,7 @@ class LoraSet:
             w.targeted_by.add(slot)
         self.loaded[name] = _Loaded(name, adapter, slot)
         self.version += 1
+        self._mark_experts()
         return name
 
     def unload(self, name: str) -> None:
@@ -264,6 +316,26 @@ class LoraSet:
                 w.targeted_by.discard(slot)
         del self.loaded[name]
         self.version += 1
+        self._mark_experts()
+
+    def _mark_experts(self) -> None:
+        """``experts.lora`` on every expert collection: this set where an adapter targets one of its experts (their
+        dispatch then tells the adapters each row's token and skips the pair kernels), else None."""
+        for owner in self.experts.values():
+            experts = owner.active if isinstance(owner, Experts) else owner
+            if isinstance(experts, ExpertList):
+                carried = any(isinstance(p.impl, LoraWeights) and p.impl.carries
+                              for mlp in experts.experts for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+                experts.lora = self if carried else None
+
+    @contextlib.contextmanager
+    def regrouped(self, tokens: torch.Tensor):
+        """Within the block, a projection's rows are the batch's tokens ``tokens`` [rows] (expert dispatch's order)."""
+        outer, self._regrouped = self._regrouped, tokens
+        try:
+            yield
+        finally:
+            self._regrouped = outer
 
     def _wrapped(self) -> list[LoraWeights]:
         return [lin.impl for lin in self.linears.values() if isinstance(lin.impl, LoraWeights)]
@@ -310,6 +382,9 @@ class LoraSet:
         slots = self._token_slots
         if slots is None:
             return None
+        if self._regrouped is not None and not head:
+            slots = slots[self._regrouped.to(slots.device)]
+            return slots if device is None else slots.to(device)
         if head and self._logits_indices is not None:
             if self._logit_slots is None:
                 self._logit_slots = slots[self._logits_indices.to(slots.device)]

@@ -1,7 +1,12 @@
 """Reading PEFT LoRA adapters (``adapter_config.json`` + ``adapter_model.safetensors``).
 
 Only what changes the math is checked: an option trellm does not implement (DoRA, trained biases,
-modules saved whole, expert parameters, ...) is refused by name instead of being silently dropped.
+modules saved whole, raw parameters other than MoE expert stacks, ...) is refused by name instead of being
+silently dropped.
+
+MoE experts come two ways: one module per expert (``...experts.3.gate_proj``, an adapter trained where the
+experts were ``nn.Linear`` modules) or PEFT's ``target_parameters`` on the stacked expert tensors of
+transformers 5 (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), read as :class:`ExpertStackFactors`.
 """
 from __future__ import annotations
 
@@ -26,7 +31,6 @@ _UNSUPPORTED_OPTIONS = (
     ("lora_bias", False, "a trained bias on lora_B"),
     ("bias", "none", "trained base-layer biases"),
     ("modules_to_save", None, "modules saved whole beside the adapter"),
-    ("target_parameters", None, "LoRA on raw parameters (MoE expert stacks)"),
     ("trainable_token_indices", None, "trained embedding rows"),
     ("layer_replication", None, "replicated layers"),
     ("use_qalora", False, "QALoRA"),
@@ -37,6 +41,10 @@ _UNSUPPORTED_OPTIONS = (
 )
 # initialisations that leave the base weights changed unless the adapter was converted when saved
 _BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+# the stacked expert tensors ``target_parameters`` may name, in the order transformers defines them on the experts
+# module: PEFT wraps them in that order, each wrapper around the last, so the first is the innermost
+# (``experts.base_layer.lora_A``) and the last the outermost (``experts.lora_A``)
+EXPERT_STACKS = ("gate_up_proj", "down_proj")
 
 
 class LoraError(TrellmError):
@@ -57,18 +65,44 @@ class LoraFactors:
 
 
 @attrs.frozen
+class ExpertStackFactors:
+    """PEFT's LoRA on one stacked expert tensor [E, out, in] (``target_parameters``): ``a`` [E * rank, in] expert-major
+    and ``b`` [out, rank * E] expert-minor (PEFT's layout), so expert e's update is ``scale * b_e @ a_e`` with
+    ``a_e = a.view(E, rank, in)[e]`` and ``b_e = b.view(out, rank, E)[:, :, e]``."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+    experts: int
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0] // self.experts
+
+    def expert(self, e: int) -> LoraFactors:
+        """Expert ``e``'s own factors."""
+        a = self.a.view(self.experts, self.rank, -1)[e]
+        b = self.b.view(self.b.shape[0], self.rank, self.experts)[:, :, e]
+        return LoraFactors(a.contiguous(), b.contiguous(), self.scale)
+
+
+@attrs.frozen
 class PeftAdapter:
     """An adapter read from ``path``: its factors by module name (the base checkpoint's tensor prefix, e.g.
-    ``model.layers.0.self_attn.q_proj``) and the base-layer tensors it carries (``lm_head.base_layer.weight``)."""
+    ``model.layers.0.self_attn.q_proj``), the base-layer tensors it carries (``lm_head.base_layer.weight``) and its
+    LoRA on stacked expert tensors by experts module and tensor name (``{"model.layers.0.mlp.experts":
+    {"gate_up_proj": ...}}``)."""
 
     path: Path
     modules: dict[str, LoraFactors]
     base_layers: dict[str, torch.Tensor]
     base_model: str | None
+    expert_stacks: dict[str, dict[str, ExpertStackFactors]] = attrs.field(factory=dict)
 
     @property
     def max_rank(self) -> int:
-        return max(f.rank for f in self.modules.values())
+        stacks = [f.rank for by_name in self.expert_stacks.values() for f in by_name.values()]
+        return max([f.rank for f in self.modules.values()] + stacks)
 
 
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
@@ -118,6 +152,7 @@ def read_peft_adapter(path: str | Path, scale: float = 1.0) -> PeftAdapter:
     if not isinstance(config, dict):
         raise LoraError(f"{config_path}: expected a JSON object")
     _check_options(config, config_path)
+    stack_names = _expert_stack_names(config, config_path)
     r, alpha = config["r"], config.get("lora_alpha", 8)
     rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     rslora = bool(config.get("use_rslora", False))
@@ -145,6 +180,21 @@ def read_peft_adapter(path: str | Path, scale: float = 1.0) -> PeftAdapter:
             raise LoraError(f"{weights_path}: tensor {name!r} is not a LoRA factor trellm knows (lora_A / lora_B)")
     if not pairs:
         raise LoraError(f"{weights_path}: holds no lora_A / lora_B tensors")
+    stacks = _split_expert_stacks(pairs, stack_names, weights_path) if stack_names else {}
+
+    def scaling(module: str, rank: int) -> float:
+        alpha_m = _pattern_value(alpha_pattern, module, alpha)
+        return float(alpha_m / math.sqrt(rank) if rslora else alpha_m / rank) * float(scale)
+
+    expert_stacks: dict[str, dict[str, ExpertStackFactors]] = {}
+    for (module, name), ab in sorted(stacks.items()):
+        a, b = ab["lora_A"], ab["lora_B"]
+        rank = _pattern_value(rank_pattern, module, r)
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] % rank or a.shape[0] == 0 or b.shape[1] != a.shape[0]:
+            raise LoraError(f"{weights_path}: {module} ({name}): lora_A {list(a.shape)} and lora_B {list(b.shape)} do not "
+                            f"form rank-{rank} factors of stacked experts ([experts * {rank}, in] and [out, {rank} * experts])")
+        expert_stacks.setdefault(module, {})[name] = ExpertStackFactors(a.float(), b.float(), scaling(module, rank),
+                                                                         a.shape[0] // rank)
 
     modules: dict[str, LoraFactors] = {}
     for module, ab in sorted(pairs.items()):
@@ -156,7 +206,38 @@ def read_peft_adapter(path: str | Path, scale: float = 1.0) -> PeftAdapter:
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
             raise LoraError(f"{weights_path}: {module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not form a "
                             f"rank-{rank} pair ([{rank}, in] and [out, {rank}])")
-        alpha_m = _pattern_value(alpha_pattern, module, alpha)
-        scaling = alpha_m / math.sqrt(rank) if rslora else alpha_m / rank
-        modules[module] = LoraFactors(a.float(), b.float(), float(scaling) * float(scale))
-    return PeftAdapter(root, modules, base_layers, config.get("base_model_name_or_path"))
+        modules[module] = LoraFactors(a.float(), b.float(), scaling(module, rank))
+    return PeftAdapter(root, modules, base_layers, config.get("base_model_name_or_path"), expert_stacks)
+
+
+def _expert_stack_names(config: dict, where: Path) -> list[str]:
+    """The stacked expert tensors ``target_parameters`` names (in :data:`EXPERT_STACKS` order); any other
+    parameter is refused by name."""
+    targets = config.get("target_parameters") or []
+    if isinstance(targets, str) or not isinstance(targets, list):
+        raise LoraError(f"{where}: target_parameters must be a list of parameter names, got {targets!r}")
+    names = set()
+    for t in targets:
+        name = str(t).rsplit(".", 1)[-1]
+        if name not in EXPERT_STACKS or not str(t).rsplit(".", 1)[0].endswith("experts"):
+            raise LoraError(f"{where}: target_parameters names {t!r}; trellm adapts only the MoE expert stacks "
+                            f"(experts.{' / experts.'.join(EXPERT_STACKS)}) among raw parameters")
+        names.add(name)
+    return [n for n in EXPERT_STACKS if n in names]
+
+
+def _split_expert_stacks(pairs: dict[str, dict[str, torch.Tensor]], names: list[str],
+                         where: Path) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
+    """Take the expert-stack factors out of ``pairs`` (module -> its lora_A / lora_B): PEFT nests one wrapper per
+    targeted tensor of a module, the first of ``names`` innermost, so ``M.base_layer.lora_A`` is ``names[0]``'s and
+    ``M.lora_A`` ``names[-1]``'s when both are targeted. Returns (experts module, tensor name) -> its factors."""
+    out: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for module in [m for m in pairs if m.rsplit(".", 1)[-1] == "experts" or m.endswith("experts.base_layer")]:
+        depth, root = 0, module
+        while root.endswith(".base_layer"):
+            root, depth = root[: -len(".base_layer")], depth + 1
+        if depth >= len(names):
+            raise LoraError(f"{where}: {module}.lora_A.weight: more LoRA wrappers on {root!r} than the "
+                            f"{len(names)} expert tensors target_parameters names ({', '.join(names)})")
+        out[root, names[len(names) - 1 - depth]] = pairs.pop(module)
+    return out

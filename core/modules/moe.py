@@ -9,6 +9,7 @@ got tokens once on its contiguous block: no Python loop over tokens.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -210,6 +211,7 @@ class ExpertList(Module):
         self.num_experts = num_experts
         self.activation = expert_kwargs.get("activation", "silu")  # a name, or a callable (no fused path)
         self.pair_set = None  # every expert's weights for the sync-free pair ops, where their format has such a set
+        self.lora = None  # the LoraSet when an adapter targets some expert here (trellm.lora): no pair ops then
         self.experts = [ExpertMLP(f"{key}.{i}", hidden_size, intermediate_size, **expert_kwargs) for i in range(num_experts)]
 
     def run_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -226,7 +228,7 @@ class ExpertList(Module):
 
     def run_pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         """The sync-free path when the experts' weights form a pair set (else None)."""
-        if self.pair_set is None or not isinstance(self.activation, str):
+        if self.pair_set is None or not isinstance(self.activation, str) or self.lora is not None:
             return None
         return self.pair_set.run_pairs(x, weights, ids, self.activation)
 
@@ -384,10 +386,12 @@ def dispatch_experts(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch
         ys = grouped(counts, xs)
         return torch.zeros_like(x).index_add_(0, token_of, ys * weights.reshape(-1)[order, None].to(ys.dtype))
     ys = torch.empty_like(xs)
+    lora = getattr(experts, "lora", None)  # adapters on the experts see each row's token (trellm.lora)
     start = 0
     for e, n in enumerate(counts):
         if n:  # only the experts that got tokens run
-            ys[start : start + n] = experts.run_expert(e, xs[start : start + n])
+            with lora.regrouped(token_of[start : start + n]) if lora is not None else contextlib.nullcontext():
+                ys[start : start + n] = experts.run_expert(e, xs[start : start + n])
             start += n
     ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, ys)
@@ -442,8 +446,8 @@ def _fold_parts(moe: "MoE") -> tuple:
     experts = getattr(moe.experts, "active", moe.experts)
     shared = moe.shared
     gate = moe.shared_gate.impl if moe.shared_gate is not None else None
-    return (moe.router.gate.impl, gate, getattr(experts, "pair_set", None), shared.gate_proj.impl, shared.up_proj.impl,
-            shared.down_proj.impl)
+    return (moe.router.gate.impl, gate, getattr(experts, "pair_set", None), getattr(experts, "lora", None),
+            shared.gate_proj.impl, shared.up_proj.impl, shared.down_proj.impl)
 
 
 def fold_shared_expert(moe: "MoE", device: torch.device) -> SharedExpertFold | None:
@@ -572,6 +576,11 @@ class Experts(Module):
 
     def run_pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         return self.active.run_pairs(x, weights, ids)
+
+    @property
+    def lora(self):
+        """The active layout's LoRA set, where an adapter targets its experts (see :class:`ExpertList`)."""
+        return getattr(self.active, "lora", None)
 
     @property
     def run_grouped(self):
