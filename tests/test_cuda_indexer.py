@@ -113,8 +113,10 @@ def test_ties_go_to_the_earlier_key_on_both_routes():
     a = index_inputs(contexts=(30, 7), new=(2, 1), integer=True, short_last=0)
     a["key_pages"] = torch.ones_like(a["key_pages"])
     want = [[0, 1, 2, 3, 4]] * 3
-    assert device_route(a, 5).tolist() == loop_route(a, 5).tolist() == want
-    assert top_visible(torch.tensor([[0.0, -0.0, float("-inf"), -0.0, 0.0]]), 4).tolist() == [[0, 1, 3, 4]]
+    assert as_sets(device_route(a, 5)).tolist() == as_sets(loop_route(a, 5)).tolist() == want
+    tied = torch.tensor([[0.0, -0.0, float("-inf"), -0.0, 0.0, -1.0, 2.0], [-1.0, -2.0, -0.5, float("-inf"), -1.0, -1.0, 0.0]])
+    assert as_sets(top_visible(tied, 4)).tolist() == [[0, 1, 3, 6], [0, 2, 4, 6]]
+    assert as_sets(top_visible(tied, 8)).tolist() == [[-1, -1, 0, 1, 3, 4, 5, 6], [-1, -1, 0, 1, 2, 4, 5, 6]]
 
 
 def test_the_device_route_reads_nothing_on_the_host():

@@ -123,18 +123,18 @@ def _token_sequences(cu_seqlens: torch.Tensor, key_counts: torch.Tensor, positio
 
 def top_visible(logits: torch.Tensor, topk: int) -> torch.Tensor:
     """The columns of each row's ``topk`` best finite logits (``logits`` [T, N] float32; -inf: not visible), -1 past
-    the visible ones. Of equal logits the earlier column wins, on every device and route: each logit becomes an
-    int64 rank (its float order above, its column's reverse below), unique per row, so torch's top-k has no tie
-    to break its own way."""
+    the visible ones, in no set order. Of equal logits the earlier column wins, on every device and route: each
+    logit becomes an int64 rank (its float order above, its column's reverse below), unique in its row, so torch's
+    top-k has no tie to break its own way."""
     t, n = logits.shape
     out = torch.full((t, topk), -1, dtype=torch.long, device=logits.device)
     k = min(topk, n)
     if k == 0:
         return out
-    bits = (logits.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 (all heads' relu 0 with negative weights) is 0.0
-    order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # an int32 that sorts as the floats do
-    rank = order.long() * 2**32 + (n - 1 - torch.arange(n, device=logits.device))
-    chosen = rank.topk(k, dim=-1).indices
+    bits = logits.float().contiguous().view(torch.int32).long()
+    order = torch.where(bits < 0, -(2**31) - bits, bits)  # sorts as the floats do; -0.0 and 0.0 both 0
+    rank = torch.add(torch.arange(n - 1, -1, -1, device=logits.device), order, alpha=2**32)
+    chosen = rank.topk(k, dim=-1, sorted=False).indices
     out[:, :k] = torch.where(logits.gather(1, chosen) > float("-inf"), chosen, -1)
     return out
 
