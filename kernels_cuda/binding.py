@@ -1382,11 +1382,11 @@ INDEX_MAX_HEADS, INDEX_MAX_DIM = 64, 128  # TRELLM_INDEX_MAX_HEADS, TRELLM_INDEX
 
 def sparse_index_logits_takes(q: torch.Tensor, key_pages: torch.Tensor) -> bool:
     """Whether :func:`sparse_index_logits` takes these queries [T, H, D] and key pages [pages, page_size, D]: f16 or
-    bf16 alike, up to INDEX_MAX_HEADS heads of a multiple of 32 dims up to INDEX_MAX_DIM, the keys' dims contiguous
-    and their rows 16-byte aligned."""
+    bf16 queries, keys of their dtype or float32, up to INDEX_MAX_HEADS heads of a multiple of 32 dims up to
+    INDEX_MAX_DIM, the keys' dims contiguous and their rows 16-byte aligned."""
     return (
         q.dim() == 3 and key_pages.dim() == 3
-        and q.dtype in (torch.float16, torch.bfloat16) and key_pages.dtype == q.dtype
+        and q.dtype in (torch.float16, torch.bfloat16) and key_pages.dtype in (q.dtype, torch.float32)
         and 1 <= q.shape[1] <= INDEX_MAX_HEADS and q.shape[2] % 32 == 0 and 32 <= q.shape[2] <= INDEX_MAX_DIM
         and key_pages.shape[2] == q.shape[2] and key_pages.stride(2) == 1
         and key_pages.stride(0) % 8 == 0 and key_pages.stride(1) % 8 == 0 and key_pages.data_ptr() % 16 == 0
@@ -1398,12 +1398,13 @@ def sparse_index_logits(q: torch.Tensor, weights: torch.Tensor, key_pages: torch
                         cu_seqlens: torch.Tensor, key_counts: torch.Tensor, positions: torch.Tensor, scale: float,
                         rate: int) -> torch.Tensor:
     """``trellm.ops.sparse.index_logits`` in one launch: [T, W] float32 over the block table's whole width, -inf at
-    the keys a token cannot see. q [T, H, D] contiguous, key_pages [pages, page_size, D] (strided pages and rows),
-    both f16 or bf16 (:func:`sparse_index_logits_takes`); weights float32 [T, H]; block_table int32 [B, max_pages];
+    the keys a token cannot see. q [T, H, D] contiguous, f16 or bf16; key_pages [pages, page_size, D] (strided pages
+    and rows) of q's dtype or float32 (:func:`sparse_index_logits_takes`); weights float32 [T, H]; block_table int32 [B, max_pages];
     cu_seqlens int32 [B + 1]; key_counts int32 [B]; positions int64 [T]."""
     expect(q, "q", dtype=(torch.float16, torch.bfloat16), shape=(None, None, None))
     t, heads, dim = q.shape
-    expect(key_pages, "key_pages", dtype=q.dtype, shape=(None, None, dim), device=q.device, contiguous=False)
+    expect(key_pages, "key_pages", dtype=(q.dtype, torch.float32), shape=(None, None, dim), device=q.device,
+           contiguous=False)
     if not sparse_index_logits_takes(q, key_pages) or q.data_ptr() % 16:
         raise KernelArgumentError(
             f"q {list(q.shape)} / key_pages {list(key_pages.shape)} strides {key_pages.stride()}: the kernel takes up "
@@ -1422,7 +1423,8 @@ def sparse_index_logits(q: torch.Tensor, weights: torch.Tensor, key_pages: torch
     page_size = key_pages.shape[1]
     logits = torch.empty(t, block_table.shape[1] * page_size, dtype=torch.float32, device=q.device)
     rc = lib().trellm_sparse_index_logits(
-        _ptr(q), _ptr(weights, "float *"), _ptr(key_pages), DTYPE_CODES[q.dtype], _ptr(block_table, "int32_t *"),
+        _ptr(q), DTYPE_CODES[q.dtype], _ptr(weights, "float *"), _ptr(key_pages), DTYPE_CODES[key_pages.dtype],
+        _ptr(block_table, "int32_t *"),
         _ptr(cu_seqlens, "int32_t *"), _ptr(key_counts, "int32_t *"), _ptr(positions, "int64_t *"),
         _ptr(logits, "float *"), t, heads, dim, batch, page_size, key_pages.stride(0), key_pages.stride(1),
         block_table.shape[1], float(scale), int(rate), _stream(),

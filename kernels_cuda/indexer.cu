@@ -10,7 +10,9 @@
 // query's A fragment is loaded in the same order, and a dot product does not depend on the order of its dims. Only
 // the visible keys are read, each once per token (the block's warps read the same bytes, the later ones from L1).
 // relu, scale and the head weights apply to the accumulators; a shuffle tree sums a warp's 16 heads, shared memory
-// the warps'.
+// the warps'. float32 keys (GLM 5.3's pooled keys) go through the tensor cores as two 16-bit parts, the key rounded
+// to the query's dtype and what that rounding left (two mmas per k-step; ~2^-16 relative, as good as the float32
+// reference's own sums).
 #include <type_traits>
 
 #include "common.cuh"
@@ -29,17 +31,72 @@ template <typename T> __device__ __forceinline__ void mma_k16(float (&c)[4], con
 
 __device__ __forceinline__ uint4 load16(const void *p) { return *reinterpret_cast<const uint4 *>(p); }
 
+template <typename T> __device__ __forceinline__ uint32_t pack_pair(float a, float b) {
+    if constexpr (std::is_same_v<T, half>) {
+        const half2 h = __floats2half2_rn(a, b);
+        return *reinterpret_cast<const uint32_t *>(&h);
+    } else {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+        return *reinterpret_cast<const uint32_t *>(&h);
+    }
+}
+
+template <typename T> __device__ __forceinline__ float2 unpack_pair(uint32_t v) {
+    if constexpr (std::is_same_v<T, half>) return __half22float2(*reinterpret_cast<const half2 *>(&v));
+    else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&v));
+}
+
+// One lane's 8 dims of one key in one 32-dim chunk (dims 8c .. 8c + 7), as B fragments for queries of dtype T.
+template <typename T, typename K> struct KeyChunk {  // keys of the queries' dtype: one 16-byte load
+    uint4 raw;
+    __device__ __forceinline__ void load(const K *p) { raw = load16(p); }
+    __device__ __forceinline__ void zero() { raw = make_uint4(0, 0, 0, 0); }
+    __device__ __forceinline__ void mma(float (&acc)[4], const uint32_t (&a_lo)[4], const uint32_t (&a_hi)[4]) const {
+        mma_k16<T>(acc, a_lo, raw.x, raw.y);  // dims 8c + 0..3
+        mma_k16<T>(acc, a_hi, raw.z, raw.w);  // dims 8c + 4..7
+    }
+};
+
+// dims (e0, e1), (e2, e3) as T pairs: the rounded key in hi, the rounding's remainder in lo
+template <typename T> __device__ __forceinline__ void split_pairs(float4 v, uint32_t &hi0, uint32_t &hi1, uint32_t &lo0,
+                                                                 uint32_t &lo1) {
+    hi0 = pack_pair<T>(v.x, v.y);
+    hi1 = pack_pair<T>(v.z, v.w);
+    const float2 r0 = unpack_pair<T>(hi0), r1 = unpack_pair<T>(hi1);
+    lo0 = pack_pair<T>(v.x - r0.x, v.y - r0.y);
+    lo1 = pack_pair<T>(v.z - r1.x, v.w - r1.y);
+}
+
+template <typename T> struct KeyChunk<T, float> {  // float32 keys: two 16-byte loads, two parts per k-step
+    float4 first, second;
+    __device__ __forceinline__ void load(const float *p) {
+        first = *reinterpret_cast<const float4 *>(p);
+        second = *reinterpret_cast<const float4 *>(p + 4);
+    }
+    __device__ __forceinline__ void zero() { first = second = make_float4(0.f, 0.f, 0.f, 0.f); }
+    __device__ __forceinline__ void mma(float (&acc)[4], const uint32_t (&a_lo)[4], const uint32_t (&a_hi)[4]) const {
+        uint32_t h0, h1, l0, l1;
+        split_pairs<T>(first, h0, h1, l0, l1);
+        mma_k16<T>(acc, a_lo, h0, h1);
+        mma_k16<T>(acc, a_lo, l0, l1);
+        split_pairs<T>(second, h0, h1, l0, l1);
+        mma_k16<T>(acc, a_hi, h0, h1);
+        mma_k16<T>(acc, a_hi, l0, l1);
+    }
+};
+
 // grid (ceil(width / IDX_KEYS_PER_BLOCK), tokens), 32 * ceil(heads / 16) threads. q [tokens, heads, 32 * CHUNKS] (T),
-// w float32 [tokens, heads]; keys: key slot r of page p at keys + p * page_stride + r * row_stride (T elements);
+// w float32 [tokens, heads]; keys: key slot r of page p at keys + p * page_stride + r * row_stride (K elements);
 // block_table int32 [batch, table_width]; logits float32 [tokens, width], width = table_width * page_size.
-template <typename T, int CHUNKS>
+template <typename T, typename K, int CHUNKS>
 __global__ void __launch_bounds__(32 * IDX_MAX_WARPS)
-    index_logits_kernel(const T *__restrict__ q, const float *__restrict__ w, const T *__restrict__ keys,
+    index_logits_kernel(const T *__restrict__ q, const float *__restrict__ w, const K *__restrict__ keys,
                         const int32_t *__restrict__ block_table, const int32_t *__restrict__ cu_seqlens,
                         const int32_t *__restrict__ key_counts, const int64_t *__restrict__ positions,
                         float *__restrict__ logits, int heads, int batch, int page_size, int64_t page_stride,
                         int64_t row_stride, int64_t table_width, int64_t width, float scale, int64_t rate) {
     constexpr int D = 32 * CHUNKS;
+    constexpr int TILES = sizeof(K) == 4 ? IDX_TILES / 2 : IDX_TILES;  // float32 keys: twice the registers per key
     __shared__ float partial[IDX_MAX_WARPS][IDX_KEYS_PER_BLOCK];
     const int64_t t = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
@@ -74,29 +131,28 @@ __global__ void __launch_bounds__(32 * IDX_MAX_WARPS)
     const float w0 = h0 < heads ? w[t * heads + h0] : 0.f, w1 = h1 < heads ? w[t * heads + h1] : 0.f;
     const int32_t *pages = block_table + (size_t)b * table_width;
 
-    for (int64_t base = first; base < stop; base += 8 * IDX_TILES) {
-        uint4 kb[IDX_TILES][CHUNKS];
+    for (int64_t base = first; base < stop; base += 8 * TILES) {
+        KeyChunk<T, K> kb[TILES][CHUNKS];
 #pragma unroll
-        for (int i = 0; i < IDX_TILES; ++i) {
+        for (int i = 0; i < TILES; ++i) {
             const int64_t s = base + 8 * i + g;  // this lane's key of tile i
             if (s < stop) {
-                const T *row = keys + (int64_t)pages[s / page_size] * page_stride + (s % page_size) * row_stride + 8 * c;
+                const K *row = keys + (int64_t)pages[s / page_size] * page_stride + (s % page_size) * row_stride + 8 * c;
 #pragma unroll
-                for (int j = 0; j < CHUNKS; ++j) kb[i][j] = load16(row + 32 * j);
+                for (int j = 0; j < CHUNKS; ++j) kb[i][j].load(row + 32 * j);
             } else {
 #pragma unroll
-                for (int j = 0; j < CHUNKS; ++j) kb[i][j] = make_uint4(0, 0, 0, 0);
+                for (int j = 0; j < CHUNKS; ++j) kb[i][j].zero();
             }
         }
 #pragma unroll
-        for (int i = 0; i < IDX_TILES; ++i) {
+        for (int i = 0; i < TILES; ++i) {
             float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int j = 0; j < CHUNKS; ++j) {  // dims 32j + 8c + {0..3}, then 32j + 8c + {4..7}
                 const uint32_t lo[4] = {qa[j][0].x, qa[j][1].x, qa[j][0].y, qa[j][1].y};
                 const uint32_t hi[4] = {qa[j][0].z, qa[j][1].z, qa[j][0].w, qa[j][1].w};
-                mma_k16<T>(acc, lo, kb[i][j].x, kb[i][j].y);
-                mma_k16<T>(acc, hi, kb[i][j].z, kb[i][j].w);
+                kb[i][j].mma(acc, lo, hi);
             }
             // acc: heads h0 (0, 1) and h1 (2, 3) against keys 2c and 2c + 1 of the tile
             float v0 = w0 * fmaxf(scale * acc[0], 0.f) + w1 * fmaxf(scale * acc[2], 0.f);
@@ -124,7 +180,7 @@ __global__ void __launch_bounds__(32 * IDX_MAX_WARPS)
     }
 }
 
-template <typename T>
+template <typename T, typename K>
 int launch_index_logits(const void *q, const float *w, const void *keys, const int32_t *block_table,
                         const int32_t *cu_seqlens, const int32_t *key_counts, const int64_t *positions, float *logits,
                         int64_t tokens, int heads, int dim, int batch, int page_size, int64_t page_stride,
@@ -133,8 +189,8 @@ int launch_index_logits(const void *q, const float *w, const void *keys, const i
     const dim3 grid((unsigned)((width + IDX_KEYS_PER_BLOCK - 1) / IDX_KEYS_PER_BLOCK), (unsigned)tokens);
     const int threads = 32 * ((heads + 15) / 16);
 #define TRELLM_INDEX_LAUNCH(CH)                                                                                       \
-    index_logits_kernel<T, CH><<<grid, threads, 0, stream>>>(                                                        \
-        static_cast<const T *>(q), w, static_cast<const T *>(keys), block_table, cu_seqlens, key_counts, positions,   \
+    index_logits_kernel<T, K, CH><<<grid, threads, 0, stream>>>(                                                     \
+        static_cast<const T *>(q), w, static_cast<const K *>(keys), block_table, cu_seqlens, key_counts, positions,   \
         logits, heads, batch, page_size, page_stride, row_stride, table_width, width, scale, rate)
     switch (dim / 32) {
         case 1: TRELLM_INDEX_LAUNCH(1); break;
@@ -149,13 +205,14 @@ int launch_index_logits(const void *q, const float *w, const void *keys, const i
 
 }  // namespace
 
-extern "C" int trellm_sparse_index_logits(const void *q, const float *weights, const void *keys, int dtype,
-                                          const int32_t *block_table, const int32_t *cu_seqlens,
+extern "C" int trellm_sparse_index_logits(const void *q, int dtype, const float *weights, const void *keys,
+                                          int key_dtype, const int32_t *block_table, const int32_t *cu_seqlens,
                                           const int32_t *key_counts, const int64_t *positions, float *logits,
                                           int64_t tokens, int64_t heads, int64_t dim, int64_t batch,
                                           int64_t page_size, int64_t page_stride, int64_t row_stride,
                                           int64_t table_width, float scale, int64_t rate, cudaStream_t stream) {
-    if (dtype != TRELLM_F16 && dtype != TRELLM_BF16) return TRELLM_E_BAD_DTYPE;
+    if ((dtype != TRELLM_F16 && dtype != TRELLM_BF16) || (key_dtype != dtype && key_dtype != TRELLM_F32))
+        return TRELLM_E_BAD_DTYPE;
     if (tokens < 0 || tokens > 65535 || heads < 1 || heads > TRELLM_INDEX_MAX_HEADS || dim < 32 ||
         dim > TRELLM_INDEX_MAX_DIM || dim % 32 || batch < 1 || batch > INT32_MAX || page_size < 1 ||
         page_size > INT32_MAX || table_width < 0 || rate < 1 || page_stride < 0 || row_stride < dim ||
@@ -165,7 +222,10 @@ extern "C" int trellm_sparse_index_logits(const void *q, const float *weights, c
     const int64_t width = table_width * page_size;
     if (tokens == 0 || width == 0) return TRELLM_OK;
     if ((width + IDX_KEYS_PER_BLOCK - 1) / IDX_KEYS_PER_BLOCK > INT32_MAX) return TRELLM_E_BAD_SHAPE;
-    auto launch = dtype == TRELLM_F16 ? launch_index_logits<half> : launch_index_logits<__nv_bfloat16>;
+    auto launch = dtype == TRELLM_F16 ? (key_dtype == TRELLM_F32 ? launch_index_logits<half, float>
+                                                                 : launch_index_logits<half, half>)
+                                      : (key_dtype == TRELLM_F32 ? launch_index_logits<__nv_bfloat16, float>
+                                                                 : launch_index_logits<__nv_bfloat16, __nv_bfloat16>);
     return launch(q, weights, keys, block_table, cu_seqlens, key_counts, positions, logits, tokens, (int)heads,
                   (int)dim, (int)batch, (int)page_size, page_stride, row_stride, table_width, width, scale, rate,
                   stream);

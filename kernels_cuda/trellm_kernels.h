@@ -367,13 +367,13 @@ int trellm_hyper_connection_merge(const void *x, const void *out, const float *p
  * Scores of a few tokens against every key slot of their sequence's block-table row: logits float32 [tokens, width],
  * width = table_width * page_size, logits[t, s] = sum_h weights[t, h] * relu(scale * q[t, h] . key(s)) where
  * s < min(key_counts[b], (positions[t] + 1) / rate) for token t's sequence b (cu_seqlens[b] <= t < cu_seqlens[b + 1]),
- * else -inf. q [tokens, heads, dim] and keys of one dtype (f16 / bf16), dim a multiple of 32 up to
- * TRELLM_INDEX_MAX_DIM, heads up to TRELLM_INDEX_MAX_HEADS; weights float32 [tokens, heads]; key slot r of page p at
- * keys + p * page_stride + r * row_stride elements (strides multiples of 8, q and keys 16-byte aligned);
+ * else -inf. q [tokens, heads, dim] (dtype f16 / bf16), keys of q's dtype or f32 (key_dtype), dim a multiple of 32
+ * up to TRELLM_INDEX_MAX_DIM, heads up to TRELLM_INDEX_MAX_HEADS; weights float32 [tokens, heads]; key slot r of page
+ * p at keys + p * page_stride + r * row_stride elements (strides multiples of 8, q and keys 16-byte aligned);
  * block_table int32 [batch, table_width], cu_seqlens int32 [batch + 1], key_counts int32 [batch], positions int64
  * [tokens]. Only the visible keys are read. tokens <= 65535. */
 enum { TRELLM_INDEX_MAX_HEADS = 64, TRELLM_INDEX_MAX_DIM = 128 };
-int trellm_sparse_index_logits(const void *q, const float *weights, const void *keys, int dtype,
+int trellm_sparse_index_logits(const void *q, int dtype, const float *weights, const void *keys, int key_dtype,
                                const int32_t *block_table, const int32_t *cu_seqlens, const int32_t *key_counts,
                                const int64_t *positions, float *logits, int64_t tokens, int64_t heads, int64_t dim,
                                int64_t batch, int64_t page_size, int64_t page_stride, int64_t row_stride,
