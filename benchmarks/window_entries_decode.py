@@ -137,7 +137,7 @@ class Timed:
             setattr(cls, method, fn)
 
 
-def every_window(batch, rate: int):
+def every_window(batch, rate: int, fold_values: int):
     """The former route's work: every complete window of each sequence's context, as if this step completed them."""
     from trellm.cache.indexed import CompletedWindows
 

@@ -6,6 +6,7 @@ sequences of different lengths in one batch, decode steps across window boundari
 completed a window, prefix-shared pages, and the real generator with prefix caching and drafts."""
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -14,7 +15,8 @@ pytest.importorskip("transformers")
 import trellm  # noqa: E402
 from trellm.batch import ForwardBatch  # noqa: E402
 from trellm.cache import SequenceState  # noqa: E402
-from trellm.cache.indexed import ExtraRowsKVCacheLayer  # noqa: E402
+from trellm.cache import KVCache, KVCacheLayer, indexed  # noqa: E402
+from trellm.cache.indexed import ExtraRowsKVCacheLayer, WindowEntries, completed_windows, window_rows  # noqa: E402
 from trellm.cache.recurrent import copy_state_slot  # noqa: E402
 from trellm.errors import ConfigError  # noqa: E402
 from trellm.modules.compressed import rope_tail  # noqa: E402
@@ -133,7 +135,12 @@ def step(lm, cache, feeds: list[tuple[Seq, list[int]]]) -> None:
         start += len(new)
 
 
-def test_cached_entries_equal_the_rebuild_across_chunks_decode_and_a_rejected_draft(lm):
+@pytest.mark.parametrize("route", ["every token folds", "found on the host"])
+def test_cached_entries_equal_the_rebuild_across_chunks_decode_and_a_rejected_draft(lm, route, monkeypatch):
+    """Both routes of completed_windows: these batches are small enough for every token to fold its window (no
+    host read), or, with no room for that, the windows completed are found on the host."""
+    if route == "found on the host":
+        monkeypatch.setattr(indexed, "FOLD_EVERY_TOKEN_MAX", 0)
     cache = lm.new_cache(max_tokens=256, page_size=PAGE)
     g = torch.Generator().manual_seed(0)
     draw = lambda n: torch.randint(3, 200, (n,), generator=g).tolist()  # noqa: E731  (below the image ids)
@@ -225,3 +232,27 @@ def test_copy_page_copies_entries_and_a_page_size_the_windows_do_not_divide_is_r
         assert layer.nbytes() == layer.kv.nbytes() + sum(t.numel() * t.element_size() for t in extra)  # the plan counts them
     with pytest.raises(ConfigError, match=r"cache page size 6 is not a multiple of 4, the window of the '\w+' entries"):
         lm.new_cache(max_tokens=64, page_size=6)
+
+
+def test_a_decode_step_folds_and_stores_its_windows_without_a_host_read(monkeypatch):
+    """On meta tensors, where a host read raises, a decode step (2 sequences) and a draft verification (2 x 3
+    tokens) find, read and store their windows; a batch past the budget finds them on the host."""
+    layer = ExtraRowsKVCacheLayer(KVCacheLayer(6, 8, 1, 4, 4, torch.float32, "meta"), 6, entries=[WindowEntries("e", 4, 3)])
+    cache = KVCache([layer], 8, torch.device("meta"))
+    for new, budget in ((1, indexed.FOLD_EVERY_TOKEN_MAX), (3, indexed.FOLD_EVERY_TOKEN_MAX), (3, 6 * 4 * 6 - 1)):
+        monkeypatch.setattr(indexed, "FOLD_EVERY_TOKEN_MAX", budget)
+        batch = ForwardBatch(input_ids=torch.zeros(2 * new, dtype=torch.long), positions=torch.zeros(2 * new, dtype=torch.long),
+                             cu_seqlens=torch.tensor([0, new, 2 * new], dtype=torch.int32), cache=cache,
+                             block_table=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32),
+                             context_lens=torch.tensor([9, 17], dtype=torch.int32) + new)
+        batch = ForwardBatch(**{name: value.to("meta") if isinstance(value, torch.Tensor) else value
+                                for name, value in attrs.asdict(batch, recurse=False).items()})
+        if 2 * new * 4 * 6 > budget:
+            with pytest.raises(NotImplementedError, match="nonzero"):
+                completed_windows(batch, 4, 4 * 6)
+            continue
+        windows = completed_windows(batch, 4, 4 * 6)
+        assert windows.count == 2 * new
+        rows, valid = window_rows(windows, 4, None, batch, layer.row_pages)
+        assert rows.shape == (2 * new, 4, 6) and valid.shape == (2 * new, 4)
+        layer.entries["e"].store(rows[:, -1, :3], windows, batch.block_table)

@@ -47,9 +47,9 @@ class WindowEntries:
 
 @attrs.frozen
 class CompletedWindows:
-    """The windows of ``rate`` tokens a batch's new tokens complete, one per token that ends one: its sequence
-    ``seq`` [N], its window index in that sequence ``window`` [N] and the batch row of its last token ``end`` [N]
-    (ordered by sequence, then window)."""
+    """The windows of ``rate`` tokens a batch folds: each one's sequence ``seq`` [N], its window index in that
+    sequence ``window`` [N] and a batch row of one of its tokens, ``end`` [N] (its last token's when it is
+    complete). Every window a new token completes is among them; see :func:`completed_windows` for the others."""
 
     rate: int
     seq: torch.Tensor
@@ -72,9 +72,20 @@ def token_indices(batch) -> tuple[torch.Tensor, torch.Tensor]:
     return seq, total - (ends - rows)
 
 
-def completed_windows(batch, rate: int) -> CompletedWindows:
-    """The windows of ``rate`` tokens whose last token is among ``batch``'s new tokens."""
+FOLD_EVERY_TOKEN_MAX = 1 << 19  # values a cached batch may read to fold a window for each new token (1 MB in bf16)
+
+
+def completed_windows(batch, rate: int, fold_values: int) -> CompletedWindows:
+    """The windows of ``rate`` tokens whose last token is among ``batch``'s new tokens, found on the host.
+
+    A cached batch whose tokens' folds read at most :data:`FOLD_EVERY_TOKEN_MAX` values (``fold_values``: what one
+    window's fold reads; a decode step, a draft verification) takes no host read instead, so it can be captured in
+    a CUDA graph: every new token's window is folded, complete or not. The tokens of one complete window all fold
+    it from the same cached rows (the batch's were stored first) and write the same entry; an incomplete window's
+    entry is written where nothing reads it before the window completes and is folded again."""
     seq, index = token_indices(batch)
+    if batch.cache is not None and index.shape[0] * fold_values <= FOLD_EVERY_TOKEN_MAX:
+        return CompletedWindows(rate, seq, index // rate, torch.arange(index.shape[0], device=index.device))
     end = torch.nonzero((index + 1) % rate == 0).flatten()
     return CompletedWindows(rate, seq[end], index[end] // rate, end)
 

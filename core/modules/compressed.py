@@ -165,8 +165,9 @@ class CompressedAttention(Module):
             layer = batch.cache.layers[self.layer_idx]
             layer.store_rows(rows, batch.slots)
             row_pages = layer.row_pages
-        windows = completed_windows(batch, self.rate)
-        span_rows, valid = window_rows(windows, max(c.span for c in compressors.values()), rows, batch, row_pages)
+        span = max(c.span for c in compressors.values())
+        windows = completed_windows(batch, self.rate, span * rows.shape[-1])
+        span_rows, valid = window_rows(windows, span, rows, batch, row_pages)
         out, start = {}, 0
         for name, c in compressors.items():
             width = 2 * c.width

@@ -192,7 +192,7 @@ class SparseIndexer(Module):
         """Every complete pool's key as (pages, block table, count per sequence): the pools this batch completes
         are folded from their tokens' rows (``rows`` [T, row_width], this batch's; with a cache, ``row_pages``,
         holding them already) and join the cached ones of layer ``layer_idx``."""
-        windows = completed_windows(batch, self.pool)
+        windows = completed_windows(batch, self.pool, self.pool * self.row_width)
         pool_rows, _ = window_rows(windows, self.pool, rows, batch, row_pages)
         return window_entry_pages(batch, layer_idx, POOLED_KEYS, windows, self.pool_keys(pool_rows))
 

@@ -199,7 +199,7 @@ class IndexedAttention(GatedAttention):
         layer = None if batch.cache is None else batch.cache.layers[self.layer_idx]
         if layer is not None:
             layer.store_rows(raw_key, batch.slots, batch.positions)
-        windows = completed_windows(batch, self.ratio)
+        windows = completed_windows(batch, self.ratio, self.ratio * (self.index_dim + 1))
         raw, _ = window_rows(windows, self.ratio, raw_key, batch, None if layer is None else layer.row_pages)
         firsts, _ = window_rows(windows, self.ratio, batch.positions[:, None], batch,
                                 None if layer is None else layer.position_pages[..., None])
