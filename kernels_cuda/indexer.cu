@@ -11,8 +11,8 @@
 // the visible keys are read, each once per token (the block's warps read the same bytes, the later ones from L1).
 // relu, scale and the head weights apply to the accumulators; a shuffle tree sums a warp's 16 heads, shared memory
 // the warps'. float32 keys (GLM 5.3's pooled keys) go through the tensor cores as two 16-bit parts, the key rounded
-// to the query's dtype and what that rounding left (two mmas per k-step; ~2^-16 relative, as good as the float32
-// reference's own sums).
+// to the query's dtype and what that rounding left (two mmas per k-step; each key element kept to ~2^-17 of itself
+// with bf16 queries, ~2^-22 with f16).
 #include <type_traits>
 
 #include "common.cuh"

@@ -205,6 +205,36 @@ def test_tiny_glm5_decodes_alike_through_both_routes(monkeypatch):
     assert rel_err(device, loop) < 1e-5
 
 
+@pytest.mark.parametrize("drafts", [0, 3])
+def test_tiny_glm5_steps_through_the_graph_runner_on_cpu(drafts):
+    """The GraphRunner's steps on CPU (eager stand-ins for the graphs, tests/test_graph_hybrid.py): the indexer scores
+    over the runner's static block table (as wide as the cache), padding rows and, with n-gram drafts, verification
+    rows of 4 tokens; the tokens equal plain eager decoding's."""
+    from test_graph_hybrid import EagerGraphs
+    from trellm.generator import Generator, Job, NgramProposer
+
+    lm = tiny_glm_dsa("cpu", torch.float32)
+    prompts = [([1, 2, 3, 4, 5] * 8)[:n] for n in (23, 9, 40)]
+
+    def generate(graphs: bool):
+        gen = Generator(lm, max_batch_size=4, cache_tokens=512, page_size=16,
+                        proposer=NgramProposer(num_tokens=drafts) if drafts and graphs else None,
+                        num_draft_tokens=max(drafts, 1))
+        if graphs:
+            gen.graph_runner = EagerGraphs(gen.model, gen.cache, batch_sizes=(1, 2, 4),
+                                           max_context=gen.cache.capacity_tokens, max_width=1 + drafts)
+        with torch.inference_mode():
+            gen.enqueue([Job(p, 12, identifier=i, stop_token_ids=[]) for i, p in enumerate(prompts)])
+            done = {r.identifier: r.token_ids for r in gen.stream() if type(r).__name__ == "JobFinished"}
+        return gen, [done[i] for i in range(len(prompts))]
+
+    _, plain = generate(False)
+    gen, replayed = generate(True)
+    assert gen.graph_runner.replays and replayed == plain
+    if drafts:
+        assert any(width == drafts + 1 for _, width in gen.graph_runner.graphs)
+
+
 # index_topk 4 < the prompts: later queries attend to a selection; 32-dim indexer heads, which the kernel takes
 TINY_GLM_DSA = dict(
     architectures=["GlmMoeDsaForCausalLM"], vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -292,21 +322,26 @@ def test_sparse_index_topk_kernel_route_captures(monkeypatch):
         assert torch.equal(as_sets(out), as_sets(run())), step
 
 
+@pytest.mark.parametrize("drafts", [0, 3])
 @pytest.mark.parametrize("route", ["reference", "kernel"])
 @on_cuda
-def test_tiny_glm5_decode_steps_capture(monkeypatch, route):
-    """A tiny GLM 5 in bf16 through the Generator: its decode steps run as captured CUDA graphs on both routes (the
-    reference's device route at this size, the kernel at any) and give the tokens of eager decoding."""
+def test_tiny_glm5_decode_steps_capture(monkeypatch, route, drafts):
+    """A tiny GLM 5 in bf16 through the Generator: its decode steps (and with n-gram drafts of 3 tokens, its
+    verification steps) run as captured CUDA graphs on both routes (the reference's device route at this size, the
+    kernel at any) and give the tokens of eager decoding."""
     import warnings
 
-    from trellm.generator import Generator, Job
+    from trellm.generator import Generator, Job, NgramProposer
 
     monkeypatch.setenv(SPARSE_INDEX_ENV, route)
     model = tiny_glm_dsa("cuda", torch.bfloat16)
     prompts = [[(7 * i + j) % 96 for j in range(n)] for i, n in enumerate((23, 9, 40))]
+    if drafts:  # repeating prompts: the n-gram proposer finds drafts
+        prompts = [(p[:5] * 8)[:len(p)] for p in prompts]
 
     def generate(cuda_graphs: bool):
-        gen = Generator(model, max_batch_size=4, cache_tokens=512, page_size=16, cuda_graphs=cuda_graphs)
+        gen = Generator(model, max_batch_size=4, cache_tokens=512, page_size=16, cuda_graphs=cuda_graphs,
+                        proposer=NgramProposer(num_tokens=drafts) if drafts else None, num_draft_tokens=max(drafts, 1))
         gen.enqueue([Job(p, 12, identifier=i, stop_token_ids=[]) for i, p in enumerate(prompts)])
         done = {r.identifier: r.token_ids for r in gen.stream() if type(r).__name__ == "JobFinished"}
         return gen, [done[i] for i in range(len(prompts))]
@@ -317,4 +352,6 @@ def test_tiny_glm5_decode_steps_capture(monkeypatch, route):
         gen, graphed = generate(True)
     failed = [str(w.message) for w in caught if "CUDA graph" in str(w.message)]  # a failed capture warns why
     assert gen.graph_runner.graphs and not gen.graph_runner._failed and not failed, failed
+    if drafts:
+        assert any(width == drafts + 1 for _, width in gen.graph_runner.graphs), "no verification step was captured"
     assert graphed == eager
