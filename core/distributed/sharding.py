@@ -93,6 +93,41 @@ def head_shard(num_heads: int, num_kv_heads: int, rank: int, world: int, key: st
     raise ShardingError(f"{where}{num_kv_heads} KV heads cannot be split over or replicated on {world} ranks")
 
 
+@attrs.frozen
+class LinearSplit:
+    """The part of a whole projection [``out_features``, ``in_features``] a rank's Linear holds: output ``columns``
+    (ranges of the whole's, in order; None: all) and input ``rows`` (None: all). A LoRA adapter's factors are cut the
+    same way (:meth:`factors`), so the rank's update is its part of the whole update."""
+
+    in_features: int
+    out_features: int
+    columns: tuple[tuple[int, int], ...] | None = None
+    rows: tuple[int, int] | None = None
+
+    def factors(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``a`` [rank, in] and ``b`` [out, rank] of whole-projection factors: A's columns of its input rows
+        (a row shard's partial update, summed by the all-reduce after it), B's rows of its output columns."""
+        if self.rows is not None:
+            a = a[:, self.rows[0]: self.rows[1]]
+        if self.columns is not None:
+            b = torch.cat([b[lo:hi] for lo, hi in self.columns])
+        return a, b
+
+
+def record_split(linear: Linear, columns: list[tuple[int, int]] | None = None, rows: tuple[int, int] | None = None) -> None:
+    """Note on ``linear`` (before its sizes shrink) which columns or rows of the whole projection it keeps."""
+    whole = linear.split or LinearSplit(linear.in_features, linear.out_features)
+    if columns is not None:
+        if whole.columns is not None:
+            raise ShardingError(f"{linear.key}: its output columns are split already")
+        whole = attrs.evolve(whole, columns=tuple(columns))
+    if rows is not None:
+        if whole.rows is not None:
+            raise ShardingError(f"{linear.key}: its input rows are split already")
+        whole = attrs.evolve(whole, rows=rows)
+    linear.split = whole
+
+
 # ---- shards of weights (one implementation per weights class; a new format registers its own) -------
 
 
@@ -194,7 +229,8 @@ def _(*parts: EXL3Linear) -> EXL3Linear:
 
 
 class RowParallel:
-    """A row shard whose partial outputs are summed over the ranks: the all-reduce is its post step."""
+    """A row shard whose partial outputs are summed over the ranks: the all-reduce is its post step. ``shard``: the
+    rank's own projection before it (where a LoRA adapter wraps the weights, so its update is summed once)."""
 
     def __init__(self, shard: object, comm: Comm):
         self.shard, self.comm = shard, comm
@@ -268,7 +304,8 @@ def covering_blocks(ranges: list[tuple[int, int]], align: int, size: int) -> tup
 
 
 class VocabParallelHead:
-    """The LM head's vocabulary rows [start, stop); ``forward`` gathers every rank's logits into the full vocab."""
+    """The LM head's vocabulary rows [start, stop); ``forward`` gathers every rank's logits into the full vocab.
+    ``shard``: the rank's own projection before the gather (where a LoRA adapter wraps the weights)."""
 
     def __init__(self, shard: object, comm: Comm, vocab_size: int, chunk: int):
         self.shard, self.comm, self.vocab_size, self.chunk = shard, comm, vocab_size, chunk
@@ -320,6 +357,7 @@ def split_column_ranges(linear: Linear, ranges: list[tuple[int, int]]) -> None:
     align, size = shard_align(linear.impl), linear.out_features
     on_blocks = all(a % align == 0 and (b % align == 0 or b == size) for a, b in ranges)
     blocks, index = (ranges, None) if on_blocks else covering_blocks(ranges, align, size)
+    record_split(linear, columns=ranges)
     parts = [shard_columns(linear.impl, a, b) for a, b in blocks]
     impl = parts[0] if len(parts) == 1 else join_columns(*parts)
     linear.impl = impl if index is None else ColumnSelect(impl, index)
@@ -330,6 +368,7 @@ def split_rows(linear: Linear, start: int, stop: int, comm: Comm, reduce: bool =
     """Keep input rows [start, stop) of ``linear``; its partial outputs are all-reduced (``reduce=False``: left
     partial, for a caller that sums them with more)."""
     shard = shard_rows(linear.impl, start, stop, keep_bias=comm.rank == 0)
+    record_split(linear, rows=(start, stop))
     linear.impl = RowParallel(shard, comm) if reduce else shard
     linear.in_features = stop - start
 
@@ -527,6 +566,7 @@ def shard_head(head: Linear, comm: Comm) -> None:
     vocab = head.out_features
     ranges = partition(vocab, comm.world, shard_align(head.impl), f"{head.key}: vocabulary")
     start, stop = ranges[comm.rank]
+    record_split(head, columns=[(start, stop)])
     head.impl = VocabParallelHead(shard_columns(head.impl, start, stop), comm, vocab, ranges[0][1] - ranges[0][0])
 
 
@@ -574,7 +614,11 @@ def _stacked_slice(experts: Module, start: int, stop: int) -> Module:
 class SpreadExperts(Module):
     """Experts [start, stop) of a collection spread over the ranks (contiguous ranges). :meth:`dispatch` is
     :func:`~trellm.modules.moe.dispatch_experts` over the whole collection's expert ids with only this rank's
-    experts: its partial sum, which the caller all-reduces."""
+    experts: its partial sum, which the caller all-reduces. LoRA adapters on these experts are refused
+    (``spread_over_ranks``): no rank holds every expert an adapter names, and the dispatch does not tell them
+    each row's token."""
+
+    spread_over_ranks = True
 
     def __init__(self, experts: Module, comm: Comm, key: str):
         self.key = experts.key

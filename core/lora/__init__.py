@@ -19,6 +19,12 @@ an adapter on stacked expert tensors (PEFT's ``target_parameters``) is split int
 Expert dispatch regroups rows by expert, so it tells the adapters which token each row is
 (:meth:`LoraSet.regrouped`); an expert collection that carries an adapter (``experts.lora`` is set) leaves its
 sync-free pair kernels, which would skip the update, for the grouped path.
+
+Under tensor parallel every rank has its own LoraSet holding its part of each adapter: a split projection's
+factors are cut as its weights were (``Linear.split``: B's rows of a column shard, A's columns of a row shard),
+checked first against the whole projection's shapes. The wrapper goes where the rank's own projection is: inside
+a row shard's all-reduce and the head's vocabulary gather (the collective's ``shard``), so a row shard's partial
+update is summed once with its partial output. Experts spread over the ranks (expert parallel) refuse adapters.
 """
 from __future__ import annotations
 
@@ -168,6 +174,8 @@ class LoraSet:
         for m in model.modules():
             if isinstance(m, Experts) or (isinstance(m, ExpertList) and m.key not in self.experts):
                 self.experts[m.key] = m
+        # expert collections spread over tensor-parallel ranks (expert parallel): adapters on them are refused
+        self.spread = [m.key for m in model.modules() if getattr(m, "spread_over_ranks", False)]
         self.head = getattr(model, "lm_head", None)
         emb = model.embed.weight
         self.dtype, self.device = emb.dtype, emb.device
@@ -208,6 +216,12 @@ class LoraSet:
         """(projection, its factors) for every module of ``adapter``, checked against this model (nothing
         changes yet, so a bad adapter loses nothing)."""
         named: list[tuple[str, Linear, LoraFactors]] = []  # (the adapter tensors' name, projection, factors)
+        for module in [*adapter.modules, *adapter.expert_stacks]:
+            spread = next((key for key in self.spread if module == key or module.startswith(key + ".")), None)
+            if spread is not None:
+                raise LoraError(f"{adapter.path}: targets {module!r}, but the experts {spread!r} are spread over the "
+                                "tensor-parallel ranks (expert parallel), where LoRA on experts is not supported yet; "
+                                "adapters on attention, MLPs, shared experts and the head are")
         for module, f in adapter.modules.items():
             if module.rsplit(".", 1)[-1] in _READ_WHOLE:
                 raise LoraError(f"{adapter.path}: targets {module!r}, whose weight this model reads whole at load "
@@ -215,13 +229,13 @@ class LoraSet:
             if module in self.linears:
                 self._check_loaded(adapter, module, self.linears[module])
                 named.append((module, self.linears[module], f))
-            elif module in self.fused:  # split B by the parts' rows; A is shared
+            elif module in self.fused:  # split B by the parts' rows (of the whole projections); A is shared
                 if f.b.shape[0] != self.fused[module][0].fused_rows:
                     raise LoraError(f"{adapter.path}: tensor {module + '.lora_B.weight'!r} has shape {list(f.b.shape)}, "
                                     f"the base's {module!r} has {self.fused[module][0].fused_rows} output rows "
                                     "(an adapter for another base model?)")
                 for lin in sorted(self.fused[module], key=lambda p: p.start):
-                    named.append((module, lin, LoraFactors(f.a, f.b[lin.start: lin.start + lin.out_features], f.scale)))
+                    named.append((module, lin, LoraFactors(f.a, f.b[lin.start: lin.start + whole_size(lin)[1]], f.scale)))
             else:
                 raise LoraError(f"{adapter.path}: targets module {module!r}, which this model does not have "
                                 f"(an adapter for another base model, or a module trellm does not adapt)")
@@ -232,16 +246,19 @@ class LoraSet:
         for module, lin, part in named:
             if lin.impl is None:
                 raise LoraError(f"{lin.key}: the model is not loaded")
-            want_a, want_b = (part.rank, lin.in_features), (lin.out_features, part.rank)
+            in_features, out_features = whole_size(lin)
+            want_a, want_b = (part.rank, in_features), (out_features, part.rank)
             for tname, t, want in (("lora_A", part.a, want_a), ("lora_B", part.b, want_b)):
                 if tuple(t.shape) != want:
                     raise LoraError(f"{adapter.path}: tensor {module + '.' + tname + '.weight'!r} has shape "
                                     f"{list(t.shape)}, the base model's {lin.key!r} needs {list(want)} "
-                                    f"(in {lin.in_features}, out {lin.out_features}): an adapter for another base model")
+                                    f"(in {in_features}, out {out_features}): an adapter for another base model")
+            if lin.split is not None:  # this rank's part (tensor parallel)
+                part = LoraFactors(*lin.split.factors(part.a, part.b), part.scale)
             out.append((lin, part))
         for module, base_weight in adapter.base_layers.items():
             lin = self.linears.get(module)
-            shape = (lin.out_features, lin.in_features) if lin is not None else None
+            shape = whole_size(lin)[::-1] if lin is not None else None
             if shape is not None and tuple(base_weight.shape) != shape:
                 raise LoraError(f"{adapter.path}: tensor {module + '.base_layer.weight'!r} has shape {list(base_weight.shape)}, "
                                 f"the base model's {module!r} has {list(shape)}: an adapter for another base model")
@@ -295,7 +312,7 @@ class LoraSet:
         slot = next(s for s in itertools.count() if s not in used)
         self._ensure_room(slot + 1, adapter.max_rank, [lin for lin, _ in targets])
         for lin, f in targets:
-            w: LoraWeights = lin.impl
+            w = adapted(lin)
             rows = slice(slot * self.rank, slot * self.rank + f.rank)
             w.a[rows] = f.a.to(w.a.device, self.dtype)
             w.b[:, rows] = (f.b * f.scale).to(w.b.device, self.dtype)
@@ -324,7 +341,7 @@ class LoraSet:
         for owner in self.experts.values():
             experts = owner.active if isinstance(owner, Experts) else owner
             if isinstance(experts, ExpertList):
-                carried = any(isinstance(p.impl, LoraWeights) and p.impl.carries
+                carried = any((w := adapted(p)) is not None and w.carries
                               for mlp in experts.experts for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
                 experts.lora = self if carried else None
 
@@ -338,7 +355,7 @@ class LoraSet:
             self._regrouped = outer
 
     def _wrapped(self) -> list[LoraWeights]:
-        return [lin.impl for lin in self.linears.values() if isinstance(lin.impl, LoraWeights)]
+        return [w for w in map(adapted, self.linears.values()) if w is not None]
 
     def _ensure_room(self, slots: int, rank: int, linears: list[Linear]) -> None:
         """Every wrapped projection (and ``linears``, wrapped now) with room for ``slots`` slots of ``rank``."""
@@ -348,11 +365,13 @@ class LoraSet:
                 w.a, w.b = self._moved(w.a, w.b, w.in_features, w.out_features, new_cap, new_rank, w.a.device)
             self.capacity, self.rank = new_cap, new_rank
         for lin in linears:
-            if not isinstance(lin.impl, LoraWeights):
-                w = LoraWeights(lin.impl, self, lin.key, lin.in_features, lin.out_features, lin is self.head)
-                w.a, w.b = self._moved(None, None, lin.in_features, lin.out_features, self.capacity, self.rank,
+            if adapted(lin) is None:
+                holder, attr = _seat(lin)
+                inner = getattr(holder, attr)  # its sizes are the rank's part under tensor parallel
+                w = LoraWeights(inner, self, lin.key, inner.in_features, inner.out_features, lin is self.head)
+                w.a, w.b = self._moved(None, None, w.in_features, w.out_features, self.capacity, self.rank,
                                        lin.device or self.device)
-                lin.impl = w
+                setattr(holder, attr, w)
 
     def _moved(self, a, b, in_features: int, out_features: int, cap: int, rank: int,
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -398,6 +417,28 @@ class LoraSet:
                 moved = self._on_device[head, device] = slots.to(device)
             slots = moved
         return slots
+
+
+def whole_size(lin: Linear) -> tuple[int, int]:
+    """(in, out) features of the whole projection ``lin`` is (a part of, under tensor parallel)."""
+    split = lin.split
+    return (lin.in_features, lin.out_features) if split is None else (split.in_features, split.out_features)
+
+
+def _seat(lin: Linear) -> tuple[Any, str]:
+    """(object, attribute) holding the weights an adapter on ``lin`` wraps: under tensor parallel, the rank's own
+    projection inside a collective that follows it (a row shard's all-reduce, the head's vocabulary gather: its
+    ``shard``), so the update is part of what the collective sums or gathers, added once; else ``lin.impl``."""
+    if lin.split is not None and hasattr(lin.impl, "shard"):
+        return lin.impl, "shard"
+    return lin, "impl"
+
+
+def adapted(lin: Linear) -> LoraWeights | None:
+    """The LoraWeights wrapping ``lin``'s weights, None when no adapter was ever loaded on it."""
+    holder, attr = _seat(lin)
+    w = getattr(holder, attr)
+    return w if isinstance(w, LoraWeights) else None
 
 
 def lora_set(model: Any, create: bool = True) -> LoraSet | None:

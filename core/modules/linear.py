@@ -49,6 +49,9 @@ class Linear(Module):
         self.alt_key = alt_key  # e.g. tied lm_head reads embed_tokens when lm_head.* is absent
         self.impl: Weights | None = None
         self.device: torch.device | None = None  # where the weights were loaded (LoRA factors go there too)
+        # under tensor parallel: which part of the whole projection this rank holds (trellm.distributed.LinearSplit;
+        # LoRA factors are cut the same way), None: all of it
+        self.split = None
 
     def _resolve_key(self, ctx: LoadContext) -> str:
         store = ctx.store
