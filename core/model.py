@@ -96,8 +96,11 @@ class LoadedModel:
         """Load the PEFT LoRA adapter in directory ``path`` beside the base weights, under ``name`` (default: the
         directory's name); ``scale`` multiplies its update. Returns the name. Jobs choose it with
         ``Job(lora=name)``, simple calls with ``lora=name``; several adapters serve one batch together."""
+        from .distributed import TensorParallelModel
         from .lora import lora_set
 
+        if isinstance(self.model, TensorParallelModel):  # every rank its part, all or none
+            return self.model.load_lora(path, name=name, scale=scale)
         return lora_set(self.model).load(path, name=name, scale=scale)
 
     def unload_lora(self, name: str) -> None:
@@ -109,7 +112,12 @@ class LoadedModel:
             from .lora import LoraError
 
             raise LoraError(f"no LoRA adapter named {name!r} is loaded; loaded: none")
-        adapters.unload(name)
+        from .distributed import TensorParallelModel
+
+        if isinstance(self.model, TensorParallelModel):
+            self.model.unload_lora(name)
+        else:
+            adapters.unload(name)
         if self.default_lora == name:
             self.default_lora = None
 
@@ -404,9 +412,16 @@ def load(path: str | Path, device=None, dtype=None, progress: bool = False, toke
     if tensor_parallel != 1:
         from .distributed import TensorParallelError, load_tensor_parallel
 
-        if lora is not None or not weights:
-            raise TensorParallelError("tensor parallel loads the whole model's weights and no LoRA adapter yet")
-        return load_tensor_parallel(model_dir, tensor_parallel, device, dtype, progress, tokenizer, step_timeout)
+        if not weights:
+            raise TensorParallelError("tensor parallel loads the whole model's weights (weights=False is not supported)")
+        lm = load_tensor_parallel(model_dir, tensor_parallel, device, dtype, progress, tokenizer, step_timeout)
+        if lora is not None:
+            try:
+                lm.default_lora = lm.load_lora(lora)
+            except BaseException:
+                lm.close()  # the workers end with the refusal
+                raise
+        return lm
     dev = resolve_device(device)
     if dev.type == "cuda" and weights:
         from .distributed.plan import device_and_dtype, refuse_unfit

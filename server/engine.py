@@ -266,14 +266,14 @@ def _build(settings: LoadSettings) -> tuple[Any, Generator]:
         from trellm.errors import ConfigError
 
         raise ConfigError(f"{settings.model_dir}: not a model directory (no config.json)")
-    if settings.loras and settings.tensor_parallel != 1:
-        from trellm.errors import ConfigError
-
-        raise ConfigError("LoRA adapters do not run under tensor parallel yet: serve with --tp 1 or without --lora")
     lm = trellm.load(settings.model_dir, device=settings.device, dtype=settings.dtype,
                      tensor_parallel=settings.tensor_parallel, gpu_split=settings.gpu_split, context=settings.cache_size)
-    for name, path in settings.loras.items():
-        lm.load_lora(path, name=name)
+    try:
+        for name, path in settings.loras.items():
+            lm.load_lora(path, name=name)
+    except BaseException:
+        lm.close()  # a tensor-parallel model's workers end with the refusal
+        raise
     cache = None  # fp16: the generator builds it (a hybrid model's cache also holds recurrent-state slots)
     if settings.cache_bits is not None:
         from trellm.cache.quantized import quantized_cache

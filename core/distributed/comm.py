@@ -72,6 +72,16 @@ class Comm:
         self.ctrl.broadcast(payload, 0).wait()
         return pickle.loads(payload.numpy().tobytes())
 
+    def all_gather_object(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order, on every rank (over ``ctrl``: for rare agreements, not steps)."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        self.ctrl.allgather([sizes], [torch.tensor([payload.numel()], dtype=torch.int64)]).wait()
+        longest = max(int(n.item()) for n in sizes)
+        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world)]
+        self.ctrl.allgather([parts], [torch.nn.functional.pad(payload, (0, longest - payload.numel()))]).wait()
+        return [pickle.loads(p[: int(n.item())].numpy().tobytes()) for p, n in zip(parts, sizes)]
+
     def close(self) -> None:
         """Drop the process groups (their sockets close, so peers still waiting see an error)."""
         for group in {id(self.ctrl): self.ctrl, id(self.data): self.data}.values():

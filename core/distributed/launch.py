@@ -278,9 +278,62 @@ class TensorParallelModel:
         self._send("mtp", {"batch": self._pack(batch), "hidden": _to_cpu(hidden)})
         return self._guarded(mtp_rows, self.local, batch, hidden)
 
+    def load_lora(self, path: Any, name: str | None = None, scale: float = 1.0) -> str:
+        """:meth:`LoraSet.load <trellm.lora.LoraSet.load>` on every rank, each keeping its part of the factors; all
+        or none: when a rank refuses the adapter, the ranks that took it drop it and rank 0 raises the refusal."""
+        from ..lora import PeftAdapter
+
+        if not isinstance(path, PeftAdapter):  # the workers' working directory may differ; the name stays the given one's
+            path, name = str(Path(path).absolute()), name or Path(path).name or None
+        command = ("load", path, name, scale)
+        self._send("lora", command)
+        name, error = self._guarded(lora_command, self.comm, self.local, command)
+        if error is not None:
+            raise error
+        return name
+
+    def unload_lora(self, name: str) -> None:
+        """:meth:`LoraSet.unload <trellm.lora.LoraSet.unload>` on every rank (an unknown name is refused here first)."""
+        from ..lora import lora_set
+
+        lora_set(self.local).slot(name)  # every rank holds the same adapters
+        self._send("lora", ("unload", name))
+        _, error = self._guarded(lora_command, self.comm, self.local, ("unload", name))
+        if error is not None:
+            raise error
+
     def close(self) -> None:
         """End the other ranks (waits for them; kills one that does not exit)."""
         self.workers.shutdown()
+
+
+def lora_command(comm: Comm, model: Any, command: tuple) -> tuple[Any, Exception | None]:
+    """Run ``command`` (("load", path, name, scale) or ("unload", name)) on this rank's LoraSet, then agree with the
+    other ranks: when any rank failed, a rank that loaded the adapter unloads it, so every rank keeps the same
+    adapters in the same slots (rank 0 names the slots of each batch's rows). Returns what the call returned and,
+    on rank 0, the failure to raise (its own exception, or the first other rank's as a LoraError); another rank
+    raises nothing (its loop goes on)."""
+    from ..lora import LoraError, lora_set
+
+    op, *args = command
+    adapters = lora_set(model)
+    result = error = None
+    try:
+        result = getattr(adapters, op)(*args)
+    except Exception as e:  # noqa: BLE001 - any rank's failure is everyone's: reported below
+        error = e
+    failures = [(rank, why) for rank, why in enumerate(comm.all_gather_object(None if error is None else str(error)))
+                if why is not None]
+    if not failures:
+        return result, None
+    if error is None and op == "load":
+        adapters.unload(result)
+    if comm.rank > 0:
+        return None, None
+    if error is not None:
+        return None, error
+    rank, why = failures[0]
+    return None, LoraError(f"tensor-parallel rank {rank} refused the LoRA {op}: {why} (no rank keeps it)")
 
 
 def time_all_reduce(comm: Comm, model: Any, rows: int, reps: int) -> float:
@@ -467,6 +520,8 @@ def serve(model: Any, comm: Comm) -> None:
                 caches[cache_id] = make_local_cache(model, made_with)
             elif step.kind == "all_reduce":
                 time_all_reduce(comm, model, *step.payload)
+            elif step.kind == "lora":
+                lora_command(comm, model, step.payload)
             elif step.kind == "close":
                 return
             else:
