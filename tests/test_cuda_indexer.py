@@ -7,10 +7,11 @@ A decode step or a draft verification scores every token against the whole width
 CPU tests: the device route against the loop (several sequences of different lengths, rate 1 and 4, sequences
 with no key or fewer keys than k, a multi-token query mid-sequence, ties; exact on integer-valued inputs), no host
 read (the route runs on meta tensors, where the loop cannot), the route knob and the CUDA registration against a
-stub library, and a tiny GLM 5 decoding alike on both routes. CUDA tests (skipped without a GPU): the kernel's logits
-against ``index_logits`` (f16/bf16, 8..64 heads, 32..128 dims, strided key rows), its selection against the
-reference, the route captured in a CUDA graph and replayed over new inputs, and a tiny GLM 5 whose decode steps
-capture in the Generator's graphs on both routes.
+stub library, a tiny GLM 5 decoding alike on both routes, and GLM 5 / GLM 5.3 steps (decode, n-gram verification)
+through the GraphRunner's static buffers. CUDA tests (skipped without a GPU): the kernel's logits against
+``index_logits`` (f16/bf16 queries, keys of their dtype or float32, 8..64 heads, 32..128 dims, strided key rows), its
+selection against the reference, the route captured in a CUDA graph and replayed over new inputs, and a tiny GLM 5
+and GLM 5.3 whose decode and verification steps capture in the Generator's graphs on both routes.
 """
 from __future__ import annotations
 
@@ -206,14 +207,15 @@ def test_tiny_glm5_decodes_alike_through_both_routes(monkeypatch):
 
 
 @pytest.mark.parametrize("drafts", [0, 3])
-def test_tiny_glm5_steps_through_the_graph_runner_on_cpu(drafts):
-    """The GraphRunner's steps on CPU (eager stand-ins for the graphs, tests/test_graph_hybrid.py): the indexer scores
-    over the runner's static block table (as wide as the cache), padding rows and, with n-gram drafts, verification
-    rows of 4 tokens; the tokens equal plain eager decoding's."""
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "glm5_next"])
+def test_tiny_glm5_steps_through_the_graph_runner_on_cpu(family, drafts):
+    """The GraphRunner's steps on CPU (eager stand-ins for the graphs, tests/test_graph_hybrid.py) of GLM 5 and GLM
+    5.3 (pooled indexer keys, recurrent layers): the indexer scores over the runner's static block table (as wide as
+    the cache), padding rows and, with n-gram drafts, verification rows; the tokens equal plain eager decoding's."""
     from test_graph_hybrid import EagerGraphs
     from trellm.generator import Generator, Job, NgramProposer
 
-    lm = tiny_glm_dsa("cpu", torch.float32)
+    lm = TINY_FAMILIES[family]("cpu", torch.float32)
     prompts = [([1, 2, 3, 4, 5] * 8)[:n] for n in (23, 9, 40)]
 
     def generate(graphs: bool):
@@ -232,7 +234,7 @@ def test_tiny_glm5_steps_through_the_graph_runner_on_cpu(drafts):
     gen, replayed = generate(True)
     assert gen.graph_runner.replays and replayed == plain
     if drafts:
-        assert any(width == drafts + 1 for _, width in gen.graph_runner.graphs)
+        assert any(width > 1 for _, width in gen.graph_runner.graphs), "no verification step went through the runner"
 
 
 # index_topk 4 < the prompts: later queries attend to a selection; 32-dim indexer heads, which the kernel takes
@@ -256,6 +258,23 @@ def tiny_glm_dsa(device, dtype):
     config = {k: v for k, v in TINY_GLM_DSA.items() if k != "architectures"}
     model_dir = make_tiny_hf_model("GlmMoeDsaForCausalLM", tempfile.mkdtemp(prefix="tiny_glm_dsa_"), **config)
     return trellm.load(model_dir, device=device, dtype=dtype, tokenizer=False)
+
+
+def tiny_glm5_next(device, dtype):
+    """benchmarks/glm5_decode_ops.py's tiny random GLM 5.3 (KDA layers, a pooled indexer of 32-dim heads over float32
+    pool keys, hyper-connections) as a module tree."""
+    import sys
+    from pathlib import Path
+
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    from glm5_decode_ops import tiny_glm5
+
+    return tiny_glm5(device, dtype, index_head_dim=32)
+
+
+TINY_FAMILIES = {"glm_moe_dsa": tiny_glm_dsa, "glm5_next": tiny_glm5_next}
 
 
 # ---- CUDA: the kernel against the torch route ----------------------------------------------------------------
@@ -324,17 +343,19 @@ def test_sparse_index_topk_kernel_route_captures(monkeypatch):
 
 @pytest.mark.parametrize("drafts", [0, 3])
 @pytest.mark.parametrize("route", ["reference", "kernel"])
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "glm5_next"])
 @on_cuda
-def test_tiny_glm5_decode_steps_capture(monkeypatch, route, drafts):
-    """A tiny GLM 5 in bf16 through the Generator: its decode steps (and with n-gram drafts of 3 tokens, its
-    verification steps) run as captured CUDA graphs on both routes (the reference's device route at this size, the
-    kernel at any) and give the tokens of eager decoding."""
+def test_tiny_glm5_decode_steps_capture(monkeypatch, family, route, drafts):
+    """A tiny GLM 5 and GLM 5.3 in bf16 through the Generator: their decode steps (and with n-gram drafts of 3
+    tokens, verification steps) run as captured CUDA graphs on both routes (the reference's device route at this
+    size, the kernel at any; GLM 5.3's float32 pool keys through the kernel's split) and give the tokens of eager
+    decoding. A failed capture names the op that read the host."""
     import warnings
 
     from trellm.generator import Generator, Job, NgramProposer
 
     monkeypatch.setenv(SPARSE_INDEX_ENV, route)
-    model = tiny_glm_dsa("cuda", torch.bfloat16)
+    model = TINY_FAMILIES[family]("cuda", torch.bfloat16)
     prompts = [[(7 * i + j) % 96 for j in range(n)] for i, n in enumerate((23, 9, 40))]
     if drafts:  # repeating prompts: the n-gram proposer finds drafts
         prompts = [(p[:5] * 8)[:len(p)] for p in prompts]
@@ -353,5 +374,5 @@ def test_tiny_glm5_decode_steps_capture(monkeypatch, route, drafts):
     failed = [str(w.message) for w in caught if "CUDA graph" in str(w.message)]  # a failed capture warns why
     assert gen.graph_runner.graphs and not gen.graph_runner._failed and not failed, failed
     if drafts:
-        assert any(width == drafts + 1 for _, width in gen.graph_runner.graphs), "no verification step was captured"
+        assert any(width > 1 for _, width in gen.graph_runner.graphs), "no verification step was captured"
     assert graphed == eager
