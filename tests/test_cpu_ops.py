@@ -112,13 +112,17 @@ def test_sparse_attention_gathering_chosen_keys_equals_masking_the_context(monke
 
 
 @pytest.mark.parametrize("selected", [False, True])
-def test_compressed_attention_reads_only_the_window_pages(selected):
+@pytest.mark.parametrize("route", ["each token gathers its own", "per sequence"])
+def test_compressed_attention_reads_only_the_window_pages(selected, route, monkeypatch):
     """DeepSeek V4's compressed attention gathers only the pages of its new tokens' sliding windows, and with a
     selection only the chosen entries; it equals attention over the whole context and every entry, masked (the
     former route), past and within the window."""
+    from trellm.ops import compressed
     from trellm.ops.attention import _attend, gather_pages
     from trellm.ops.compressed import compressed_attention
 
+    if route == "per sequence":
+        monkeypatch.setattr(compressed, "WINDOW_ENTRIES_MAX_PAIRS", 0)
     g = torch.Generator().manual_seed(1)
     page_size, window, rate, heads, d = 4, 6, 2, 3, 8
     lens, new = [30, 5, 13], [1, 2, 3]

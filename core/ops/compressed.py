@@ -51,7 +51,16 @@ def compressed_attention(
     ``entry_pages`` [P, per_page, D] through ``entry_table[b]`` (None: no entries, a sliding-window layer); entry
     w is seen once the query is at or past its window's last token (``w < (pos + 1) // rate``), or, with
     ``selection`` [T, k], only the entries listed there (-1: none), and then only those are read. ``sinks`` [H]:
-    per-head logits that take softmax mass and give nothing."""
+    per-head logits that take softmax mass and give nothing.
+
+    A few tokens (decode, a draft verification: up to :data:`WINDOW_ENTRIES_MAX_PAIRS` (token, key) pairs) gather
+    their own window and entries without reading anything on the host (:func:`_attend_window_entries`); a
+    prefill chunk gathers each sequence's window pages and entries once for all its tokens and masks."""
+    entry_slots = 0 if entry_pages is None else (
+        selection.shape[1] if selection is not None else entry_table.shape[1] * entry_pages.shape[1])
+    if q.shape[0] * (sliding_window + entry_slots) <= WINDOW_ENTRIES_MAX_PAIRS:
+        return _attend_window_entries(q, k_pages, block_table, cu_seqlens, context_lens, entry_pages, entry_table, scale,
+                                      sliding_window, rate, sinks, selection)
     out = q.new_empty(q.shape[0], q.shape[1], k_pages.shape[-1])
     bounds, ctx = cu_seqlens.tolist(), context_lens.tolist()
     page_size = k_pages.shape[1]
@@ -81,3 +90,48 @@ def compressed_attention(
         keep = torch.cat([keep_tokens, keep_entries], dim=1)
         out[s0:s1] = _attend(q[s0:s1], kv, kv, scale, 0, 0, 0.0, sinks, causal=False, keep=keep)
     return out
+
+
+WINDOW_ENTRIES_MAX_PAIRS = 64 * 2048  # (token, key) pairs up to which tokens gather their own window and entries (as DSA)
+
+
+def _attend_window_entries(q: torch.Tensor, k_pages: torch.Tensor, block_table: torch.Tensor, cu_seqlens: torch.Tensor,
+                           context_lens: torch.Tensor, entry_pages: torch.Tensor | None, entry_table: torch.Tensor | None,
+                           scale: float, sliding_window: int, rate: int, sinks: torch.Tensor | None,
+                           selection: torch.Tensor | None) -> torch.Tensor:
+    """:func:`compressed_attention` with each token's keys gathered on their own, no host read: its window's
+    ``sliding_window`` tokens (those before the sequence start masked), then its chosen entries (sorted, one
+    named twice masked after the first) or every entry slot of its table row (masked to those it has passed);
+    float32 math as ``_attend``'s, sinks included."""
+    t = q.shape[0]
+    page_size = k_pages.shape[1]
+    rows = torch.arange(t, device=q.device)
+    seq = torch.searchsorted(cu_seqlens[1:].long(), rows, right=True)
+    pos = context_lens.long()[seq] - (cu_seqlens[1:].long()[seq] - rows)  # each token's index in its sequence
+    kpos = pos[:, None] - torch.arange(sliding_window - 1, -1, -1, device=q.device)
+    seen = kpos >= 0
+    kpos = kpos.clamp_min(0)
+    keys = k_pages[block_table[seq[:, None], kpos // page_size].long(), kpos % page_size, 0]  # [T, window, D]
+    slots = 0 if entry_pages is None else entry_table.shape[1] * entry_pages.shape[1]
+    if slots:  # (a batch without a cache whose sequences have no complete window has an empty entry table)
+        per_page = entry_pages.shape[1]
+        if selection is not None:
+            chosen, _ = selection.sort(dim=-1)
+            valid = (chosen >= 0) & (chosen < (context_lens.long()[seq] // rate)[:, None])
+            valid[:, 1:] &= chosen[:, 1:] != chosen[:, :-1]
+        else:
+            chosen = torch.arange(slots, device=q.device)[None].expand(t, -1)
+            valid = chosen < ((pos + 1) // rate)[:, None]
+        chosen = chosen.clamp(0, slots - 1)
+        entries = entry_pages[entry_table[seq[:, None], chosen // per_page].long(), chosen % per_page]
+        keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
+        seen = torch.cat([seen, valid], dim=1)
+    kv = keys.float()
+    s = torch.einsum("thd,tjd->thj", q.float(), kv) * scale
+    s = s.masked_fill(~seen[:, None], float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.float().view(1, -1, 1).expand(t, -1, 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    return torch.einsum("thj,tjd->thd", p, kv).to(q.dtype)
