@@ -10,9 +10,9 @@ projection.
 
 The paged cache keeps, per token, the sliding key and the compressor's (and indexer compressor's) inputs,
 and per window the entries folded from them (:class:`~trellm.cache.indexed.ExtraRowsKVCacheLayer`): a
-forward pass folds only the windows its new tokens complete (CSA's overlap reads the window before too), so a
-decode step's work and reads do not grow with the context but for the entries attention reads (all of them
-for HCA; CSA reads the indexer's keys and only the entries it picks). Everything lives in pages under the
+forward pass folds only its new tokens' windows (:func:`~trellm.cache.indexed.completed_windows`; CSA's overlap
+reads the window before too), so a decode step's work and reads do not grow with the context but for the
+entries attention reads (all of them for HCA; CSA reads the indexer's keys and only the entries it picks). Everything lives in pages under the
 block table: prefix pages stay shareable, and no per-sequence state outlives the pages.
 """
 from __future__ import annotations
