@@ -15,7 +15,7 @@ from trellm.lora import LoraError
 
 peft = pytest.importorskip("peft")
 
-from test_lora import IDS, _edit_adapter, make_peft_adapter, peft_logits, tiny  # noqa: E402,F401 - tiny: the fixture
+from test_lora import ALL_TARGETS, IDS, _edit_adapter, make_peft_adapter, peft_logits, tiny  # noqa: E402,F401 - tiny: the fixture
 
 STEP_TIMEOUT = 30.0
 # tiny: a 2-layer Llama of 4 heads and 2 KV heads (one KV head per rank), an adapter "all" (rank 8, every projection
@@ -172,6 +172,23 @@ def test_a_refusal_on_another_rank_is_undone_on_the_ranks_that_took_it(tiny, tmp
         if rank1.poll() is None:
             rank1.kill()
 
+
+
+def test_exl3_base_with_adapter_matches_one_rank(tmp_path):
+    """EXL3 weights split on 128-blocks, the adapter's factors anywhere: one process's logits and greedy tokens."""
+    from test_tensor_parallel import EXL3_SMALL, _exl3_from_dense
+    from trellm.sdk.testing import make_tiny_hf_model
+
+    dense = make_tiny_hf_model("LlamaForCausalLM", tmp_path / "dense", **EXL3_SMALL)
+    adapter = make_peft_adapter(dense, tmp_path / "adapter", r=8, alpha=16, targets=ALL_TARGETS)
+    exl3 = _exl3_from_dense(dense, tmp_path / "exl3")
+    one = trellm.load(exl3, device="cpu", tokenizer=False, lora=adapter)
+    with trellm.load(exl3, device="cpu", tokenizer=False, lora=adapter, tensor_parallel=2, step_timeout=STEP_TIMEOUT) as split:
+        ids = IDS[:, :16]
+        want = one.logits(ids)
+        assert not torch.allclose(want, one.logits(ids, lora=""), atol=1e-2)
+        _assert_close(split.logits(ids), want, 1e-4)
+        assert _greedy(split) == _greedy(one)
 
 # ---- a hybrid MoE: linear attention and shared experts split, routed experts spread over the ranks --------------
 
