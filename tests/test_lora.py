@@ -347,6 +347,22 @@ def test_expert_stack_adapters_match_peft(moe, which):
     assert_close(lm.logits(ids), peft_logits(base, None, ids))
 
 
+def test_expert_stacks_targeted_per_layer_match_peft(tmp_path):
+    """target_parameters may name one layer's stack: layer 0's experts then carry one wrapper (gate_up) and layer
+    1's one (down), each read as its own tensor, not as the last of every name the list holds."""
+    from trellm.sdk.testing import make_tiny_hf_model
+
+    base = make_tiny_hf_model("Qwen3MoeForCausalLM", tmp_path / "base", **{**_QWEN3_MOE, "mlp_only_layers": []})
+    adapter = make_peft_adapter(base, tmp_path / "adapter", r=4, alpha=8, targets=["q_proj"],
+                                parameters=["model.layers.0.mlp.experts.gate_up_proj", "layers.1.mlp.experts.down_proj"])
+    stacks = read_peft_adapter(adapter).expert_stacks
+    assert {m: sorted(s) for m, s in stacks.items()} == {"model.layers.0.mlp.experts": ["gate_up_proj"],
+                                                         "model.layers.1.mlp.experts": ["down_proj"]}
+    ids = IDS[:, :16]
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=adapter)
+    assert_close(lm.logits(ids), peft_logits(base, adapter, ids))
+
+
 def test_per_expert_module_adapter_matches_peft(moe, tmp_path):
     """An adapter trained where experts were nn.Linear modules names each expert's projections: the same factors
     as the stacked adapter, laid out per expert, give PEFT's logits of the stacked one."""

@@ -152,7 +152,7 @@ def read_peft_adapter(path: str | Path, scale: float = 1.0) -> PeftAdapter:
     if not isinstance(config, dict):
         raise LoraError(f"{config_path}: expected a JSON object")
     _check_options(config, config_path)
-    stack_names = _expert_stack_names(config, config_path)
+    stack_targets = _expert_stack_parameters(config, config_path)
     r, alpha = config["r"], config.get("lora_alpha", 8)
     rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     rslora = bool(config.get("use_rslora", False))
@@ -180,7 +180,7 @@ def read_peft_adapter(path: str | Path, scale: float = 1.0) -> PeftAdapter:
             raise LoraError(f"{weights_path}: tensor {name!r} is not a LoRA factor trellm knows (lora_A / lora_B)")
     if not pairs:
         raise LoraError(f"{weights_path}: holds no lora_A / lora_B tensors")
-    stacks = _split_expert_stacks(pairs, stack_names, weights_path) if stack_names else {}
+    stacks = _split_expert_stacks(pairs, stack_targets, weights_path) if stack_targets else {}
 
     def scaling(module: str, rank: int) -> float:
         alpha_m = _pattern_value(alpha_pattern, module, alpha)
@@ -210,32 +210,31 @@ def read_peft_adapter(path: str | Path, scale: float = 1.0) -> PeftAdapter:
     return PeftAdapter(root, modules, base_layers, config.get("base_model_name_or_path"), expert_stacks)
 
 
-def _expert_stack_names(config: dict, where: Path) -> list[str]:
-    """The stacked expert tensors ``target_parameters`` names (in :data:`EXPERT_STACKS` order); any other
+def _expert_stack_parameters(config: dict, where: Path) -> list[str]:
+    """``target_parameters`` (each an expert stack, :data:`EXPERT_STACKS`, maybe of named layers only); any other
     parameter is refused by name."""
     targets = config.get("target_parameters") or []
     if isinstance(targets, str) or not isinstance(targets, list):
         raise LoraError(f"{where}: target_parameters must be a list of parameter names, got {targets!r}")
-    names = set()
     for t in targets:
-        name = str(t).rsplit(".", 1)[-1]
-        if name not in EXPERT_STACKS or not str(t).rsplit(".", 1)[0].endswith("experts"):
+        if str(t).rsplit(".", 1)[-1] not in EXPERT_STACKS or not str(t).rsplit(".", 1)[0].endswith("experts"):
             raise LoraError(f"{where}: target_parameters names {t!r}; trellm adapts only the MoE expert stacks "
                             f"(experts.{' / experts.'.join(EXPERT_STACKS)}) among raw parameters")
-        names.add(name)
-    return [n for n in EXPERT_STACKS if n in names]
+    return [str(t) for t in targets]
 
 
-def _split_expert_stacks(pairs: dict[str, dict[str, torch.Tensor]], names: list[str],
+def _split_expert_stacks(pairs: dict[str, dict[str, torch.Tensor]], targets: list[str],
                          where: Path) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
     """Take the expert-stack factors out of ``pairs`` (module -> its lora_A / lora_B): PEFT nests one wrapper per
-    targeted tensor of a module, the first of ``names`` innermost, so ``M.base_layer.lora_A`` is ``names[0]``'s and
-    ``M.lora_A`` ``names[-1]``'s when both are targeted. Returns (experts module, tensor name) -> its factors."""
+    tensor of a module that ``targets`` names (as PEFT matches them: the whole name, or its tail after a dot), the
+    first of :data:`EXPERT_STACKS` innermost, so ``M.base_layer.lora_A`` is ``gate_up_proj``'s and ``M.lora_A``
+    ``down_proj``'s when both are targeted. Returns (experts module, tensor name) -> its factors."""
     out: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     for module in [m for m in pairs if m.rsplit(".", 1)[-1] == "experts" or m.endswith("experts.base_layer")]:
         depth, root = 0, module
         while root.endswith(".base_layer"):
             root, depth = root[: -len(".base_layer")], depth + 1
+        names = [n for n in EXPERT_STACKS if any(f"{root}.{n}" == t or f"{root}.{n}".endswith(f".{t}") for t in targets)]
         if depth >= len(names):
             raise LoraError(f"{where}: {module}.lora_A.weight: more LoRA wrappers on {root!r} than the "
                             f"{len(names)} expert tensors target_parameters names ({', '.join(names)})")
