@@ -363,6 +363,44 @@ def test_expert_stacks_targeted_per_layer_match_peft(tmp_path):
     assert_close(lm.logits(ids), peft_logits(base, adapter, ids))
 
 
+def test_adapter_on_a_family_expert_collection_matches_merged_weights(tmp_path):
+    """NemotronH's own (ungated) experts, dispatched by the shared expert loop: an adapter on their per-expert
+    projections (the names transformers 4 gave them) is told each regrouped row's token, so it gives the logits of
+    the base with the updates merged into its weights, and a generator batch mixing it with the base equals single
+    runs (before, the adapter saw an expert's rows as the batch's tokens and raised)."""
+    from safetensors.torch import load_file, save_file
+    from test_hybrid_families import FAMILIES
+    from trellm.sdk.testing import make_tiny_hf_model
+
+    arch, cfg = FAMILIES["nemotron_h"]
+    base = make_tiny_hf_model(arch, tmp_path / "base", **cfg)
+    shared = make_peft_adapter(base, tmp_path / "shared", r=4, alpha=8, targets=["shared_experts.up_proj"])
+    weights = load_file(str(base / "model.safetensors"))
+    g, factors = torch.Generator().manual_seed(3), {}
+    for e in range(cfg["n_routed_experts"]):
+        key = f"backbone.layers.2.mixer.experts.{e}.up_proj"
+        a, b = torch.randn(4, 64, generator=g) * 0.3, torch.randn(32, 4, generator=g) * 0.3
+        factors[f"base_model.model.{key}.lora_A.weight"], factors[f"base_model.model.{key}.lora_B.weight"] = a, b
+        weights[f"{key}.weight"] = weights[f"{key}.weight"] + 2.0 * b @ a  # alpha 8 / r 4
+    adapter = _edit_adapter(shared, tmp_path / "experts", {"target_modules": ["up_proj"]}, tensors=lambda _: factors)
+    merged = shutil.copytree(base, tmp_path / "merged")
+    save_file(weights, str(merged / "model.safetensors"), metadata={"format": "pt"})
+
+    ids = IDS[:, :16]
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False)
+    plain = lm.logits(ids)
+    lm.load_lora(adapter, name="experts")
+    want = trellm.load(merged, device="cpu", dtype=torch.float32, tokenizer=False).logits(ids)
+    assert not torch.allclose(want, plain, atol=1e-2)
+    assert_close(lm.logits(ids, lora="experts"), want)
+    prompts, names = [IDS[0, :9].tolist(), IDS[1, :12].tolist()], ["experts", None]
+    singles = [list(lm.generate_ids(p, 6, stop_token_ids=[], lora=n or "")) for p, n in zip(prompts, names)]
+    gen = Generator(lm, max_batch_size=4, cache_tokens=1024, page_size=16)
+    gen.enqueue([Job(p, 6, lora=n, stop_token_ids=[], identifier=i) for i, (p, n) in enumerate(zip(prompts, names))])
+    done = {r.identifier: r.token_ids for r in gen.stream() if type(r).__name__ == "JobFinished"}
+    assert [done[i] for i in range(2)] == singles
+
+
 def test_per_expert_module_adapter_matches_peft(moe, tmp_path):
     """An adapter trained where experts were nn.Linear modules names each expert's projections: the same factors
     as the stacked adapter, laid out per expert, give PEFT's logits of the stacked one."""

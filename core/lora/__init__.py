@@ -37,7 +37,8 @@ import torch
 
 from .. import ops
 from ..modules.linear import Linear
-from ..modules.moe import ExpertList, Experts
+from ..modules.base import Module
+from ..modules.moe import ExpertCollection, ExpertList, Experts
 from ..ops import Residual, WrappedWeights, project, projection_input
 from ..ops.projection import WeightList, group_weights
 from .peft import ExpertStackFactors, LoraError, LoraFactors, PeftAdapter, read_peft_adapter
@@ -170,9 +171,10 @@ class LoraSet:
                 fused_key = getattr(m, "fused_key", None)
                 if fused_key is not None:
                     self.fused.setdefault(fused_key, []).append(m)
-        self.experts: dict[str, Experts | ExpertList] = {}  # expert collections by key (an Experts over its ExpertList)
+        # expert collections by key, outermost first (an Experts over its ExpertList; a family's own collection)
+        self.experts: dict[str, Module] = {}
         for m in model.modules():
-            if isinstance(m, Experts) or (isinstance(m, ExpertList) and m.key not in self.experts):
+            if isinstance(m, ExpertCollection) and m.key not in self.experts:
                 self.experts[m.key] = m
         # expert collections spread over tensor-parallel ranks (expert parallel): adapters on them are refused
         self.spread = [m.key for m in model.modules() if getattr(m, "spread_over_ranks", False)]
@@ -340,10 +342,8 @@ class LoraSet:
         dispatch then tells the adapters each row's token and skips the pair kernels), else None."""
         for owner in self.experts.values():
             experts = owner.active if isinstance(owner, Experts) else owner
-            if isinstance(experts, ExpertList):
-                carried = any((w := adapted(p)) is not None and w.carries
-                              for mlp in experts.experts for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-                experts.lora = self if carried else None
+            experts.lora = self if any(isinstance(p, Linear) and (w := adapted(p)) is not None and w.carries
+                                       for p in experts.modules()) else None
 
     @contextlib.contextmanager
     def regrouped(self, tokens: torch.Tensor):
