@@ -37,15 +37,15 @@ def make_tiny_llama(path: Path, heads: int = 4, kv_heads: int = 2) -> Path:
 
 
 def make_peft_adapter(base_dir: Path, out: Path, r: int, alpha: float, targets: list[str], rslora: bool = False,
-                      seed: int = 1, std: float = 0.1, parameters: list[str] | None = None) -> Path:
+                      seed: int = 1, std: float = 0.1, parameters: list[str] | None = None, **options) -> Path:
     """A real PEFT adapter: the base wrapped with LoraConfig, every lora_A / lora_B random and non-zero, saved.
-    ``parameters``: PEFT's ``target_parameters`` (MoE expert stacks)."""
+    ``parameters``: PEFT's ``target_parameters`` (MoE expert stacks); ``options``: more LoraConfig fields."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
     pm = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
-                                          target_parameters=parameters))
+                                          target_parameters=parameters, **options))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in pm.named_parameters():
@@ -358,6 +358,20 @@ def test_expert_stacks_targeted_per_layer_match_peft(tmp_path):
     stacks = read_peft_adapter(adapter).expert_stacks
     assert {m: sorted(s) for m, s in stacks.items()} == {"model.layers.0.mlp.experts": ["gate_up_proj"],
                                                          "model.layers.1.mlp.experts": ["down_proj"]}
+    ids = IDS[:, :16]
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=adapter)
+    assert_close(lm.logits(ids), peft_logits(base, adapter, ids))
+
+
+def test_expert_stack_rank_and_alpha_patterns_match_peft(moe, tmp_path):
+    """PEFT looks an expert stack's rank_pattern / alpha_pattern up under the tensor's name (experts.down_proj), not
+    the experts module's: a pattern on one stack gives it its own rank and scale."""
+    base = moe[0]
+    adapter = make_peft_adapter(base, tmp_path / "patterns", r=4, alpha=8, targets=["q_proj"], parameters=_STACKS,
+                                rank_pattern={"gate_up_proj": 2}, alpha_pattern={"experts.down_proj": 32})
+    stacks = read_peft_adapter(adapter).expert_stacks["model.layers.0.mlp.experts"]
+    assert (stacks["gate_up_proj"].rank, stacks["gate_up_proj"].scale) == (2, 4.0)
+    assert (stacks["down_proj"].rank, stacks["down_proj"].scale) == (4, 8.0)
     ids = IDS[:, :16]
     lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=adapter)
     assert_close(lm.logits(ids), peft_logits(base, adapter, ids))

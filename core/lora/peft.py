@@ -189,11 +189,12 @@ def read_peft_adapter(path: str | Path, scale: float = 1.0) -> PeftAdapter:
     expert_stacks: dict[str, dict[str, ExpertStackFactors]] = {}
     for (module, name), ab in sorted(stacks.items()):
         a, b = ab["lora_A"], ab["lora_B"]
-        rank = _pattern_value(rank_pattern, module, r)
+        tensor = f"{module}.{name}"  # the name PEFT looks patterns up under
+        rank = _pattern_value(rank_pattern, tensor, r)
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] % rank or a.shape[0] == 0 or b.shape[1] != a.shape[0]:
             raise LoraError(f"{weights_path}: {module} ({name}): lora_A {list(a.shape)} and lora_B {list(b.shape)} do not "
                             f"form rank-{rank} factors of stacked experts ([experts * {rank}, in] and [out, {rank} * experts])")
-        expert_stacks.setdefault(module, {})[name] = ExpertStackFactors(a.float(), b.float(), scaling(module, rank),
+        expert_stacks.setdefault(module, {})[name] = ExpertStackFactors(a.float(), b.float(), scaling(tensor, rank),
                                                                          a.shape[0] // rank)
 
     modules: dict[str, LoraFactors] = {}
