@@ -363,6 +363,17 @@ def test_expert_stacks_targeted_per_layer_match_peft(tmp_path):
     assert_close(lm.logits(ids), peft_logits(base, adapter, ids))
 
 
+def test_expert_stack_named_bare_matches_peft(moe, tmp_path):
+    """target_parameters ["down_proj"]: PEFT matches the tail of each parameter's name, so the bare name targets
+    every experts module's down stack (only expert stacks are raw parameters of that name)."""
+    base = moe[0]
+    adapter = make_peft_adapter(base, tmp_path / "bare", r=2, alpha=4, targets=["v_proj"], parameters=["down_proj"], seed=5)
+    assert sorted(read_peft_adapter(adapter).expert_stacks["model.layers.0.mlp.experts"]) == ["down_proj"]
+    ids = IDS[:, :16]
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=adapter)
+    assert_close(lm.logits(ids), peft_logits(base, adapter, ids))
+
+
 def test_expert_stack_rank_and_alpha_patterns_match_peft(moe, tmp_path):
     """PEFT looks an expert stack's rank_pattern / alpha_pattern up under the tensor's name (experts.down_proj), not
     the experts module's: a pattern on one stack gives it its own rank and scale."""

@@ -212,13 +212,14 @@ def read_peft_adapter(path: str | Path, scale: float = 1.0) -> PeftAdapter:
 
 
 def _expert_stack_parameters(config: dict, where: Path) -> list[str]:
-    """``target_parameters`` (each an expert stack, :data:`EXPERT_STACKS`, maybe of named layers only); any other
-    parameter is refused by name."""
+    """``target_parameters`` (each an expert stack, :data:`EXPERT_STACKS`: bare, or of named experts modules); any
+    other parameter is refused by name."""
     targets = config.get("target_parameters") or []
     if isinstance(targets, str) or not isinstance(targets, list):
         raise LoraError(f"{where}: target_parameters must be a list of parameter names, got {targets!r}")
     for t in targets:
-        if str(t).rsplit(".", 1)[-1] not in EXPERT_STACKS or not str(t).rsplit(".", 1)[0].endswith("experts"):
+        owner, _, name = str(t).rpartition(".")  # a bare name (no owner) targets every module's parameter of that name
+        if name not in EXPERT_STACKS or not (owner == "" or owner.endswith("experts")):
             raise LoraError(f"{where}: target_parameters names {t!r}; trellm adapts only the MoE expert stacks "
                             f"(experts.{' / experts.'.join(EXPERT_STACKS)}) among raw parameters")
     return [str(t) for t in targets]
