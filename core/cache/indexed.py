@@ -6,8 +6,9 @@ Rows and entries live in pages of their own indexed by the attention's block tab
 sits at ``block_table[b, i // page_size]``, offset ``i % page_size``, and window ``w``'s entry at
 ``block_table[b, w * rate // page_size]``, offset ``(w * rate % page_size) // rate`` (the page of the window's
 tokens; ``rate`` divides the page size, so a window never straddles two pages). A forward pass folds only the
-windows of its new tokens (:func:`completed_windows`): a prefill chunk those it completes, a decode step one
-per sequence (its token's, complete or not: no host read), whatever the context. Prefix-shared pages carry
+windows of its new tokens (:func:`completed_windows`): a large prefill chunk those it completes, a cached batch
+of few tokens (decode, a draft verification, a short chunk) each token's window, complete or not (no host read),
+whatever the context. Prefix-shared pages carry
 their entries with their tokens, and a window's entry is rewritten whenever its last token is (a rejected
 draft's entry is overwritten when the sequence gets there again, and nothing reads it before: a sequence of
 ``n`` tokens reads its first ``n // rate`` entries). Sparse and compressed attention read K/V rows directly,
