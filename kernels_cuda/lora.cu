@@ -2,9 +2,10 @@
 // adapter slot, read from a device tensor, so one captured CUDA graph serves every mix of adapters.
 //
 // One launch per projection, or per group of projections of one x (q/k/v, gate/up): every block first
-// computes its row's h = A_s x (rank x k, a few thousand multiply-adds, its A rows read from L2), then
-// adds B_s h to its columns of y. Computing h again in each
-// column block costs less than a second launch at decode sizes, where the launches are the cost.
+// computes its row's h = A_s x (rank x k multiply-adds, A read from L2), then adds B_s h to its columns of
+// y. Computing h again in each column block costs less than a second launch at decode sizes, where
+// launches and latency are the cost. The shrink is latency-bound (a few blocks, k up to 14336), so the
+// whole block splits k and keeps SHRINK_ROWS rows of A in flight per step, reusing each load of x.
 #include "common.cuh"
 
 namespace {
@@ -13,22 +14,63 @@ constexpr int THREADS = 256;
 constexpr int COLS_PER_THREAD = 4;  // columns of y per thread: 1024 per block
 constexpr int VEC = 8;              // elements per 16-byte load of a 16-bit dtype
 
+constexpr int SHRINK_ROWS = 16;  // rows of A whose loads one thread keeps in flight together (rank 16: one pass)
+
 template <typename T>
-__device__ __forceinline__ float dot_row(const T *__restrict__ x, const T *__restrict__ a, int64_t k, bool vec, int lane) {
+__device__ __forceinline__ float dot8(const uint4 &ux, const uint4 &ua) {
+    const T *ex = reinterpret_cast<const T *>(&ux);
+    const T *ea = reinterpret_cast<const T *>(&ua);
     float acc = 0.f;
-    if (vec) {  // 16-byte loads: k % 8 == 0 and both rows 16-byte aligned (checked on the host)
-        for (int64_t c = (int64_t)lane * VEC; c < k; c += 32 * VEC) {
-            const uint4 ux = *reinterpret_cast<const uint4 *>(x + c);
-            const uint4 ua = *reinterpret_cast<const uint4 *>(a + c);
-            const T *ex = reinterpret_cast<const T *>(&ux);
-            const T *ea = reinterpret_cast<const T *>(&ua);
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) acc += to_f32(ex[i]) * to_f32(ea[i]);
+    for (int i = 0; i < VEC; ++i) acc += to_f32(ex[i]) * to_f32(ea[i]);
+    return acc;
+}
+
+// hs[j] = a_s[j, :] . x for j < rank, by the whole block: each thread takes every THREADS-th 16-byte
+// group of k (or element, without vec), SHRINK_ROWS rows at a time, then warps and the block reduce.
+template <typename T>
+__device__ void shrink(const T *__restrict__ x, const T *__restrict__ a_s, int64_t k, int rank, bool vec, float *hs) {
+    __shared__ float partial[THREADS / 32][SHRINK_ROWS];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    for (int j0 = 0; j0 < rank; j0 += SHRINK_ROWS) {
+        const int rows = min(SHRINK_ROWS, rank - j0);
+        const T *a0 = a_s + (int64_t)j0 * k;
+        float acc[SHRINK_ROWS];
+#pragma unroll
+        for (int r = 0; r < SHRINK_ROWS; ++r) acc[r] = 0.f;
+        if (vec) {  // 16-byte loads: k % 8 == 0 and x, a 16-byte aligned (checked on the host)
+            for (int64_t c = (int64_t)threadIdx.x * VEC; c < k; c += THREADS * VEC) {
+                const uint4 ux = *reinterpret_cast<const uint4 *>(x + c);
+                uint4 ua[SHRINK_ROWS];
+#pragma unroll
+                for (int r = 0; r < SHRINK_ROWS; ++r)
+                    if (r < rows) ua[r] = __ldg(reinterpret_cast<const uint4 *>(a0 + r * k + c));
+#pragma unroll
+                for (int r = 0; r < SHRINK_ROWS; ++r)
+                    if (r < rows) acc[r] += dot8<T>(ux, ua[r]);
+            }
+        } else {
+            for (int64_t c = threadIdx.x; c < k; c += THREADS) {
+                const float xv = to_f32(x[c]);
+#pragma unroll
+                for (int r = 0; r < SHRINK_ROWS; ++r)
+                    if (r < rows) acc[r] += xv * to_f32(a0[r * k + c]);
+            }
         }
-    } else {
-        for (int64_t c = lane; c < k; c += 32) acc += to_f32(x[c]) * to_f32(a[c]);
+#pragma unroll
+        for (int r = 0; r < SHRINK_ROWS; ++r) {
+            const float v = warp_sum(acc[r]);
+            if (lane == 0) partial[warp][r] = v;
+        }
+        __syncthreads();
+        if (threadIdx.x < rows) {
+            float h = 0.f;
+#pragma unroll
+            for (int w = 0; w < THREADS / 32; ++w) h += partial[w][threadIdx.x];
+            hs[j0 + threadIdx.x] = h;
+        }
+        __syncthreads();  // hs written; partial free for the next rows
     }
-    return warp_sum(acc);
 }
 
 // One projection's share of a launch: its output columns and factors. Several parts of one x (q/k/v,
@@ -48,7 +90,7 @@ struct Parts {
 };
 
 template <typename T>
-__global__ void lora_add_kernel(const T *__restrict__ x, int64_t ldx, Parts parts, const int64_t *__restrict__ slots,
+__global__ void __launch_bounds__(THREADS, 2) lora_add_kernel(const T *__restrict__ x, int64_t ldx, Parts parts, const int64_t *__restrict__ slots,
                                 int64_t k, int64_t num_slots, int rank) {
     __shared__ float hs[TRELLM_LORA_MAX_RANK];
     Part part = parts.p[0];
@@ -70,21 +112,27 @@ __global__ void lora_add_kernel(const T *__restrict__ x, int64_t ldx, Parts part
     }
     const T *a = static_cast<const T *>(part.a);
     const T *b = static_cast<const T *>(part.b);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const T *xr = x + row * ldx;
-    for (int j = warp; j < rank; j += THREADS / 32) {
-        const float h = dot_row(xr, a + (s * rank + j) * k, k, part.vec && sizeof(T) == 2, lane);
-        if (lane == 0) hs[j] = h;
-    }
-    __syncthreads();
+    shrink<T>(x + row * ldx, a + s * rank * k, k, rank, part.vec && sizeof(T) == 2, hs);
     const int64_t width = num_slots * rank;
+    // B_s h: a thread's columns are independent, so their loads overlap; 16-byte loads of a B row when
+    // its slot's rank values are whole, aligned 16-byte groups
+    const bool vec_b = sizeof(T) == 2 && rank % VEC == 0 && width % VEC == 0 && ((uintptr_t)b % 16) == 0;
 #pragma unroll
     for (int i = 0; i < COLS_PER_THREAD; ++i) {
         const int64_t c = (col_block * COLS_PER_THREAD + i) * THREADS + threadIdx.x;
         if (c >= n) break;
         const T *br = b + c * width + s * rank;
         float acc = 0.f;
-        for (int j = 0; j < rank; ++j) acc += hs[j] * to_f32(br[j]);
+        if (vec_b) {
+            for (int j = 0; j < rank; j += VEC) {
+                const uint4 ub = __ldg(reinterpret_cast<const uint4 *>(br + j));
+                const T *eb = reinterpret_cast<const T *>(&ub);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc += hs[j + e] * to_f32(eb[e]);
+            }
+        } else {
+            for (int j = 0; j < rank; ++j) acc += hs[j] * to_f32(br[j]);
+        }
         out[row * ldo + c] = from_f32<T>(to_f32(y[row * ldy + c]) + acc);
     }
 }

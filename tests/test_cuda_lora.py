@@ -30,6 +30,7 @@ def _case(rows, k, n, num_slots, rank, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows,k,n,num_slots,rank", [
     (1, 128, 256, 1, 8), (8, 4096, 4096, 4, 16), (37, 1024, 14336, 2, 64), (300, 4096, 1024, 3, 16), (5, 384, 200, 2, 256),
+    (1, 14336, 4096, 2, 16), (3, 520, 300, 2, 5), (2, 130, 70, 3, 24),  # long k; a rank not in whole 16-byte groups; odd k
 ])
 def test_lora_add_kernel_matches_reference(ops, dtype, rows, k, n, num_slots, rank):
     y, x, a, b, slots = _case(rows, k, n, num_slots, rank, dtype)
