@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from trellm.modules.base import LoadContext
+from trellm.modules.linear import DenseExpertSet
 from trellm.modules.moe import ExpertList, StackedExperts, dispatch_experts, dispatch_experts_sync_free
 from trellm.ops.moe import dense_experts_matmul, exl3_experts_down, exl3_experts_gate_up
 from trellm.quant.exl3.format import EXL3ExpertSet
@@ -87,6 +88,21 @@ def exl3_experts(e: int, h: int, i: int, bits=4, codebook="mcg", device="cpu", a
     return experts
 
 
+def dense_per_expert(e: int, h: int, i: int, device="cpu", dtype=torch.float32, bias=False, seed=0) -> ExpertList:
+    """Per-expert dense Linears (the layout HF checkpoints keep), loaded as a family loads them; on CUDA the load
+    stacks them into a DenseExpertSet."""
+    g = torch.Generator().manual_seed(seed)
+    t = {}
+    for x in range(e):
+        for name, (n, k) in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            t[f"x.{x}.{name}.weight"] = torch.randn(n, k, generator=g) / math.sqrt(k)
+            if bias:
+                t[f"x.{x}.{name}.bias"] = torch.randn(n, generator=g) * 0.1
+    experts = ExpertList("x", e, h, i, bias=bias)
+    experts.load(LoadContext(store=DictStore(t), device=torch.device(device), dtype=dtype))
+    return experts
+
+
 def routing(tokens: int, e: int, top_k: int, device="cpu", seed=1):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(tokens, e, generator=g)
@@ -115,6 +131,31 @@ def test_sync_free_exl3_matches_grouped():
     ref = dispatch_experts(experts, x, weights, ids)
     out = dispatch_experts_sync_free(experts, x, weights, ids)
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_per_expert_set_matches_grouped(bias):
+    """Dense per-expert Linears stacked into a DenseExpertSet (what a CUDA load makes): the experts' weights become
+    views of the stacks (nothing held twice), each expert computes what it did, and the pair path equals the
+    grouped dispatch."""
+    experts = dense_per_expert(6, 64, 32, bias=bias)
+    assert experts.pair_set is None  # on CPU nothing is stacked: its steps group rows by expert
+    x = torch.randn(5, 64)
+    weights, ids = routing(5, 6, 2)
+    ref = dispatch_experts(experts, x, weights, ids)
+    before = [experts.run_expert(e, x) for e in range(6)]
+    nbytes = sum(m.gate_proj.impl.nbytes() + m.up_proj.impl.nbytes() + m.down_proj.impl.nbytes() for m in experts.experts)
+    dense = DenseExpertSet.from_experts(experts.experts)
+    assert dense is not None and tuple(dense.gate_up.shape) == (6, 64, 64) and tuple(dense.down.shape) == (6, 64, 32)
+    for e, mlp in enumerate(experts.experts):
+        assert mlp.gate_proj.impl.weight.data_ptr() == dense.gate_up[e].data_ptr()
+        assert mlp.up_proj.impl.weight.data_ptr() == dense.gate_up[e, 32:].data_ptr()
+        assert torch.equal(experts.run_expert(e, x), before[e])
+    assert nbytes == dense.gate_up.nbytes + dense.down.nbytes + (0 if not bias else dense.gate_up_bias.nbytes + dense.down_bias.nbytes)
+    experts.pair_set = dense
+    out = dispatch_experts_sync_free(experts, x, weights, ids)
+    assert rel_err(out, ref) < 1e-5
+    assert DenseExpertSet.from_experts(experts.experts) is None  # views already: stacking again would copy them
 
 
 def test_sync_free_falls_back_where_it_has_no_path():
@@ -225,12 +266,18 @@ def test_exl3_expert_pairs_mul1_split_route(case, monkeypatch):
     assert rel_err(hidden, results["fma"][0]) < 1e-2
 
 
-@pytest.mark.parametrize("layout", ["exl3", "stacked"])
+@pytest.mark.parametrize("layout", ["exl3", "stacked", "dense_per_expert"])
 @on_cuda
 def test_moe_dispatch_sync_free_in_cuda_graph(layout):
     """dispatch_experts on CUDA takes the pair path, captures in a graph and replays with new routing."""
     e, h, i, tokens, top_k = 16, 256, 128, 4, 4
-    experts = exl3_experts(e, h, i, device="cuda") if layout == "exl3" else stacked_experts(e, h, i, "cuda", torch.bfloat16)
+    if layout == "exl3":
+        experts = exl3_experts(e, h, i, device="cuda")
+    elif layout == "stacked":
+        experts = stacked_experts(e, h, i, "cuda", torch.bfloat16)
+    else:
+        experts = dense_per_expert(e, h, i, "cuda", torch.bfloat16)
+        assert isinstance(experts.pair_set, DenseExpertSet)
     x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
     weights, ids = routing(tokens, e, top_k, "cuda", seed=5)
     stream = torch.cuda.Stream()

@@ -588,6 +588,7 @@ class LocalExperts(Module):
         self.stacked: Module | None = None  # 3-D tensors, sliced
         if isinstance(getattr(active, "experts", None), list):
             self.per_expert = active.experts[start:stop]
+            _own_weights(self.per_expert)
         elif getattr(active, "stacked", None) is not None:
             self.stacked = _stacked_slice(active, start, stop)
         else:
@@ -597,6 +598,19 @@ class LocalExperts(Module):
         if e == self.stop - self.start:
             return torch.zeros_like(x)
         return self.per_expert[e].forward(x) if self.per_expert is not None else self.stacked.run_expert(e, x)
+
+
+def _own_weights(experts: list) -> None:
+    """Dense expert weights that are views of the whole collection's stacks (a dense pair set, made at load on CUDA)
+    get storage of their own, so this rank does not keep the other ranks' experts alive."""
+    for mlp in experts:
+        for lin in (getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")):
+            impl = getattr(lin, "impl", None)
+            if type(impl) is DenseLinear:
+                for name in ("weight", "bias"):
+                    t = getattr(impl, name)
+                    if t is not None and t._base is not None:
+                        setattr(impl, name, t.clone())
 
 
 def _stacked_slice(experts: Module, start: int, stop: int) -> Module:

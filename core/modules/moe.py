@@ -21,7 +21,8 @@ from .. import ops
 from ..batch import ForwardBatch
 from ..errors import WeightError
 from ..ops.moe import (  # noqa: F401  (softmax_topk, MOE_DECODE_*: re-exported)
-    MOE_DECODE_ENV, MOE_DECODE_MODES, combine_pairs, dense_experts_matmul, moe_decode_mode, softmax_topk, softmax_topk_shared,
+    MOE_DECODE_ENV, MOE_DECODE_MODES, combine_pairs, dense_expert_pairs, dense_experts_matmul, moe_decode_mode, softmax_topk,
+    softmax_topk_shared,
 )
 from ..ops.projection import Weights, project
 from .base import LoadContext, Module
@@ -330,11 +331,7 @@ class StackedExperts(Module):
     def run_pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Sync-free: one GEMV per (token, expert) pair with the expert read on the device, then the weighted sum."""
         gate_up, gu_bias, down, d_bias = self.stacked
-        tokens, top_k = ids.shape
-        expert_of = ids.reshape(-1)
-        gate, up = dense_experts_matmul(x, expert_of, gate_up, gu_bias, top_k).chunk(2, dim=-1)
-        y = dense_experts_matmul(self.act(gate, up).contiguous(), expert_of, down, d_bias, 1)
-        return combine_pairs(y, weights, x.dtype)
+        return dense_expert_pairs(x, weights, ids, gate_up, gu_bias, down, d_bias, self.act)
 
     def nbytes(self) -> int:
         return sum(l.nbytes() for l in self.gate_up + self.down)

@@ -74,6 +74,18 @@ def combine_pairs(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) ->
     return (y.view(tokens, top_k, -1).float() * weights.float()[..., None]).sum(1).to(dtype)
 
 
+def dense_expert_pairs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                       gate_up_bias: torch.Tensor | None, down: torch.Tensor, down_bias: torch.Tensor | None,
+                       act) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for dense experts stacked as ``gate_up`` [E, 2I, H] (gate rows,
+    then up rows) and ``down`` [E, H, I] (+ biases [E, n]), ``act(gate, up)`` between: sync-free, every shape
+    fixed by the number of pairs (a decode step captures)."""
+    expert_of = ids.reshape(-1)
+    gate, up = dense_experts_matmul(x, expert_of, gate_up, gate_up_bias, ids.shape[1]).chunk(2, dim=-1)
+    y = dense_experts_matmul(act(gate, up).contiguous(), expert_of, down, down_bias, 1)
+    return combine_pairs(y, weights, x.dtype)
+
+
 def _exl3_pairs_reference(x: torch.Tensor, expert_of: torch.Tensor, layers: list, pairs_per_row: int) -> torch.Tensor:
     """[P, n]: pair p through expert expert_of[p]'s Linear on x row p // pairs_per_row (one call per pair)."""
     rows = [layers[e].forward(x[p // pairs_per_row][None])[0] for p, e in enumerate(expert_of.tolist())]
