@@ -15,7 +15,8 @@ def hyper_connections_route() -> str:
     """``TRELLM_HYPER_CONNECTIONS``, how :func:`hyper_connection_weights` and :func:`hyper_connection_merge` run on
     CUDA: "reference" (default) the torch ops (~140 small kernels per block's weights, the Sinkhorn loop 6 per
     iteration); "kernel", two launches (up to 64 tokens) and one (kernels_cuda/hyper.cu). The default stays on
-    the reference until ``tests/test_cuda_hyper.py`` has passed on a GPU."""
+    the reference until ``benchmarks/bench_hyper.py`` has measured the kernel (``tests/test_cuda_hyper.py`` passed on
+    an H100, 2026-12-05)."""
     return route_from_env(HYPER_CONNECTIONS_ENV, HYPER_CONNECTIONS_ROUTES, "reference")
 
 

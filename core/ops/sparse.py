@@ -31,7 +31,8 @@ def sparse_index_route() -> str:
     verification on CUDA: "reference" (default) the torch ops (sync-free up to ``INDEX_GATHER_MAX_PAIRS``
     (token, key) pairs, so such steps capture in a CUDA graph; longer contexts loop over the sequences on the host);
     "kernel", the logits in one launch at any context (kernels_cuda/indexer.cu) and torch's top-k. The default
-    stays on the reference until ``tests/test_cuda_indexer.py`` has passed on a GPU."""
+    stays on the reference until ``benchmarks/bench_indexer.py`` has measured the kernel (``tests/test_cuda_indexer.py``
+    passed on an H100, 2026-12-05)."""
     return route_from_env(SPARSE_INDEX_ENV, SPARSE_INDEX_ROUTES, "reference")
 
 
