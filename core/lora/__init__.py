@@ -165,19 +165,20 @@ class LoraSet:
         self.model = model
         self.linears: dict[str, Linear] = {}
         self.fused: dict[str, list[Linear]] = {}  # a fused checkpoint tensor's parts (Phi-3 qkv_proj)
+        # expert collections by key, outermost first (an Experts over its ExpertList; a family's own collection)
+        self.experts: dict[str, Module] = {}
+        # expert collections spread over tensor-parallel ranks (expert parallel): adapters on them are refused
+        self.spread: list[str] = []
         for m in model.modules():
             if isinstance(m, Linear):
                 self.linears[m.key] = m
                 fused_key = getattr(m, "fused_key", None)
                 if fused_key is not None:
                     self.fused.setdefault(fused_key, []).append(m)
-        # expert collections by key, outermost first (an Experts over its ExpertList; a family's own collection)
-        self.experts: dict[str, Module] = {}
-        for m in model.modules():
-            if isinstance(m, ExpertCollection) and m.key not in self.experts:
-                self.experts[m.key] = m
-        # expert collections spread over tensor-parallel ranks (expert parallel): adapters on them are refused
-        self.spread = [m.key for m in model.modules() if getattr(m, "spread_over_ranks", False)]
+            elif isinstance(m, ExpertCollection):
+                self.experts.setdefault(m.key, m)
+            if getattr(m, "spread_over_ranks", False):
+                self.spread.append(m.key)
         self.head = getattr(model, "lm_head", None)
         emb = model.embed.weight
         self.dtype, self.device = emb.dtype, emb.device
@@ -270,8 +271,7 @@ class LoraSet:
         """A per-expert projection of experts this model holds as stacked tensors has no weights of its own."""
         owner = self.experts.get(module.rsplit(".", 2)[0])
         if lin.impl is None and isinstance(owner, Experts) and owner.layout == "stacked":
-            raise LoraError(f"{adapter.path}: targets {module!r}, but this checkpoint stores {owner.key!r} as stacked "
-                            "3-D tensors, which LoRA cannot adapt yet (per-expert tensors and EXL3 experts can)")
+            raise _stacked_experts_error(f"{adapter.path}: targets {module!r}, but", owner.key)
 
     def _expert_stack_targets(self, adapter: PeftAdapter, module: str, name: str,
                               stack: ExpertStackFactors) -> list[tuple[str, Linear, LoraFactors]]:
@@ -283,8 +283,7 @@ class LoraSet:
                             "(an adapter for another base model)")
         experts = owner.active if isinstance(owner, Experts) else owner
         if not isinstance(experts, ExpertList):
-            raise LoraError(f"{adapter.path}: {tensor}: this checkpoint stores {module!r} as stacked 3-D tensors, which "
-                            "LoRA cannot adapt yet (per-expert tensors and EXL3 experts can)")
+            raise _stacked_experts_error(f"{adapter.path}: {tensor}:", module)
         if stack.experts != experts.num_experts:
             raise LoraError(f"{adapter.path}: {tensor} has shape {list(stack.a.shape)}: factors for {stack.experts} "
                             f"experts of rank {stack.rank}, the base model's {module!r} has {experts.num_experts}")
@@ -417,6 +416,12 @@ class LoraSet:
                 moved = self._on_device[head, device] = slots.to(device)
             slots = moved
         return slots
+
+
+def _stacked_experts_error(what: str, experts_key: str) -> LoraError:
+    """The refusal of an adapter on experts a checkpoint keeps as 3-D tensors (no per-expert projection to wrap)."""
+    return LoraError(f"{what} this checkpoint stores {experts_key!r} as stacked 3-D tensors, which LoRA cannot adapt "
+                     "yet (per-expert tensors and EXL3 experts can)")
 
 
 def whole_size(lin: Linear) -> tuple[int, int]:

@@ -60,6 +60,7 @@ class DenseExpertSet:
                 if (w.weight.shape != shape or w.weight.dtype != first.weight.dtype or w.weight.device != first.weight.device
                         or w.weight._base is not None or (w.bias is None) != (first.bias is None)):
                     return None
+
         def stacked(parts: list[list[torch.Tensor]]) -> torch.Tensor:
             """[E, sum of the parts' rows, ...]: each expert's parts copied in, each part rebound to its view."""
             rows = sum(t.shape[0] for t in parts[0])
