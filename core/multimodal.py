@@ -30,6 +30,7 @@ import torch
 from .capabilities import supports_images
 from .errors import ConfigError, TrellmError
 from .modules.base import LoadContext, Module
+from .weights import Aliases, CheckpointNames
 
 if TYPE_CHECKING:
     from .config import DecoderConfig
@@ -380,48 +381,10 @@ def attach_images(batch, chunks: Sequence[tuple[MultimodalPrompt | None, int]]) 
 # ---- the composite model ----------------------------------------------------------------------------
 
 
-class CheckpointNames:
-    """Checkpoint prefixes that differ between transformers versions and uploads, mapped to one spelling.
-
-    ``aliases``: (canonical prefix, alternative prefixes); a name missing under its canonical prefix
-    is looked up under each alternative in turn.
-    """
-
-    def __init__(self, store, aliases: Sequence[tuple[str, Sequence[str]]]):
-        self.store, self.aliases = store, aliases
-        self.model_dir = store.model_dir
-
-    def resolve(self, name: str) -> str:
-        if name in self.store:
-            return name
-        for canon, alts in self.aliases:
-            if name.startswith(canon):
-                for alt in alts:
-                    other = alt + name[len(canon):]
-                    if other in self.store:
-                        return other
-        return name
-
-    def __contains__(self, name: str) -> bool:
-        return self.resolve(name) in self.store
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.store)
-
-    def keys(self) -> list[str]:
-        return self.store.keys()
-
-    def info(self, name: str):
-        return self.store.info(self.resolve(name))
-
-    def get(self, name: str, *args, **kwargs) -> torch.Tensor:
-        return self.store.get(self.resolve(name), *args, **kwargs)
-
-
 class Renamed(Module):
     """Loads ``inner`` through :class:`CheckpointNames` (so its keys can use one canonical spelling)."""
 
-    def __init__(self, inner: Module, aliases: Sequence[tuple[str, Sequence[str]]]):
+    def __init__(self, inner: Module, aliases: Aliases):
         self.key, self.inner, self.aliases = inner.key, inner, aliases
 
     def load(self, ctx: LoadContext) -> None:
@@ -442,9 +405,9 @@ class VisionLanguageModel(Module):
     marker_id: int
     max_images: int = 16
 
-    def __init__(self, language: Module, vision: Module, aliases: Sequence[tuple[str, Sequence[str]]] = ()):
+    def __init__(self, language: Module, vision: Module, aliases: Aliases = ()):
         self.key = ""
-        self.language, self.vision = language, vision
+        self.language, self.vision, self.aliases = language, vision, aliases
         self._parts = (Renamed(language, aliases), Renamed(vision, aliases))
 
     def __getattr__(self, name: str):

@@ -10,7 +10,7 @@ import json
 import mmap
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
@@ -36,6 +36,11 @@ DTYPES: dict[str, torch.dtype] = {
 if hasattr(torch, "float8_e8m0fnu"):
     DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 MAX_HEADER = 100 * 1024 * 1024
+# Other spellings of a model's tensor names, declared by its family: (canonical prefix, alternative prefixes). The
+# canonical spelling is the model's module keys; the alternatives are those of other uploads or transformers versions,
+# and transformers' own module names where its classes nest modules differently from the checkpoint (NemotronH's
+# ``model.layers`` for ``backbone.layers``), which PEFT adapters are named after.
+Aliases = Sequence[tuple[str, Sequence[str]]]
 
 
 class TensorInfo:
@@ -228,3 +233,51 @@ class WeightStore:
     def close(self) -> None:
         for f in self.files:
             f.close()
+
+
+class CheckpointNames:
+    """A store whose tensors are looked up under a family's :data:`Aliases`: a name missing under its canonical
+    prefix is looked up under each alternative in turn."""
+
+    def __init__(self, store, aliases: Aliases):
+        self.store, self.aliases = store, aliases
+        self.model_dir = store.model_dir
+
+    def resolve(self, name: str) -> str:
+        if name in self.store:
+            return name
+        for canon, alts in self.aliases:
+            if name.startswith(canon):
+                for alt in alts:
+                    other = alt + name[len(canon):]
+                    if other in self.store:
+                        return other
+        return name
+
+    def __contains__(self, name: str) -> bool:
+        return self.resolve(name) in self.store
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.store)
+
+    def keys(self) -> list[str]:
+        return self.store.keys()
+
+    def info(self, name: str):
+        return self.store.info(self.resolve(name))
+
+    def get(self, name: str, *args, **kwargs) -> torch.Tensor:
+        return self.store.get(self.resolve(name), *args, **kwargs)
+
+
+def canonical_name(name: str, aliases: Aliases, known: Callable[[str], bool]) -> str:
+    """``name`` (a module or tensor name in any spelling :data:`Aliases` allow) as the model spells it: itself when
+    ``known``, else the first canonical rewrite of an alternative prefix it starts with that is known; a name nothing
+    fits comes back unchanged (the caller names it in its error). :class:`CheckpointNames` resolves the other way."""
+    if known(name):
+        return name
+    for canon, alts in aliases:
+        for alt in alts:
+            if name.startswith(alt) and known(other := canon + name[len(alt):]):
+                return other
+    return name

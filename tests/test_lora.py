@@ -426,6 +426,42 @@ def test_adapter_on_a_family_expert_collection_matches_merged_weights(tmp_path):
     assert [done[i] for i in range(2)] == singles
 
 
+def test_nemotron_h_adapter_named_after_transformers_modules_matches_peft(tmp_path):
+    """transformers 5 nests NemotronH's blocks as model.layers where its checkpoints (and trellm's modules) say
+    backbone.layers: a real PEFT adapter, named after transformers' modules, is read through the family's aliases and
+    gives PEFT's logits and greedy tokens; the same factors under the checkpoint's names (older adapters) load too."""
+    from test_hybrid_families import FAMILIES
+    from trellm.sdk.testing import make_tiny_hf_model
+
+    arch, cfg = FAMILIES["nemotron_h"]
+    base = make_tiny_hf_model(arch, tmp_path / "base", **cfg)
+    targets = ["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "shared_experts.up_proj", "shared_experts.down_proj",
+               "lm_head"]
+    adapter = make_peft_adapter(base, tmp_path / "adapter", r=4, alpha=8, targets=targets)
+    assert "model.layers.0.mixer.in_proj" in read_peft_adapter(adapter).modules  # as PEFT names it
+    ids = IDS[:, :16]
+    want = peft_logits(base, adapter, ids)
+    assert not torch.allclose(want, peft_logits(base, None, ids), atol=1e-2)
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=adapter)
+    got = lm.logits(ids)
+    assert_close(got, want)
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter).eval()
+    prompt = IDS[0, :10]
+    hf_out = hf.generate(input_ids=prompt[None], attention_mask=torch.ones(1, 10, dtype=torch.long), max_new_tokens=8,
+                         do_sample=False)[0, 10:].tolist()
+    assert list(lm.generate_ids(prompt.tolist(), max_new_tokens=8, stop_token_ids=[])) == hf_out
+
+    def checkpoint_names(t):
+        return {k.replace("base_model.model.model.", "base_model.model.backbone."): v for k, v in t.items()}
+
+    lm.load_lora(_edit_adapter(adapter, tmp_path / "checkpoint_names", tensors=checkpoint_names), name="old")
+    assert lm.logits(ids, lora="old").equal(got)
+
+
 def test_per_expert_module_adapter_matches_peft(moe, tmp_path):
     """An adapter trained where experts were nn.Linear modules names each expert's projections: the same factors
     as the stacked adapter, laid out per expert, give PEFT's logits of the stacked one."""

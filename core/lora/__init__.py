@@ -33,6 +33,7 @@ import itertools
 from pathlib import Path
 from typing import Any, Sequence
 
+import attrs
 import torch
 
 from .. import ops
@@ -41,6 +42,7 @@ from ..modules.base import Module
 from ..modules.moe import ExpertCollection, ExpertList, Experts
 from ..ops import Residual, WrappedWeights, project, projection_input
 from ..ops.projection import WeightList, group_weights
+from ..weights import Aliases, canonical_name
 from .peft import ExpertStackFactors, LoraError, LoraFactors, PeftAdapter, read_peft_adapter
 
 __all__ = ["LoraError", "LoraGroup", "LoraSet", "LoraWeights", "PeftAdapter", "read_peft_adapter", "lora_set", "adapter_root"]
@@ -159,10 +161,12 @@ class _Loaded:
 
 
 class LoraSet:
-    """The adapters loaded into one model, by name. See the module docstring."""
+    """The adapters loaded into one model, by name. See the module docstring. ``aliases``: the family's other
+    spellings of its module names (PEFT names an adapter's modules after the transformers class, whose module tree
+    may differ from the checkpoint's names)."""
 
-    def __init__(self, model: Any):
-        self.model = model
+    def __init__(self, model: Any, aliases: Aliases = ()):
+        self.model, self.aliases = model, aliases
         self.linears: dict[str, Linear] = {}
         self.fused: dict[str, list[Linear]] = {}  # a fused checkpoint tensor's parts (Phi-3 qkv_proj)
         # expert collections by key, outermost first (an Experts over its ExpertList; a family's own collection)
@@ -214,6 +218,17 @@ class LoraSet:
         return 0 if name is None else self.loaded[name].uid
 
     # ---- load / unload ---------------------------------------------------------------------------
+
+    def _in_model_names(self, adapter: PeftAdapter) -> PeftAdapter:
+        """``adapter`` with its modules named as this model names them (through the family's aliases)."""
+        def known(name: str) -> bool:
+            return name in self.linears or name in self.fused or name in self.experts
+
+        def renamed(by_module: dict[str, Any]) -> dict[str, Any]:
+            return {canonical_name(module, self.aliases, known): value for module, value in by_module.items()}
+
+        return attrs.evolve(adapter, modules=renamed(adapter.modules), base_layers=renamed(adapter.base_layers),
+                            expert_stacks=renamed(adapter.expert_stacks))
 
     def _targets(self, adapter: PeftAdapter) -> list[tuple[Linear, LoraFactors]]:
         """(projection, its factors) for every module of ``adapter``, checked against this model (nothing
@@ -304,7 +319,7 @@ class LoraSet:
 
     def load(self, path: str | Path | PeftAdapter, name: str | None = None, scale: float = 1.0) -> str:
         """Load a PEFT adapter directory under ``name`` (default: the directory's name); returns the name."""
-        adapter = path if isinstance(path, PeftAdapter) else read_peft_adapter(path, scale)
+        adapter = self._in_model_names(path if isinstance(path, PeftAdapter) else read_peft_adapter(path, scale))
         name = name or adapter.path.name
         if name in self.loaded:
             raise LoraError(f"a LoRA adapter named {name!r} is already loaded; unload it first or pick another name")
@@ -452,7 +467,7 @@ def lora_set(model: Any, create: bool = True) -> LoraSet | None:
     target = getattr(model, "language", model)
     found = getattr(target, "lora", None)
     if found is None and create:
-        found = LoraSet(target)
+        found = LoraSet(target, model.aliases)
         target.lora = found
     return found
 

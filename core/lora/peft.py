@@ -88,10 +88,10 @@ class ExpertStackFactors:
 
 @attrs.frozen
 class PeftAdapter:
-    """An adapter read from ``path``: its factors by module name (the base checkpoint's tensor prefix, e.g.
-    ``model.layers.0.self_attn.q_proj``), the base-layer tensors it carries (``lm_head.base_layer.weight``) and its
-    LoRA on stacked expert tensors by experts module and tensor name (``{"model.layers.0.mlp.experts":
-    {"gate_up_proj": ...}}``)."""
+    """An adapter read from ``path``: its factors by module name as PEFT wrote it (transformers' module names, e.g.
+    ``model.layers.0.self_attn.q_proj``, which a family's aliases map to its checkpoint's where they differ), the
+    base-layer tensors it carries (``lm_head.base_layer.weight``) and its LoRA on stacked expert tensors by experts
+    module and tensor name (``{"model.layers.0.mlp.experts": {"gate_up_proj": ...}}``)."""
 
     path: Path
     modules: dict[str, LoraFactors]

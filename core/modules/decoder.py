@@ -18,6 +18,7 @@ from ..batch import ForwardBatch
 from ..config import DecoderConfig
 from ..ops.projection import Hidden, Normed
 from ..spec import ArchitectureSpec
+from ..weights import Aliases
 from .base import Module, Sublayer
 from .layers import (
     MLP,
@@ -174,6 +175,7 @@ class CausalLM(Module):
     """Embedding, decoder layers, final norm and LM head; ``forward(batch)`` returns float32 logits."""
 
     lora = None  # a trellm.lora.LoraSet once an adapter is loaded
+    aliases: Aliases = ()  # other spellings of its module names (trellm.weights.Aliases), which adapters may use
     layer_split = None  # a trellm.distributed.layer_split.LayerSplit when the layers sit on several devices
 
     def __init__(
@@ -193,17 +195,20 @@ class CausalLM(Module):
 
     @classmethod
     def from_layers(cls, cfg: DecoderConfig, layers: list[Module], embed_key: str = "model.embed_tokens",
-                    norm_key: str = "model.norm", norm_unit_offset: bool = False, embed_scale: float | None = None):
+                    norm_key: str = "model.norm", norm_unit_offset: bool = False, embed_scale: float | None = None,
+                    aliases: Aliases = ()):
         """``layers`` between the token embedding (times ``embed_scale``) and a final RMSNorm; a tied lm_head reads
         the embedding. The tail of every family that writes its own layers."""
         hidden, vocab = cfg.hidden_size, cfg.vocab_size
-        return cls(
+        model = cls(
             cfg,
             Embedding(embed_key, vocab, hidden, embed_scale),
             layers,
             RMSNorm(norm_key, hidden, cfg.rms_norm_eps, unit_offset=norm_unit_offset),
             Linear("lm_head", hidden, vocab, alt_key=embed_key if cfg.tie_word_embeddings else None),
         )
+        model.aliases = aliases
+        return model
 
     def nbytes(self) -> int:
         """Bytes held, counting a tied LM head that shares the embedding's tensor once."""

@@ -26,6 +26,9 @@ from trellm.sdk import (
 )
 
 BLOCK_TYPES = ("linear_attention", "full_attention", "mlp", "moe")
+# transformers 5's NemotronHForCausalLM nests the blocks as model.layers (its checkpoints keep backbone.*): the names
+# PEFT gives adapters trained on it
+ALIASES = (("backbone.", ("model.",)),)
 
 
 class PlainMLP(Module):
@@ -115,7 +118,7 @@ def build(cfg: DecoderConfig) -> HybridCausalLM:
         else:
             mixer = NemotronMoE(m, cfg)
         layers.append(ResidualBlock(key, RMSNorm(f"{key}.norm", hidden, eps), mixer))
-    return HybridCausalLM.from_layers(cfg, layers, "backbone.embeddings", "backbone.norm_f")
+    return HybridCausalLM.from_layers(cfg, layers, "backbone.embeddings", "backbone.norm_f", aliases=ALIASES)
 
 
 SPEC = ArchitectureSpec(
