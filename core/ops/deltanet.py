@@ -360,12 +360,12 @@ KDA_DECODE_ROUTES = ("reference", "kernel", "fused")
 
 
 def kda_decode_route() -> str:
-    """``TRELLM_KDA_DECODE``, how a KDA layer's decode step runs on CUDA: "reference" (default) the torch ops
-    throughout; "kernel", the recurrence (:func:`kda_step_slots`) in one launch, its norms and gates in torch;
-    "fused", the step from its raw inputs in one launch (:func:`kimi_delta_attention_step_slots`) and the output
-    norm in one (:func:`gated_rms_norm`). The default stays on the reference until ``benchmarks/bench_kda_step.py``
-    has measured the kernel routes (``tests/test_cuda_kda.py`` passed on an H100, 2026-12-05)."""
-    return route_from_env(KDA_DECODE_ENV, KDA_DECODE_ROUTES, "reference")
+    """``TRELLM_KDA_DECODE``, how a KDA layer's decode step runs on CUDA: "reference" the torch ops throughout;
+    "kernel", the recurrence (:func:`kda_step_slots`) in one launch, its norms and gates in torch; "fused"
+    (default), the step from its raw inputs in one launch (:func:`kimi_delta_attention_step_slots`) and the output
+    norm in one (:func:`gated_rms_norm`). On the H200 (2026-12-05, ``bench_kda_step.py``, 64 heads of 128) fused
+    takes 9 / 28 / 175 us per step at batch 1 / 8 / 64, kernel 54 / 81 / 228, the reference 73 / 223 / 1,228."""
+    return route_from_env(KDA_DECODE_ENV, KDA_DECODE_ROUTES, "fused")
 
 
 @op

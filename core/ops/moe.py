@@ -20,12 +20,13 @@ MOE_DECODE_MODES = ("pairs", "fused", "one_launch")
 
 
 def moe_decode_mode() -> str:
-    """``TRELLM_MOE_DECODE``, the MoE decode route on CUDA: "pairs" (default) runs the shared expert as its own
-    MLP; "fused" folds a foldable shared expert into the routed pair launches; "one_launch" also finishes each
-    EXL3 pair matmul in the launch that computes it (the last block of each output group sums the others'
-    partial results: one launch per projection instead of two). The default stays on the route the H200 has
-    verified until ``tests/test_cuda_moe_fused.py`` has passed there with the new kernels."""
-    return route_from_env(MOE_DECODE_ENV, MOE_DECODE_MODES, "pairs")
+    """``TRELLM_MOE_DECODE``, the MoE decode route on CUDA: "pairs" runs the shared expert as its own MLP;
+    "fused" (default) folds a foldable shared expert into the routed pair launches; "one_launch" also finishes
+    each EXL3 pair matmul in the launch that computes it (the last block of each output group sums the others'
+    partial results: one launch per projection instead of two). On the H200 (2026-12-05, ``bench_moe_decode.py``,
+    the Qwen3.5-35B-A3B shape at 4 bpw, fused delta net, captured) fused decodes 261 / 1,582 tok/s at batch 1 / 16,
+    one_launch 253 / 1,517, pairs 216 / 1,508."""
+    return route_from_env(MOE_DECODE_ENV, MOE_DECODE_MODES, "fused")
 
 
 @op
