@@ -5,8 +5,9 @@
 // hc_mix_kernel: one block per (mix row, token): the raw dot product of the flattened streams x [N * D] with
 // fn's row and the sum of squares of x, stored as dot * rsqrt(mean(x^2) + norm_eps) (the RMS norm of x, which
 // is linear in x, applied after the product).
-// hc_weights_kernel: one block per token: pre / post / comb from the (2 + N) * N mixes in one thread (the N x N
-// Sinkhorn is ~40 N^2 flops), then every thread sums the streams weighted by pre for its columns.
+// hc_weights_kernel: one block per token: pre / post / comb from the (2 + N) * N mixes in one thread, the N x N
+// matrix in its registers (the Sinkhorn is ~40 N^2 flops a token), then every thread sums the streams weighted
+// by pre for its columns.
 // hc_merge_kernel: one thread per (token, column): the N new streams post[i] * out + sum_j comb[j][i] * x_j.
 #include "common.cuh"
 
@@ -45,50 +46,87 @@ __global__ void __launch_bounds__(HC_THREADS) hc_mix_kernel(const void *x, int d
     }
 }
 
+// pre / post / comb of one token from its (2 + N) * N mixes m, in one thread. N is a compile-time constant so the
+// N x N matrix lives in registers with every index static: the Sinkhorn loop is a chain of dependent
+// reductions, and through shared memory (the first version) its latency was ~70 us per token on an H200 at N = 4.
+// The operations and their order are the reference loop's, so the results are the same bits.
+template <int N>
+__device__ __forceinline__ void hc_token_weights(const float *__restrict__ m, const float *__restrict__ bias,
+                                                 const float *__restrict__ scale, float *pre,
+                                                 float *__restrict__ post, float *__restrict__ comb,
+                                                 int sinkhorn_iters, float eps) {
+    float c[N][N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {  // row softmax of the comb logits, + eps
+        float top = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            c[i][j] = m[2 * N + i * N + j] * scale[2] + bias[2 * N + i * N + j];
+            top = fmaxf(top, c[i][j]);
+        }
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            c[i][j] = expf(c[i][j] - top);
+            sum += c[i][j];
+        }
+#pragma unroll
+        for (int j = 0; j < N; ++j) c[i][j] = c[i][j] / sum + eps;
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        pre[i] = hc_sigmoid(m[i] * scale[0] + bias[i]) + eps;
+        post[i] = 2.f * hc_sigmoid(m[N + i] * scale[1] + bias[N + i]);
+    }
+    for (int it = 0; it < max(sinkhorn_iters, 1); ++it) {  // columns; then iters - 1 times rows and columns
+        if (it > 0) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                float sum = 0.f;
+#pragma unroll
+                for (int j = 0; j < N; ++j) sum += c[i][j];
+#pragma unroll
+                for (int j = 0; j < N; ++j) c[i][j] /= sum + eps;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            float sum = 0.f;
+#pragma unroll
+            for (int i = 0; i < N; ++i) sum += c[i][j];
+#pragma unroll
+            for (int i = 0; i < N; ++i) c[i][j] /= sum + eps;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < N; ++j) comb[i * N + j] = c[i][j];
+}
+
 // grid (tokens). raw [tokens, (2 + n) * n] -> post float32 [tokens, n], comb float32 [tokens, n, n] and
 // block_input [tokens, d] (dtype) = sum_j pre[j] * x[t, j, :].
-__global__ void __launch_bounds__(HC_THREADS) hc_weights_kernel(const void *x, int dtype, const float *raw,
-                                                                const float *bias, const float *scale, float *post,
-                                                                float *comb, void *block_input, int n, int64_t d,
+__global__ void __launch_bounds__(HC_THREADS) hc_weights_kernel(const void *x, int dtype, const float *__restrict__ raw,
+                                                                const float *__restrict__ bias,
+                                                                const float *__restrict__ scale,
+                                                                float *__restrict__ post, float *__restrict__ comb,
+                                                                void *block_input, int n, int64_t d,
                                                                 int sinkhorn_iters, float eps) {
     __shared__ float pre[TRELLM_HC_MAX_STREAMS];
-    __shared__ float c[TRELLM_HC_MAX_STREAMS][TRELLM_HC_MAX_STREAMS];
     const size_t t = blockIdx.x;
-    const float *m = raw + t * (size_t)(2 + n) * n;
     if (threadIdx.x == 0) {
-        for (int i = 0; i < n; ++i) {
-            pre[i] = hc_sigmoid(m[i] * scale[0] + bias[i]) + eps;
-            post[t * n + i] = 2.f * hc_sigmoid(m[n + i] * scale[1] + bias[n + i]);
+        const float *m = raw + t * (size_t)(2 + n) * n;
+        float *p = post + t * n, *cb = comb + t * (size_t)n * n;
+        switch (n) {
+            case 1: hc_token_weights<1>(m, bias, scale, pre, p, cb, sinkhorn_iters, eps); break;
+            case 2: hc_token_weights<2>(m, bias, scale, pre, p, cb, sinkhorn_iters, eps); break;
+            case 3: hc_token_weights<3>(m, bias, scale, pre, p, cb, sinkhorn_iters, eps); break;
+            case 4: hc_token_weights<4>(m, bias, scale, pre, p, cb, sinkhorn_iters, eps); break;
+            case 5: hc_token_weights<5>(m, bias, scale, pre, p, cb, sinkhorn_iters, eps); break;
+            case 6: hc_token_weights<6>(m, bias, scale, pre, p, cb, sinkhorn_iters, eps); break;
+            case 7: hc_token_weights<7>(m, bias, scale, pre, p, cb, sinkhorn_iters, eps); break;
+            default: hc_token_weights<8>(m, bias, scale, pre, p, cb, sinkhorn_iters, eps); break;  // n <= 8 (checked)
         }
-        for (int i = 0; i < n; ++i) {  // row softmax of the comb logits, + eps
-            float top = -INFINITY;
-            for (int j = 0; j < n; ++j) {
-                c[i][j] = m[2 * n + i * n + j] * scale[2] + bias[2 * n + i * n + j];
-                top = fmaxf(top, c[i][j]);
-            }
-            float sum = 0.f;
-            for (int j = 0; j < n; ++j) {
-                c[i][j] = expf(c[i][j] - top);
-                sum += c[i][j];
-            }
-            for (int j = 0; j < n; ++j) c[i][j] = c[i][j] / sum + eps;
-        }
-        for (int it = 0; it < max(sinkhorn_iters, 1); ++it) {  // columns; then iters - 1 times rows and columns
-            if (it > 0) {
-                for (int i = 0; i < n; ++i) {
-                    float sum = 0.f;
-                    for (int j = 0; j < n; ++j) sum += c[i][j];
-                    for (int j = 0; j < n; ++j) c[i][j] /= sum + eps;
-                }
-            }
-            for (int j = 0; j < n; ++j) {
-                float sum = 0.f;
-                for (int i = 0; i < n; ++i) sum += c[i][j];
-                for (int i = 0; i < n; ++i) c[i][j] /= sum + eps;
-            }
-        }
-        for (int i = 0; i < n; ++i)
-            for (int j = 0; j < n; ++j) comb[(t * n + i) * n + j] = c[i][j];
     }
     __syncthreads();
     const size_t row = t * (size_t)n * d;
