@@ -1,5 +1,6 @@
 """The ops with a CPU implementation of their own (torch's fused kernels), each held against its reference, as
-the cuda tests hold the CUDA ones; and dispatch: CPU tensors reach them unless ``TRELLM_OPS=reference``."""
+the cuda tests hold the CUDA ones; and dispatch: CPU tensors reach them unless ``TRELLM_OPS=reference``. Also the
+token -> sequence helpers that the sparse, compressed and cached-window ops share."""
 from __future__ import annotations
 
 import itertools
@@ -156,3 +157,18 @@ def test_compressed_attention_reads_only_the_window_pages(selected, route, monke
         want = _attend(q[s0:s0 + m], kv, kv, 0.4, 0, 0, 0.0, sinks, causal=False,
                        keep=torch.cat([keep_tokens, keep_entries], dim=1))
         torch.testing.assert_close(out[s0:s0 + m], want, atol=1e-6, rtol=0)
+
+
+def test_token_sequences_and_indices():
+    """Each new token's sequence (B past the batch's tokens) and its index in that sequence, with a cache (the new
+    tokens end each context) and without (they are the sequence), an empty sequence among them; on meta tensors
+    too, where a host read raises."""
+    from trellm.ops.attention import token_indices, token_sequences
+
+    cu = torch.tensor([0, 3, 3, 5], dtype=torch.int32)
+    assert token_sequences(cu, 6).tolist() == [0, 0, 0, 2, 2, 3]
+    seq, index = token_indices(cu, 5, torch.tensor([10, 4, 7], dtype=torch.int32))
+    assert seq.tolist() == [0, 0, 0, 2, 2] and index.tolist() == [7, 8, 9, 5, 6]
+    assert token_indices(cu, 5)[1].tolist() == [0, 1, 2, 0, 1]
+    seq, index = token_indices(cu.to("meta"), 5, torch.zeros(3, dtype=torch.int32, device="meta"))
+    assert seq.shape == index.shape == (5,) and token_sequences(cu.to("meta"), 6).shape == (6,)

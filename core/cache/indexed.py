@@ -23,6 +23,7 @@ import torch
 
 from ..capabilities import has_dense_pages
 from ..errors import ConfigError
+from ..ops import attention
 from ..ops.sparse import varlen_as_pages
 
 
@@ -64,14 +65,10 @@ class CompletedWindows:
 
 
 def token_indices(batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each new token's sequence [T], its index in that sequence [T]): counted from the sequence's first token,
-    not read from ``positions`` (M-RoPE packs those)."""
-    t = batch.input_ids.shape[0]
-    rows = torch.arange(t, device=batch.cu_seqlens.device)
-    seq = torch.searchsorted(batch.cu_seqlens[1:].long(), rows, right=True)
-    ends = batch.cu_seqlens[1:].long()[seq]
-    total = ends - batch.cu_seqlens[:-1].long()[seq] if batch.cache is None else batch.context_lens.long()[seq]
-    return seq, total - (ends - rows)
+    """(each new token's sequence [T], its index in that sequence [T]) of ``batch``
+    (:func:`trellm.ops.attention.token_indices`)."""
+    return attention.token_indices(batch.cu_seqlens, batch.input_ids.shape[0],
+                                   None if batch.cache is None else batch.context_lens)
 
 
 FOLD_EVERY_TOKEN_MAX = 1 << 19  # values a cached batch may read to fold a window for each new token (1 MB in bf16)

@@ -41,6 +41,7 @@ from ..modules.base import LoadContext, Module
 from ..modules.decoder import DecoderLayer
 from ..modules.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from ..modules.linear import Linear
+from ..ops.attention import token_sequences
 from .speculative import DraftRequest
 
 MAX_PENDING_ROWS = 1024  # target hidden states held per job before they are absorbed into the MTP cache
@@ -359,8 +360,7 @@ class MTPProposer:
         """One MTP forward: ``feeds[j]`` next tokens paired with ``hidden`` rows, appended to each job's entries."""
         batch = ForwardBatch.with_cache(feeds, [s.seq.length for s in states], [s.seq.pages for s in states], self.cache)
         bases = torch.tensor([s.base for s in states], dtype=torch.long, device=batch.positions.device)
-        lens = torch.tensor([len(f) for f in feeds], device=batch.positions.device)
-        batch.positions = batch.positions + torch.repeat_interleave(bases, lens)  # absolute positions for RoPE
+        batch.positions = batch.positions + bases[token_sequences(batch.cu_seqlens, batch.num_tokens)]  # absolute, for RoPE
         batch.max_seq_len = max(s.base + s.seq.length + len(f) for s, f in zip(states, feeds))
         y_last, logits = self._mtp_rows(batch, hidden)
         for s, f in zip(states, feeds):

@@ -14,6 +14,28 @@ import torch
 from . import op
 
 
+def token_sequences(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Each of the batch's ``tokens`` new tokens' sequence [T] (int64), found on the device (no host read, so a
+    captured step may use it); a token past ``cu_seqlens[-1]`` gets B, the number of sequences."""
+    return _sequence_of(torch.arange(tokens, device=cu_seqlens.device), cu_seqlens)
+
+
+def token_indices(cu_seqlens: torch.Tensor, tokens: int,
+                  context_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each new token's sequence [T], its index in that sequence [T]), on the device: a sequence's new tokens
+    are the last of its ``context_lens[b]`` tokens (None, a batch without a cache: they are the whole sequence).
+    Counted from the sequence's first token, not read from positions (M-RoPE packs those)."""
+    rows = torch.arange(tokens, device=cu_seqlens.device)
+    seq = _sequence_of(rows, cu_seqlens)
+    ends = cu_seqlens[1:].long()[seq]
+    total = ends - cu_seqlens[:-1].long()[seq] if context_lens is None else context_lens.long()[seq]
+    return seq, total - (ends - rows)
+
+
+def _sequence_of(rows: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    return torch.searchsorted(cu_seqlens[1:].long(), rows, right=True)
+
+
 def _attend(
     q: torch.Tensor,
     k: torch.Tensor,

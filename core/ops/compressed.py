@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import op
-from .attention import _attend, gather_pages
+from .attention import _attend, gather_pages, token_indices
 
 
 @op
@@ -105,9 +105,7 @@ def _attend_window_entries(q: torch.Tensor, k_pages: torch.Tensor, block_table: 
     float32 math as ``_attend``'s, sinks included."""
     t = q.shape[0]
     page_size = k_pages.shape[1]
-    rows = torch.arange(t, device=q.device)
-    seq = torch.searchsorted(cu_seqlens[1:].long(), rows, right=True)
-    pos = context_lens.long()[seq] - (cu_seqlens[1:].long()[seq] - rows)  # each token's index in its sequence
+    seq, pos = token_indices(cu_seqlens, t, context_lens)  # each token's sequence and index in it
     kpos = pos[:, None] - torch.arange(sliding_window - 1, -1, -1, device=q.device)
     seen = kpos >= 0
     kpos = kpos.clamp_min(0)

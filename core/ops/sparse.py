@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import op, route_from_env
-from .attention import _attend, gather_pages
+from .attention import _attend, gather_pages, token_sequences
 
 
 def varlen_as_pages(x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,7 +100,7 @@ def index_logits(q: torch.Tensor, weights: torch.Tensor, key_pages: torch.Tensor
     sequence's ``key_counts``). No host read and shapes that do not depend on the data (a CUDA graph captures it);
     the torch form of kernels_cuda/indexer.cu, gathering [T, W, D] keys."""
     t, page_size = q.shape[0], key_pages.shape[1]
-    seq, visible = _token_sequences(cu_seqlens, key_counts, positions, rate, t)
+    seq, visible = _visible_keys(cu_seqlens, key_counts, positions, rate, t)
     slot = torch.arange(block_table.shape[1] * page_size, device=q.device)
     seen = slot[None] < visible[:, None]  # [T, W]
     pages = torch.where(seen, block_table[seq[:, None], slot // page_size].long(), 0)  # unseen slots read page 0
@@ -109,13 +109,12 @@ def index_logits(q: torch.Tensor, weights: torch.Tensor, key_pages: torch.Tensor
     return torch.einsum("th,thw->tw", weights.float(), scores).masked_fill(~seen, float("-inf"))
 
 
-def _token_sequences(cu_seqlens: torch.Tensor, key_counts: torch.Tensor, positions: torch.Tensor, rate: int,
-                     tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _visible_keys(cu_seqlens: torch.Tensor, key_counts: torch.Tensor, positions: torch.Tensor, rate: int,
+                  tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(each token's sequence [T], how many of its sequence's keys it sees [T]), on the device; a token past
     ``cu_seqlens[-1]`` sees none."""
     batch = cu_seqlens.shape[0] - 1
-    token = torch.arange(tokens, device=positions.device)
-    seq = torch.searchsorted(cu_seqlens[1:].long(), token, right=True)
+    seq = token_sequences(cu_seqlens, tokens)
     inside = seq < batch
     seq = seq.clamp_max(max(batch - 1, 0))
     counts = key_counts.long()[seq] if batch else torch.zeros_like(seq)
@@ -185,7 +184,7 @@ def _attend_chosen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     math as ``_attend``'s: one batched softmax over every token's own keys."""
     t, hq, d = q.shape
     page_size, hkv = k_pages.shape[1], k_pages.shape[2]
-    seq = torch.searchsorted(cu_seqlens[1:].long(), torch.arange(t, device=q.device), right=True)  # token -> sequence
+    seq = token_sequences(cu_seqlens, t)
     chosen, _ = indices.sort(dim=-1)  # a position named twice is masked after its first
     unseen = chosen < 0
     unseen[:, 1:] |= chosen[:, 1:] == chosen[:, :-1]
