@@ -9,7 +9,8 @@ with no key or fewer keys than k, a multi-token query mid-sequence, ties; exact 
 read (the route runs on meta tensors, where the loop cannot), the route knob and the CUDA registration against a
 stub library, a tiny GLM 5 decoding alike on both routes, and GLM 5 / GLM 5.3 steps (decode, n-gram verification)
 through the GraphRunner's static buffers (in bf16, the runner's verification and the eager generator's agree up to
-a near tie of GLM 5.3's logits, where their rounding may choose apart). CUDA tests (skipped without a GPU): the
+a near tie of GLM 5.3's logits, where their rounding may choose apart), and no host read in the steps of every size
+those graphs capture (tests/host_reads.py). CUDA tests (skipped without a GPU): the
 kernel's logits against ``index_logits`` (f16/bf16 queries, keys of their dtype or float32, 8..64 heads, 32..128
 dims, strided key rows), its selection against the reference, the route captured in a CUDA graph and replayed over
 new inputs, and a tiny GLM 5 and GLM 5.3 whose decode and verification steps capture in the Generator's graphs on
@@ -20,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from host_reads import HostReads
 from test_cuda_kda import declared_arguments
 from test_cuda_moe import kernels, on_cuda, rel_err  # noqa: F401  (kernels: a fixture)
 from test_projection_routes import stub_kernels  # noqa: F401  (a fixture)
@@ -215,17 +217,30 @@ def tiny_prompts(repeating: bool) -> list[list[int]]:
     return [(p[:5] * 8)[:len(p)] for p in prompts] if repeating else prompts
 
 
-def generate_tokens(model, prompts, drafts: int, cuda_graphs: bool = False, eager_graphs: bool = False):
+def generate_tokens(model, prompts, drafts: int, cuda_graphs: bool = False, eager_graphs: bool = False,
+                    host_reads: HostReads | None = None):
     """(the Generator, its 12 greedy tokens per prompt), n-gram drafting ``drafts`` tokens (0: none); ``eager_graphs``:
-    through a GraphRunner replaying eager stand-ins for its graphs (tests/test_graph_hybrid.py), which runs on CPU."""
+    through a GraphRunner replaying eager stand-ins for its graphs (tests/test_graph_hybrid.py), which runs on CPU,
+    each graph's steps under ``host_reads`` (when given) once a first run has warmed it up, as a capture follows
+    its warm-up runs."""
     from test_graph_hybrid import EagerGraphs
     from trellm.generator import Generator, Job, NgramProposer
+
+    class AuditedGraphs(EagerGraphs):
+        def _record(self, run):
+            run()  # the warm-up: what a step builds once (tables, caches) exists before the capture
+
+            def audited():
+                with host_reads:
+                    return run()
+            return super()._record(audited)
 
     gen = Generator(model, max_batch_size=4, cache_tokens=512, page_size=16, cuda_graphs=cuda_graphs,
                     proposer=NgramProposer(num_tokens=drafts) if drafts else None, num_draft_tokens=max(drafts, 1))
     if eager_graphs:
-        gen.graph_runner = EagerGraphs(gen.model, gen.cache, batch_sizes=(1, 2, 4), max_context=gen.cache.capacity_tokens,
-                                       max_width=1 + drafts)
+        runner = EagerGraphs if host_reads is None else AuditedGraphs
+        gen.graph_runner = runner(gen.model, gen.cache, batch_sizes=(1, 2, 4), max_context=gen.cache.capacity_tokens,
+                                  max_width=1 + drafts)
     with torch.inference_mode():
         gen.enqueue([Job(p, 12, identifier=i, stop_token_ids=[]) for i, p in enumerate(prompts)])
         done = {r.identifier: r.token_ids for r in gen.stream() if type(r).__name__ == "JobFinished"}
@@ -291,6 +306,51 @@ def test_bf16_drafts_verified_through_the_runner_match_eager_drafting_up_to_a_ne
     worst = [*eager[1][:4], int(logits.argmin()), *eager[1][5:]]
     with pytest.raises(AssertionError, match=r"prompt 1, token 4: .*\(not a near tie\)"):
         assert_greedy_alike(lm, prompts, [graphed[0], worst, graphed[2]], eager)
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "glm5_next"])
+def test_tiny_glm5_steps_of_every_captured_size_read_nothing_on_the_host(family, monkeypatch):
+    """The steps the Generator's graphs run (decode at 1, 2 and 4 rows, verification of up to 3 n-gram draft tokens,
+    as many as the CUDA slot count allows), after their warm-up run, read no device tensor on the host and copy
+    nothing from it (tests/host_reads.py), as a capture requires. The MoE takes the sync-free pair route it takes on
+    CUDA (dense experts stacked at load there, CPU steps group rows by expert, which reads the counts)."""
+    from trellm.modules import linear, moe
+    from trellm.modules.linear import DenseExpertSet
+
+    def pairs_first(experts, x, weights, ids, grouped=moe.dispatch_experts):  # dispatch_experts' CUDA branch
+        out = moe.dispatch_experts_sync_free(experts, x, weights, ids) if ids.numel() <= moe.SYNC_FREE_MAX_PAIRS else None
+        return grouped(experts, x, weights, ids) if out is None else out
+
+    monkeypatch.setattr(moe, "dispatch_experts", pairs_first)
+    monkeypatch.setattr(linear.DenseLinear, "expert_set", lambda self, experts, device: DenseExpertSet.from_experts(experts))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the Generator's slots for verification (one per draft token)
+    lm = TINY_FAMILIES[family]("cpu", torch.float32)
+    reads = HostReads()
+    gen, _ = generate_tokens(lm, tiny_prompts(repeating=True), 3, eager_graphs=True, host_reads=reads)
+    sizes = sorted(gen.graph_runner.graphs)
+    assert {(1, 1), (2, 1), (4, 1)} <= set(sizes) and max(width for _, width in sizes) >= 3, sizes
+    assert not reads.found, "\n".join(f"{what}\n{where}" for what, where in reads.found[:3])
+
+
+def test_host_reads_finds_what_a_capture_refuses():
+    """tests/host_reads.py flags host reads of tensors that existed before (the step's inputs and weights), host data
+    copied or used beside them, and a Python list index; tensors made with their device pass."""
+    x, ids = torch.randn(5, 3), torch.tensor([0, 2, 2])
+    steps = {
+        "tolist": lambda: torch.bincount(ids).tolist(), "int": lambda: int(x.sum() > 0), "item": lambda: x[0, 0].item(),
+        "host index": lambda: x[torch.arange(2)], "host data": lambda: torch.tensor([1, 2], device=x.device),
+        "moved": lambda: torch.zeros(3).to(x.device), "list index": lambda: x[[0, 1]],
+        "beside": lambda: x + torch.ones(5, 3),
+    }
+    for what, step in steps.items():
+        with HostReads() as reads:
+            step()
+        assert len(reads.found) == 1, (what, reads.found)
+    with HostReads() as reads:
+        rows = torch.arange(2, device=x.device)
+        x[rows] * torch.tensor(2.0) + x[ids].sum(0).clamp_min(0)  # a host scalar is a kernel argument, not a copy
+        torch.searchsorted(ids, rows, right=True)
+    assert not reads.found, reads.found
 
 
 # index_topk 4 < the prompts: later queries attend to a selection; 32-dim indexer heads, which the kernel takes
