@@ -8,13 +8,19 @@
     python benchmarks/bench_generator.py --device cuda --speculative ngram --cuda-graphs both   # verification captured vs eager
     python benchmarks/bench_generator.py --speculative draft --draft-model /path/to/small-or-quantized
 
-Prints one row per batch size: wall time, generated tokens/s over the whole run (prefill included),
-decode tokens/s and ms per decode step (over the steps that did no prefill work) and mean time to
-first token, and on CUDA the captured step alone: the replay of the generator's own decode graph for
-that batch, timed in the same process right after the run, and how much longer the generator's step
-took (its host work: scheduling, staging, sampling, readback, detokenising). Each batch size runs with
-the generator's async scheduling off and then on (``--async-scheduling both``, the default; rows marked
-"async"): with it the host's work overlaps the next step on the device. Every row names the weights' codebook. With matplotlib installed, ``--plot`` saves tokens/s vs batch size.
+Prints one row per batch size: wall time, generated tokens/s over the whole run (prefill included), then the
+decode figures over the steps where every job decodes (the prefills are staggered, so at the end jobs finish one
+per step and the batch shrinks; those steps are left out): decode tokens/s and ms per step, on CUDA the captured
+step alone (the replay of the generator's own decode graph for that batch, on the inputs of one of those steps,
+timed in the same process right after the run) and how much longer the generator's step took ("over %", the
+target is under 5), the host's own ms per step (CUDA: the step's wall time less the time iterate() waited for the
+device's tokens; CPU: this thread's CPU time less the forward's and the token choice's, what a GPU would run), the share of steps queued
+ahead of the previous one's read-back, and mean time to first token. Each batch size runs with the generator's
+async scheduling off and then on (``--async-scheduling both``, the default; rows marked "async"): with it the
+host's work overlaps the next step on the device. Every decode graph size is captured before the timing
+(``Generator.capture_graphs``); ``--capture lazy`` captures each when a step first needs it, inside the timing, as
+this benchmark did before (tens of ms per size, which showed as per-step host work). Every row names the weights'
+codebook. With matplotlib installed, ``--plot`` saves tokens/s vs batch size.
 
 ``--random-exl3 DIR`` writes (once; reused while its settings match) a Llama-3.1-8B-shaped model with
 random EXL3 weights (``--bits``, head 6 bits, ``--codebook`` mul1 by default, what both converters write)
@@ -128,20 +134,60 @@ def codebook_of(model_dir: Path) -> str:
     return quant.get("codebook", "3inst")
 
 
-def captured_step_ms(gen: Generator, n: int, reps: int = 50, width: int = 1) -> float | None:
+def captured_step_ms(gen: Generator, n: int, reps: int = 50, width: int = 1, staged: torch.Tensor | None = None
+                     ) -> float | None:
     """Median ms of one replay of the generator's own captured graph for ``n`` sequences of ``width`` tokens (1: the
     decode step, k + 1: the verification of k drafts): the step's GPU work alone, on the inputs its last step
-    staged; None when no graph ran that size."""
+    staged, or on ``staged`` (a copy of :func:`staged_inputs`: a step of the run with every row real, whose
+    attention reads every job's context; the jobs' pages are free by now, the replay only rewrites them); None
+    when no graph ran that size."""
     runner = gen.graph_runner
     size = None if runner is None else next((b for b in runner.batch_sizes if b >= n), None)
     if size is None or (size, width) not in runner.graphs:
         return None
     from common import replay_seconds  # benchmarks/common.py, next to this script
 
+    if staged is not None:
+        runner.buffers[size, width].dev.copy_(staged)
     graph = runner.graphs[size, width][0]
     for _ in range(3):
         graph.replay()
     return 1e3 * replay_seconds(graph, reps)
+
+
+def staged_inputs(gen: Generator, n: int) -> torch.Tensor | None:
+    """A copy of what the generator last staged for the decode graph of ``n`` sequences (device order: taken after
+    the step's own upload and fed ids), for :func:`captured_step_ms`."""
+    runner = gen.graph_runner
+    size = None if runner is None else next((b for b in runner.batch_sizes if b >= n), None)
+    buffers = None if size is None else runner.buffers.get((size, 1))
+    return None if buffers is None else buffers.dev.clone()
+
+
+class _DeviceWork:
+    """CPU runs: this thread's CPU seconds in the model's forward and the token choice, the work a GPU would do
+    while the host goes on; the step's CPU seconds less these are the host's own work (CPU seconds, not wall: other
+    processes on the machine do not count). Wraps the generator's instance attributes; not used on CUDA (there the
+    host's time is the wall time less the read-back wait)."""
+
+    def __init__(self, gen: Generator):
+        self.seconds = 0.0
+        self.wrapped = [(gen.model, "forward"), (gen, "_choose")]
+        for owner, name in self.wrapped:
+            setattr(owner, name, self._timed(getattr(owner, name)))
+
+    def restore(self) -> None:
+        for owner, name in self.wrapped:
+            delattr(owner, name)  # the class's method again (the model is shared by the runs)
+
+    def _timed(self, fn):
+        def run(*args, **kwargs):
+            t = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - t
+        return run
 
 
 class _DeviceTrace:
@@ -189,7 +235,13 @@ class _DeviceTrace:
 
 
 def run_batch(lm, n: int, args, proposer=None, task_prompts=None, async_scheduling: bool | None = None,
-              cuda_graphs: bool = True) -> dict:
+              cuda_graphs: bool = True, capture_first: bool = True) -> dict:
+    """One run of ``n`` jobs. Decode figures come from the steps where all ``n`` jobs decode (the jobs' prefills
+    are staggered, so at the end they finish one per step and the batch shrinks): ms per step, the host's own
+    time per step (CUDA: the step's wall time less the time spent waiting for its tokens; CPU: less the forward
+    and the token choice) and the captured graph replayed on such a step's inputs. ``capture_first``: every
+    decode graph size is captured before the timing (``Generator.capture_graphs``); else sizes met first while
+    the batch shrinks are captured inside timed steps."""
     sampler = SamplerSettings.preset("default") if args.sample else None
     jobs = [Job(p, args.new_tokens, stop_token_ids=[], sampler=sampler, seed=i)
             for i, p in enumerate(task_prompts or prompts(lm, n, args.prompt_tokens))]
@@ -204,16 +256,23 @@ def run_batch(lm, n: int, args, proposer=None, task_prompts=None, async_scheduli
                     cuda_graphs=cuda_graphs)
     # first-call overheads (and, on CUDA, the capture of this batch size's decode graph) out of the timing
     gen.generate([j.prompt_ids[:8] for j in jobs], 2, stop_token_ids=[], sampler=sampler)
-    if lm.device.type == "cuda":
+    if capture_first:
+        gen.capture_graphs()
+    cuda = lm.device.type == "cuda"
+    if cuda:
         torch.cuda.synchronize()
+    device_work = None if cuda else _DeviceWork(gen)
     profiler = cProfile.Profile() if args.profile else None
-    tracer = _DeviceTrace(args.trace_steps, n) if args.trace_steps and lm.device.type == "cuda" else None
+    tracer = _DeviceTrace(args.trace_steps, n) if args.trace_steps and cuda else None
+    steps0, ahead0 = gen.stats["steps"], gen.stats["steps_ahead"]
+    staged = None
     t0 = time.perf_counter()
     gen.enqueue(jobs)
     finished = []
-    decode_time, decode_tokens, decode_steps = 0.0, 0, 0  # steps without any prefill work: the pure decode rate
+    full_time, full_host, full_steps = 0.0, 0.0, 0  # steps where all n jobs decode
     while gen.has_work():
-        t_step = time.perf_counter()
+        t_step, cpu_step = time.perf_counter(), time.thread_time()
+        device_s = device_work.seconds if device_work else gen.stats["readback_wait_s"]
         prefilling = any(r.prefilling for r in gen.active) or gen.num_pending
         if profiler is not None and not prefilling:
             profiler.enable()
@@ -224,12 +283,21 @@ def run_batch(lm, n: int, args, proposer=None, task_prompts=None, async_scheduli
             profiler.disable()
         if tracer is not None:
             tracer.step()
-        if not any(isinstance(r, (PrefillProgress, JobStarted)) for r in results):
-            decode_time += time.perf_counter() - t_step
-            decode_steps += 1
-            decode_tokens += sum(len(r.token_ids) for r in results if isinstance(r, TokenChunk))
+        took = time.perf_counter() - t_step
+        if (not any(isinstance(r, (PrefillProgress, JobStarted)) for r in results)
+                and sum(len(r.token_ids) for r in results if isinstance(r, TokenChunk)) == n):
+            full_time += took
+            if device_work is not None:
+                full_host += time.thread_time() - cpu_step - (device_work.seconds - device_s)
+            else:
+                full_host += took - (gen.stats["readback_wait_s"] - device_s)
+            full_steps += 1
+            if full_steps == 3 and cuda:  # steady state: what is staged now (this step's or the next's) is full too
+                staged = staged_inputs(gen, n)
         finished += [r for r in results if isinstance(r, JobFinished)]
     wall = time.perf_counter() - t0
+    if device_work is not None:
+        device_work.restore()
     if tracer is not None:
         tracer.report(captured_step_ms(gen, n))
     if profiler is not None:
@@ -242,13 +310,17 @@ def run_batch(lm, n: int, args, proposer=None, task_prompts=None, async_scheduli
     else:  # name the sizes, so an eager run cannot pass for a graph run
         decode_path = (f"graphs {sorted(runner.graphs)}" if runner.graphs else "eager") + (
             f", capture failed for {sorted(runner._failed)}" if runner._failed else "")
+    steps = gen.stats["steps"] - steps0
     return {
         "decode_path": decode_path + (", async" if gen.async_scheduling else ""),
         "steps_ahead": gen.stats["steps_ahead"],
-        "captured_ms": captured_step_ms(gen, n) if lm.device.type == "cuda" else None,
+        "ahead": (gen.stats["steps_ahead"] - ahead0) / steps if steps else 0.0,
+        "captured_ms": captured_step_ms(gen, n, staged=staged) if cuda else None,
         "jobs": n, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
-        "decode_tok_s": decode_tokens / decode_time if decode_time else 0.0,
-        "step_ms": 1e3 * decode_time / decode_steps if decode_steps else 0.0,
+        "decode_tok_s": n * full_steps / full_time if full_time else 0.0,
+        "step_ms": 1e3 * full_time / full_steps if full_steps else 0.0,
+        "host_ms": 1e3 * full_host / full_steps if full_steps else 0.0,
+        "full_steps": full_steps,
         "ttft_s": statistics.mean(r.time_to_first_token for r in finished),
         "proposed": sum(r.draft_proposed for r in finished), "accepted": sum(r.draft_accepted for r in finished),
     }
@@ -296,6 +368,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     ap.add_argument("--async-scheduling", choices=["both", "on", "off"], default="both",
                     help="run each batch size with the generator's async scheduling off and on (both: one row each)")
+    ap.add_argument("--capture", choices=["first", "lazy", "both"], default="first",
+                    help="capture every decode graph size before the timing (first), or when a step first needs it "
+                         "(lazy: what the figures included before; both: one row each)")
     ap.add_argument("--cuda-graphs", choices=["on", "off", "both"], default="on",
                     help="with --speculative: the generator's CUDA graphs (decode and draft verification steps) on, "
                          "off, or one row each")
@@ -344,23 +419,26 @@ def main() -> None:
 
     rows = []
     header = (f"{'jobs':>5} {'wall s':>8} {'tok/s':>8} {'decode tok/s':>13} {'ms/step':>8} {'captured ms':>11} "
-              f"{'host ms':>8} {'ttft s':>8}  codebook  decode path")
+              f"{'over %':>7} {'host ms':>8} {'ahead':>6} {'ttft s':>8}  codebook  decode path")
     if not args.profile:
         print(header)
     modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.async_scheduling]
+    captures = {"first": (True,), "lazy": (False,), "both": (False, True)}[args.capture]
     routes = (args.mul1_gemv or [mul1_gemv_route()]) if codebook == "mul1" else [None]
-    for route, n, mode in ((r, int(x), m) for r in routes for x in args.batch_sizes.split(",") for m in modes):
+    for route, n, mode, first in ((r, int(x), m, c) for r in routes for x in args.batch_sizes.split(",")
+                                  for c in captures for m in modes):
         if route is not None:  # read when each run's graphs are captured: a fresh Generator per run
             os.environ[MUL1_GEMV_ENV] = route
-        row = run_batch(lm, n, args, async_scheduling=mode)
+        row = run_batch(lm, n, args, async_scheduling=mode, capture_first=first)
         row["codebook"] = codebook if route is None else f"{codebook}/{route}"
         rows.append(row)
         if args.profile:
             print(header)
-        captured = row["captured_ms"]  # the step's GPU work alone; the generator's step beyond it is host work
-        cap, host = (f"{captured:11.3f}", f"{row['step_ms'] - captured:8.3f}") if captured else (f"{'-':>11}", f"{'-':>8}")
-        print(f"{n:5d} {row['wall_s']:8.2f} {row['tok_s']:8.2f} {row['decode_tok_s']:13.2f} {row['step_ms']:8.3f} {cap} {host} "
-              f"{row['ttft_s']:8.2f}  {row['codebook']:<8}  {row['decode_path']}", flush=True)
+        captured = row["captured_ms"]  # the step's GPU work alone, on a step's inputs with all n jobs decoding
+        cap, over = (f"{captured:11.3f}", f"{100 * (row['step_ms'] / captured - 1):7.1f}") if captured else (f"{'-':>11}", f"{'-':>7}")
+        path = row["decode_path"] + ("" if first else ", graphs captured when first met")
+        print(f"{n:5d} {row['wall_s']:8.2f} {row['tok_s']:8.2f} {row['decode_tok_s']:13.2f} {row['step_ms']:8.3f} {cap} {over} "
+              f"{row['host_ms']:8.3f} {row['ahead']:6.0%} {row['ttft_s']:8.2f}  {row['codebook']:<8}  {path}", flush=True)
     if args.plot:
         from common import pyplot, save_figure  # benchmarks/common.py, next to this script
 

@@ -118,6 +118,47 @@ def test_async_steady_decoding_samples_at_the_right_positions(lm):
     assert stats["steps_ahead"] == 18 and stats["steps"] == sync["steps"] == 20
 
 
+def _stand_in_graphs(gen: Generator) -> None:
+    """Give ``gen`` the decode path a GPU takes: steps staged into fixed graph inputs and replayed (eager stand-ins)."""
+    from test_graph_hybrid import EagerGraphs
+
+    gen.graph_runner = EagerGraphs(gen.model, gen.cache, batch_sizes=(1, 2, 4, 8), max_context=gen.cache.capacity_tokens)
+
+
+def test_async_through_graph_inputs_equals_sync(lm):
+    """The GPU's decode path (each step staged into a graph's fixed inputs, fed the ids the step before chose,
+    still on the device; eager stand-ins replay the graphs), graphs captured up front: every kind of job gives
+    the synchronous eager generator's events (stop tokens, stop strings, min_new_tokens, lengths, cancelling,
+    late joins), and so do greedy jobs of staggered lengths, all queued ahead, whose next step feeds only the
+    rows of the jobs still running. No step captures a graph after ``capture_graphs``; no page is left held."""
+    prompts = _prompts(14, seed=1)
+    stop = list(lm.generate_ids(prompts[3], 8, stop_token_ids=[]))[5]
+    late_prompts = _prompts(3, seed=2)
+    staggered = _prompts(6, seed=5)
+
+    def run(mode: bool | None):
+        gen = Generator(lm, cache_tokens=4096, page_size=16, max_batch_size=8, async_scheduling=bool(mode))
+        if mode is not None:
+            _stand_in_graphs(gen)
+            assert gen.capture_graphs() == [1, 2, 4, 8]
+            captured = dict(gen.graph_runner.graphs)
+        late_jobs = [Job(p, 12, identifier=100 + i, stop_token_ids=[]) for i, p in enumerate(late_prompts)]
+        every_kind = _run(gen, _jobs(prompts, stop), late_jobs, cancel_at=6)
+        ahead = gen.stats["steps_ahead"]
+        lengths = _run(gen, [Job(p, 3 + 4 * i, identifier=i, stop_token_ids=[]) for i, p in enumerate(staggered)])
+        if mode is not None:
+            assert gen.graph_runner.graphs == captured and gen.graph_runner.replays > 40
+        if mode:  # one prefill step, the first decode step from the host's view, every later one queued ahead
+            assert gen.stats["steps_ahead"] - ahead == 3 + 4 * 5 - 2
+        gen.verify_pages()
+        return every_kind, lengths
+
+    expect = run(None)
+    assert run(False) == expect
+    assert run(True) == expect
+    assert {e[4] for e in expect[0] if e[0] == "done"} >= {"stop_token", "stop_string", "max_new_tokens", "cancelled"}
+
+
 def test_async_falls_back_for_drafts_and_abort_drains(lm):
     """With a proposer (drafts need the host's tokens) nothing is queued ahead; abort() reads a step in
     flight back before failing the jobs, and leaves no page held."""

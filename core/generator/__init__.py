@@ -12,6 +12,7 @@ Public API (stable; the OpenAI server builds on it)::
     # quantized cache: from trellm.cache.quantized import quantized_cache
     #                  Generator(lm, cache=quantized_cache(lm, k_bits=4, v_bits=6, max_tokens=16384))
     gen.capacity_tokens                   # the most prompt + max_new_tokens one job may ask for
+    gen.capture_graphs()                  # CUDA: capture every decode batch size now, not mid-run
 
     # blocking
     text = gen.generate("Once upon a time", max_new_tokens=64)                  # str
@@ -101,7 +102,7 @@ strings, images, a page completing on a model with recurrent layers, whose state
 include the next token, pages that are not free) is read back first, as without it; output is the same
 either way. ``iterate()`` returns step n's results while step n+1 runs.
 
-Housekeeping: ``gen.stats`` (prefilled / reused / decoded tokens, steps, steps queued ahead, draft tokens proposed / accepted), ``gen.verify_pages()``
+Housekeeping: ``gen.stats`` (prefilled / reused / decoded tokens, steps, steps queued ahead, seconds waited for the device's tokens, draft tokens proposed / accepted), ``gen.verify_pages()``
 (page refcounts vs holders), ``gen.clear_prefix_cache()``, ``gen.abort(error)`` (fail everything,
 free all pages), ``gen.num_active`` / ``gen.num_pending`` / ``gen.has_work()``.
 Thread safety: a Generator is single-threaded except ``cancel()``, which only sets a flag, and

@@ -206,8 +206,13 @@ def _feed_on_device(batch, feed_from: tuple[torch.Tensor, list[int]] | None) -> 
     n = len(rows)
     if rows == list(range(n)):
         batch.input_ids[:n].copy_(ids[:n])
-    else:
-        batch.input_ids[:n].copy_(ids[torch.tensor(rows, device=ids.device)])
+        return
+    # jobs that finished left gaps: gather. The row list goes up without waiting (torch.tensor(rows, device=...)
+    # would wait for the whole queue, the step before included, to drain).
+    index = torch.tensor(rows, dtype=torch.int64)
+    if ids.device.type == "cuda":
+        index = index.pin_memory()
+    batch.input_ids[:n].copy_(ids.index_select(0, index.to(ids.device, non_blocking=True)))
 
 
 class Generator:
@@ -277,7 +282,8 @@ class Generator:
         self.active: list[_Running] = []  # in admission order
         self.preempted: list[_Running] = []  # oldest first; resumed before any pending job is admitted
         self.stats = {"prefilled_tokens": 0, "reused_tokens": 0, "decoded_tokens": 0, "steps": 0, "forward_tokens": 0,
-                      "preempted": 0, "draft_proposed": 0, "draft_accepted": 0, "steps_ahead": 0}
+                      "preempted": 0, "draft_proposed": 0, "draft_accepted": 0, "steps_ahead": 0,
+                      "readback_wait_s": 0.0}  # seconds iterate() waited for the device to hand tokens back
         self._grammar_engine: GrammarEngine | None = None  # built on the first grammar job
         self._grammar_lock = threading.Lock()
 
@@ -413,6 +419,16 @@ class Generator:
                                        prompt_tokens=len(ids), time_enqueued=job.time_enqueued or 0.0, error=error))
         self.pending.clear()
         return results
+
+    def capture_graphs(self) -> list[int]:
+        """Capture the decode graph of every batch size now (a no-op without graphs); returns the sizes that
+        replay. Else each is captured the first time a step needs it, when a batch first grows or shrinks to
+        that size: tens of milliseconds that every running job waits. Draft-verification graphs stay lazy
+        (their widths depend on the drafts)."""
+        runner = self.graph_runner
+        if runner is None:
+            return []
+        return [size for size in runner.batch_sizes if runner.graph_size(size) is not None]
 
     def verify_pages(self) -> None:
         """Raise AssertionError when page refcounts or recurrent-state slots differ from their holders (jobs, prefix cache, graph scratch page)."""
@@ -816,11 +832,13 @@ class Generator:
         """Read ``step``'s tokens back and commit them: accept, stream, finish, name full pages. Jobs that
         finished while it ran (a step queued ahead of its predecessor's read-back) are skipped."""
         plan, cu, row_start = step.plan, step.cu, step.row_start
+        waited = time.perf_counter()
         try:
             picked, logprobs = step.tokens()
         except Exception as exc:  # an error the device raised while running the step
             self._fail([entry for entry in plan if not entry[0].job.finished], exc, results)
             return
+        self.stats["readback_wait_s"] += time.perf_counter() - waited
         self.stats["steps"] += 1
         self.stats["forward_tokens"] += cu[-1]
         for i, (r, feed, draft) in enumerate(plan):
