@@ -11,14 +11,22 @@ straight to safetensors (random codes and factors: the speed is real, the text i
 * ``N adapters``: N adapters loaded, the B rows spread over them round-robin (1: every row on one adapter).
 
 Printed per row: decode tokens/s over the steps after every prefill, ms per step, the cost against the
-baseline, and the weight-read floor of a step (base weights + the adapters the batch uses, over HBM
-bandwidth ``--hbm-tb-s``). Issue 25's bar: rank-16 adapters cost at most 10% at batch 1 and 15% at batch 8
-with two adapters in the batch.
+baseline, the cost per update call (4 per layer: q/k/v, o, gate/up, down; each one launch on the fused
+route, two on the split route) and the weight-read floor of a step (base weights + the adapters the batch
+uses, over HBM bandwidth ``--hbm-tb-s``). Issue 25's bar: rank-16 adapters cost at most 10% at batch 1 and
+15% at batch 8 with two adapters in the batch. Each adapter row runs once per kernel route (``--routes``,
+``TRELLM_LORA_KERNEL``), against one baseline.
+
+Before the model, ``--op-calls`` > 0 times the update op alone on each projection group of the shape (a CUDA
+graph of that many calls in a row, rows on two adapters): microseconds per call per route, beside what its
+bytes need (the factors of the slots used plus x and y, over ``--hbm-tb-s``; repeated calls find the factors
+in L2, so this is the launch and latency cost the step pays).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -27,6 +35,7 @@ import torch
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                 num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+UPDATES_PER_LAYER = 4  # update calls per layer with TARGETS: q/k/v and gate/up as one group each, o, down
 
 
 def _projections(layers: int) -> dict[str, tuple[int, int]]:
@@ -113,6 +122,59 @@ def decode_rate(lm, batch: int, names: list[str | None], new_tokens: int, prompt
     return tokens / dt, 1e3 * dt / steps
 
 
+def _op_groups() -> dict[str, tuple[int, list[int], bool]]:
+    """The update calls of one layer of the shape: name -> (k, output widths, in place)."""
+    h, i = LLAMA_8B["hidden_size"], LLAMA_8B["intermediate_size"]
+    kv = LLAMA_8B["num_key_value_heads"] * (h // LLAMA_8B["num_attention_heads"])
+    return {"q/k/v": (h, [h, kv, kv], True), "o": (h, [h], False), "gate/up": (h, [i, i], True), "down": (i, [h], False)}
+
+
+def op_rates(routes: list[str], batches: list[int], rank: int, calls: int, hbm_tb_s: float) -> list[dict]:
+    """Microseconds per update call of each projection group, route and batch (two adapter slots, rows
+    alternating between them), from a CUDA graph of ``calls`` calls replayed; printed beside the bytes floor."""
+    from trellm import ops
+    from trellm.ops.lora import LORA_KERNEL_ENV
+
+    rows_out, slots_n, dtype, dev = [], 2, torch.float16, "cuda"
+    g = torch.Generator(device=dev).manual_seed(1)
+    for name, (k, ns, in_place) in _op_groups().items():
+        a = [(torch.randn(slots_n * rank, k, device=dev, generator=g) * k ** -0.5).to(dtype) for _ in ns]
+        b = [(torch.randn(n, slots_n * rank, device=dev, generator=g) * 0.01).to(dtype) for n in ns]
+        for batch in batches:
+            x = torch.randn(batch, k, device=dev, generator=g).to(dtype)
+            ys = [torch.randn(batch, n, device=dev, generator=g).to(dtype) for n in ns]
+            slots = torch.arange(batch, device=dev) % slots_n
+            used = min(batch, slots_n)
+            nbytes = 2 * (used * rank * (len(ns) * k + sum(ns)) + batch * (k + 2 * sum(ns)))
+            line = f"  {name:8s} batch {batch:2d}:"
+            for route in routes:
+                os.environ[LORA_KERNEL_ENV] = route
+
+                def call():
+                    if in_place:
+                        ops.lora_add_parts(ys, x, a, b, slots, rank)
+                    else:
+                        ops.lora_add(ys[0], x, a[0], b[0], slots, rank, out=torch.empty_like(ys[0]))
+
+                call()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(calls):
+                        call()
+                graph.replay()
+                _sync()
+                reps = 20
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    graph.replay()
+                _sync()
+                us = 1e6 * (time.perf_counter() - t0) / (reps * calls)
+                line += f"  {route} {us:6.2f} us/call"
+                rows_out.append(dict(group=name, batch=batch, route=route, us_call=us, floor_us=1e6 * nbytes / (hbm_tb_s * 1e12)))
+            print(f"{line}   (bytes floor {1e6 * nbytes / (hbm_tb_s * 1e12):.2f} us)", flush=True)
+    return rows_out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="/tmp/bench_lora", help="where the random model and adapters are written")
@@ -127,12 +189,23 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--device", default="cuda", help="cuda (the figures that count); cpu only checks the script runs")
     ap.add_argument("--shape", default=None, help="JSON of LlamaConfig values replacing the 8B shape's (smoke runs)")
+    ap.add_argument("--routes", default="fused,split", help="TRELLM_LORA_KERNEL routes to compare (CUDA)")
+    ap.add_argument("--op-calls", type=int, default=50, help="update calls per graph when timing the op alone (0: skip)")
     args = ap.parse_args()
     if args.shape:
         LLAMA_8B.update(json.loads(args.shape))
     import trellm
 
+    from trellm.ops.lora import LORA_KERNEL_ENV
+
     counts = [int(c) for c in args.adapters.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    routes = args.routes.split(",") if args.device == "cuda" else ["reference"]
+    if args.device == "cuda" and args.op_calls > 0:
+        print(f"the update op alone, rank {args.rank}, rows on two adapters ({args.op_calls} calls per CUDA graph):")
+        op_rows = op_rates(routes, batches, args.rank, args.op_calls, args.hbm_tb_s)
+    else:
+        op_rows = []
     base, paths = make_model(Path(args.out), args.layers, max(counts), args.rank, args.exl3)
     lm = trellm.load(base, device=args.device, dtype=torch.float16 if args.exl3 else torch.bfloat16, tokenizer=False)
     weight_bytes = lm.model.nbytes() - lm.model.embed.weight.numel() * 2  # the embedding is gathered, not read whole
@@ -140,24 +213,31 @@ def main() -> None:
     kind = f"EXL3 {args.exl3} bpw (head 6)" if args.exl3 else "dense bf16"
     print(f"model: Llama-8B shape, {args.layers} layers, {kind}, {weight_bytes / 1e9:.2f} GB read per step; "
           f"rank-{args.rank} adapters on q/k/v/o/gate/up/down, {per_adapter / 1e6:.1f} MB each (bf16)")
+    updates = UPDATES_PER_LAYER * args.layers
     rows, baseline = [], {}
     for count in counts:
         for name in list(lm.loras):
             lm.unload_lora(name)
         names: list[str | None] = [lm.load_lora(p, name=f"a{i}") for i, p in enumerate(paths[:count])] or [None]
-        for batch in [int(b) for b in args.batches.split(",")]:
-            tps, ms = decode_rate(lm, batch, names, args.new_tokens, args.prompt_len)
-            used = min(count, batch)
-            floor_ms = 1e3 * (weight_bytes + used * per_adapter) / (args.hbm_tb_s * 1e12)
-            if count == 0:
-                baseline[batch] = ms
-            cost = f"{100 * (ms / baseline[batch] - 1):+.1f}% vs base" if batch in baseline else ""
-            print(f"batch {batch:2d}, {count} adapter(s): {tps:8.1f} tokens/s, {ms:.3f} ms/step {cost:>16}   "
-                  f"(weight-read floor {floor_ms:.3f} ms/step)", flush=True)
-            rows.append(dict(batch=batch, adapters=count, tokens_s=tps, ms_step=ms, floor_ms=floor_ms,
-                             cost_pct=None if count == 0 else 100 * (ms / baseline[batch] - 1)))
+        for route in routes[:1] if count == 0 else routes:
+            os.environ[LORA_KERNEL_ENV] = route if route != "reference" else "fused"
+            for batch in batches:
+                tps, ms = decode_rate(lm, batch, names, args.new_tokens, args.prompt_len)
+                used = min(count, batch)
+                floor_ms = 1e3 * (weight_bytes + used * per_adapter) / (args.hbm_tb_s * 1e12)
+                if count == 0:
+                    baseline[batch] = ms
+                cost = f"{100 * (ms / baseline[batch] - 1):+.1f}% vs base" if batch in baseline else ""
+                per_call = (f"{1e3 * (ms - baseline[batch]) / updates:6.2f} us per update call ({route})"
+                            if count and batch in baseline else "")
+                print(f"batch {batch:2d}, {count} adapter(s): {tps:8.1f} tokens/s, {ms:.3f} ms/step {cost:>16} "
+                      f"{per_call:>36}   (weight-read floor {floor_ms:.3f} ms/step)", flush=True)
+                rows.append(dict(batch=batch, adapters=count, route=None if count == 0 else route, tokens_s=tps,
+                                 ms_step=ms, floor_ms=floor_ms,
+                                 cost_pct=None if count == 0 else 100 * (ms / baseline[batch] - 1),
+                                 us_per_update=None if count == 0 else 1e3 * (ms - baseline[batch]) / updates))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"steps": rows, "op": op_rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1377,6 +1377,50 @@ def lora_add_parts(ys: Sequence[torch.Tensor], x: torch.Tensor, a: Sequence[torc
     return list(ys)
 
 
+LORA_SPLIT_K = 512  # TRELLM_LORA_SPLIT_K
+
+
+def lora_add_split(ys: Sequence[torch.Tensor], x: torch.Tensor, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor],
+                   slots: torch.Tensor, rank: int, outs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """``lora_add_parts`` (``outs`` None: in place) or ``lora_add`` out of place (``outs[p]`` = ``ys[p]`` + update)
+    as the split route's two launches: the shrink over many blocks, then the expand (``trellm_lora_add_split``).
+    x [rows, k]; ys[p] and outs[p] [rows, n_p] (rows may be strided); a[p] [S*rank, k], b[p] [n_p, S*rank]."""
+    expect(x, "x", dtype=_FLOATS, shape=(None, None), contiguous=False)
+    rows, k = x.shape
+    outs = list(ys) if outs is None else list(outs)
+    if not 1 <= len(ys) <= LORA_MAX_PARTS or len(a) != len(ys) or len(b) != len(ys) or len(outs) != len(ys):
+        raise KernelArgumentError(f"parts: {len(ys)} inputs, {len(outs)} outputs, {len(a)} A and {len(b)} B; "
+                                  f"1..{LORA_MAX_PARTS} of each")
+    if not 1 <= rank <= LORA_MAX_RANK or a[0].dim() != 2 or a[0].shape[0] % rank:
+        raise KernelArgumentError(f"rank {rank}: must be 1..{LORA_MAX_RANK} and divide a's {list(a[0].shape)} rows")
+    width = a[0].shape[0]
+    for p, (y, out, ap, bp) in enumerate(zip(ys, outs, a, b)):
+        expect(y, f"ys[{p}]", dtype=x.dtype, shape=(rows, None), device=x.device, contiguous=False)
+        expect(out, f"outs[{p}]", dtype=x.dtype, shape=tuple(y.shape), device=x.device, contiguous=False)
+        expect(ap, f"a[{p}]", dtype=x.dtype, shape=(width, k), device=x.device)
+        expect(bp, f"b[{p}]", dtype=x.dtype, shape=(y.shape[1], width), device=x.device)
+    named = [(x, "x"), *((y, f"ys[{p}]") for p, y in enumerate(ys)), *((o, f"outs[{p}]") for p, o in enumerate(outs))]
+    for t, name in named:
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise KernelArgumentError(f"{name}: the last dim must be contiguous (strides {t.stride()})")
+    expect(slots, "slots", dtype=torch.int64, shape=(rows,), device=x.device)
+    splits = -(-k // LORA_SPLIT_K)
+    workspace = torch.empty(rows * len(ys) * splits * rank, dtype=torch.float32, device=x.device)  # partial h
+    f = ffi()
+
+    def row_strides(ts: Sequence[torch.Tensor]):
+        return f.new("int64_t[]", [t.stride(0) if rows else t.shape[1] for t in ts])
+
+    rc = lib().trellm_lora_add_split(
+        _ptr(x), x.stride(0) if rows else k, len(ys), f.new("void *[]", [_ptr(y) for y in ys]), row_strides(ys),
+        f.new("void *[]", [_ptr(o) for o in outs]), row_strides(outs), f.new("void *[]", [_ptr(t) for t in a]),
+        f.new("void *[]", [_ptr(t) for t in b]), f.new("int64_t[]", [y.shape[1] for y in ys]), _ptr(slots, "int64_t *"),
+        _ptr(workspace, "float *"), rows, k, width // rank, rank, DTYPE_CODES[x.dtype], _stream(),
+    )
+    _check(rc, "lora_add_split")
+    return outs
+
+
 INDEX_MAX_HEADS, INDEX_MAX_DIM = 64, 128  # TRELLM_INDEX_MAX_HEADS, TRELLM_INDEX_MAX_DIM
 
 

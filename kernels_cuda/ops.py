@@ -618,7 +618,10 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         or (out is not None and (out.shape != y.shape or out.dtype != y.dtype or (out.shape[1] > 1 and out.stride(1) != 1)))
     ):
         return _lora.lora_add.reference(y, x, a, b, slots, rank, out)
-    return binding.lora_add(y, x.to(a.dtype), a.contiguous(), b.contiguous(), slots.to(torch.int64).contiguous(), rank, out)
+    x, a, b, slots = x.to(a.dtype), a.contiguous(), b.contiguous(), slots.to(torch.int64).contiguous()
+    if _lora.lora_kernel_route() == "split":
+        return binding.lora_add_split([y], x, [a], [b], slots, rank, outs=[y if out is None else out])[0]
+    return binding.lora_add(y, x, a, b, slots, rank, out)
 
 
 @_lora.lora_add_parts.register("cuda")
@@ -636,8 +639,10 @@ def lora_add_parts(ys: list[torch.Tensor], x: torch.Tensor, a: list[torch.Tensor
         or any(t.dtype != dtype for t in b)
     ):
         return _lora.lora_add_parts.reference(ys, x, a, b, slots, rank)
-    return binding.lora_add_parts(ys, x.to(dtype), [t.contiguous() for t in a], [t.contiguous() for t in b],
-                                  slots.to(torch.int64).contiguous(), rank)
+    args = (ys, x.to(dtype), [t.contiguous() for t in a], [t.contiguous() for t in b], slots.to(torch.int64).contiguous(), rank)
+    if _lora.lora_kernel_route() == "split":
+        return binding.lora_add_split(*args)
+    return binding.lora_add_parts(*args)
 
 
 REGISTERED = sorted(name for name, o in _ops._OPS.items() if "cuda" in o.impls)

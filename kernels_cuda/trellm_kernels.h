@@ -329,8 +329,8 @@ int trellm_paged_attention_prefill(const void *q, const void *k_pages, const voi
                                    float softcap, int dtype, cudaStream_t stream);
 /* ---- end tiled prefill ---- */
 /* ---- LoRA ---- */
-/* The largest adapter rank trellm_lora_add takes. */
-enum { TRELLM_LORA_MAX_RANK = 256, TRELLM_LORA_MAX_PARTS = 4 };
+/* The largest adapter rank trellm_lora_add takes; the k-slice of one shrink block of trellm_lora_add_split. */
+enum { TRELLM_LORA_MAX_RANK = 256, TRELLM_LORA_MAX_PARTS = 4, TRELLM_LORA_SPLIT_K = 512 };
 
 /* Per-row LoRA update, one launch: out[i, :] = y[i, :] + b[:, s*rank:(s+1)*rank] @ (a[s*rank:(s+1)*rank, :] @ x[i, :])
  * with s = slots[i]; rows whose s is negative (or >= num_slots) get y[i, :] as it is. out may be y (in place).
@@ -346,6 +346,14 @@ int trellm_lora_add(const void *x, int64_t ldx, const void *y, int64_t ldy, void
 int trellm_lora_add_parts(const void *x, int64_t ldx, int count, void *const *y, const int64_t *ldy,
                           const void *const *a, const void *const *b, const int64_t *n, const int64_t *slots,
                           int64_t rows, int64_t k, int64_t num_slots, int64_t rank, int dtype, cudaStream_t stream);
+
+/* The same updates in two programmatic dependent launches: the shrink split over k (blocks of TRELLM_LORA_SPLIT_K
+ * elements) writing float partials of h to workspace [rows, count, ceil(k / TRELLM_LORA_SPLIT_K), rank], then
+ * the expand summing them: out[p] [rows, n[p]] (row stride ldo[p]; may be y[p]) = y[p] + b[p] @ (a[p] @ x). */
+int trellm_lora_add_split(const void *x, int64_t ldx, int count, const void *const *y, const int64_t *ldy,
+                          void *const *out, const int64_t *ldo, const void *const *a, const void *const *b,
+                          const int64_t *n, const int64_t *slots, float *workspace, int64_t rows, int64_t k,
+                          int64_t num_slots, int64_t rank, int dtype, cudaStream_t stream);
 /* ---- hyper-connections (hyper.cu) ----
  * A block's hyper-connection weights from the streams x [tokens, streams, dim] (dtype, dim % 4 == 0, 16-byte
  * aligned): mixes = fn [(2 + streams) * streams, streams * dim] . rmsnorm(flat x) (norm_eps; raw float32

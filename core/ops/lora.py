@@ -10,7 +10,18 @@ from __future__ import annotations
 
 import torch
 
-from . import op
+from . import op, route_from_env
+
+LORA_KERNEL_ENV = "TRELLM_LORA_KERNEL"
+LORA_KERNEL_ROUTES = ("fused", "split")
+
+
+def lora_kernel_route() -> str:
+    """``TRELLM_LORA_KERNEL``, the CUDA route of the update: "fused" (default) is one launch per projection group,
+    each column block computing its row's h = A x alone; "split" is two programmatic dependent launches, the
+    shrink spread over k across many blocks, then the expand. The default stays on the route the H200 has
+    verified until ``tests/test_cuda_lora.py`` has passed there with the split kernels."""
+    return route_from_env(LORA_KERNEL_ENV, LORA_KERNEL_ROUTES, "fused")
 
 
 @op
