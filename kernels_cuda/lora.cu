@@ -166,8 +166,9 @@ int launch(const void *x, int64_t ldx, Parts &parts, int blocks, const int64_t *
 // (splits * rank floats from L2, in a fixed order: the result does not depend on the batch) and adds B_s h.
 //
 // Both are programmatic dependent launches: each lets the next kernel be scheduled at once (pdl_trigger) and,
-// before pdl_wait, reads only what no kernel of the step writes (A, B) and the row's slot, to choose which
-// A / B rows to request while the kernel before (the base matmul, or the shrink) still runs. The slot is
+// before pdl_wait, reads only what no kernel of the step writes (A into registers, B into shared memory) and
+// the row's slot, to choose which rows to request while the kernel before (the base matmul, or the shrink)
+// still runs. The slot is
 // read again after pdl_wait (bypassing L1) and the factors reloaded if it changed, so correctness never
 // rests on the early read. Every block passes pdl_wait before it exits, even with nothing to do, so that
 // this grid's completion implies its predecessors' (the kernel after may read what they wrote).
@@ -185,6 +186,16 @@ __device__ __forceinline__ int64_t read_slot(const int64_t *slots, int64_t row) 
     return (int64_t)__ldcg(reinterpret_cast<const long long *>(slots + row));
 }
 
+// A 16-byte load of factors (read-only while any kernel of a step runs) issued where it stands: asm volatile, so
+// the compiler keeps a load written before pdl_wait before it (an __ldg may be sunk to its first use, after).
+// ptxas keeps the shrink's before ACQBULK (checked in the SASS of all three dtypes, nvcc 13.0); the expand's
+// it moved after, so the expand copies its B values with cp.async instead.
+__device__ __forceinline__ uint4 load_factors16(const void *p) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
 // A slice (16-byte loads) of rows r0..r0+SPLIT_ROWS-1 of slot s's A: lane's loads u at k0 + (u*32 + lane) * E;
 // zeros past k or past the rank.
 template <typename T, int LOADS>
@@ -197,13 +208,14 @@ __device__ __forceinline__ void load_a_slice(const T *__restrict__ a, int64_t s,
 #pragma unroll
         for (int u = 0; u < LOADS; ++u) {
             const int64_t c = k0 + (int64_t)(u * 32 + lane) * E;
-            ua[r][u] = r0 + r < rank && c < k ? __ldg(reinterpret_cast<const uint4 *>(ar + c)) : make_uint4(0, 0, 0, 0);
+            ua[r][u] = make_uint4(0, 0, 0, 0);
+            if (r0 + r < rank && c < k) ua[r][u] = load_factors16(ar + c);
         }
     }
 }
 
 template <typename T>
-__global__ void __launch_bounds__(SPLIT_WARPS * 32) lora_shrink_kernel(const T *__restrict__ x, int64_t ldx, Parts parts,
+__global__ void __launch_bounds__(SPLIT_WARPS * 32) lora_shrink_kernel(const T *x, int64_t ldx, Parts parts,
                                                                        const int64_t *__restrict__ slots, float *partial,
                                                                        int64_t k, int64_t num_slots, int rank, int splits) {
     pdl_trigger();
@@ -222,17 +234,19 @@ __global__ void __launch_bounds__(SPLIT_WARPS * 32) lora_shrink_kernel(const T *
     uint4 ua[SPLIT_ROWS][LOADS];
     if (vec && slot_ok(s_early, num_slots) && first < rank) load_a_slice<T, LOADS>(a, s_early, first, rank, k, k0, lane, ua);
     pdl_wait();  // from here on x (and the slot) as the kernels before left them
-    const int64_t s = read_slot(slots, row);
-    if (!slot_ok(s, num_slots)) return;
-    const T *xr = x + row * ldx;
-    float *out = partial + (((int64_t)row * parts.count + part) * splits + split) * rank;
+    const T *xr = x + row * ldx;  // x, y and the partials: plain loads (the kernel before wrote them while this one ran)
+    uint4 ux[LOADS];  // requested with the slot, not after it (x is needed whenever the slot is valid)
     if (vec) {
-        uint4 ux[LOADS];
 #pragma unroll
         for (int u = 0; u < LOADS; ++u) {
             const int64_t c = k0 + (int64_t)(u * 32 + lane) * E;
             ux[u] = c < k ? *reinterpret_cast<const uint4 *>(xr + c) : make_uint4(0, 0, 0, 0);
         }
+    }
+    const int64_t s = read_slot(slots, row);
+    if (!slot_ok(s, num_slots)) return;
+    float *out = partial + (((int64_t)row * parts.count + part) * splits + split) * rank;
+    if (vec) {
         for (int r0 = first; r0 < rank; r0 += SPLIT_WARPS * SPLIT_ROWS) {
             if (r0 != first || s != s_early) load_a_slice<T, LOADS>(a, s, r0, rank, k, k0, lane, ua);
 #pragma unroll
@@ -285,32 +299,42 @@ __global__ void __launch_bounds__(THREADS) lora_expand_kernel(Parts parts, const
     const int64_t width = num_slots * rank;
     const bool vec_b = rank % E == 0 && width % E == 0 && ((uintptr_t)b % 16) == 0;
     auto column = [&](int i) { return (col_block * EXPAND_COLS + i) * THREADS + threadIdx.x; };
+    // The thread's first B values, copied to shared memory before pdl_wait (cp.async: register loads written
+    // there are moved after it by ptxas); each thread reads back only its own copies.
+    __shared__ uint4 b_early[EXPAND_COLS][PRE][THREADS];
     const int64_t s_early = read_slot(slots, row);
     const bool early = vec_b && slot_ok(s_early, num_slots);
-    uint4 ub[EXPAND_COLS][PRE];
+    if (early) {
 #pragma unroll
-    for (int i = 0; i < EXPAND_COLS; ++i) {
-        const T *br = b + column(i) * width + s_early * rank;
+        for (int i = 0; i < EXPAND_COLS; ++i) {
+            const T *br = b + column(i) * width + s_early * rank;
 #pragma unroll
-        for (int q = 0; q < PRE; ++q)
-            ub[i][q] = early && column(i) < n && q * E < rank ? __ldg(reinterpret_cast<const uint4 *>(br + q * E))
-                                                              : make_uint4(0, 0, 0, 0);
+            for (int q = 0; q < PRE; ++q)
+                if (column(i) < n && q * E < rank) cp_async_16(&b_early[i][q][threadIdx.x], br + q * E);
+        }
     }
+    cp_async_commit();
     pdl_wait();  // from here on y, the partials (and the slot) as the kernels before left them
+    // The slot, the partials and y requested together (a row without a slot has no partials: in bounds,
+    // their values unused). h = the sum of the splits' partials: thread t adds splits g, g + groups, ...
+    // of rank value t % rank.
     const int64_t s = read_slot(slots, row);
-    if (!slot_ok(s, num_slots)) {  // the row as it is (nothing to do in place)
-        if (y == out) return;
-#pragma unroll
-        for (int i = 0; i < EXPAND_COLS; ++i)
-            if (column(i) < n) out[row * p.ldo + column(i)] = y[row * p.ldy + column(i)];
-        return;
-    }
-    // h = the sum of the splits' partials: thread t adds splits g, g + groups, ... of rank value t % rank
     const int groups = THREADS / rank, j = threadIdx.x % rank, g = threadIdx.x / rank;
     const float *pr = partial + ((int64_t)row * parts.count + part) * splits * rank;
     float v = 0.f;
     if (g < groups)
         for (int sp = g; sp < splits; sp += groups) v += pr[(int64_t)sp * rank + j];
+    float yv[EXPAND_COLS];
+#pragma unroll
+    for (int i = 0; i < EXPAND_COLS; ++i) yv[i] = column(i) < n ? to_f32(y[row * p.ldy + column(i)]) : 0.f;
+    if (!slot_ok(s, num_slots)) {  // the row as it is (nothing to do in place; 16-bit -> float -> 16-bit is exact)
+        cp_async_wait<0>();  // no copy left in flight (the slot was valid before pdl_wait, as it never should be)
+        if (y == out) return;
+#pragma unroll
+        for (int i = 0; i < EXPAND_COLS; ++i)
+            if (column(i) < n) out[row * p.ldo + column(i)] = from_f32<T>(yv[i]);
+        return;
+    }
     sums[threadIdx.x] = v;
     __syncthreads();
     if ((int)threadIdx.x < rank) {
@@ -320,6 +344,7 @@ __global__ void __launch_bounds__(THREADS) lora_expand_kernel(Parts parts, const
     }
     __syncthreads();
     const bool prefetched = early && s == s_early;
+    cp_async_wait<0>();
 #pragma unroll
     for (int i = 0; i < EXPAND_COLS; ++i) {
         const int64_t c = column(i);
@@ -330,14 +355,14 @@ __global__ void __launch_bounds__(THREADS) lora_expand_kernel(Parts parts, const
 #pragma unroll
             for (int q = 0; q < PRE; ++q) {
                 if (q * E >= rank) break;
-                fma_b16<T>(hs + q * E, prefetched ? ub[i][q] : __ldg(reinterpret_cast<const uint4 *>(br + q * E)), acc);
+                fma_b16<T>(hs + q * E, prefetched ? b_early[i][q][threadIdx.x] : __ldg(reinterpret_cast<const uint4 *>(br + q * E)), acc);
             }
             for (int j0 = EXPAND_PREFETCH; j0 < rank; j0 += E)
                 fma_b16<T>(hs + j0, __ldg(reinterpret_cast<const uint4 *>(br + j0)), acc);
         } else {
             for (int jj = 0; jj < rank; ++jj) acc += hs[jj] * to_f32(br[jj]);
         }
-        out[row * p.ldo + c] = from_f32<T>(to_f32(y[row * p.ldy + c]) + acc);
+        out[row * p.ldo + c] = from_f32<T>(yv[i] + acc);
     }
 }
 
