@@ -716,10 +716,15 @@ def _exl3_set_ok(x: torch.Tensor, experts) -> bool:
 
 @_moe.exl3_experts_gate_up.register("cuda")
 def exl3_experts_gate_up(x: torch.Tensor, expert_of: torch.Tensor, experts, pairs_per_row: int, activation: str = "silu"):
-    k, n, bits, codebook = experts.dims(experts.gate)
+    k, n, bits, codebook = experts.dims(experts.up)
     if not _exl3_set_ok(x, experts) or x.shape[1] != k or expert_of.numel() == 0:
         return _moe.exl3_experts_gate_up.reference(x, expert_of, experts, pairs_per_row, activation)
     ids = expert_of.to(torch.int64).contiguous()
+    if not experts.gate:  # no gate: act(up), the up matmuls in one plain launch
+        up = binding.moe_exl3_matmul(x.contiguous(), ids, experts.gate_up_table, k, n, bits, codebook,
+                                     pairs_per_row=pairs_per_row, mode="plain",
+                                     counters=_moe_counters(x.device, ids.numel(), 1, "plain", n))[0]
+        return _dense.activation_fn(activation)(up)
     if activation in ("silu", "swish"):
         return binding.moe_exl3_matmul(x.contiguous(), ids, experts.gate_up_table, k, n, bits, codebook,
                                        pairs_per_row=pairs_per_row, mode="silu_gated",

@@ -84,7 +84,7 @@ from trellm.modules.layers import (
     RotaryEmbedding,
 )
 from trellm.modules.linear import Linear, LinearGroup
-from trellm.modules.moe import ExpertMLP, Experts, MoE, Router, ScoreTopK, SoftmaxTopK, TopKSoftmax, clamped_swiglu, dispatch_experts, limited_swiglu
+from trellm.modules.moe import ExpertList, ExpertMLP, Experts, MoE, Router, ScoreTopK, SoftmaxTopK, TopKSoftmax, clamped_swiglu, dispatch_experts, limited_swiglu
 from trellm.modules.recurrent import (
     GatedAttention,
     GatedDeltaNet,
@@ -173,7 +173,7 @@ __all__ = [
     "GEMMA3_OPTIONS", "configure_gemma3", "read_gemma3_config", "COHERE_OPTIONS", "configure_cohere",
     "OLMO_OPTIONS", "GLM_OPTIONS", "GLM4_OPTIONS", "configure_granite", "configure_hyperclovax", "read_qwen2_config",
     # mixture of experts
-    "MoE", "Router", "Experts", "ExpertMLP", "SoftmaxTopK", "TopKSoftmax", "ScoreTopK", "clamped_swiglu", "limited_swiglu",
+    "MoE", "Router", "Experts", "ExpertList", "ExpertMLP", "SoftmaxTopK", "TopKSoftmax", "ScoreTopK", "clamped_swiglu", "limited_swiglu",
     "dispatch_experts", "replace_mlps", "mlp_layer_types", "deepseek_moe", "use_deepseek_moe_layers", "use_qwen3_moe_layers",
     # recurrent and hybrid stacks, multi-token prediction
     "GatedDeltaNet", "KimiDeltaAttention", "GatedAttention", "ShortConv", "Mamba2Mixer", "ResidualBlock", "HybridCausalLM", "state_cache_inputs",

@@ -314,15 +314,9 @@ def test_tiny_glm5_steps_of_every_captured_size_read_nothing_on_the_host(family,
     as many as the CUDA slot count allows), after their warm-up run, read no device tensor on the host and copy
     nothing from it (tests/host_reads.py), as a capture requires. The MoE takes the sync-free pair route it takes on
     CUDA (dense experts stacked at load there, CPU steps group rows by expert, which reads the counts)."""
-    from trellm.modules import linear, moe
-    from trellm.modules.linear import DenseExpertSet
+    from trellm.ops import moe
 
-    def pairs_first(experts, x, weights, ids, grouped=moe.dispatch_experts):  # dispatch_experts' CUDA branch
-        out = moe.dispatch_experts_sync_free(experts, x, weights, ids) if ids.numel() <= moe.SYNC_FREE_MAX_PAIRS else None
-        return grouped(experts, x, weights, ids) if out is None else out
-
-    monkeypatch.setattr(moe, "dispatch_experts", pairs_first)
-    monkeypatch.setattr(linear.DenseLinear, "expert_set", lambda self, experts, device: DenseExpertSet.from_experts(experts))
+    monkeypatch.setattr(moe, "PAIR_DEVICE_TYPES", ("cuda", "cpu"))  # dense experts stacked at load, dispatch by pairs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the Generator's slots for verification (one per draft token)
     lm = TINY_FAMILIES[family]("cpu", torch.float32)
     reads = HostReads()

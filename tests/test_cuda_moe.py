@@ -17,6 +17,8 @@ from trellm.modules.moe import ExpertList, StackedExperts, dispatch_experts, dis
 from trellm.ops.moe import dense_experts_matmul, exl3_experts_down, exl3_experts_gate_up
 from trellm.quant.exl3.format import EXL3ExpertSet
 
+from host_reads import HostReads
+
 
 def on_cuda(test):
     """cuda-marked, skipped without a GPU, with the kernel library loaded and the CUDA ops registered."""
@@ -77,28 +79,32 @@ def random_exl3(k: int, n: int, bits: int, codebook: str, g: torch.Generator, de
 
 
 def exl3_experts(e: int, h: int, i: int, bits=4, codebook="mcg", device="cpu", activation="silu", bias=False,
-                 down_bits=None, seed=0) -> ExpertList:
+                 down_bits=None, seed=0, gated=True) -> ExpertList:
+    """EXL3 experts of random trellis codes; ``gated=False``: no gate, down(act(up(x))) (NemotronH)."""
     g = torch.Generator().manual_seed(seed)
-    experts = ExpertList("x", e, h, i, activation=activation)
+    experts = ExpertList("x", e, h, i, activation=activation, gated=gated)
     for mlp in experts.experts:
-        mlp.gate_proj.impl = random_exl3(h, i, bits, codebook, g, device, bias)
+        if gated:
+            mlp.gate_proj.impl = random_exl3(h, i, bits, codebook, g, device, bias)
         mlp.up_proj.impl = random_exl3(h, i, bits, codebook, g, device, bias)
         mlp.down_proj.impl = random_exl3(i, h, down_bits or bits, codebook, g, device, bias)
     experts.pair_set = EXL3ExpertSet.from_experts(experts.experts, torch.device(device))
     return experts
 
 
-def dense_per_expert(e: int, h: int, i: int, device="cpu", dtype=torch.float32, bias=False, seed=0) -> ExpertList:
+def dense_per_expert(e: int, h: int, i: int, device="cpu", dtype=torch.float32, bias=False, seed=0,
+                     gated=True) -> ExpertList:
     """Per-expert dense Linears (the layout HF checkpoints keep), loaded as a family loads them; on CUDA the load
-    stacks them into a DenseExpertSet."""
+    stacks them into a DenseExpertSet. ``gated=False``: no gate_proj, down(relu(up(x))^2) (NemotronH)."""
     g = torch.Generator().manual_seed(seed)
     t = {}
+    names = (("gate_proj", (i, h)),) if gated else ()
     for x in range(e):
-        for name, (n, k) in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+        for name, (n, k) in (*names, ("up_proj", (i, h)), ("down_proj", (h, i))):
             t[f"x.{x}.{name}.weight"] = torch.randn(n, k, generator=g) / math.sqrt(k)
             if bias:
                 t[f"x.{x}.{name}.bias"] = torch.randn(n, generator=g) * 0.1
-    experts = ExpertList("x", e, h, i, bias=bias)
+    experts = ExpertList("x", e, h, i, activation="silu" if gated else "relu2", gated=gated, bias=bias)
     experts.load(LoadContext(store=DictStore(t), device=torch.device(device), dtype=dtype))
     return experts
 
@@ -123,9 +129,10 @@ def test_sync_free_stacked_matches_grouped(bias):
     assert rel_err(out, ref) < 1e-5
 
 
-def test_sync_free_exl3_matches_grouped():
-    experts = exl3_experts(4, 128, 256, bits=3, down_bits=2)
-    assert experts.pair_set is not None
+@pytest.mark.parametrize("gated", [True, False])
+def test_sync_free_exl3_matches_grouped(gated):
+    experts = exl3_experts(4, 128, 256, bits=3, down_bits=2, activation="silu" if gated else "relu2", gated=gated)
+    assert experts.pair_set is not None and len(experts.pair_set.gate_up_table) == (2 if gated else 1)
     x = torch.randn(3, 128)
     weights, ids = routing(3, 4, 2)
     ref = dispatch_experts(experts, x, weights, ids)
@@ -133,29 +140,47 @@ def test_sync_free_exl3_matches_grouped():
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
-def test_dense_per_expert_set_matches_grouped(bias):
-    """Dense per-expert Linears stacked into a DenseExpertSet (what a CUDA load makes): the experts' weights become
-    views of the stacks (nothing held twice), each expert computes what it did, and the pair path equals the
-    grouped dispatch."""
-    experts = dense_per_expert(6, 64, 32, bias=bias)
+def test_dense_per_expert_set_matches_grouped(bias, gated):
+    """Dense per-expert Linears stacked into a DenseExpertSet (what a CUDA load makes), gated or not (NemotronH): the
+    experts' weights become views of the stacks (nothing held twice), each expert computes what it did, and the
+    pair path equals the grouped dispatch and reads nothing on the host (the grouped one does)."""
+    experts = dense_per_expert(6, 64, 32, bias=bias, gated=gated)
     assert experts.pair_set is None  # on CPU nothing is stacked: its steps group rows by expert
     x = torch.randn(5, 64)
     weights, ids = routing(5, 6, 2)
     ref = dispatch_experts(experts, x, weights, ids)
     before = [experts.run_expert(e, x) for e in range(6)]
-    nbytes = sum(m.gate_proj.impl.nbytes() + m.up_proj.impl.nbytes() + m.down_proj.impl.nbytes() for m in experts.experts)
+    inputs = ("gate_proj", "up_proj") if gated else ("up_proj",)
+    nbytes = sum(getattr(m, name).impl.nbytes() for m in experts.experts for name in (*inputs, "down_proj"))
     dense = DenseExpertSet.from_experts(experts.experts)
-    assert dense is not None and tuple(dense.gate_up.shape) == (6, 64, 64) and tuple(dense.down.shape) == (6, 64, 32)
+    assert dense is not None and dense.gated == gated
+    assert tuple(dense.gate_up.shape) == (6, 32 * len(inputs), 64) and tuple(dense.down.shape) == (6, 64, 32)
     for e, mlp in enumerate(experts.experts):
-        assert mlp.gate_proj.impl.weight.data_ptr() == dense.gate_up[e].data_ptr()
-        assert mlp.up_proj.impl.weight.data_ptr() == dense.gate_up[e, 32:].data_ptr()
+        for j, name in enumerate(inputs):
+            assert getattr(mlp, name).impl.weight.data_ptr() == dense.gate_up[e, 32 * j:].data_ptr()
         assert torch.equal(experts.run_expert(e, x), before[e])
     assert nbytes == dense.gate_up.nbytes + dense.down.nbytes + (0 if not bias else dense.gate_up_bias.nbytes + dense.down_bias.nbytes)
     experts.pair_set = dense
-    out = dispatch_experts_sync_free(experts, x, weights, ids)
+    with HostReads() as reads:
+        out = dispatch_experts_sync_free(experts, x, weights, ids)
+    assert not reads.found, reads.found
+    with HostReads() as reads:
+        dispatch_experts(experts, x, weights, ids)  # on CPU: grouped, the counts read on the host
+    assert any("tolist" in what for what, _ in reads.found)
     assert rel_err(out, ref) < 1e-5
     assert DenseExpertSet.from_experts(experts.experts) is None  # views already: stacking again would copy them
+
+
+def test_expert_sets_refuse_experts_gated_and_not():
+    """Experts some of which have a gate and some not form no pair set (dense or EXL3)."""
+    dense = dense_per_expert(3, 64, 32)
+    dense.experts[1] = dense_per_expert(3, 64, 32, gated=False).experts[1]
+    assert DenseExpertSet.from_experts(dense.experts) is None
+    exl3 = exl3_experts(3, 128, 128)
+    exl3.experts[1] = exl3_experts(3, 128, 128, gated=False).experts[1]
+    assert EXL3ExpertSet.from_experts(exl3.experts, torch.device("cpu")) is None
 
 
 def test_sync_free_falls_back_where_it_has_no_path():
@@ -222,12 +247,16 @@ EXL3_CASES = [  # (hidden, intermediate, bits, down bits, codebook, tokens, top_
 ]
 
 
+@pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("case", EXL3_CASES)
 @on_cuda
-def test_exl3_expert_pairs_cuda(case):
+def test_exl3_expert_pairs_cuda(case, gated):
+    """The pair kernels against the references; experts with no gate (NemotronH) take one plain launch of their up
+    projections, then the activation."""
     h, i, bits, down_bits, codebook, tokens, top_k, e, act, bias = case
-    experts = exl3_experts(e, h, i, bits, codebook, "cuda", act, bias, down_bits)
+    experts = exl3_experts(e, h, i, bits, codebook, "cuda", act, bias, down_bits, gated=gated)
     bank = experts.pair_set
+    assert bank is not None and bool(bank.gate) == gated
     x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
     weights, ids = routing(tokens, e, top_k, "cuda")
     expert_of = ids.reshape(-1)
@@ -266,17 +295,19 @@ def test_exl3_expert_pairs_mul1_split_route(case, monkeypatch):
     assert rel_err(hidden, results["fma"][0]) < 1e-2
 
 
-@pytest.mark.parametrize("layout", ["exl3", "stacked", "dense_per_expert"])
+@pytest.mark.parametrize("layout", ["exl3", "stacked", "dense_per_expert", "exl3_ungated", "dense_ungated"])
 @on_cuda
 def test_moe_dispatch_sync_free_in_cuda_graph(layout):
-    """dispatch_experts on CUDA takes the pair path, captures in a graph and replays with new routing."""
+    """dispatch_experts on CUDA takes the pair path, captures in a graph and replays with new routing; experts with
+    no gate (NemotronH's relu^2 ones, "_ungated") too."""
     e, h, i, tokens, top_k = 16, 256, 128, 4, 4
-    if layout == "exl3":
-        experts = exl3_experts(e, h, i, device="cuda")
+    if layout.startswith("exl3"):
+        experts = exl3_experts(e, h, i, device="cuda", activation="relu2", gated=False) if layout == "exl3_ungated" \
+            else exl3_experts(e, h, i, device="cuda")
     elif layout == "stacked":
         experts = stacked_experts(e, h, i, "cuda", torch.bfloat16)
     else:
-        experts = dense_per_expert(e, h, i, "cuda", torch.bfloat16)
+        experts = dense_per_expert(e, h, i, "cuda", torch.bfloat16, gated=layout == "dense_per_expert")
         assert isinstance(experts.pair_set, DenseExpertSet)
     x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
     weights, ids = routing(tokens, e, top_k, "cuda", seed=5)

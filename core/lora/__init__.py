@@ -299,6 +299,9 @@ class LoraSet:
         experts = owner.active if isinstance(owner, Experts) else owner
         if not isinstance(experts, ExpertList):
             raise _stacked_experts_error(f"{adapter.path}: {tensor}:", module)
+        if name != "down_proj" and not experts.gated:
+            raise LoraError(f"{adapter.path}: {tensor} adapts the gate and up projections of {module!r}, whose experts "
+                            "have no gate (down(act(up(x)))): an adapter for another base model")
         if stack.experts != experts.num_experts:
             raise LoraError(f"{adapter.path}: {tensor} has shape {list(stack.a.shape)}: factors for {stack.experts} "
                             f"experts of rank {stack.rank}, the base model's {module!r} has {experts.num_experts}")

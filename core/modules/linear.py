@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import WeightError
-from ..ops.dense import gated_activation
-from ..ops.moe import dense_expert_pairs
+from ..ops.dense import activation_fn, gated_activation
+from ..ops.moe import dense_expert_pairs, expert_inputs, takes_pairs
 from ..ops.projection import Weights, group_weights
 from .base import LoadContext, Module
 
@@ -31,31 +31,39 @@ class DenseLinear(Weights):
         return self.weight
 
     def expert_set(self, experts: list, device: torch.device) -> "DenseExpertSet | None":
-        """On CUDA, where the pair ops keep a decode step free of host syncs (:class:`DenseExpertSet`); elsewhere
-        None (a CPU step groups its rows by expert anyway, and stacking would only cost load time)."""
-        return DenseExpertSet.from_experts(experts) if torch.device(device).type == "cuda" else None
+        """Where the pair ops run (:func:`~trellm.ops.moe.takes_pairs`: on CUDA, keeping a decode step free of host
+        syncs), :class:`DenseExpertSet`; elsewhere None (a CPU step groups its rows by expert anyway, and stacking
+        would only cost load time)."""
+        return DenseExpertSet.from_experts(experts) if takes_pairs(device) else None
 
 
 class DenseExpertSet:
     """Dense per-expert experts (the layout HF checkpoints keep) for the sync-free pair ops: their weights moved
-    into stacked tensors once at load (``gate_up`` [E, 2I, H], ``down`` [E, H, I], + biases), each expert's
-    DenseLinear rebound to its views, so nothing is held twice and a decode step's MoE needs no host sync."""
+    into stacked tensors once at load (``gate_up`` [E, 2I, H], or [E, I, H] of the up rows alone when the experts
+    have no gate; ``down`` [E, H, I]; + biases), each expert's DenseLinear rebound to its views, so nothing is held
+    twice and a decode step's MoE needs no host sync."""
 
     def __init__(self, gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None, down: torch.Tensor,
-                 down_bias: torch.Tensor | None):
+                 down_bias: torch.Tensor | None, gated: bool = True):
         self.gate_up, self.gate_up_bias, self.down, self.down_bias = gate_up, gate_up_bias, down, down_bias
+        self.gated = gated
 
     @classmethod
     def from_experts(cls, experts: list) -> "DenseExpertSet | None":
-        """The set when every expert's gate, up and down are DenseLinear of one shape, dtype and device, biased
-        alike, each owning its storage; else None. A weight that is already a view (a fused checkpoint tensor's
-        part, or an expert stacked before: the shared-expert fold asks again with one more expert) is left alone,
-        since stacking it would copy it."""
-        gate, up, down = ([getattr(e, name).impl for e in experts] for name in ("gate_proj", "up_proj", "down_proj"))
-        if not experts or not all(type(w) is DenseLinear for w in (*gate, *up, *down)):
+        """The set when every expert's input projections (gate and up, or up alone:
+        :func:`~trellm.ops.moe.expert_inputs`) and down are DenseLinear of one shape, dtype and device, biased alike,
+        each owning its storage; else None. A weight that is already a view (a fused checkpoint tensor's part, or an
+        expert stacked before: the shared-expert fold asks again with one more expert) is left alone, since stacking
+        it would copy it."""
+        inputs = expert_inputs(experts)
+        if inputs is None:
             return None
-        first, last = gate[0], down[0]
-        for layers, shape in ((gate, first.weight.shape), (up, first.weight.shape), (down, last.weight.shape)):
+        in_layers = [w for parts in inputs for w in parts]
+        down = [e.down_proj.impl for e in experts]
+        if not all(type(w) is DenseLinear for w in (*in_layers, *down)):
+            return None
+        first, last = in_layers[0], down[0]
+        for layers, shape in ((in_layers, first.weight.shape), (down, last.weight.shape)):
             for w in layers:
                 if (w.weight.shape != shape or w.weight.dtype != first.weight.dtype or w.weight.device != first.weight.device
                         or w.weight._base is not None or (w.bias is None) != (first.bias is None)):
@@ -72,21 +80,27 @@ class DenseExpertSet:
                     start += t.shape[0]
             return out
 
-        gate_up = stacked([[g.weight, u.weight] for g, u in zip(gate, up)])
+        biased = first.bias is not None
+        gate_up = stacked([[w.weight for w in parts] for parts in inputs])
         down_stack = stacked([[d.weight] for d in down])
-        gate_up_bias = stacked([[g.bias, u.bias] for g, u in zip(gate, up)]) if first.bias is not None else None
-        down_bias = stacked([[d.bias] for d in down]) if first.bias is not None else None
+        gate_up_bias = stacked([[w.bias for w in parts] for parts in inputs]) if biased else None
+        down_bias = stacked([[d.bias] for d in down]) if biased else None
         rows = first.out_features
-        for e, (g, u, d) in enumerate(zip(gate, up, down)):
-            g.weight, u.weight, d.weight = gate_up[e, :rows], gate_up[e, rows:], down_stack[e]
-            if gate_up_bias is not None:
-                g.bias, u.bias, d.bias = gate_up_bias[e, :rows], gate_up_bias[e, rows:], down_bias[e]
-        return cls(gate_up, gate_up_bias, down_stack, down_bias)
+        for e, (parts, d) in enumerate(zip(inputs, down)):
+            for j, w in enumerate(parts):
+                w.weight = gate_up[e, j * rows:(j + 1) * rows]
+                w.bias = gate_up_bias[e, j * rows:(j + 1) * rows] if biased else None
+            d.weight, d.bias = down_stack[e], down_bias[e] if biased else None
+        return cls(gate_up, gate_up_bias, down_stack, down_bias, gated=len(inputs[0]) == 2)
 
     def run_pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, activation: str) -> torch.Tensor:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]): the stacked dense pair ops (one kernel launch each on CUDA)."""
-        act = lambda g, u: gated_activation(g, u, activation)  # noqa: E731
-        return dense_expert_pairs(x, weights, ids, self.gate_up, self.gate_up_bias, self.down, self.down_bias, act)
+        if self.gated:
+            act = lambda g, u: gated_activation(g, u, activation)  # noqa: E731
+        else:
+            act = activation_fn(activation)
+        return dense_expert_pairs(x, weights, ids, self.gate_up, self.gate_up_bias, self.down, self.down_bias, act,
+                                  gated=self.gated)
 
 
 def load_dense_linear(ctx: LoadContext, key: str, in_features: int, out_features: int, bias: bool) -> DenseLinear:

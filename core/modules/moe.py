@@ -22,8 +22,9 @@ from ..batch import ForwardBatch
 from ..errors import WeightError
 from ..ops.moe import (  # noqa: F401  (softmax_topk, MOE_DECODE_*: re-exported)
     MOE_DECODE_ENV, MOE_DECODE_MODES, combine_pairs, dense_expert_pairs, dense_experts_matmul, moe_decode_mode, softmax_topk,
-    softmax_topk_shared,
+    softmax_topk_shared, takes_pairs,
 )
+from ..ops.dense import activation_fn
 from ..ops.projection import Weights, project
 from .base import LoadContext, Module
 from .layers import GatedMLP
@@ -180,7 +181,9 @@ def _activation(activation: str | Callable) -> Callable[[torch.Tensor, torch.Ten
 
 
 class ExpertMLP(Module):
-    """One expert with its own Linear modules (per-expert checkpoint tensors, dense or quantized)."""
+    """One expert with its own Linear modules (per-expert checkpoint tensors, dense or quantized): down(act(gate(x))
+    * up(x)), or with ``gated=False`` down(act(up(x))) (NemotronH's relu^2 experts). A class of its own, not a
+    :class:`GatedMLP` or :class:`~trellm.modules.layers.MLP`: tensor parallel leaves a routed expert whole."""
 
     def __init__(
         self,
@@ -190,37 +193,47 @@ class ExpertMLP(Module):
         activation: str | Callable = "silu",
         bias: bool | None = False,
         names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+        gated: bool = True,
     ):
         self.key = key
-        self.act = _activation(activation)
         gate, up, down = names
-        self.gate_proj = Linear(f"{key}.{gate}", hidden_size, intermediate_size, bias)
+        self.gate_proj = Linear(f"{key}.{gate}", hidden_size, intermediate_size, bias) if gated else None
         self.up_proj = Linear(f"{key}.{up}", hidden_size, intermediate_size, bias)
         self.down_proj = Linear(f"{key}.{down}", intermediate_size, hidden_size, bias)
-        self.gate_up = LinearGroup(self.gate_proj, self.up_proj)
+        self.gate_up = LinearGroup(self.gate_proj, self.up_proj) if gated else None
+        if gated:
+            self.act = _activation(activation)
+        else:
+            self.act = activation if callable(activation) else activation_fn(activation)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        if self.gate_up is None:
+            return self.down_proj(self.act(self.up_proj(x)))
         gate, up = project(x, self.gate_up.weights())
         return self.down_proj(self.act(gate, up))
 
 
 class ExpertList(Module):
-    """``num_experts`` :class:`ExpertMLP` under ``{key}.{i}``."""
+    """``num_experts`` :class:`ExpertMLP` under ``{key}.{i}`` (``gated=False``: no gate, down(act(up(x)))).
+    ``expert_kwargs`` go to each expert."""
 
-    def __init__(self, key: str, num_experts: int, hidden_size: int, intermediate_size: int, **expert_kwargs):
+    def __init__(self, key: str, num_experts: int, hidden_size: int, intermediate_size: int,
+                 activation: str | Callable = "silu", gated: bool = True, **expert_kwargs):
         self.key = key
         self.num_experts = num_experts
-        self.activation = expert_kwargs.get("activation", "silu")  # a name, or a callable (no fused path)
+        self.activation = activation  # a name, or a callable (no fused path)
+        self.gated = gated
         self.pair_set = None  # every expert's weights for the sync-free pair ops, where their format has such a set
         self.lora = None  # the LoraSet when an adapter targets some expert here (trellm.lora): no pair ops then
-        self.experts = [ExpertMLP(f"{key}.{i}", hidden_size, intermediate_size, **expert_kwargs) for i in range(num_experts)]
+        self.experts = [ExpertMLP(f"{key}.{i}", hidden_size, intermediate_size, activation, gated=gated, **expert_kwargs)
+                        for i in range(num_experts)]
 
     def run_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return self.experts[e].forward(x)
 
     def load(self, ctx: LoadContext) -> None:
         super().load(ctx)
-        first = self.experts[0].gate_proj.impl if self.experts else None
+        first = self.experts[0].up_proj.impl if self.experts else None
         self.pair_set = first.expert_set(self.experts, ctx.device) if isinstance(first, Weights) else None
 
     def unload(self) -> None:
@@ -365,10 +378,10 @@ def dispatch_experts_sync_free(experts, x: torch.Tensor, weights: torch.Tensor, 
 def dispatch_experts(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t, grouped by expert.
 
-    On CUDA, up to SYNC_FREE_MAX_PAIRS (token, expert) pairs (decode) take the sync-free pair path, so
-    the step can be captured in a CUDA graph; larger batches (prefill) group tokens by expert.
+    On CUDA (:func:`~trellm.ops.moe.takes_pairs`), up to SYNC_FREE_MAX_PAIRS (token, expert) pairs (decode) take the
+    sync-free pair path, so the step can be captured in a CUDA graph; larger batches (prefill) group tokens by expert.
     """
-    if x.device.type == "cuda" and 0 < ids.numel() <= SYNC_FREE_MAX_PAIRS:
+    if takes_pairs(x.device) and 0 < ids.numel() <= SYNC_FREE_MAX_PAIRS:
         out = dispatch_experts_sync_free(experts, x, weights, ids)
         if out is not None:
             return out
@@ -457,7 +470,8 @@ def fold_shared_expert(moe: "MoE", device: torch.device) -> SharedExpertFold | N
         return None
     if moe.router.correction_bias is not None or moe.router.float32_logits:
         return None
-    if not isinstance(experts, ExpertList) or experts.pair_set is None or experts.activation != moe.shared.activation:
+    if (not isinstance(experts, ExpertList) or not experts.gated or experts.pair_set is None
+            or experts.activation != moe.shared.activation):
         return None
     router = moe.router.gate.impl
     gate = moe.shared_gate.impl if moe.shared_gate is not None else None

@@ -80,8 +80,7 @@ def op(fn: Callable[..., Any]) -> Op:
 
 
 def all_ops() -> dict[str, Op]:
-    from . import reference  # noqa: F401  (declares the core ops)
-
+    """Every declared op by name (this package imports the modules that declare the core ones)."""
     return dict(_OPS)
 
 

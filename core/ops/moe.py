@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import op, route_from_env
-from .dense import gated_activation
+from .dense import activation_fn, gated_activation
 
 if TYPE_CHECKING:
     from ..quant.exl3.format import EXL3ExpertSet
@@ -75,15 +75,37 @@ def combine_pairs(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) ->
     return (y.view(tokens, top_k, -1).float() * weights.float()[..., None]).sum(1).to(dtype)
 
 
+PAIR_DEVICE_TYPES = ("cuda",)
+
+
+def takes_pairs(device: torch.device | str) -> bool:
+    """Whether MoE decode on ``device`` runs the sync-free pair ops (its type in :data:`PAIR_DEVICE_TYPES`): on CUDA,
+    where they keep a decode step capturable; a CPU step groups its rows by expert, which is faster there (tests add
+    "cpu" to run the pair path on the CPU)."""
+    return torch.device(device).type in PAIR_DEVICE_TYPES
+
+
+def expert_inputs(experts: list) -> list[list] | None:
+    """Each expert's input projections' Weights: ``[gate, up]`` (gated experts) or ``[up]`` (experts with no gate:
+    down(act(up(x)))); None when the experts differ in that. What a format's pair set stacks or points to."""
+    gated = {getattr(e, "gate_proj", None) is not None for e in experts}
+    if len(gated) != 1:
+        return None
+    names = ("gate_proj", "up_proj") if gated.pop() else ("up_proj",)
+    return [[getattr(e, name).impl for name in names] for e in experts]
+
+
 def dense_expert_pairs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                        gate_up_bias: torch.Tensor | None, down: torch.Tensor, down_bias: torch.Tensor | None,
-                       act) -> torch.Tensor:
+                       act, gated: bool = True) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for dense experts stacked as ``gate_up`` [E, 2I, H] (gate rows,
-    then up rows) and ``down`` [E, H, I] (+ biases [E, n]), ``act(gate, up)`` between: sync-free, every shape
-    fixed by the number of pairs (a decode step captures)."""
+    then up rows) and ``down`` [E, H, I] (+ biases [E, n]), ``act(gate, up)`` between; not ``gated``: ``gate_up``
+    holds the up rows alone ([E, I, H]) and ``act(up)`` is between. Sync-free, every shape fixed by the number of
+    pairs (a decode step captures)."""
     expert_of = ids.reshape(-1)
-    gate, up = dense_experts_matmul(x, expert_of, gate_up, gate_up_bias, ids.shape[1]).chunk(2, dim=-1)
-    y = dense_experts_matmul(act(gate, up).contiguous(), expert_of, down, down_bias, 1)
+    h = dense_experts_matmul(x, expert_of, gate_up, gate_up_bias, ids.shape[1])
+    h = act(*h.chunk(2, dim=-1)) if gated else act(h)
+    y = dense_experts_matmul(h.contiguous(), expert_of, down, down_bias, 1)
     return combine_pairs(y, weights, x.dtype)
 
 
@@ -97,9 +119,12 @@ def _exl3_pairs_reference(x: torch.Tensor, expert_of: torch.Tensor, layers: list
 def exl3_experts_gate_up(
     x: torch.Tensor, expert_of: torch.Tensor, experts: "EXL3ExpertSet", pairs_per_row: int, activation: str = "silu"
 ) -> torch.Tensor:
-    """act(gate_e(x_t)) * up_e(x_t) for every pair p (e = expert_of[p], t = p // pairs_per_row): [P, I]."""
-    gate = _exl3_pairs_reference(x, expert_of, experts.gate, pairs_per_row)
+    """act(gate_e(x_t)) * up_e(x_t) for every pair p (e = expert_of[p], t = p // pairs_per_row): [P, I]; act(up_e(x_t))
+    for a set of experts with no gate (``experts.gate`` empty)."""
     up = _exl3_pairs_reference(x, expert_of, experts.up, pairs_per_row)
+    if not experts.gate:
+        return activation_fn(activation)(up)
+    gate = _exl3_pairs_reference(x, expert_of, experts.gate, pairs_per_row)
     return gated_activation(gate, up, activation)
 
 

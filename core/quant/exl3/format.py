@@ -15,7 +15,7 @@ import torch
 
 from ...errors import WeightError
 
-from ...ops.moe import exl3_experts_down, exl3_experts_gate_up
+from ...ops.moe import expert_inputs, exl3_experts_down, exl3_experts_gate_up
 from ...ops.exl3 import CODEBOOK_MULTIPLIERS, exl3_decode_tiles, exl3_matmul, exl3_matmul_group, hadamard_128
 from ...ops.projection import RowNorm, WeightList, Weights
 from ...weights import WeightStore
@@ -204,8 +204,9 @@ class EXL3Group(WeightList):
 class EXL3ExpertSet:
     """The EXL3 gate, up and down Linears of all experts, plus device pointer tables for the pair kernels.
 
-    ``gate_up_table`` int64 [2, E, 4] and ``down_table`` [1, E, 4] hold {trellis, suh, svh, bias or 0}
-    pointers; they stay valid while the Linears hold their tensors (the set is rebuilt at every load).
+    ``gate_up_table`` int64 [2, E, 4] (for experts with no gate, ``gate`` empty: [1, E, 4] of the up projections) and
+    ``down_table`` [1, E, 4] hold {trellis, suh, svh, bias or 0} pointers; they stay valid while the Linears hold
+    their tensors (the set is rebuilt at every load).
     """
 
     gate: list
@@ -226,12 +227,18 @@ class EXL3ExpertSet:
 
     @classmethod
     def from_experts(cls, experts: list, device) -> "EXL3ExpertSet | None":
-        """The set when every expert's three projections are EXL3 with one shape and format per projection
-        (gate and up alike), else None."""
-        gate, up, down = ([getattr(e, name).impl for e in experts] for name in ("gate_proj", "up_proj", "down_proj"))
-        if not experts or not all(cls._uniform(layers) for layers in (gate, up, down)):
+        """The set when every expert's projections are EXL3 with one shape and format per projection (gate and up
+        alike), else None. Experts with no gate (down(act(up(x)))) get a set with ``gate`` empty and the up
+        projections alone in ``gate_up_table`` ([1, E, 4])."""
+        inputs = expert_inputs(experts)
+        if inputs is None:
             return None
-        if gate[0].trellis.shape != up[0].trellis.shape or gate[0].codebook != up[0].codebook:
+        up = [parts[-1] for parts in inputs]
+        gate = [parts[0] for parts in inputs] if len(inputs[0]) == 2 else []
+        down = [e.down_proj.impl for e in experts]
+        if not all(cls._uniform(layers) for layers in (gate, up, down) if layers):
+            return None
+        if gate and (gate[0].trellis.shape != up[0].trellis.shape or gate[0].codebook != up[0].codebook):
             return None
 
         def table(*projections: list) -> torch.Tensor:
@@ -239,7 +246,7 @@ class EXL3ExpertSet:
                      for l in layers] for layers in projections]
             return torch.tensor(rows, dtype=torch.int64, device=device)
 
-        return cls(gate, up, down, table(gate, up), table(down))
+        return cls(gate, up, down, table(gate, up) if gate else table(up), table(down))
 
     def run_pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, activation: str) -> torch.Tensor:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]): the two sync-free pair ops (one kernel launch each on CUDA)."""

@@ -10,6 +10,7 @@ from trellm.sdk import (
     Attention,
     ConfigError,
     DecoderConfig,
+    ExpertList,
     ForwardBatch,
     HybridCausalLM,
     Linear,
@@ -43,17 +44,6 @@ class PlainMLP(Module):
         return self.down_proj(self.act(self.up_proj(x)))
 
 
-class PlainExperts(Module):
-    """``num_experts`` PlainMLP experts under ``{key}.{i}`` (per-expert tensors)."""
-
-    def __init__(self, key: str, num_experts: int, dim: int, intermediate_size: int, activation: str):
-        self.key, self.num_experts = key, num_experts
-        self.experts = [PlainMLP(f"{key}.{i}", dim, intermediate_size, activation) for i in range(num_experts)]
-
-    def run_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return self.experts[e].forward(x)
-
-
 class NemotronMoE(Module):
     """Routed plain experts (in a latent space when ``latent_size``) plus shared experts."""
 
@@ -71,7 +61,7 @@ class NemotronMoE(Module):
         self.router = Router(f"{key}.gate", hidden, num_experts, strategy,
                              correction_bias_key=f"{key}.gate.e_score_correction_bias", float32_logits=True)
         dim = int(latent) if latent else hidden
-        self.experts = PlainExperts(f"{key}.experts", num_experts, dim, config_int(x, "moe_intermediate_size"), act)
+        self.experts = ExpertList(f"{key}.experts", num_experts, dim, config_int(x, "moe_intermediate_size"), act, gated=False)
         self.fc1_latent_proj = Linear(f"{key}.fc1_latent_proj", hidden, dim) if latent else None
         self.fc2_latent_proj = Linear(f"{key}.fc2_latent_proj", dim, hidden) if latent else None
         self.shared_experts = PlainMLP(f"{key}.shared_experts", hidden, config_int(x, "moe_shared_expert_intermediate_size"), act)
