@@ -771,16 +771,17 @@ def gated_delta_rule_step(q, k, v, g, beta, state):
 
 
 @_deltanet.causal_conv1d_step.register("cuda")
-def causal_conv1d_step(x, weight, bias, states, activation="silu"):
+def causal_conv1d_step(x, weight, bias, states, activation="silu", dilation=1):
     if (
         activation not in (None, "silu")
+        or dilation != 1  # the kernel's taps are consecutive (a dilated step: the reference, sync-free too)
         or x.dim() != 2
         or weight.dim() != 2
         or not 1 <= weight.shape[1] <= 8
         or any(t.dtype not in _FLOATS for t in (x, weight, states))
         or (bias is not None and bias.dtype not in _FLOATS)
     ):
-        return _deltanet.causal_conv1d_step.reference(x, weight, bias, states, activation)
+        return _deltanet.causal_conv1d_step.reference(x, weight, bias, states, activation, dilation)
     return binding.causal_conv1d_step(
         x.contiguous(), weight.contiguous(), bias.contiguous() if bias is not None else None, states.contiguous(),
         activation == "silu",

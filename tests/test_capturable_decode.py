@@ -1,7 +1,7 @@
 """Decode steps a CUDA graph can capture, checked on the CPU (tests/host_reads.py): a whole cached decode step of a
-tiny hybrid model reads no tensor value on the host outside the ops the CUDA backend runs as kernels, with the MoE
-experts on their sync-free pair path as on CUDA; and it gives the logits of the plain CPU step (experts grouped
-by expert). NemotronH's ungated experts used to group their rows (reading the counts).
+tiny hybrid model reads no tensor on the host and copies nothing to the device outside the ops the CUDA backend runs
+as kernels, with the MoE experts on their sync-free pair path as on CUDA; and it gives the logits of the plain CPU
+step (experts grouped by expert). NemotronH's ungated experts and Qwen 3.8's rotations and per-layer embeddings used to read the host.
 The GPU tests that capture these steps: tests/test_graph_hybrid.py (``test_*_on_cuda``)."""
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 2, 12, 13], [14, 15, 16])  # 2: the Qwen 3.8 
 
 
 def tiny_model(name: str, tmp_path):
+    if name == "qwen4_exp":
+        from test_families_next import qwen4_exp_checkpoint
+
+        return qwen4_exp_checkpoint(tmp_path)
     arch, cfg = FAMILIES[name]
     return make_tiny_hf_model(arch, tmp_path, **cfg)
 
@@ -49,12 +53,12 @@ def decode_batch(cache, seqs, slots) -> ForwardBatch:
     return batch
 
 
-@pytest.mark.parametrize("name", ["nemotron_h", "qwen3_5_moe", "qwen3_next", "lfm2_moe", "qwen3_5",
+@pytest.mark.parametrize("name", ["nemotron_h", "qwen4_exp", "qwen3_5_moe", "qwen3_next", "lfm2_moe", "qwen3_5",
                                   "olmo_hybrid"])
 def test_decode_step_reads_nothing_on_the_host(tmp_path, monkeypatch, name):
     """The model loaded as on CUDA (its dense experts stacked into pair sets, the pair path taken): its decode step
     reads no tensor on the host outside kernel-backed ops (experts without a pair path would group their rows,
-    reading the counts), and gives the grouped CPU step's logits."""
+    reading the counts) and copies nothing to the device, and gives the grouped CPU step's logits."""
     monkeypatch.setattr(moe_ops, "PAIR_DEVICE_TYPES", ("cuda", "cpu"))
     with torch_threads(1):
         lm = trellm.load(tiny_model(name, tmp_path), device="cpu", dtype=torch.float32, tokenizer=False)

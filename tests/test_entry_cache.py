@@ -86,7 +86,7 @@ def rebuilt_entries(attn, layer: ExtraRowsKVCacheLayer, table_row: torch.Tensor,
     blocks = length // r
     positions = gather_pages(layer.position_pages, table_row, length)
     pooled = attn.index_k_norm.forward(rows[: blocks * r].float().view(blocks, r, -1).mean(1).to(rows.dtype))
-    return {"block_keys": attn._rotate(pooled[:, None], positions[: blocks * r: r])[:, 0]}
+    return {"block_keys": attn._rotate(pooled[:, None], positions[: blocks * r: r], length)[:, 0]}
 
 
 def check_entries_match_the_rebuild(lm, cache, sequences) -> int:

@@ -203,11 +203,13 @@ def test_qwen4_exp_text_parity(tmp_path, variant):
 
 def test_ngram_embedding_history_in_pieces_matches_transformers():
     """The hashed n-gram ids of a token stream fed in pieces (the cached path: ngram_size - 1 tokens of
-    history carried over) equal transformers' ids over the whole stream, EOS resets included."""
+    history carried over), the pieces side by side as the sequences of one batch, equal transformers' ids over
+    the whole stream, EOS resets included."""
     from transformers import Qwen4ExpTextConfig
     from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEmbedding
 
-    from trellm.plugins.architectures.qwen4_exp import NGramEmbedding
+    from trellm.batch import ForwardBatch
+    from trellm.plugins.architectures.qwen4_exp import NGramEmbedding, ngram_windows
 
     config = Qwen4ExpTextConfig(**{**QWEN4_EXP_TEXT, "ngram_size": 4, "ple_embed_dim": 48})
     torch.manual_seed(0)
@@ -218,9 +220,24 @@ def test_ngram_embedding_history_in_pieces_matches_transformers():
     stream = [5, 9, 2, 7, 7, 2, 2, 11, 13, 17, 19, 2, 23, 29]
     with torch.no_grad():
         want = hf(torch.tensor([stream]), None)[0]
-    history, got = [2, 2, 2], []
-    for piece in (stream[:1], stream[1:6], stream[6:7], stream[7:]):
-        full = torch.tensor(history + piece)
-        got.append(ours.forward(full, len(piece)))
-        history = full[-3:].tolist()
-    torch.testing.assert_close(torch.cat(got), want)
+    cuts = (0, 1, 6, 7, len(stream))
+    padded = [2, 2, 2] + stream  # EOS before the start
+    before = torch.tensor([padded[a: a + 3] for a in cuts[:-1]])  # each piece's 3 tokens of history
+    batch = ForwardBatch.no_cache([stream[a:b] for a, b in zip(cuts[:-1], cuts[1:])])
+    got = ours.forward(ngram_windows(before, batch))
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dilation", [1, 3])
+def test_conv_step_is_the_varlen_conv_of_one_token(dilation):
+    """causal_conv1d_step (a decode step: no host read, the PLE's dilated conv included) gives the varlen conv's
+    output and final states for one token per sequence, from the same initial states."""
+    g = torch.Generator().manual_seed(0)
+    batch, channels, width = 3, 8, 4
+    x, weight = torch.randn(batch, channels, generator=g), torch.randn(channels, width, generator=g)
+    states = torch.randn(batch, channels, (width - 1) * dilation, generator=g)
+    want, want_states = ops.causal_conv1d(x, weight, None, torch.arange(batch + 1, dtype=torch.int32), states,
+                                          dilation=dilation)
+    got, got_states = ops.causal_conv1d_step(x, weight, None, states, dilation=dilation)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_states, want_states)

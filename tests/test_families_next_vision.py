@@ -214,7 +214,7 @@ def test_qwen4_exp_indexer_rotates_blocks_at_mrope_positions(qwen4v, monkeypatch
     assert within_range(lm.logits([PROMPT], images=[[img]])[0], ref)
     block_keys = IndexedAttention.block_keys  # (one sequence, no cache: every block, in order)
     monkeypatch.setattr(IndexedAttention, "block_keys",
-                        lambda self, raw, first_positions: block_keys(self, raw, torch.arange(len(raw)) * self.ratio))
+                        lambda self, raw, first_positions, bound: block_keys(self, raw, torch.arange(len(raw)) * self.ratio, bound))
     assert not within_range(lm.logits([PROMPT], images=[[img]])[0], ref)
 
 

@@ -57,12 +57,27 @@ class EagerGraphs(EagerRecording, GraphRunner):
         return super().stage(size, feeds, *args, width=width, **kwargs)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h", "lfm2_moe"])
+def tiny_hybrid(name: str, path, **sizes):
+    """A tiny random checkpoint of the family ``name`` (test_hybrid_families' configs; Qwen 3.8-Flash-Next's from
+    test_families_next), ``sizes`` overriding its text config."""
+    if name == "qwen4_exp":
+        from test_families_next import qwen4_exp_checkpoint
+
+        return qwen4_exp_checkpoint(path, **sizes)
+    arch, cfg = FAMILIES[name]
+    return make_tiny_hf_model(arch, path, **{**cfg, **sizes})
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h", "lfm2_moe", "qwen4_exp"])
 def hybrid(request, tmp_path_factory):
     torch.set_num_threads(1)
-    arch, cfg = FAMILIES[request.param]
-    return trellm.load(make_tiny_hf_model(arch, tmp_path_factory.mktemp(request.param), **cfg), device="cpu",
+    return trellm.load(tiny_hybrid(request.param, tmp_path_factory.mktemp(request.param)), device="cpu",
                        dtype=torch.float32, tokenizer=False)
+
+
+def vocab_size(lm) -> int:
+    """The text model's vocabulary (a vision-language config keeps it in its text config)."""
+    return getattr(lm.config, "text", lm.config).vocab_size
 
 
 def _jobs(vocab: int) -> list[Job]:
@@ -86,7 +101,7 @@ def test_hybrid_decode_through_the_graph_runner(hybrid):
             assert gen.graph_runner._scratch_slot != 0
         out = []
         for _ in range(2):  # the second round reuses the first one's pages and state checkpoints
-            gen.enqueue(_jobs(hybrid.config.vocab_size))
+            gen.enqueue(_jobs(vocab_size(hybrid)))
             out.append(sorted((r.identifier, r.token_ids) for r in gen.stream() if type(r).__name__ == "JobFinished"))
             gen.verify_pages()
         return out, gen
@@ -107,7 +122,7 @@ def test_hybrid_async_scheduling(hybrid):
     def run(overlap: bool):
         gen = Generator(hybrid, cache_tokens=1024, page_size=16, max_batch_size=4, max_chunk_tokens=32,
                         async_scheduling=overlap)
-        jobs = _jobs(hybrid.config.vocab_size)
+        jobs = _jobs(vocab_size(hybrid))
         gen.enqueue(jobs)
         first = {r.identifier: r.token_ids for r in gen.stream() if type(r).__name__ == "JobFinished"}
         # the conversations go on: their prompts reuse pages (and state checkpoints) filled while decoding
@@ -123,27 +138,29 @@ def test_hybrid_async_scheduling(hybrid):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "lfm2_moe"])
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "lfm2_moe", "qwen4_exp"])
 def test_hybrid_graphs_capture_on_cuda(tmp_path, name):
     """On a GPU the recurrent decode step really is captured (no eager fallback) and gives the eager tokens,
-    with async scheduling on and off."""
-    arch, cfg = FAMILIES[name]
+    with async scheduling on and off. NemotronH's ungated experts take the pair path; Qwen 3.8-Flash-Next's
+    rotations and per-layer embeddings read nothing on the host."""
     # head sizes the CUDA kernels take (64): the torch reference of paged attention reads sequence lengths on the
     # host, which no graph can capture (every capture then falls back to eager)
     gpu_sizes = {"hidden_size": 256, "head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
                  "mamba_head_dim": 64} if name != "lfm2_moe" else {"hidden_size": 256}
-    model_dir = make_tiny_hf_model(arch, tmp_path, **{**cfg, **gpu_sizes})
+    if name == "qwen4_exp":
+        gpu_sizes["indexer_head_dim"] = 64
+    model_dir = tiny_hybrid(name, tmp_path, **gpu_sizes)
     lm = trellm.load(model_dir, device="cuda", dtype=torch.float32, tokenizer=False)
     out = {}
     for graphs, overlap in ((False, False), (True, False), (True, True)):
         gen = Generator(lm, cache_tokens=1024, page_size=16, max_batch_size=4, cuda_graphs=graphs, async_scheduling=overlap)
-        gen.enqueue(_jobs(lm.config.vocab_size))
+        gen.enqueue(_jobs(vocab_size(lm)))
         out[graphs, overlap] = sorted((r.identifier, r.token_ids) for r in gen.stream() if type(r).__name__ == "JobFinished")
         gen.verify_pages()
         if graphs:
             assert gen.graph_runner.graphs and not gen.graph_runner._failed
     assert out[True, False] == out[False, False] == out[True, True]
-    prompt = _jobs(lm.config.vocab_size)[0].prompt_ids
+    prompt = _jobs(vocab_size(lm))[0].prompt_ids
     simple = list(lm.generate_ids(prompt, 12, stop_token_ids=[]))  # the session cache's batch-1 graph
     assert lm._runner is not None and lm._runner.graphs and not lm._runner._failed
     assert simple == list(lm.generate_ids(prompt, 12, stop_token_ids=[], cache=lm.new_cache(max_tokens=512, page_size=16)))

@@ -61,11 +61,13 @@ def causal_conv1d(
 
 @op
 def causal_conv1d_step(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor, activation: str | None = "silu"
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor, activation: str | None = "silu",
+    dilation: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One new token per sequence: x [B, C], states [B, C, K-1] -> (out [B, C], new states [B, C, K-1])."""
-    window = torch.cat([states.to(weight.dtype), x.to(weight.dtype)[:, :, None]], dim=2)  # [B, C, K]
-    y = (window * weight[None]).sum(-1)
+    """One new token per sequence: x [B, C], states [B, C, S] -> (out [B, C], new states [B, C, S]), S = (K-1) *
+    dilation: :func:`causal_conv1d` of one token (tap j reads the input (K-1-j) * dilation steps back)."""
+    window = torch.cat([states.to(weight.dtype), x.to(weight.dtype)[:, :, None]], dim=2)  # [B, C, S + 1]
+    y = (window[:, :, ::dilation] * weight[None]).sum(-1)
     if bias is not None:
         y = y + bias
     if activation == "silu":

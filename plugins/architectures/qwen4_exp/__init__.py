@@ -171,15 +171,17 @@ class IndexedAttention(GatedAttention):
         its raw keys are cached beside each rank's KV heads)."""
         shard_attention(self, comm)
 
-    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rope.cos_sin(positions, int(positions.max()) + 1 if positions.numel() else 1)
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+        """x [T, heads, dim] rotated at ``positions`` [T], all below ``max_seq_len`` (the batch's bound: reading
+        the positions' maximum would be a host sync, which a decode graph cannot capture)."""
+        cos, sin = self.rope.cos_sin(positions, max_seq_len)
         return ops.rotary_embedding(x, cos, sin)
 
-    def block_keys(self, raw_keys: torch.Tensor, first_positions: torch.Tensor) -> torch.Tensor:
+    def block_keys(self, raw_keys: torch.Tensor, first_positions: torch.Tensor, max_seq_len: int) -> torch.Tensor:
         """The keys [N, dim] of N blocks from their tokens' raw index keys [N, ratio, dim]: the mean, normed, rotated
-        at the position value of the block's first token (``first_positions`` [N])."""
+        at the position value of the block's first token (``first_positions`` [N], below ``max_seq_len``)."""
         pooled = self.index_k_norm.forward(raw_keys.float().mean(1).to(raw_keys.dtype))
-        return self._rotate(pooled[:, None], first_positions)[:, 0]
+        return self._rotate(pooled[:, None], first_positions, max_seq_len)[:, 0]
 
     def select(self, index_q: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor], batch: ForwardBatch,
                index: torch.Tensor) -> torch.Tensor:
@@ -203,18 +205,19 @@ class IndexedAttention(GatedAttention):
         raw, _ = window_rows(windows, self.ratio, raw_key, batch, None if layer is None else layer.row_pages)
         firsts, _ = window_rows(windows, self.ratio, batch.positions[:, None], batch,
                                 None if layer is None else layer.position_pages[..., None])
-        keys = self.block_keys(raw, firsts[:, 0, 0]) if windows.count else raw_key.new_zeros(0, self.index_dim)
+        keys = self.block_keys(raw, firsts[:, 0, 0], batch.max_seq_len) if windows.count else raw_key.new_zeros(0, self.index_dim)
         return window_entry_pages(batch, self.layer_idx, BLOCK_KEYS, windows, keys)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q_gate, k, v = ops.project(x, self.qkv.weights())
         q, gate = q_gate.view(t, h, 2, d).unbind(2)
-        q = self._rotate(self.q_norm.forward(q), batch.positions)
-        k = self._rotate(self.k_norm.forward(k.view(t, kvh, d)), batch.positions)
+        q = self._rotate(self.q_norm.forward(q), batch.positions, batch.max_seq_len)
+        k = self._rotate(self.k_norm.forward(k.view(t, kvh, d)), batch.positions, batch.max_seq_len)
         v = v.view(t, kvh, d)
         index_q, raw_key = self.index_qk_proj(x).split([self.index_heads * self.index_dim, self.index_dim], dim=-1)
-        index_q = self._rotate(self.index_q_norm.forward(index_q.view(t, self.index_heads, self.index_dim)), batch.positions)
+        index_q = self._rotate(self.index_q_norm.forward(index_q.view(t, self.index_heads, self.index_dim)), batch.positions,
+                               batch.max_seq_len)
         chosen = self.select(index_q, self._block_keys(raw_key, batch), batch, token_indices(batch)[1])
         if batch.cache is None:
             k_pages, table, lengths = ops.sparse.varlen_as_pages(k, batch.cu_seqlens)
@@ -259,22 +262,16 @@ class NGramEmbedding(Module):
     def unload(self) -> None:
         self.table = self.multipliers = self.vocab_sizes = self.offsets = None
 
-    def history_shifts(self, history: torch.Tensor) -> list[torch.Tensor]:
-        """``history`` [L] shifted right by 0 .. ngram_size - 1, EOS where the shift crosses an EOS or the start."""
-        positions = torch.arange(history.shape[0], device=history.device)
-        eos_at = torch.where(history == self.eos, positions, -1)
-        segment_start = torch.cat([eos_at.new_full((1,), -1), torch.cummax(eos_at, 0).values[:-1]]) + 1
-        shifted = []
-        for shift in range(self.ngram_size):
-            source = positions - shift
-            valid = (positions - segment_start >= shift) & (source >= 0)
-            shifted.append(torch.where(valid, history[source.clamp_min(0)], self.eos))
-        return shifted
-
-    def forward(self, history: torch.Tensor, new: int) -> torch.Tensor:
-        """Embeddings [new, heads * head_dim] of the last ``new`` tokens of ``history`` (which starts with the
-        ngram_size - 1 tokens before them)."""
-        shifted = self.history_shifts(history)
+    def forward(self, windows: torch.Tensor) -> torch.Tensor:
+        """Embeddings [T, heads * head_dim] of tokens given as their n-gram windows [T, ngram_size] (the token last,
+        the tokens before it in order; EOS before a sequence's start). A token before an EOS in its window reads
+        as EOS (the n-gram restarts after it)."""
+        last = self.ngram_size - 1
+        crossed = torch.zeros_like(windows[:, last], dtype=torch.bool)  # an EOS between the token and this shift
+        shifted = [windows[:, last]]
+        for shift in range(1, self.ngram_size):
+            crossed = crossed | (windows[:, last - shift] == self.eos)
+            shifted.append(torch.where(crossed, self.eos, windows[:, last - shift]))
         ids = []
         for n in range(2, self.ngram_size + 1):
             mixed = shifted[0] * self.multipliers[0]
@@ -282,7 +279,19 @@ class NGramEmbedding(Module):
                 mixed = torch.bitwise_xor(mixed, shifted[p] * self.multipliers[p])
             heads = slice((n - 2) * self.heads_per_ngram, (n - 1) * self.heads_per_ngram)
             ids.append(torch.remainder(mixed[:, None], self.vocab_sizes[heads]) + self.offsets[heads])
-        return self.table[torch.cat(ids, dim=-1)[-new:]].flatten(-2)
+        return self.table[torch.cat(ids, dim=-1)].flatten(-2)
+
+
+def ngram_windows(before: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """[T, c + 1]: each new token of ``batch`` after the c tokens before it (its own sequence's: the new ones, then
+    ``before`` [B, c], each sequence's last c tokens before this batch). Shapes only, no host read."""
+    c = before.shape[1]
+    seq = token_indices(batch)[0]
+    rows = torch.arange(batch.input_ids.shape[0], device=before.device)
+    back = rows[:, None] + torch.arange(-c, 1, device=before.device)  # [T, c + 1]: the flat row each token reads
+    start = batch.cu_seqlens[:-1].long()[seq][:, None]
+    carried = before[seq[:, None], (back - start + c).clamp(0, c - 1)]
+    return torch.where(back >= start, batch.input_ids[back.clamp_min(0)], carried)
 
 
 class PerLayerEmbedding(Module):
@@ -319,9 +328,8 @@ class PerLayerEmbedding(Module):
 
     def forward(self, streams: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = streams.shape[0]
-        layer, fresh, _ = state_cache_inputs(self.key, self.layer_idx, batch, t)
-        bounds = batch.cu_seqlens.tolist()
-        before = torch.full((len(bounds) - 1, self.context), self.eos, dtype=torch.long, device=streams.device)
+        layer, fresh, decode = state_cache_inputs(self.key, self.layer_idx, batch, t)
+        before = torch.full((batch.num_seqs, self.context), self.eos, dtype=torch.long, device=streams.device)
         conv_state = None
         if layer is not None:
             tokens, conv_state = (layer.extra[n][batch.state_slots] for n in ("ple_tokens", "ple_conv"))
@@ -330,21 +338,23 @@ class PerLayerEmbedding(Module):
                 conv_state = conv_state * (~fresh).view(-1, 1, 1).to(conv_state.dtype)
             else:
                 before = tokens
-        embeds, histories = [], []
-        for b, (s0, s1) in enumerate(zip(bounds[:-1], bounds[1:])):
-            history = torch.cat([before[b], batch.input_ids[s0:s1]])
-            embeds.append(self.ple_embedding.forward(history, s1 - s0))
-            histories.append(history[-self.context:])
-        embeds = torch.cat(embeds).to(streams.dtype)
+        windows = ngram_windows(before, batch)
+        embeds = self.ple_embedding.forward(windows).to(streams.dtype)
         key = self.norm_key.forward(self.key_proj(embeds)).unflatten(-1, (self.streams, self.hidden))
         query = self.norm_query.forward(streams).unflatten(-1, (self.streams, self.hidden))
         score = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden)
         score = score.abs().clamp_min(1e-6).sqrt() * score.sign()
         gated = (torch.sigmoid(score) * self.value_proj(embeds)[:, None]).flatten(1)
-        conv, conv_state = ops.causal_conv1d(self.norm_conv.forward(gated), self.conv_weight, None, batch.cu_seqlens,
-                                             conv_state, dilation=self.dilation)
+        if decode:  # one token per sequence: the step op (no host read of cu_seqlens, a decode graph captures)
+            conv, conv_state = ops.causal_conv1d_step(self.norm_conv.forward(gated), self.conv_weight, None, conv_state,
+                                                      dilation=self.dilation)
+        else:
+            conv, conv_state = ops.causal_conv1d(self.norm_conv.forward(gated), self.conv_weight, None, batch.cu_seqlens,
+                                                 conv_state, dilation=self.dilation)
         if layer is not None:
-            layer.extra["ple_tokens"][batch.state_slots] = torch.stack(histories)
+            ends = batch.cu_seqlens.long()
+            last = windows[(ends[1:] - 1).clamp_min(0), 1:]  # each sequence's last c tokens now
+            layer.extra["ple_tokens"][batch.state_slots] = torch.where((ends[1:] > ends[:-1])[:, None], last, before)
             layer.extra["ple_conv"][batch.state_slots] = conv_state.to(layer.extra["ple_conv"].dtype)
         return streams + gated + conv
 
