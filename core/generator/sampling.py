@@ -11,6 +11,8 @@ to its raw logits, as the per-row stack does.
 
 Every per-row number and sparse list (bias, bans, exclusions, penalty histories) is written into one
 host buffer (pinned on CUDA) and sent with one non-blocking copy; nothing here reads the device back.
+Two such buffers take turns: a step's upload is queued behind its forward, so with async scheduling the
+next step (prepared while that forward runs) writes the other one instead of waiting for the forward.
 """
 from __future__ import annotations
 
@@ -41,10 +43,8 @@ class DeviceSampler:
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
-        self._host = torch.zeros(0, dtype=torch.float64)
-        self._dev = self._host
-        self._copied = None  # CUDA event after the last copy out of the host buffer, until waited for
-        self._event = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._staging = [_Staging(self.device), _Staging(self.device)]  # used in turn (see the module docstring)
+        self._turn = 0
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow],
                unseen: tuple[torch.Tensor, Sequence[tuple[int, int]]] | None = None) -> torch.Tensor:
@@ -131,29 +131,49 @@ class DeviceSampler:
         with one host->device copy (float64 holds every token id and setting exactly; float32 ones are the same
         numbers the per-row steps use)."""
         sizes = [len(b) * w for b, w in zip(blocks, widths)]
-        total = sum(sizes)
-        if self._copied is not None:  # the host buffer is free to write once the last copy out of it is done
-            self._copied.synchronize()
-            self._copied = None
-        if total > self._host.numel():
-            cuda = self.device.type == "cuda"
-            self._host = torch.zeros(max(total, 2 * self._host.numel(), 1024), dtype=torch.float64, pin_memory=cuda)
-            self._dev = self._host if not cuda else torch.zeros_like(self._host, device=self.device)
-        host = self._host.numpy()
+        staging = self._staging[self._turn]
+        self._turn ^= 1
+        host, dev = staging.claim(sum(sizes))
         at = 0
         for block, width, size in zip(blocks, widths, sizes):
             if size:
                 host[at: at + size] = np.asarray(block, dtype=np.float64).reshape(-1)  # lists of tuples or arrays
             at += size
-        if self._dev is not self._host:
-            self._dev[:total].copy_(self._host[:total], non_blocking=True)
-            self._event.record()
-            self._copied = self._event
+        staging.send(at)
         out, at = [], 0
         for block, width, size in zip(blocks, widths, sizes):
-            out.append(self._dev[at: at + size].view(len(block), width))
+            out.append(dev[at: at + size].view(len(block), width))
             at += size
         return out
+
+
+class _Staging:
+    """A float64 host buffer (pinned on CUDA; on CPU it is the device buffer) and its device buffer."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.host = torch.zeros(0, dtype=torch.float64)
+        self.dev = self.host
+        self.copied = None  # CUDA event after the last copy out of the host buffer, until waited for
+        self.event = torch.cuda.Event() if device.type == "cuda" else None
+
+    def claim(self, total: int) -> tuple[np.ndarray, torch.Tensor]:
+        """(the host buffer as numpy, free to write once its last copy is done; the device buffer), ``total`` long at least."""
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
+        if total > self.host.numel():
+            cuda = self.device.type == "cuda"
+            self.host = torch.zeros(max(total, 2 * self.host.numel(), 1024), dtype=torch.float64, pin_memory=cuda)
+            self.dev = self.host if not cuda else torch.zeros_like(self.host, device=self.device)
+        return self.host.numpy(), self.dev
+
+    def send(self, total: int) -> None:
+        """Copy the first ``total`` numbers up without waiting."""
+        if self.dev is not self.host:
+            self.dev[:total].copy_(self.host[:total], non_blocking=True)
+            self.event.record()
+            self.copied = self.event
 
 
 def bool_any(settings: Sequence[RowSampling], test) -> bool:
