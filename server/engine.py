@@ -190,6 +190,8 @@ class ModelHost:
                     self.state = STATE_FAILED
                 raise
             await self._unload_now()
+            # every decode graph now, on no other model's time (a capture met mid-serving stalls every stream)
+            await asyncio.to_thread(generator.capture_graphs)
             self.lm, self.generator, self.settings, self.error = lm, generator, settings, None
             self.agen = AsyncGenerator(generator)
             self.state, self.loaded_at = STATE_READY, time.time()
