@@ -96,6 +96,18 @@ class SplitsOverRanks(Protocol):
 
 
 @runtime_checkable
+class HoldsSomeExperts(Protocol):
+    """An expert collection holding only experts [start, stop) of the ``whole_experts`` its checkpoint has (expert
+    parallel: the other ranks hold the rest): ``per_expert[i]`` is expert ``start + i`` (None: held as stacked
+    tensors). A LoRA adapter's factors of the other experts are another rank's to keep."""
+
+    start: int
+    stop: int
+    whole_experts: int
+    per_expert: list | None
+
+
+@runtime_checkable
 class ReadsEarlierCache(Protocol):
     """A mixer that attends over an earlier layer's cache instead of keeping its own (Gemma 4's KV-sharing
     layers): ``cache_source`` is that layer's index. A layer split keeps the two on one device."""

@@ -15,6 +15,7 @@ from trellm.lora import LoraError, read_peft_adapter
 
 peft = pytest.importorskip("peft")
 
+WEIGHTS = "adapter_model.safetensors"
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 
 
@@ -64,6 +65,16 @@ def peft_logits(base_dir: Path, adapter_dir: Path | None, ids: torch.Tensor) -> 
         model = PeftModel.from_pretrained(model, adapter_dir).eval()
     with torch.no_grad():
         return model(ids).logits.float()
+
+
+def one_batch(lm, prompts: list[list[int]], names: list[str], new_tokens: int = 6) -> list[list[int]]:
+    """Each prompt's greedy tokens from one Generator batch, job i on adapter ``names[i]`` ("": the base); its pages
+    checked after."""
+    gen = Generator(lm, max_batch_size=4, cache_tokens=1024, page_size=16)
+    gen.enqueue([Job(p, new_tokens, lora=n, stop_token_ids=[], identifier=i) for i, (p, n) in enumerate(zip(prompts, names))])
+    done = {r.identifier: r.token_ids for r in gen.stream() if type(r).__name__ == "JobFinished"}
+    gen.verify_pages()
+    return [done[i] for i in range(len(prompts))]
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-3) -> None:
@@ -462,26 +473,32 @@ def test_nemotron_h_adapter_named_after_transformers_modules_matches_peft(tmp_pa
     assert lm.logits(ids, lora="old").equal(got)
 
 
+def per_expert_layout(stacked: Path, out: Path) -> Path:
+    """The adapter ``stacked`` (PEFT's LoRA on expert stacks) laid out one module per expert (``experts.3.gate_proj``),
+    as an adapter trained where experts were nn.Linear modules names them: the same factors, the same update."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {k: t for k, t in load_file(str(stacked / WEIGHTS)).items() if ".experts." not in k}
+    for module, stacks in read_peft_adapter(stacked).expert_stacks.items():
+        gate_up, down = stacks["gate_up_proj"], stacks["down_proj"]
+        rows = gate_up.b.shape[0] // 2
+        for e in range(gate_up.experts):
+            gu, dn = gate_up.expert(e), down.expert(e)
+            for name, a, b in (("gate_proj", gu.a, gu.b[:rows]), ("up_proj", gu.a, gu.b[rows:]), ("down_proj", dn.a, dn.b)):
+                tensors[f"base_model.model.{module}.{e}.{name}.lora_A.weight"] = a.clone()
+                tensors[f"base_model.model.{module}.{e}.{name}.lora_B.weight"] = b.clone()
+    targets = json.loads((stacked / "adapter_config.json").read_text())["target_modules"]
+    legacy = _edit_adapter(stacked, out, {"target_parameters": None,
+                                          "target_modules": sorted(targets) + ["gate_proj", "up_proj", "down_proj"]})
+    save_file(tensors, str(legacy / WEIGHTS))
+    return legacy
+
+
 def test_per_expert_module_adapter_matches_peft(moe, tmp_path):
     """An adapter trained where experts were nn.Linear modules names each expert's projections: the same factors
     as the stacked adapter, laid out per expert, give PEFT's logits of the stacked one."""
     base, both, _ = moe
-    from safetensors.torch import load_file, save_file
-
-    tensors, per_expert = load_file(str(both / "adapter_model.safetensors")), {}
-    pre = "base_model.model.model.layers.0.mlp.experts"
-    for key, t in tensors.items():
-        if not key.startswith(pre + "."):
-            per_expert[key] = t
-    stacks = read_peft_adapter(both).expert_stacks["model.layers.0.mlp.experts"]
-    for e in range(8):
-        gu, dn = stacks["gate_up_proj"].expert(e), stacks["down_proj"].expert(e)
-        for name, a, b in (("gate_proj", gu.a, gu.b[:32]), ("up_proj", gu.a, gu.b[32:]), ("down_proj", dn.a, dn.b)):
-            per_expert[f"{pre}.{e}.{name}.lora_A.weight"] = a.clone()
-            per_expert[f"{pre}.{e}.{name}.lora_B.weight"] = b.clone()
-    legacy = _edit_adapter(both, tmp_path / "legacy", {"target_parameters": None,
-                                                        "target_modules": ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]})
-    save_file(per_expert, str(legacy / "adapter_model.safetensors"))
+    legacy = per_expert_layout(both, tmp_path / "legacy")
     ids = IDS[:, :16]
     lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=legacy)
     assert_close(lm.logits(ids), peft_logits(base, both, ids))
@@ -495,14 +512,10 @@ def test_expert_adapters_in_a_mixed_generator_batch_match_single_runs(moe):
     lm.load_lora(both, name="both")
     lm.load_lora(down, name="down")
     prompts = [IDS[0, :9].tolist(), IDS[1, :12].tolist(), IDS[0, 3:14].tolist()]
-    names = ["both", None, "down"]
-    singles = [list(lm.generate_ids(p, 6, stop_token_ids=[], lora=n or "")) for p, n in zip(prompts, names)]
-    gen = Generator(lm, max_batch_size=4, cache_tokens=1024, page_size=16)
-    gen.enqueue([Job(p, 6, lora=n, stop_token_ids=[], identifier=i) for i, (p, n) in enumerate(zip(prompts, names))])
-    done = {r.identifier: r.token_ids for r in gen.stream() if type(r).__name__ == "JobFinished"}
-    assert [done[i] for i in range(3)] == singles
+    names = ["both", "", "down"]
+    singles = [list(lm.generate_ids(p, 6, stop_token_ids=[], lora=n)) for p, n in zip(prompts, names)]
+    assert one_batch(lm, prompts, names) == singles
     assert len({tuple(t) for t in singles}) == 3
-    gen.verify_pages()
 
 
 def test_bad_expert_adapters_say_what_is_wrong(moe, tiny, tmp_path):

@@ -15,7 +15,7 @@ from trellm.lora import LoraError
 
 peft = pytest.importorskip("peft")
 
-from test_lora import ALL_TARGETS, IDS, _edit_adapter, make_peft_adapter, peft_logits, tiny  # noqa: E402,F401 - tiny: the fixture
+from test_lora import ALL_TARGETS, IDS, _edit_adapter, make_peft_adapter, one_batch, peft_logits, tiny  # noqa: E402,F401 - tiny: the fixture
 
 STEP_TIMEOUT = 30.0
 # tiny: a 2-layer Llama of 4 heads and 2 KV heads (one KV head per rank), an adapter "all" (rank 8, every projection
@@ -211,29 +211,108 @@ def hybrid_moe(tmp_path_factory):
     lm.close()
 
 
-def test_hybrid_moe_adapter_matches_one_rank_and_peft(hybrid_moe):
-    base, dense, _, split = hybrid_moe
+@pytest.mark.parametrize("which", ["dense", "experts"])
+def test_hybrid_moe_adapter_matches_one_rank_and_peft(hybrid_moe, which):
+    """"experts": the routed experts spread over the ranks (expert parallel) with shared experts beside: each rank keeps
+    its own experts' factors of PEFT's stacks, their update part of its partial sum (all-reduced with the shared
+    expert's)."""
+    base, dense, experts, split = hybrid_moe
+    adapter = dense if which == "dense" else experts
     ids = IDS[:, :16]
-    split.load_lora(dense, name="dense")
-    one = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=dense)
+    split.load_lora(adapter, name=which)
+    one = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=adapter)
     want = one.logits(ids)
     assert not torch.allclose(want, one.logits(ids, lora=""), atol=1e-2)
-    _assert_close(split.logits(ids, lora="dense"), want, 1e-4)
-    _assert_close(split.logits(ids, lora="dense"), peft_logits(base, dense, ids), 1e-3)
-    assert _greedy(split, "dense") == _greedy(one)
-    split.unload_lora("dense")
+    _assert_close(split.logits(ids, lora=which), want, 1e-4)
+    _assert_close(split.logits(ids, lora=which), peft_logits(base, adapter, ids), 1e-3)
+    assert _greedy(split, which) == _greedy(one)
+    split.unload_lora(which)
     _assert_close(split.logits(ids), one.logits(ids, lora=""), 1e-4)
 
 
-def test_adapters_on_experts_spread_over_ranks_are_refused(hybrid_moe):
-    """Expert parallel holds each routed expert on one rank: adapters on them (stacked or per-expert) are refused by
-    name on every rank, and the model goes on."""
-    _, _, experts, split = hybrid_moe
-    with pytest.raises(LoraError, match=r"targets 'model.layers.0.mlp.experts', but the experts 'model.layers.0.mlp.experts' "
-                                        r"are spread over the tensor-parallel ranks \(expert parallel\)"):
-        split.load_lora(experts, name="experts")
-    assert split.loras == []
-    assert split.logits(IDS[:, :8]).isfinite().all()
+# ---- expert parallel: a Qwen3-MoE's routed experts spread over the ranks, adapters on them ---------------------------
+
+@pytest.fixture(scope="module")
+def spread_moe(tmp_path_factory):
+    """A tiny Qwen3-MoE (8 experts: 0-3 on rank 0, 4-7 on rank 1) on 2 ranks and one process, with PEFT's adapters on
+    its expert stacks (both with attention; down alone) and the first one's factors laid out per expert."""
+    from test_lora import _QWEN3_MOE, _STACKS, per_expert_layout
+    from trellm.sdk.testing import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("ep_lora")
+    base = make_tiny_hf_model("Qwen3MoeForCausalLM", root / "base", **{**_QWEN3_MOE, "mlp_only_layers": []})
+    both = make_peft_adapter(base, root / "both", r=4, alpha=8, targets=["q_proj", "o_proj"], parameters=_STACKS)
+    down = make_peft_adapter(base, root / "down", r=2, alpha=4, targets=["v_proj"], parameters=["down_proj"], seed=2)
+    legacy = per_expert_layout(both, root / "per_expert")
+    one = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False)
+    one.load_lora(both, name="both")
+    one.load_lora(down, name="down")
+    split = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, tensor_parallel=2,
+                        step_timeout=STEP_TIMEOUT)
+    yield base, both, down, legacy, one, split
+    split.close()
+
+
+def test_expert_stack_adapter_under_expert_parallel_matches_one_rank_and_peft(spread_moe):
+    base, both, down, _, one, split = spread_moe
+    assert type(split.model.local.layers[0].mlp).__name__ == "ExpertParallelMoE"
+    split.load_lora(both, name="both")
+    split.load_lora(down, name="down")
+    ids = IDS[:, :16]
+    for name, adapter in (("both", both), ("down", down)):
+        want = one.logits(ids, lora=name)
+        assert not torch.allclose(want, one.logits(ids, lora=""), atol=1e-2)
+        _assert_close(split.logits(ids, lora=name), want, 1e-4)
+        _assert_close(split.logits(ids, lora=name), peft_logits(base, adapter, ids), 1e-3)
+        assert _greedy(split, name) == _greedy(one, name)
+
+
+def test_generator_batch_mixing_expert_adapters_under_expert_parallel_equals_each_job_alone(spread_moe):
+    """Rows of two expert adapters and the base in one batch: each rank's dispatch regroups its experts' rows and
+    tells their adapters each row's token."""
+    _, _, _, _, one, split = spread_moe
+    prompts = [IDS[0, :12].tolist(), IDS[1, :9].tolist(), IDS[0, :12].tolist()]
+    choices = ["both", "", "down"]
+    alone = [list(one.generate_ids(p, max_new_tokens=6, stop_token_ids=[], lora=name)) for p, name in zip(prompts, choices)]
+    assert one_batch(split, prompts, choices) == alone
+    assert len({tuple(t) for t in alone}) == 3
+
+
+def test_per_expert_adapter_under_expert_parallel_matches_one_rank(spread_moe):
+    """An adapter naming each expert's projections (experts.5.up_proj): a rank keeps its own experts' modules and
+    leaves the others' to the rank holding them; the stacked adapter's logits."""
+    _, _, _, legacy, one, split = spread_moe
+    split.load_lora(legacy, name="per_expert")
+    ids = IDS[:, :16]
+    _assert_close(split.logits(ids, lora="per_expert"), one.logits(ids, lora="both"), 1e-4)
+    split.unload_lora("per_expert")
+
+
+def test_bad_expert_adapter_under_expert_parallel_is_refused_on_every_rank(spread_moe, tmp_path):
+    """A wrong expert count is the one-process error on every rank (each checks the whole collection); a wrong shape in
+    one expert rank 1 holds is rank 1's refusal, and rank 0, which took its own experts' factors, drops them."""
+    _, both, _, legacy, one, split = spread_moe
+
+    def fewer_experts(t):
+        return {k: (v[:16] if "lora_A" in k else v[:, :16]).contiguous() if ".mlp.experts" in k else v for k, v in t.items()}
+
+    fewer = _edit_adapter(both, tmp_path / "fewer", tensors=fewer_experts)
+    with pytest.raises(LoraError) as single:
+        one.load_lora(fewer, name="bad")
+    with pytest.raises(LoraError) as parallel:
+        split.load_lora(fewer, name="bad")
+    assert str(parallel.value) == str(single.value) and "factors for 4 experts of rank 4" in str(single.value)
+
+    def wrong_expert_6(t):
+        t["base_model.model.model.layers.1.mlp.experts.6.up_proj.lora_B.weight"] = torch.zeros(48, 4)
+        return t
+
+    with pytest.raises(LoraError, match=r"tensor-parallel rank 1 refused the LoRA load: .*experts\.6\.up_proj\.lora_B"
+                                        r"\.weight' has shape \[48, 4\]"):
+        split.load_lora(_edit_adapter(legacy, tmp_path / "wrong_6", tensors=wrong_expert_6), name="bad")
+    assert "bad" not in split.loras
+    split.load_lora(legacy, name="bad")  # the name is free on every rank
+    split.unload_lora("bad")
 
 
 # ---- the server: --lora with --tp ----------------------------------------------------------------------------------

@@ -582,6 +582,7 @@ class LocalExperts(Module):
 
     def __init__(self, experts: Module, start: int, stop: int):
         self.key, self.start, self.stop = experts.key, start, stop
+        self.whole_experts = experts.num_experts  # HoldsSomeExperts: LoRA keeps these experts' factors alone
         self.num_experts = stop - start + 1
         active = getattr(experts, "active", experts)  # Experts: the layout the checkpoint had
         self.per_expert: list[Module] | None = None  # one module per expert (per-expert tensors, EXL3)
@@ -628,11 +629,8 @@ def _stacked_slice(experts: Module, start: int, stop: int) -> Module:
 class SpreadExperts(Module):
     """Experts [start, stop) of a collection spread over the ranks (contiguous ranges). :meth:`dispatch` is
     :func:`~trellm.modules.moe.dispatch_experts` over the whole collection's expert ids with only this rank's
-    experts: its partial sum, which the caller all-reduces. LoRA adapters on these experts are refused
-    (``spread_over_ranks``): no rank holds every expert an adapter names, and the dispatch does not tell them
-    each row's token."""
-
-    spread_over_ranks = True
+    experts: its partial sum, which the caller all-reduces. A LoRA adapter's factors of an expert live on the rank
+    holding it (its update is part of that rank's partial sum), and the dispatch tells them each row's token."""
 
     def __init__(self, experts: Module, comm: Comm, key: str):
         self.key = experts.key

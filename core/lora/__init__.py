@@ -24,7 +24,8 @@ Under tensor parallel every rank has its own LoraSet holding its part of each ad
 factors are cut as its weights were (``Linear.split``: B's rows of a column shard, A's columns of a row shard),
 checked first against the whole projection's shapes. The wrapper goes where the rank's own projection is: inside
 a row shard's all-reduce and the head's vocabulary gather (the collective's ``shard``), so a row shard's partial
-update is summed once with its partial output. Experts spread over the ranks (expert parallel) refuse adapters.
+update is summed once with its partial output. Under expert parallel a rank keeps the factors of the routed experts
+it holds (``HoldsSomeExperts``); the other experts' factors are the other ranks' to check and keep.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ import attrs
 import torch
 
 from .. import ops
+from ..capabilities import HoldsSomeExperts, implements
 from ..modules.linear import Linear
 from ..modules.base import Module
 from ..modules.moe import ExpertCollection, ExpertList, Experts
@@ -169,10 +171,9 @@ class LoraSet:
         self.model, self.aliases = model, aliases
         self.linears: dict[str, Linear] = {}
         self.fused: dict[str, list[Linear]] = {}  # a fused checkpoint tensor's parts (Phi-3 qkv_proj)
-        # expert collections by key, outermost first (an Experts over its ExpertList; a family's own collection)
+        # expert collections by key, outermost first (an Experts over its ExpertList; a family's own collection; this
+        # rank's part of experts spread over the ranks, HoldsSomeExperts)
         self.experts: dict[str, Module] = {}
-        # expert collections spread over tensor-parallel ranks (expert parallel): adapters on them are refused
-        self.spread: list[str] = []
         for m in model.modules():
             if isinstance(m, Linear):
                 self.linears[m.key] = m
@@ -181,8 +182,6 @@ class LoraSet:
                     self.fused.setdefault(fused_key, []).append(m)
             elif isinstance(m, ExpertCollection):
                 self.experts.setdefault(m.key, m)
-            if getattr(m, "spread_over_ranks", False):
-                self.spread.append(m.key)
         self.head = getattr(model, "lm_head", None)
         emb = model.embed.weight
         self.dtype, self.device = emb.dtype, emb.device
@@ -222,7 +221,7 @@ class LoraSet:
     def _in_model_names(self, adapter: PeftAdapter) -> PeftAdapter:
         """``adapter`` with its modules named as this model names them (through the family's aliases)."""
         def known(name: str) -> bool:
-            return name in self.linears or name in self.fused or name in self.experts
+            return name in self.linears or name in self.fused or name in self.experts or self._other_ranks_expert(name)
 
         def renamed(by_module: dict[str, Any]) -> dict[str, Any]:
             return {canonical_name(module, self.aliases, known): value for module, value in by_module.items()}
@@ -234,13 +233,9 @@ class LoraSet:
         """(projection, its factors) for every module of ``adapter``, checked against this model (nothing
         changes yet, so a bad adapter loses nothing)."""
         named: list[tuple[str, Linear, LoraFactors]] = []  # (the adapter tensors' name, projection, factors)
-        for module in [*adapter.modules, *adapter.expert_stacks]:
-            spread = next((key for key in self.spread if module == key or module.startswith(key + ".")), None)
-            if spread is not None:
-                raise LoraError(f"{adapter.path}: targets {module!r}, but the experts {spread!r} are spread over the "
-                                "tensor-parallel ranks (expert parallel), where LoRA on experts is not supported yet; "
-                                "adapters on attention, MLPs, shared experts and the head are")
         for module, f in adapter.modules.items():
+            if self._other_ranks_expert(module):
+                continue  # the rank holding the expert checks and keeps its factors
             if module.rsplit(".", 1)[-1] in _READ_WHOLE:
                 raise LoraError(f"{adapter.path}: targets {module!r}, whose weight this model reads whole at load "
                                 "(absorbed into attention); LoRA on it is not supported")
@@ -282,6 +277,16 @@ class LoraSet:
                                 f"the base model's {module!r} has {list(shape)}: an adapter for another base model")
         return out
 
+    def _other_ranks_expert(self, module: str) -> bool:
+        """Whether ``module`` is a projection of one routed expert (``{experts}.{e}.up_proj``) another rank holds
+        (expert parallel)."""
+        parts = module.rsplit(".", 2)
+        owner = self.experts.get(parts[0]) if len(parts) == 3 and parts[1].isdigit() else None
+        if not implements(owner, HoldsSomeExperts):
+            return False
+        e = int(parts[1])
+        return e < owner.whole_experts and not owner.start <= e < owner.stop
+
     def _check_loaded(self, adapter: PeftAdapter, module: str, lin: Linear) -> None:
         """A per-expert projection of experts this model holds as stacked tensors has no weights of its own."""
         owner = self.experts.get(module.rsplit(".", 2)[0])
@@ -296,17 +301,22 @@ class LoraSet:
         if owner is None:
             raise LoraError(f"{adapter.path}: {tensor} targets experts {module!r}, which this model does not have "
                             "(an adapter for another base model)")
-        experts = owner.active if isinstance(owner, Experts) else owner
-        if not isinstance(experts, ExpertList):
+        if implements(owner, HoldsSomeExperts):  # expert parallel: this rank's experts, numbered from ``start``
+            held, first, whole = owner.per_expert, owner.start, owner.whole_experts
+        else:
+            experts = owner.active if isinstance(owner, Experts) else owner
+            held = experts.experts if isinstance(experts, ExpertList) else None
+            first, whole = 0, experts.num_experts
+        if held is None:
             raise _stacked_experts_error(f"{adapter.path}: {tensor}:", module)
-        if name != "down_proj" and not experts.gated:
+        if name != "down_proj" and any(mlp.gate_proj is None for mlp in held):
             raise LoraError(f"{adapter.path}: {tensor} adapts the gate and up projections of {module!r}, whose experts "
                             "have no gate (down(act(up(x)))): an adapter for another base model")
-        if stack.experts != experts.num_experts:
+        if stack.experts != whole:
             raise LoraError(f"{adapter.path}: {tensor} has shape {list(stack.a.shape)}: factors for {stack.experts} "
-                            f"experts of rank {stack.rank}, the base model's {module!r} has {experts.num_experts}")
+                            f"experts of rank {stack.rank}, the base model's {module!r} has {whole}")
         out = []
-        for e, mlp in enumerate(experts.experts):
+        for e, mlp in enumerate(held, start=first):
             f = stack.expert(e)
             if name == "down_proj":
                 out.append((f"{module}.{name}", mlp.down_proj, f))
