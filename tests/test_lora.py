@@ -473,6 +473,27 @@ def test_nemotron_h_adapter_named_after_transformers_modules_matches_peft(tmp_pa
     assert lm.logits(ids, lora="old").equal(got)
 
 
+def test_nemotron_h_expert_stack_adapter_matches_peft(tmp_path):
+    """transformers 5 holds NemotronH's ungated experts as two stacks, up_proj and down_proj: PEFT's target_parameters
+    on them (named model.layers..., as transformers names the module) give PEFT's logits, each expert's factors on its
+    own up / down projections."""
+    from test_hybrid_families import FAMILIES
+    from trellm.sdk.testing import make_tiny_hf_model
+
+    arch, cfg = FAMILIES["nemotron_h"]
+    base = make_tiny_hf_model(arch, tmp_path / "base", **cfg)
+    adapter = make_peft_adapter(base, tmp_path / "adapter", r=4, alpha=8, targets=["q_proj"],
+                                parameters=["experts.up_proj", "experts.down_proj"], std=0.3)
+    stacks = read_peft_adapter(adapter).expert_stacks["model.layers.2.mixer.experts"]
+    assert sorted(stacks) == ["down_proj", "up_proj"] and stacks["up_proj"].experts == cfg["n_routed_experts"]
+    ids = IDS[:, :16]
+    want = peft_logits(base, adapter, ids)
+    assert not torch.allclose(want, peft_logits(base, None, ids), atol=1e-2)
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=adapter)
+    assert_close(lm.logits(ids), want)
+    assert lm.model.layers[2].attn.experts.lora is not None  # the dispatch tells the adapters each row's token
+
+
 def per_expert_layout(stacked: Path, out: Path) -> Path:
     """The adapter ``stacked`` (PEFT's LoRA on expert stacks) laid out one module per expert (``experts.3.gate_proj``),
     as an adapter trained where experts were nn.Linear modules names them: the same factors, the same update."""

@@ -38,10 +38,10 @@ import attrs
 import torch
 
 from .. import ops
-from ..capabilities import HoldsSomeExperts, implements
+from ..capabilities import ExpertModules, HoldsSomeExperts, implements
 from ..modules.linear import Linear
 from ..modules.base import Module
-from ..modules.moe import ExpertCollection, ExpertList, Experts
+from ..modules.moe import ExpertCollection, Experts
 from ..ops import Residual, WrappedWeights, project, projection_input
 from ..ops.projection import WeightList, group_weights
 from ..weights import Aliases, canonical_name
@@ -305,7 +305,7 @@ class LoraSet:
             held, first, whole = owner.per_expert, owner.start, owner.whole_experts
         else:
             experts = owner.active if isinstance(owner, Experts) else owner
-            held = experts.experts if isinstance(experts, ExpertList) else None
+            held = experts.experts if implements(experts, ExpertModules) else None
             first, whole = 0, experts.num_experts
         if held is None:
             raise _stacked_experts_error(f"{adapter.path}: {tensor}:", module)
@@ -318,8 +318,8 @@ class LoraSet:
         out = []
         for e, mlp in enumerate(held, start=first):
             f = stack.expert(e)
-            if name == "down_proj":
-                out.append((f"{module}.{name}", mlp.down_proj, f))
+            if name != "gate_up_proj":  # down_proj, or an ungated expert's up_proj
+                out.append((f"{module}.{name}", getattr(mlp, name), f))
                 continue
             rows = mlp.gate_proj.out_features
             if f.b.shape[0] != 2 * rows:

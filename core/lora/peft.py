@@ -6,7 +6,8 @@ silently dropped.
 
 MoE experts come two ways: one module per expert (``...experts.3.gate_proj``, an adapter trained where the
 experts were ``nn.Linear`` modules) or PEFT's ``target_parameters`` on the stacked expert tensors of
-transformers 5 (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), read as :class:`ExpertStackFactors`.
+transformers 5 (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``; NemotronH's ungated ``experts.up_proj``),
+read as :class:`ExpertStackFactors`.
 """
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ _UNSUPPORTED_OPTIONS = (
 _BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 # the stacked expert tensors ``target_parameters`` may name, in the order transformers defines them on the experts
 # module: PEFT wraps them in that order, each wrapper around the last, so the first is the innermost
-# (``experts.base_layer.lora_A``) and the last the outermost (``experts.lora_A``)
-EXPERT_STACKS = ("gate_up_proj", "down_proj")
+# (``experts.base_layer.lora_A``) and the last the outermost (``experts.lora_A``). Gated experts hold gate_up_proj and
+# down_proj; ungated ones (NemotronH's) up_proj and down_proj
+EXPERT_STACKS = ("gate_up_proj", "up_proj", "down_proj")
 
 
 class LoraError(TrellmError):
