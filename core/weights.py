@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import re
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
@@ -39,7 +40,8 @@ MAX_HEADER = 100 * 1024 * 1024
 # Other spellings of a model's tensor names, declared by its family: (canonical prefix, alternative prefixes). The
 # canonical spelling is the model's module keys; the alternatives are those of other uploads or transformers versions,
 # and transformers' own module names where its classes nest modules differently from the checkpoint (NemotronH's
-# ``model.layers`` for ``backbone.layers``), which PEFT adapters are named after.
+# ``model.layers`` for ``backbone.layers``), which PEFT adapters are named after. A ``*`` stands for one name
+# component, the same in both spellings (``model.layers.*.block_sparse_moe.`` / ``model.layers.*.mlp.``).
 Aliases = Sequence[tuple[str, Sequence[str]]]
 
 
@@ -247,11 +249,10 @@ class CheckpointNames:
         if name in self.store:
             return name
         for canon, alts in self.aliases:
-            if name.startswith(canon):
-                for alt in alts:
-                    other = alt + name[len(canon):]
-                    if other in self.store:
-                        return other
+            for alt in alts:
+                other = respelled(name, canon, alt)
+                if other is not None and other in self.store:
+                    return other
         return name
 
     def __contains__(self, name: str) -> bool:
@@ -278,6 +279,19 @@ def canonical_name(name: str, aliases: Aliases, known: Callable[[str], bool]) ->
         return name
     for canon, alts in aliases:
         for alt in alts:
-            if name.startswith(alt) and known(other := canon + name[len(alt):]):
+            other = respelled(name, alt, canon)
+            if other is not None and known(other):
                 return other
     return name
+
+
+def respelled(name: str, prefix: str, to: str) -> str | None:
+    """``name`` with its prefix ``prefix`` spelled ``to`` (each ``*`` of ``to`` the component the same ``*`` of
+    ``prefix`` matched); None when ``name`` does not start with ``prefix``."""
+    if "*" not in prefix:
+        return to + name[len(prefix):] if name.startswith(prefix) else None
+    m = re.match(re.escape(prefix).replace(r"\*", r"([^.]+)"), name)
+    if m is None:
+        return None
+    pieces = to.split("*")
+    return pieces[0] + "".join(c + p for c, p in zip(m.groups(), pieces[1:])) + name[m.end():]

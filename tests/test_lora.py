@@ -494,6 +494,24 @@ def test_nemotron_h_expert_stack_adapter_matches_peft(tmp_path):
     assert lm.model.layers[2].attn.experts.lora is not None  # the dispatch tells the adapters each row's token
 
 
+@pytest.mark.parametrize("family", ["mixtral", "minimax_m2"])
+def test_block_sparse_moe_adapter_matches_peft(tmp_path, family):
+    """transformers 5 names Mixtral's and MiniMax M2's MoE block mlp where their checkpoints say block_sparse_moe: a
+    real PEFT adapter on the expert stacks (model.layers.N.mlp.experts) and attention gives PEFT's logits."""
+    from test_moe_families import FAMILIES
+    from trellm.sdk.testing import make_tiny_hf_model
+
+    arch, cfg = FAMILIES[family]
+    base = make_tiny_hf_model(arch, tmp_path / "base", **cfg)
+    adapter = make_peft_adapter(base, tmp_path / "adapter", r=4, alpha=8, targets=["q_proj", "v_proj"], parameters=_STACKS)
+    assert "model.layers.0.mlp.experts" in read_peft_adapter(adapter).expert_stacks
+    ids = IDS[:, :16]
+    want = peft_logits(base, adapter, ids)
+    assert not torch.allclose(want, peft_logits(base, None, ids), atol=1e-2)
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=adapter)
+    assert_close(lm.logits(ids), want)
+
+
 def per_expert_layout(stacked: Path, out: Path) -> Path:
     """The adapter ``stacked`` (PEFT's LoRA on expert stacks) laid out one module per expert (``experts.3.gate_proj``),
     as an adapter trained where experts were nn.Linear modules names them: the same factors, the same update."""

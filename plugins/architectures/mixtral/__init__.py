@@ -13,6 +13,9 @@ from trellm.sdk import (
     replace_mlps,
 )
 
+# transformers 5 names the MoE block mlp (its checkpoints say block_sparse_moe): the names PEFT gives adapters on it
+ALIASES = (("model.layers.*.block_sparse_moe.", ("model.layers.*.mlp.",)),)
+
 
 def build(cfg: DecoderConfig):
     model = build_decoder(cfg)
@@ -29,6 +32,7 @@ def build(cfg: DecoderConfig):
         )
 
     replace_mlps(model, moe)
+    model.aliases = ALIASES
     return model
 
 
