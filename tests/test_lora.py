@@ -41,6 +41,13 @@ def make_peft_adapter(base_dir: Path, out: Path, r: int, alpha: float, targets: 
                       seed: int = 1, std: float = 0.1, parameters: list[str] | None = None, **options) -> Path:
     """A real PEFT adapter: the base wrapped with LoraConfig, every lora_A / lora_B random and non-zero, saved.
     ``parameters``: PEFT's ``target_parameters`` (MoE expert stacks); ``options``: more LoraConfig fields."""
+    peft_model(base_dir, r, alpha, targets, rslora, seed, std, parameters, **options).save_pretrained(out)
+    return out
+
+
+def peft_model(base_dir: Path, r: int, alpha: float, targets: list[str], rslora: bool = False, seed: int = 1,
+               std: float = 0.1, parameters: list[str] | None = None, **options):
+    """The PeftModel :func:`make_peft_adapter` saves, in memory (eval mode)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -52,8 +59,7 @@ def make_peft_adapter(base_dir: Path, out: Path, r: int, alpha: float, targets: 
         for name, p in pm.named_parameters():
             if "lora_A" in name or "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
-    pm.save_pretrained(out)
-    return out
+    return pm.eval()
 
 
 def peft_logits(base_dir: Path, adapter_dir: Path | None, ids: torch.Tensor) -> torch.Tensor:
@@ -494,19 +500,40 @@ def test_nemotron_h_expert_stack_adapter_matches_peft(tmp_path):
     assert lm.model.layers[2].attn.experts.lora is not None  # the dispatch tells the adapters each row's token
 
 
-@pytest.mark.parametrize("family", ["mixtral", "minimax_m2"])
-def test_block_sparse_moe_adapter_matches_peft(tmp_path, family):
-    """transformers 5 names Mixtral's and MiniMax M2's MoE block mlp where their checkpoints say block_sparse_moe: a
-    real PEFT adapter on the expert stacks (model.layers.N.mlp.experts) and attention gives PEFT's logits."""
+def _renamed_families() -> dict:
+    """Families whose transformers 5 module names differ from their checkpoints': (architecture, tiny config, what PEFT
+    targets, a module as PEFT names it)."""
+    from test_families_gemma4 import LAGUNA
     from test_moe_families import FAMILIES
+    from test_new_families import HY_V3
+
+    shared = ["q_proj", "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"]
+    return {  # block_sparse_moe (checkpoint) is mlp; shared_expert / shared_mlp are shared_experts
+        "mixtral": (*FAMILIES["mixtral"], ["q_proj", "v_proj"], "model.layers.0.mlp.experts"),
+        "minimax_m2": (*FAMILIES["minimax_m2"], ["q_proj", "v_proj"], "model.layers.0.mlp.experts"),
+        "laguna": ("LagunaForCausalLM", LAGUNA, shared, "model.layers.1.mlp.shared_experts.up_proj"),
+        "hy_v3": ("HYV3ForCausalLM", HY_V3, shared, "model.layers.1.mlp.shared_experts.up_proj"),
+    }
+
+
+@pytest.mark.parametrize("family", ["mixtral", "minimax_m2", "laguna", "hy_v3"])
+def test_adapter_named_after_transformers_modules_matches_peft(tmp_path, family):
+    """A real PEFT adapter (expert stacks and other projections) named after transformers 5's modules where they differ
+    from the checkpoint's is read through the family's aliases and gives the logits of the PEFT model that saved it
+    (not of one reloaded from it: transformers 5.25's Laguna renames 'mlp.shared_expert.' as an unanchored pattern, and
+    PeftModel.from_pretrained then leaves the shared expert's factors out)."""
     from trellm.sdk.testing import make_tiny_hf_model
 
-    arch, cfg = FAMILIES[family]
+    arch, cfg, targets, renamed = _renamed_families()[family]
     base = make_tiny_hf_model(arch, tmp_path / "base", **cfg)
-    adapter = make_peft_adapter(base, tmp_path / "adapter", r=4, alpha=8, targets=["q_proj", "v_proj"], parameters=_STACKS)
-    assert "model.layers.0.mlp.experts" in read_peft_adapter(adapter).expert_stacks
     ids = IDS[:, :16]
-    want = peft_logits(base, adapter, ids)
+    pm = peft_model(base, r=4, alpha=8, targets=targets, parameters=_STACKS)
+    with torch.no_grad():
+        want = pm(ids).logits.float()
+    pm.save_pretrained(tmp_path / "adapter")
+    adapter = tmp_path / "adapter"
+    read = read_peft_adapter(adapter)
+    assert renamed in {**read.modules, **read.expert_stacks}
     assert not torch.allclose(want, peft_logits(base, None, ids), atol=1e-2)
     lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=adapter)
     assert_close(lm.logits(ids), want)

@@ -10,12 +10,16 @@ from __future__ import annotations
 import trellm
 from trellm.sdk import ArchitectureSpec, DecoderConfig, DecoderOptions, build_decoder, deepseek_moe, mlp_layer_types, replace_mlps
 
+# transformers 5 names the shared experts shared_experts (the checkpoints say shared_mlp): the names PEFT gives them
+ALIASES = (("model.layers.*.mlp.shared_mlp.", ("model.layers.*.mlp.shared_experts.",)),)
+
 
 def build(cfg: DecoderConfig):
     kinds = mlp_layer_types(cfg)
     model = build_decoder(cfg, DecoderOptions(qk_norm=True))
     replace_mlps(model, lambda i, key: deepseek_moe(cfg, f"{key}.mlp", shared_name="shared_mlp", router_name="router.gate",
                                                    correction_bias_name="expert_bias") if kinds[i] == "sparse" else None)
+    model.aliases = ALIASES
     return model
 
 

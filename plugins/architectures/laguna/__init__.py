@@ -31,6 +31,9 @@ from trellm.sdk import (
     text_config,
 )
 
+# transformers 5 names the shared expert shared_experts (the checkpoints say shared_expert): the names PEFT gives it
+ALIASES = (("model.layers.*.mlp.shared_expert.", ("model.layers.*.mlp.shared_experts.",)),)
+
 
 @attrs.frozen
 class LagunaKeys:
@@ -69,6 +72,7 @@ def build(cfg: DecoderConfig):
     kinds = mlp_layer_types(cfg)
     model = build_decoder(cfg, DecoderOptions(qk_norm=True, output_gate=keys.output_gate(), output_gate_name="g_proj"))
     replace_mlps(model, lambda i, key: laguna_moe(cfg, keys, f"{key}.mlp") if kinds[i] == "sparse" else None)
+    model.aliases = ALIASES
     return model
 
 
