@@ -96,15 +96,6 @@ class SplitsOverRanks(Protocol):
 
 
 @runtime_checkable
-class ExpertModules(Protocol):
-    """An expert collection holding one module per expert, ``experts[e]`` with its own projections (per-expert
-    checkpoint tensors, EXL3): a LoRA adapter on the experts adapts each one's."""
-
-    experts: list
-    num_experts: int
-
-
-@runtime_checkable
 class HoldsSomeExperts(Protocol):
     """An expert collection holding only experts [start, stop) of the ``whole_experts`` its checkpoint has (expert
     parallel: the other ranks hold the rest): ``per_expert[i]`` is expert ``start + i`` (None: held as stacked

@@ -498,6 +498,9 @@ def test_nemotron_h_expert_stack_adapter_matches_peft(tmp_path):
     lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=adapter)
     assert_close(lm.logits(ids), want)
     assert lm.model.layers[2].attn.experts.lora is not None  # the dispatch tells the adapters each row's token
+    gated = _edit_adapter(adapter, tmp_path / "gated", {"target_parameters": ["experts.gate_up_proj", "experts.down_proj"]})
+    with pytest.raises(LoraError, match="backbone.layers.2.mixer.experts.*whose experts have no gate"):
+        lm.load_lora(gated, name="gated")
 
 
 def _renamed_families() -> dict:

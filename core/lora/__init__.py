@@ -38,10 +38,10 @@ import attrs
 import torch
 
 from .. import ops
-from ..capabilities import ExpertModules, HoldsSomeExperts, implements
+from ..capabilities import HoldsSomeExperts, implements
 from ..modules.linear import Linear
 from ..modules.base import Module
-from ..modules.moe import ExpertCollection, Experts
+from ..modules.moe import ExpertCollection, ExpertList, Experts
 from ..ops import Residual, WrappedWeights, project, projection_input
 from ..ops.projection import WeightList, group_weights
 from ..weights import Aliases, canonical_name
@@ -305,13 +305,15 @@ class LoraSet:
             held, first, whole = owner.per_expert, owner.start, owner.whole_experts
         else:
             experts = owner.active if isinstance(owner, Experts) else owner
-            held = experts.experts if implements(experts, ExpertModules) else None
+            held = experts.experts if isinstance(experts, ExpertList) else None
             first, whole = 0, experts.num_experts
         if held is None:
             raise _stacked_experts_error(f"{adapter.path}: {tensor}:", module)
-        if name != "down_proj" and any(mlp.gate_proj is None for mlp in held):
-            raise LoraError(f"{adapter.path}: {tensor} adapts the gate and up projections of {module!r}, whose experts "
-                            "have no gate (down(act(up(x)))): an adapter for another base model")
+        gated = all(mlp.gate_proj is not None for mlp in held)
+        if (name, gated) in (("gate_up_proj", False), ("up_proj", True)):
+            have = "have no gate (down(act(up(x))))" if not gated else "are gated (a gate_up_proj stack)"
+            raise LoraError(f"{adapter.path}: {tensor} targets experts {module!r}, whose experts {have}: an adapter "
+                            "for another base model")
         if stack.experts != whole:
             raise LoraError(f"{adapter.path}: {tensor} has shape {list(stack.a.shape)}: factors for {stack.experts} "
                             f"experts of rank {stack.rank}, the base model's {module!r} has {whole}")
