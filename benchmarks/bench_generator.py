@@ -436,7 +436,7 @@ def main() -> None:
             print(header)
         captured = row["captured_ms"]  # the step's GPU work alone, on a step's inputs with all n jobs decoding
         cap, over = (f"{captured:11.3f}", f"{100 * (row['step_ms'] / captured - 1):7.1f}") if captured else (f"{'-':>11}", f"{'-':>7}")
-        path = row["decode_path"] + ("" if first else ", graphs captured when first met")
+        path = row["decode_path"] + ("" if first or row["decode_path"].startswith("eager") else ", graphs captured when first met")
         print(f"{n:5d} {row['wall_s']:8.2f} {row['tok_s']:8.2f} {row['decode_tok_s']:13.2f} {row['step_ms']:8.3f} {cap} {over} "
               f"{row['host_ms']:8.3f} {row['ahead']:6.0%} {row['ttft_s']:8.2f}  {row['codebook']:<8}  {path}", flush=True)
     if args.plot:

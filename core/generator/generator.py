@@ -1027,9 +1027,11 @@ class Generator:
             exclude = list(r.bans.get(index, ()))
             if index < r.job.min_new_tokens:
                 exclude += r.stop_ids
-            # a token chosen ahead is not known here: -1 holds its place (the device sampler counts it)
-            context = r.tokens + [-1] * ahead + draft[:pos] if ahead or pos else r.tokens
-            history = settings.counted(context, r.prompt_len)
+            history = None
+            if settings.penalized:  # (the context is copied only when the penalties count it: O(context) per row)
+                # a token chosen ahead is not known here: -1 holds its place (the device sampler counts it)
+                context = r.tokens + [-1] * ahead + draft[:pos] if ahead or pos else r.tokens
+                history = settings.counted(context, r.prompt_len)
             out.append(SampleRow(settings, uniform_for(r.seed, index), history, exclude))
         return out
 
