@@ -148,7 +148,8 @@ def captured_step_ms(gen: Generator, n: int, reps: int = 50, width: int = 1, sta
     from common import replay_seconds  # benchmarks/common.py, next to this script
 
     if staged is not None:
-        runner.buffers[size, width].dev.copy_(staged)
+        with torch.inference_mode():  # the runner's buffers are inference tensors
+            runner.buffers[size, width].dev.copy_(staged)
     graph = runner.graphs[size, width][0]
     for _ in range(3):
         graph.replay()

@@ -4,6 +4,7 @@ generator's, token for token and event for event."""
 from __future__ import annotations
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -157,6 +158,27 @@ def test_async_through_graph_inputs_equals_sync(lm):
     assert run(False) == expect
     assert run(True) == expect
     assert {e[4] for e in expect[0] if e[0] == "done"} >= {"stop_token", "stop_string", "max_new_tokens", "cancelled"}
+
+
+def test_capture_graphs_runs_in_inference_mode(lm):
+    """Capturing up front runs as a step does, in inference mode: the warm-up writes into buffers earlier steps
+    made as inference tensors, which torch refuses outside it (every size fell back to eager on the H200)."""
+    gen = Generator(lm, cache_tokens=2048, page_size=16)
+    _stand_in_graphs(gen)
+    with torch.inference_mode():
+        workspace = torch.zeros(3)  # as a buffer an earlier step made
+    capture = gen.graph_runner._capture
+
+    def capture_writing_workspace(*args):
+        workspace.add_(1)  # raises outside inference mode
+        return capture(*args)
+
+    gen.graph_runner._capture = capture_writing_workspace
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sizes = gen.capture_graphs()
+    assert not [w for w in caught if "capture failed" in str(w.message)]
+    assert sizes == [1, 2, 4, 8] and workspace.tolist() == [4.0, 4.0, 4.0]
 
 
 def test_async_falls_back_for_drafts_and_abort_drains(lm):

@@ -420,11 +420,14 @@ class Generator:
         self.pending.clear()
         return results
 
+    @torch.inference_mode()
     def capture_graphs(self) -> list[int]:
         """Capture the decode graph of every batch size now (a no-op without graphs); returns the sizes that
         replay. Else each is captured the first time a step needs it, when a batch first grows or shrinks to
         that size: tens of milliseconds that every running job waits. Draft-verification graphs stay lazy
-        (their widths depend on the drafts)."""
+        (their widths depend on the drafts). In inference mode, as ``iterate``: a capture's warm-up step writes
+        into buffers that earlier steps made as inference tensors (on the H200 every size failed to capture
+        when a second Generator on the same model captured outside it)."""
         runner = self.graph_runner
         if runner is None:
             return []
