@@ -15,8 +15,8 @@ def hyper_connections_route() -> str:
     """``TRELLM_HYPER_CONNECTIONS``, how :func:`hyper_connection_weights` and :func:`hyper_connection_merge` run on
     CUDA: "kernel" (default), two launches (up to 64 tokens) and one (kernels_cuda/hyper.cu); "reference" the
     torch ops (~140 small kernels per block's weights, the Sinkhorn loop 6 per iteration). On the H200
-    (2026-12-05, ``bench_hyper.py``, 4 streams of 4096) the kernels take 79 / 92 us per block at 1 / 64 tokens,
-    the reference 192 / 329."""
+    (2026-12-05, ``bench_hyper.py``, 4 streams of 4096) the kernels take 39 / 41 us per block at 1 / 16 tokens,
+    the reference 194 / 271."""
     return route_from_env(HYPER_CONNECTIONS_ENV, HYPER_CONNECTIONS_ROUTES, "kernel")
 
 
