@@ -242,7 +242,7 @@ def _rope_depends_on_length(config, longest: int) -> bool:
     return False
 
 
-def _load_hf(model_dir: Path):
+def load_hf_model(model_dir: Path):
     """The HF model in float32 with eager attention: AutoModelForCausalLM, or the class config.json names
     when that has no causal-LM mapping (image-text models such as Glm5NextForConditionalGeneration)."""
     import json
@@ -287,7 +287,7 @@ def _check_parity(model_dir: Path, reference_dir: Path, prompts, max_new_tokens:
     import trellm
 
     t0 = time.perf_counter()
-    hf = _load_hf(reference_dir)
+    hf = load_hf_model(reference_dir)
     lm = trellm.load(model_dir, device="cpu", dtype=torch.float32)
     text = lm.model.language.config if supports_images(lm.model) else lm.config  # a vision model's config holds its text config
     vocab = text.vocab_size

@@ -47,11 +47,12 @@ def make_peft_adapter(base_dir: Path, out: Path, r: int, alpha: float, targets: 
 
 def peft_model(base_dir: Path, r: int, alpha: float, targets: list[str], rslora: bool = False, seed: int = 1,
                std: float = 0.1, parameters: list[str] | None = None, **options):
-    """The PeftModel :func:`make_peft_adapter` saves, in memory (eval mode)."""
+    """The PeftModel :func:`make_peft_adapter` saves, in memory (eval mode). ``targets``: module names, or a regex
+    PEFT matches whole."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from trellm.sdk.testing import load_hf_model
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    model = load_hf_model(base_dir)
     pm = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
                                           target_parameters=parameters, **options))
     g = torch.Generator().manual_seed(seed)
@@ -540,6 +541,44 @@ def test_adapter_named_after_transformers_modules_matches_peft(tmp_path, family)
     assert not torch.allclose(want, peft_logits(base, None, ids), atol=1e-2)
     lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=adapter)
     assert_close(lm.logits(ids), want)
+
+
+def test_glm5_next_adapter_named_after_transformers_modules_matches_peft(tmp_path):
+    """transformers 5 nests GLM 5.3's delta-attention forget gate as self_attn.forget_gate.f_a_proj / f_b_proj where
+    its checkpoints (and trellm's modules) say self_attn.f_a_proj: a real PEFT adapter on every text projection (delta
+    and latent attention, dense MLPs, shared experts, the expert stacks, the head) of the image-text model is read
+    through the family's aliases and gives the PEFT model's logits and greedy tokens; the text-only model (a flat
+    config) reads it the same."""
+    from test_families_next import glm5_next_checkpoint
+
+    base = glm5_next_checkpoint(tmp_path / "base")
+    text = ("q_proj|k_proj|v_proj|o_proj|f_a_proj|f_b_proj|g_a_proj|g_b_proj|b_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|"
+            "gate_proj|up_proj|down_proj")
+    targets = rf".*language_model\.layers\.\d+\.(self_attn|self_attn\.forget_gate|mlp|mlp\.shared_experts)\.({text})|lm_head"
+    pm = peft_model(base, r=4, alpha=8, targets=targets, parameters=_STACKS, std=0.2)
+    ids, prompt = IDS[:, :16], IDS[0, :10]
+    with torch.no_grad():
+        want = pm(ids).logits.float()
+    hf_tokens = pm.generate(input_ids=prompt[None], attention_mask=torch.ones(1, 10, dtype=torch.long),
+                            max_new_tokens=8, do_sample=False)[0, 10:].tolist()
+    pm.save_pretrained(tmp_path / "adapter")
+    read = read_peft_adapter(tmp_path / "adapter")
+    assert "model.language_model.layers.0.self_attn.forget_gate.f_a_proj" in read.modules  # as PEFT names it
+    assert "model.language_model.layers.1.mlp.experts" in read.expert_stacks
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=tmp_path / "adapter")
+    got = lm.logits(ids)
+    assert_close(got, want)
+    assert not torch.allclose(got, lm.logits(ids, lora=""), atol=1e-2)
+    assert list(lm.generate_ids(prompt.tolist(), max_new_tokens=8, stop_token_ids=[])) == hf_tokens
+
+    config = json.loads((base / "config.json").read_text())
+    flat = tmp_path / "text_only"
+    flat.mkdir()
+    (flat / "config.json").write_text(json.dumps({**config.pop("text_config"),
+                                                  **{k: v for k, v in config.items() if k != "vision_config"}}))
+    (flat / "model.safetensors").symlink_to(base / "model.safetensors")
+    text_lm = trellm.load(flat, device="cpu", dtype=torch.float32, tokenizer=False, lora=tmp_path / "adapter")
+    assert torch.equal(text_lm.logits(ids), got)
 
 
 def per_expert_layout(stacked: Path, out: Path) -> Path:

@@ -51,6 +51,9 @@ from trellm.sdk import (
 )
 
 PREFIX = "model.language_model"
+# transformers 5 nests the delta attention's forget-gate projections as self_attn.forget_gate.f_a_proj / f_b_proj
+# (the checkpoints say self_attn.f_a_proj): the names PEFT gives them
+ALIASES = ((f"{PREFIX}.layers.*.self_attn.", (f"{PREFIX}.layers.*.self_attn.forget_gate.",)),)
 
 
 def _strings(value) -> tuple[str, ...]:
@@ -151,16 +154,18 @@ def build(cfg: DecoderConfig) -> HybridHyperCausalLM:
         layers.append(HyperDecoderLayer(key, hc("attn"), RMSNorm(f"{key}.input_layernorm", hidden, eps), mixer,
                                         hc("ffn"), RMSNorm(f"{key}.post_attention_layernorm", hidden, eps), mlp))
     embed = f"{PREFIX}.embed_tokens"
-    return HybridHyperCausalLM(cfg, Embedding(embed, vocab, hidden), layers, RMSNorm(f"{PREFIX}.norm", hidden, eps),
-                               Linear("lm_head", hidden, vocab, alt_key=embed if cfg.tie_word_embeddings else None),
-                               keys.hc_mult)
+    model = HybridHyperCausalLM(cfg, Embedding(embed, vocab, hidden), layers, RMSNorm(f"{PREFIX}.norm", hidden, eps),
+                                Linear("lm_head", hidden, vocab, alt_key=embed if cfg.tie_word_embeddings else None),
+                                keys.hc_mult)
+    model.aliases = ALIASES
+    return model
 
 
 class Glm5NextVisionLanguageModel(QwenTowerLanguageModel):
     """The text model fed by the GLM 5.3 tower (``model.visual``) at the ``<|image|>`` placeholders."""
 
     def __init__(self, cfg: VisionLanguageConfig):
-        super().__init__(build(cfg.text), QwenVision(cfg.vision, "model.visual"), (), cfg.image_token_id)
+        super().__init__(build(cfg.text), QwenVision(cfg.vision, "model.visual"), ALIASES, cfg.image_token_id)
 
 
 def read_config(raw: dict) -> VisionLanguageConfig | DecoderConfig:
