@@ -499,9 +499,38 @@ def test_nemotron_h_expert_stack_adapter_matches_peft(tmp_path):
     lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=adapter)
     assert_close(lm.logits(ids), want)
     assert lm.model.layers[2].attn.experts.lora is not None  # the dispatch tells the adapters each row's token
-    gated = _edit_adapter(adapter, tmp_path / "gated", {"target_parameters": ["experts.gate_up_proj", "experts.down_proj"]})
-    with pytest.raises(LoraError, match="backbone.layers.2.mixer.experts.*whose experts have no gate"):
-        lm.load_lora(gated, name="gated")
+    relabelled = {"target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}
+    assert_stack_refused(lm, _edit_adapter(adapter, tmp_path / "gated", relabelled), ids,
+                         "model.layers.2.mixer.experts.base_layer.lora_A.weight", "gate_up_proj",
+                         "backbone.layers.2.mixer.experts", "have no gate")
+
+
+def assert_stack_refused(lm, adapter: Path, ids: torch.Tensor, tensor: str, stack: str, experts: str, reason: str):
+    """Loading ``adapter`` is refused naming its weights file, the lora_A tensor of the expert stack it labels
+    ``stack``, the model's experts and ``reason``; no adapter is left loaded and the logits stay the model's."""
+    before = lm.logits(ids)
+    with pytest.raises(LoraError) as refused:
+        lm.load_lora(adapter, name="refused")
+    want = (f"{adapter / WEIGHTS}: tensor 'base_model.model.{tensor}' ({stack}) targets experts '{experts}', whose "
+            f"experts {reason}")
+    assert str(refused.value).startswith(want), str(refused.value)
+    assert "refused" not in lm.loras and lm.logits(ids).equal(before)
+
+
+def test_up_proj_stack_on_gated_experts_is_refused(tmp_path):
+    """Mixtral's experts are gated (transformers 5 stacks them as gate_up_proj): an adapter whose target_parameters
+    call the inner stack up_proj (NemotronH's ungated layout) is refused by file, tensor and reason, before anything
+    of it loads."""
+    from test_moe_families import FAMILIES
+    from trellm.sdk.testing import make_tiny_hf_model
+
+    base = make_tiny_hf_model(*FAMILIES["mixtral"][:1], tmp_path / "base", **FAMILIES["mixtral"][1])
+    adapter = make_peft_adapter(base, tmp_path / "adapter", r=4, alpha=8, targets=["q_proj"], parameters=_STACKS)
+    lm = trellm.load(base, device="cpu", dtype=torch.float32, tokenizer=False, lora=adapter)
+    ungated = _edit_adapter(adapter, tmp_path / "ungated", {"target_parameters": ["mlp.experts.up_proj",
+                                                                                  "mlp.experts.down_proj"]})
+    assert_stack_refused(lm, ungated, IDS[:, :16], "model.layers.0.mlp.experts.base_layer.lora_A.weight", "up_proj",
+                         "model.layers.0.block_sparse_moe.experts", "are gated (a gate_up_proj stack)")
 
 
 def _renamed_families() -> dict:

@@ -45,7 +45,7 @@ from ..modules.moe import ExpertCollection, ExpertList, Experts
 from ..ops import Residual, WrappedWeights, project, projection_input
 from ..ops.projection import WeightList, group_weights
 from ..weights import Aliases, canonical_name
-from .peft import ExpertStackFactors, LoraError, LoraFactors, PeftAdapter, read_peft_adapter
+from .peft import WEIGHTS_FILE, ExpertStackFactors, LoraError, LoraFactors, PeftAdapter, read_peft_adapter
 
 __all__ = ["LoraError", "LoraGroup", "LoraSet", "LoraWeights", "PeftAdapter", "read_peft_adapter", "lora_set", "adapter_root"]
 
@@ -296,10 +296,10 @@ class LoraSet:
     def _expert_stack_targets(self, adapter: PeftAdapter, module: str, name: str,
                               stack: ExpertStackFactors) -> list[tuple[str, Linear, LoraFactors]]:
         """Each expert's projections and factors for PEFT's LoRA on the stacked tensor ``module.name``."""
-        tensor = f"{module}.lora_A.weight ({name})"
+        where = f"{adapter.path / WEIGHTS_FILE}: tensor {stack.tensor!r} ({name})"
         owner = self.experts.get(module)
         if owner is None:
-            raise LoraError(f"{adapter.path}: {tensor} targets experts {module!r}, which this model does not have "
+            raise LoraError(f"{where} targets experts {module!r}, which this model does not have "
                             "(an adapter for another base model)")
         if implements(owner, HoldsSomeExperts):  # expert parallel: this rank's experts, numbered from ``start``
             held, first, whole = owner.per_expert, owner.start, owner.whole_experts
@@ -308,14 +308,14 @@ class LoraSet:
             held = experts.experts if isinstance(experts, ExpertList) else None
             first, whole = 0, experts.num_experts
         if held is None:
-            raise _stacked_experts_error(f"{adapter.path}: {tensor}:", module)
+            raise _stacked_experts_error(f"{where}:", module)
         gated = all(mlp.gate_proj is not None for mlp in held)
         if (name, gated) in (("gate_up_proj", False), ("up_proj", True)):
             have = "have no gate (down(act(up(x))))" if not gated else "are gated (a gate_up_proj stack)"
-            raise LoraError(f"{adapter.path}: {tensor} targets experts {module!r}, whose experts {have}: an adapter "
-                            "for another base model")
+            raise LoraError(f"{where} targets experts {module!r}, whose experts {have}: an adapter for another base "
+                            "model")
         if stack.experts != whole:
-            raise LoraError(f"{adapter.path}: {tensor} has shape {list(stack.a.shape)}: factors for {stack.experts} "
+            raise LoraError(f"{where} has shape {list(stack.a.shape)}: factors for {stack.experts} "
                             f"experts of rank {stack.rank}, the base model's {module!r} has {whole}")
         out = []
         for e, mlp in enumerate(held, start=first):

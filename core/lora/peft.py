@@ -76,6 +76,7 @@ class ExpertStackFactors:
     b: torch.Tensor
     scale: float
     experts: int
+    tensor: str = ""  # lora_A's name in the adapter file (errors name it)
 
     @property
     def rank(self) -> int:
@@ -166,12 +167,15 @@ def read_peft_adapter(path: str | Path, scale: float = 1.0) -> PeftAdapter:
         raise LoraError(f"{weights_path}: not a readable safetensors file ({exc})") from None
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    lora_a_names: dict[str, str] = {}  # module -> its lora_A tensor's name in the file
     base_layers: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         short = name[len(_PREFIX):] if name.startswith(_PREFIX) else name
         m = re.fullmatch(r"(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight", short)
         if m:
             pairs.setdefault(m.group(1), {})[m.group(2)] = t
+            if m.group(2) == "lora_A":
+                lora_a_names[m.group(1)] = name
         elif short.endswith(".base_layer.weight"):
             base_layers[short[: -len(".base_layer.weight")]] = t
         elif ".lora_embedding_" in short:
@@ -189,7 +193,7 @@ def read_peft_adapter(path: str | Path, scale: float = 1.0) -> PeftAdapter:
         return float(alpha_m / math.sqrt(rank) if rslora else alpha_m / rank) * float(scale)
 
     expert_stacks: dict[str, dict[str, ExpertStackFactors]] = {}
-    for (module, name), ab in sorted(stacks.items()):
+    for (module, name), (wrapper, ab) in sorted(stacks.items()):
         a, b = ab["lora_A"], ab["lora_B"]
         tensor = f"{module}.{name}"  # the name PEFT looks patterns up under
         rank = _pattern_value(rank_pattern, tensor, r)
@@ -197,7 +201,7 @@ def read_peft_adapter(path: str | Path, scale: float = 1.0) -> PeftAdapter:
             raise LoraError(f"{weights_path}: {module} ({name}): lora_A {list(a.shape)} and lora_B {list(b.shape)} do not "
                             f"form rank-{rank} factors of stacked experts ([experts * {rank}, in] and [out, {rank} * experts])")
         expert_stacks.setdefault(module, {})[name] = ExpertStackFactors(a.float(), b.float(), scaling(tensor, rank),
-                                                                         a.shape[0] // rank)
+                                                                         a.shape[0] // rank, lora_a_names.get(wrapper, ""))
 
     modules: dict[str, LoraFactors] = {}
     for module, ab in sorted(pairs.items()):
@@ -228,12 +232,12 @@ def _expert_stack_parameters(config: dict, where: Path) -> list[str]:
 
 
 def _split_expert_stacks(pairs: dict[str, dict[str, torch.Tensor]], targets: list[str],
-                         where: Path) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
+                         where: Path) -> dict[tuple[str, str], tuple[str, dict[str, torch.Tensor]]]:
     """Take the expert-stack factors out of ``pairs`` (module -> its lora_A / lora_B): PEFT nests one wrapper per
     tensor of a module that ``targets`` names (as PEFT matches them: the whole name, or its tail after a dot), the
     first of :data:`EXPERT_STACKS` innermost, so ``M.base_layer.lora_A`` is ``gate_up_proj``'s and ``M.lora_A``
-    ``down_proj``'s when both are targeted. Returns (experts module, tensor name) -> its factors."""
-    out: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    ``down_proj``'s when both are targeted. Returns (experts module, tensor name) -> (its wrapper module, its factors)."""
+    out: dict[tuple[str, str], tuple[str, dict[str, torch.Tensor]]] = {}
     for module in [m for m in pairs if m.rsplit(".", 1)[-1] == "experts" or m.endswith("experts.base_layer")]:
         depth, root = 0, module
         while root.endswith(".base_layer"):
@@ -242,5 +246,5 @@ def _split_expert_stacks(pairs: dict[str, dict[str, torch.Tensor]], targets: lis
         if depth >= len(names):
             raise LoraError(f"{where}: {module}.lora_A.weight: more LoRA wrappers on {root!r} than the "
                             f"{len(names)} expert tensors target_parameters names ({', '.join(names)})")
-        out[root, names[len(names) - 1 - depth]] = pairs.pop(module)
+        out[root, names[len(names) - 1 - depth]] = module, pairs.pop(module)
     return out
