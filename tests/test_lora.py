@@ -610,6 +610,32 @@ def test_glm5_next_adapter_named_after_transformers_modules_matches_peft(tmp_pat
     assert torch.equal(text_lm.logits(ids), got)
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "glm4v"])
+def test_vision_language_adapter_matches_peft_on_text(tmp_path, family):
+    """A real PEFT adapter on the text model of a tiny image-text model (PEFT names its modules
+    model.language_model.layers..., trellm's Qwen2.5-VL modules model.layers...: the family's aliases; GLM 4.1V's fused
+    gate_up_proj) gives the PEFT model's logits and greedy tokens on text input. The tower is left alone: the regex
+    keeps PEFT off it, as trellm adapts only the language model."""
+    from test_vision_qwen import save_tiny_vl
+
+    save_tiny_vl(family, tmp_path / "base")
+    text = "q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|gate_up_proj|down_proj"
+    targets = rf".*language_model\.layers\.\d+\.(self_attn|mlp)\.({text})|lm_head"
+    pm = peft_model(tmp_path / "base", r=4, alpha=8, targets=targets, std=0.2)
+    ids, prompt = IDS[:, :16], IDS[0, :10]
+    with torch.no_grad():
+        want = pm(ids).logits.float()
+    hf_tokens = pm.generate(input_ids=prompt[None], attention_mask=torch.ones(1, 10, dtype=torch.long),
+                            max_new_tokens=8, do_sample=False)[0, 10:].tolist()
+    pm.save_pretrained(tmp_path / "adapter")
+    assert "model.language_model.layers.0.self_attn.q_proj" in read_peft_adapter(tmp_path / "adapter").modules
+    lm = trellm.load(tmp_path / "base", device="cpu", dtype=torch.float32, tokenizer=False, lora=tmp_path / "adapter")
+    got = lm.logits(ids)
+    assert_close(got, want)
+    assert not torch.allclose(got, lm.logits(ids, lora=""), atol=1e-2)
+    assert list(lm.generate_ids(prompt.tolist(), max_new_tokens=8, stop_token_ids=[])) == hf_tokens
+
+
 def per_expert_layout(stacked: Path, out: Path) -> Path:
     """The adapter ``stacked`` (PEFT's LoRA on expert stacks) laid out one module per expert (``experts.3.gate_proj``),
     as an adapter trained where experts were nn.Linear modules names them: the same factors, the same update."""
