@@ -177,7 +177,8 @@ class ModelHost:
 
     async def load(self, settings: LoadSettings) -> None:
         """Load ``settings.model_dir`` beside the loaded model, then swap (the old one's requests end with 503);
-        raises what loading raised, and the old model keeps serving."""
+        raises what loading raised, and the old model keeps serving. The new model's decode graphs are captured after the
+        old one is gone (state "loading" meanwhile); should that raise, the state is "failed"."""
         async with self._load_lock:
             if not self.ready:
                 self.state, self.settings = STATE_LOADING, settings
@@ -190,8 +191,15 @@ class ModelHost:
                     self.state = STATE_FAILED
                 raise
             await self._unload_now()
-            # every decode graph now, on no other model's time (a capture met mid-serving stalls every stream)
-            await asyncio.to_thread(generator.capture_graphs)
+            self.state, self.settings = STATE_LOADING, settings  # (requests meanwhile hear "still loading")
+            try:
+                # every decode graph now, on no other model's time (a capture met mid-serving stalls every stream)
+                await asyncio.to_thread(generator.capture_graphs)
+            except BaseException as exc:
+                lm.close()  # a tensor-parallel model's other ranks
+                self.state, self.error = STATE_FAILED, f"{type(exc).__name__}: {exc}"
+                log.error("capturing the decode graphs of %s failed: %s", settings.model_dir, self.error)
+                raise
             self.lm, self.generator, self.settings, self.error = lm, generator, settings, None
             self.agen = AsyncGenerator(generator)
             self.state, self.loaded_at = STATE_READY, time.time()

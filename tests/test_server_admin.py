@@ -162,3 +162,51 @@ def test_config_file_and_flags(tmp_path):
         config_from_args(build_parser().parse_args(["serve", "--config", str(tmp_path / "bad.yaml")]))
     with pytest.raises(ConfigError, match="cache_bits"):
         ServerConfig(cache_bits="4,9")
+
+
+def test_swap_reports_loading_while_capturing_and_a_failed_capture_fails_the_load(tiny_llama_smollm2_tokenizer_dir, monkeypatch):
+    """The graphs are captured after the old model is unloaded: requests meanwhile hear "still loading" (not "no
+    model is loaded"), and a capture that raises leaves the state "failed" with its error, the new model closed."""
+    import asyncio
+
+    from trellm.generator import Generator
+    from trellm.server.engine import STATE_FAILED, STATE_LOADING, LoadSettings, ModelHost, ModelNotReadyError
+
+    config = ServerConfig(model=str(tiny_llama_smollm2_tokenizer_dir), model_name="tiny", device="cpu", cache_size=256,
+                          page_size=32)
+    host = ModelHost(config)
+    settings = LoadSettings.from_config(config, tiny_llama_smollm2_tokenizer_dir)
+    asyncio.run(host.load(settings))
+    assert host.ready
+    during = []
+
+    def capture(generator):
+        with pytest.raises(ModelNotReadyError, match="still loading"):
+            host.require_ready()
+        during.append(host.state)
+        return []
+
+    monkeypatch.setattr(Generator, "capture_graphs", capture)
+    asyncio.run(host.load(settings))  # a second load swaps the model
+    assert during == [STATE_LOADING] and host.ready
+
+    closed = []
+
+    def fail(generator):
+        raise RuntimeError("capture went wrong")
+
+    real_build = __import__("trellm.server.engine", fromlist=["_build"])._build
+
+    def build(settings):
+        lm, generator = real_build(settings)
+        close = lm.close
+        lm.close = lambda: (closed.append(lm), close())
+        return lm, generator
+
+    monkeypatch.setattr(Generator, "capture_graphs", fail)
+    monkeypatch.setattr("trellm.server.engine._build", build)
+    with pytest.raises(RuntimeError, match="capture went wrong"):
+        asyncio.run(host.load(settings))
+    assert host.state == STATE_FAILED and "capture went wrong" in host.error and len(closed) == 1
+    with pytest.raises(ModelNotReadyError, match="failed to load: RuntimeError: capture went wrong"):
+        host.require_ready()
