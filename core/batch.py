@@ -319,5 +319,5 @@ class StepBuffers:
         if self.device.type == "cuda":
             if self._event is None:
                 self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(self.dev.device))  # the copy's stream, not the thread's device's
             self._copied = self._event

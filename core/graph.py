@@ -146,7 +146,9 @@ class GraphRunner:
                 run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # on this device's stream: torch's default capture stream is made once, on whichever device was current
+        # (a thread's is cuda:0), and its synchronize is the current device's
+        with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self.pool, stream=stream):
             out = run()
         self.pool = graph.pool()
         return graph, out

@@ -158,7 +158,7 @@ class _Readback:
             self.event = torch.cuda.Event()
         host = self.host[:n].view(torch.int64) if values.dtype == torch.int64 else self.host[:n]
         host.copy_(values, non_blocking=True)
-        self.event.record()
+        self.event.record(torch.cuda.current_stream(values.device))  # the copy's stream, not the thread's device's
         event = self.event
 
         def wait() -> list:

@@ -172,7 +172,7 @@ class _Staging:
         """Copy the first ``total`` numbers up without waiting."""
         if self.dev is not self.host:
             self.dev[:total].copy_(self.host[:total], non_blocking=True)
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(self.dev.device))  # the copy's stream, not the thread's device's
             self.copied = self.event
 
 
