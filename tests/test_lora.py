@@ -45,6 +45,15 @@ def make_peft_adapter(base_dir: Path, out: Path, r: int, alpha: float, targets: 
     return out
 
 
+def peft_logits_and_tokens(pm, ids: torch.Tensor, prompt: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The PEFT model's float logits on ``ids`` and its 8 greedy tokens after ``prompt``: what trellm must give."""
+    with torch.no_grad():
+        logits = pm(ids).logits.float()
+    tokens = pm.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    return logits, tokens
+
+
 def peft_model(base_dir: Path, r: int, alpha: float, targets: list[str], rslora: bool = False, seed: int = 1,
                std: float = 0.1, parameters: list[str] | None = None, **options):
     """The PeftModel :func:`make_peft_adapter` saves, in memory (eval mode). ``targets``: module names, or a regex
@@ -586,10 +595,7 @@ def test_glm5_next_adapter_named_after_transformers_modules_matches_peft(tmp_pat
     targets = rf".*language_model\.layers\.\d+\.(self_attn|self_attn\.forget_gate|mlp|mlp\.shared_experts)\.({text})|lm_head"
     pm = peft_model(base, r=4, alpha=8, targets=targets, parameters=_STACKS, std=0.2)
     ids, prompt = IDS[:, :16], IDS[0, :10]
-    with torch.no_grad():
-        want = pm(ids).logits.float()
-    hf_tokens = pm.generate(input_ids=prompt[None], attention_mask=torch.ones(1, 10, dtype=torch.long),
-                            max_new_tokens=8, do_sample=False)[0, 10:].tolist()
+    want, hf_tokens = peft_logits_and_tokens(pm, ids, prompt)
     pm.save_pretrained(tmp_path / "adapter")
     read = read_peft_adapter(tmp_path / "adapter")
     assert "model.language_model.layers.0.self_attn.forget_gate.f_a_proj" in read.modules  # as PEFT names it
@@ -623,10 +629,7 @@ def test_vision_language_adapter_matches_peft_on_text(tmp_path, family):
     targets = rf".*language_model\.layers\.\d+\.(self_attn|mlp)\.({text})|lm_head"
     pm = peft_model(tmp_path / "base", r=4, alpha=8, targets=targets, std=0.2)
     ids, prompt = IDS[:, :16], IDS[0, :10]
-    with torch.no_grad():
-        want = pm(ids).logits.float()
-    hf_tokens = pm.generate(input_ids=prompt[None], attention_mask=torch.ones(1, 10, dtype=torch.long),
-                            max_new_tokens=8, do_sample=False)[0, 10:].tolist()
+    want, hf_tokens = peft_logits_and_tokens(pm, ids, prompt)
     pm.save_pretrained(tmp_path / "adapter")
     assert "model.language_model.layers.0.self_attn.q_proj" in read_peft_adapter(tmp_path / "adapter").modules
     lm = trellm.load(tmp_path / "base", device="cpu", dtype=torch.float32, tokenizer=False, lora=tmp_path / "adapter")
