@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import WeightError
-from ..ops.dense import activation_fn, gated_activation
-from ..ops.moe import dense_expert_pairs, expert_inputs, takes_pairs
+from ..ops.moe import dense_expert_pairs, expert_activation, expert_inputs, takes_pairs
 from ..ops.projection import Weights, group_weights
 from .base import LoadContext, Module
 
@@ -95,12 +94,8 @@ class DenseExpertSet:
 
     def run_pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, activation: str) -> torch.Tensor:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]): the stacked dense pair ops (one kernel launch each on CUDA)."""
-        if self.gated:
-            act = lambda g, u: gated_activation(g, u, activation)  # noqa: E731
-        else:
-            act = activation_fn(activation)
-        return dense_expert_pairs(x, weights, ids, self.gate_up, self.gate_up_bias, self.down, self.down_bias, act,
-                                  gated=self.gated)
+        return dense_expert_pairs(x, weights, ids, self.gate_up, self.gate_up_bias, self.down, self.down_bias,
+                                  expert_activation(activation, self.gated), gated=self.gated)
 
 
 def load_dense_linear(ctx: LoadContext, key: str, in_features: int, out_features: int, bias: bool) -> DenseLinear:

@@ -17,14 +17,12 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from .. import ops
 from ..batch import ForwardBatch
 from ..errors import WeightError
 from ..ops.moe import (  # noqa: F401  (softmax_topk, MOE_DECODE_*: re-exported)
-    MOE_DECODE_ENV, MOE_DECODE_MODES, combine_pairs, dense_expert_pairs, dense_experts_matmul, moe_decode_mode, softmax_topk,
-    softmax_topk_shared, takes_pairs,
+    MOE_DECODE_ENV, MOE_DECODE_MODES, combine_pairs, dense_expert_pairs, dense_experts_matmul, expert_activation,
+    moe_decode_mode, softmax_topk, softmax_topk_shared, takes_pairs,
 )
-from ..ops.dense import activation_fn
 from ..ops.projection import Weights, project
 from .base import LoadContext, Module
 from .layers import GatedMLP
@@ -174,12 +172,6 @@ def limited_swiglu(limit: float) -> Callable[[torch.Tensor, torch.Tensor], torch
     return act
 
 
-def _activation(activation: str | Callable) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    if callable(activation):
-        return activation
-    return lambda gate, up: ops.gated_activation(gate, up, activation)
-
-
 class ExpertMLP(Module):
     """One expert with its own Linear modules (per-expert checkpoint tensors, dense or quantized): down(act(gate(x))
     * up(x)), or with ``gated=False`` down(act(up(x))) (NemotronH's relu^2 experts). A class of its own, not a
@@ -201,10 +193,7 @@ class ExpertMLP(Module):
         self.up_proj = Linear(f"{key}.{up}", hidden_size, intermediate_size, bias)
         self.down_proj = Linear(f"{key}.{down}", intermediate_size, hidden_size, bias)
         self.gate_up = LinearGroup(self.gate_proj, self.up_proj) if gated else None
-        if gated:
-            self.act = _activation(activation)
-        else:
-            self.act = activation if callable(activation) else activation_fn(activation)
+        self.act = expert_activation(activation, gated)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         if self.gate_up is None:
@@ -273,7 +262,7 @@ class StackedExperts(Module):
     ):
         self.key, self.num_experts = key, num_experts
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        self.act = _activation(activation)
+        self.act = expert_activation(activation)
         self.has_bias, self.transposed, self.interleaved = bias, transposed, interleaved
         self.gate_up: list[DenseLinear] = []
         self.down: list[DenseLinear] = []

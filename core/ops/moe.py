@@ -4,7 +4,7 @@ Torch references; ``trellm.kernels_cuda`` registers the CUDA versions. The EXL3 
 ``trellm.quant.exl3.format.EXL3ExpertSet``."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -73,6 +73,16 @@ def combine_pairs(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) ->
     """sum_j weights[t, j] * y[t * top_k + j] for pairs ordered token-major: [T * top_k, H] -> [T, H]."""
     tokens, top_k = weights.shape
     return (y.view(tokens, top_k, -1).float() * weights.float()[..., None]).sum(1).to(dtype)
+
+
+def expert_activation(activation: str | Callable, gated: bool = True) -> Callable[..., torch.Tensor]:
+    """An expert's activation as a callable: ``act(gate, up)`` for gated experts, ``act(up)`` for experts with no
+    gate (down(act(up(x)))); a callable ``activation`` is taken as it is."""
+    if callable(activation):
+        return activation
+    if not gated:
+        return activation_fn(activation)
+    return lambda gate, up: gated_activation(gate, up, activation)
 
 
 PAIR_DEVICE_TYPES = ("cuda",)
