@@ -246,14 +246,7 @@ class CheckpointNames:
         self.model_dir = store.model_dir
 
     def resolve(self, name: str) -> str:
-        if name in self.store:
-            return name
-        for canon, alts in self.aliases:
-            for alt in alts:
-                other = respelled(name, canon, alt)
-                if other is not None and other in self.store:
-                    return other
-        return name
+        return _known_spelling(name, self.aliases, self.store.__contains__, to_canonical=False)
 
     def __contains__(self, name: str) -> bool:
         return self.resolve(name) in self.store
@@ -275,11 +268,17 @@ def canonical_name(name: str, aliases: Aliases, known: Callable[[str], bool]) ->
     """``name`` (a module or tensor name in any spelling :data:`Aliases` allow) as the model spells it: itself when
     ``known``, else the first canonical rewrite of an alternative prefix it starts with that is known; a name nothing
     fits comes back unchanged (the caller names it in its error). :class:`CheckpointNames` resolves the other way."""
+    return _known_spelling(name, aliases, known, to_canonical=True)
+
+
+def _known_spelling(name: str, aliases: Aliases, known: Callable[[str], bool], to_canonical: bool) -> str:
+    """``name`` when ``known``, else its first known respelling (an alternative prefix as the canonical one when
+    ``to_canonical``, the canonical prefix as each alternative otherwise), else ``name``."""
     if known(name):
         return name
     for canon, alts in aliases:
         for alt in alts:
-            other = respelled(name, alt, canon)
+            other = respelled(name, alt, canon) if to_canonical else respelled(name, canon, alt)
             if other is not None and known(other):
                 return other
     return name
